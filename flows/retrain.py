@@ -1,0 +1,70 @@
+"""retrain: plan → provision → verify → stage → train → sync → teardown (always) → report."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger, unmapped
+from prefect.runtime import flow_run as current_flow_run
+from prefect.states import State
+
+from infra.plan import Plan, cluster_name_for
+from infra.spec import JobSpec
+from infra.summary import RunSummary
+from infra.workspace import run_dir
+from tasks.checkpoint import verify_committed_checkpoint
+from tasks.cluster import provision_cluster, teardown_cluster
+from tasks.plan import plan_run
+from tasks.report import publish_summary, record_training
+from tasks.stage import restore_checkpoint, stage_dataset
+from tasks.train import TrainLaunch, run_training
+from tasks.verify import verify_node
+
+
+def default_run_id(job_name: str, flow_run_id: str) -> str:
+    return f"{job_name}-{flow_run_id.replace('-', '')[:10]}"
+
+
+def teardown_on_crash(flow: Any, flow_run: Any, state: State[Any]) -> None:
+    """Cancellation and crash skip the flow's finally; this hook tears the cluster down from the parameters alone."""
+    job = JobSpec.model_validate(flow_run.parameters["job"])
+    run_id = flow_run.parameters.get("run_id") or default_run_id(job.name, str(flow_run.id))
+    get_run_logger().warning("run %s ended %s: tearing down its cluster", run_id, state.type.value)
+    teardown_cluster.fn(job.cluster.provider, cluster_name_for(run_id))
+
+
+@flow(name="retrain", on_cancellation=[teardown_on_crash], on_crashed=[teardown_on_crash], log_prints=True)
+def retrain(job: JobSpec, run_id: str | None = None) -> dict[str, Any]:
+    """Run one retraining job from nothing to a committed checkpoint, and leave nothing running."""
+    run_id = run_id or default_run_id(job.name, str(current_flow_run.id))
+    cluster_name = cluster_name_for(run_id)
+    summary = RunSummary(run_id=run_id, job=job.name, provider=job.cluster.provider, nodes=job.cluster.nodes)
+    try:
+        with summary.phase("plan"):
+            plan: Plan = plan_run(job, run_id)
+        summary.loss_floor = plan.loss_floor
+        with summary.phase("provision"):
+            cluster = provision_cluster(job, cluster_name, run_id)
+        with summary.phase("verify"):
+            probes = verify_node.map(unmapped(cluster), cluster.nodes, unmapped(plan.dataset_bytes)).result()
+        with summary.phase("stage"):
+            staged = stage_dataset.map(unmapped(cluster), cluster.nodes, unmapped(plan.dataset_url)).result()
+            restored = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.checkpoint_url)).result()
+                        if plan.resume_step is not None else [])
+        with summary.phase("train"):
+            launch = TrainLaunch(checkpoint_url=plan.checkpoint_url, rendezvous_port=probes[0]["free_port"],
+                                 resume_dirs={node.name: r["path"] for node, r in zip(cluster.nodes, restored,
+                                                                                        strict=True)})
+            outcome = run_training(job, cluster, launch)
+        with summary.phase("sync"):
+            verified = verify_committed_checkpoint(cluster, plan.checkpoint_url)
+        record_training(summary, staged, outcome, verified, plan.checkpoint_url)
+        summary.status = "completed"
+    except BaseException as exc:
+        summary.status, summary.error = "failed", f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        with summary.phase("teardown"):
+            summary.nodes_left = teardown_cluster(job.cluster.provider, cluster_name)
+        publish_summary(summary, run_dir(run_id))
+    return summary.to_dict()

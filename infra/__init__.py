@@ -1,0 +1,1 @@
+"""Plain-Python core of trainpipe: specs, storage, providers, runners and the node agent (no Prefect here)."""

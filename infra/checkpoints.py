@@ -1,0 +1,391 @@
+"""The checkpoint commit protocol in the object store: a step exists for readers only once its manifest does.
+
+Layout under a run's checkpoint root:
+    step-00000100/<file>                   each node's checkpoint files
+    step-00000100/_nodes/node-<r>.json     a node's upload record, written after its files
+    step-00000100/manifest.json            THE COMMIT: written once every node's record exists
+    latest                                 {"step": 100, "manifest": "step-00000100/manifest.json"}, after the manifest
+
+Because the manifest is written last and deleted first, a crash at any instant leaves every committed
+checkpoint either whole or invisible, and `latest` is only a hint that readers double-check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from infra.storage.base import ChecksumMismatch, ObjectNotFound, ObjectStore
+from infra.storage.transfer import FileSpec, download, upload
+
+log = logging.getLogger(__name__)
+
+FORMAT = "trainpipe-ckpt-v1"
+LATEST_KEY = "latest"
+MANIFEST_NAME = "manifest.json"
+NODES_DIR = "_nodes"
+VERIFY_CHUNK = 8 * 1024 * 1024
+_STEP_KEY = re.compile(r"^step-(\d{8,})/(.+)$")
+_NODE_RECORD = re.compile(r"^_nodes/node-(\d+)\.json$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be committed, verified or restored; the message names the object and the fix."""
+
+
+class NoCommittedCheckpoint(CheckpointError):
+    """The store holds no committed checkpoint at all (a fresh run, not a damaged one)."""
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def manifest_key(step: int) -> str:
+    return f"{step_name(step)}/{MANIFEST_NAME}"
+
+
+def node_record_key(step: int, node_rank: int) -> str:
+    return f"{step_name(step)}/{NODES_DIR}/node-{node_rank}.json"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FileEntry(_Model):
+    path: str
+    bytes: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class NodeRecord(_Model):
+    node_rank: int = Field(ge=0)
+    files: list[FileEntry]
+
+
+class CheckpointManifest(_Model):
+    format: Literal["trainpipe-ckpt-v1"] = FORMAT
+    step: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    nodes: int = Field(ge=1)
+    config_hash: str
+    files: list[FileEntry]
+    committed_at: str
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(entry.bytes for entry in self.files)
+
+
+class LatestPointer(_Model):
+    step: int = Field(ge=0)
+    manifest: str
+
+
+@dataclass(frozen=True)
+class StepStatus:
+    step: int
+    committed: bool
+    nodes_uploaded: list[int]
+    files: int
+    bytes: int
+
+
+@dataclass
+class _StepObjects:
+    has_manifest: bool = False
+    nodes: list[int] = field(default_factory=list)
+    files: int = 0
+    bytes: int = 0
+
+
+class CheckpointStore:
+    """Checkpoints of one run, rooted at its checkpoint URL (e.g. file:///…/checkpoints/<run-id>)."""
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.store = store
+
+    # ---- reading ------------------------------------------------------------------------------------------
+
+    def _scan(self) -> dict[int, _StepObjects]:
+        steps: dict[int, _StepObjects] = {}
+        for info in self.store.list():
+            match = _STEP_KEY.match(info.key)
+            if not match:
+                continue
+            objects = steps.setdefault(int(match.group(1)), _StepObjects())
+            rest = match.group(2)
+            node = _NODE_RECORD.match(rest)
+            if rest == MANIFEST_NAME:
+                objects.has_manifest = True
+            elif node:
+                objects.nodes.append(int(node.group(1)))
+            elif not rest.startswith(f"{NODES_DIR}/"):
+                objects.files += 1
+                objects.bytes += info.size
+        return steps
+
+    def _read_manifest(self, step: int) -> CheckpointManifest | None:
+        """The step's manifest, None when there is none; CheckpointError when it exists but is unusable."""
+        key = manifest_key(step)
+        try:
+            manifest = CheckpointManifest.model_validate_json(self.store.get_bytes(key))
+        except ObjectNotFound:
+            return None
+        except ValidationError as exc:
+            raise CheckpointError(
+                f"{self.store.url_for(key)}: corrupt manifest ({exc.errors()[0]['msg']}): "
+                f"step {step} is treated as uncommitted"
+            ) from None
+        if manifest.step != step:
+            raise CheckpointError(
+                f"{self.store.url_for(key)}: manifest says step {manifest.step}: step {step} is treated as uncommitted"
+            )
+        return manifest
+
+    def _load_manifest(self, step: int) -> CheckpointManifest | None:
+        """The step's manifest, or None when it is missing or unusable (the step then is not committed)."""
+        try:
+            return self._read_manifest(step)
+        except CheckpointError as exc:
+            log.warning("%s", exc)
+            return None
+
+    def list_steps(self) -> list[StepStatus]:
+        """Every step with any object in the store, oldest first; committed means a valid manifest."""
+        return [
+            StepStatus(
+                step,
+                objects.has_manifest and self._load_manifest(step) is not None,
+                sorted(objects.nodes),
+                objects.files,
+                objects.bytes,
+            )
+            for step, objects in sorted(self._scan().items())
+        ]
+
+    def committed(self) -> list[CheckpointManifest]:
+        """Committed checkpoints, newest first."""
+        manifests = []
+        for step, objects in sorted(self._scan().items(), reverse=True):
+            manifest = self._load_manifest(step) if objects.has_manifest else None
+            if manifest is not None:
+                manifests.append(manifest)
+        return manifests
+
+    def latest(self) -> CheckpointManifest | None:
+        """The newest committed checkpoint: `latest` when it names a valid manifest, else found by scanning."""
+        try:
+            pointer = LatestPointer.model_validate_json(self.store.get_bytes(LATEST_KEY))
+        except ObjectNotFound:
+            pointer = None
+        except ValidationError:
+            log.warning("%s: corrupt pointer: scanning manifests instead", self.store.url_for(LATEST_KEY))
+            pointer = None
+        if pointer is not None:
+            manifest = self._load_manifest(pointer.step) if pointer.manifest == manifest_key(pointer.step) else None
+            if manifest is not None:
+                return manifest
+            log.warning(
+                "%s: names step %d, which has no valid manifest: scanning manifests instead",
+                self.store.url_for(LATEST_KEY),
+                pointer.step,
+            )
+        manifests = self.committed()
+        return manifests[0] if manifests else None
+
+    def manifest(self, step: int | None = None) -> CheckpointManifest:
+        """The manifest of a committed step (the newest when None); CheckpointError when it is not committed."""
+        manifest = self.latest() if step is None else self._load_manifest(step)
+        if manifest is not None:
+            return manifest
+        if step is None:
+            raise NoCommittedCheckpoint(f"{self.store.url}: no committed checkpoint: train first or check the URL")
+        raise CheckpointError(
+            f"{self.store.url_for(manifest_key(step))}: step {step} is not committed: "
+            "pick a committed step (trainpipe ckpt list) or omit the step"
+        )
+
+    # ---- writing ------------------------------------------------------------------------------------------
+
+    def upload_node_part(self, local_step_dir: Path, step: int, node_rank: int, files: Sequence[str]) -> NodeRecord:
+        """Upload this node's files of a step, then its record (the record is what the committer waits for)."""
+        result = upload(Path(local_step_dir), list(files), self.store.child(step_name(step)))
+        record = NodeRecord(
+            node_rank=node_rank,
+            files=[FileEntry(path=item.key, bytes=item.size, sha256=item.sha256) for item in result.files],
+        )
+        self.store.put_bytes(node_record_key(step, node_rank), record.model_dump_json().encode())
+        return record
+
+    def _load_record(self, step: int, node_rank: int) -> NodeRecord | None:
+        key = node_record_key(step, node_rank)
+        try:
+            return NodeRecord.model_validate_json(self.store.get_bytes(key))
+        except ObjectNotFound:
+            return None
+        except ValidationError as exc:
+            raise CheckpointError(
+                f"{self.store.url_for(key)}: corrupt upload record ({exc.errors()[0]['msg']}): "
+                f"delete it and restart node {node_rank}'s syncer"
+            ) from None
+
+    def missing_records(self, step: int, nodes: int) -> list[int]:
+        """Node ranks whose upload record of this step is not in the store yet."""
+        return [rank for rank in range(nodes) if self.store.head(node_record_key(step, rank)) is None]
+
+    def try_commit(self, step: int, nodes: int, world_size: int, config_hash: str) -> CheckpointManifest | None:
+        """Write the manifest once all `nodes` records exist (None until then); idempotent after a crash."""
+        existing = self._load_manifest(step)
+        if existing is not None:
+            self._advance_latest(existing)
+            return existing
+        records = []
+        for rank in range(nodes):
+            record = self._load_record(step, rank)
+            if record is None:
+                return None
+            records.append(record)
+        manifest = CheckpointManifest(
+            step=step,
+            world_size=world_size,
+            nodes=nodes,
+            config_hash=config_hash,
+            files=self._union(step, records),
+            committed_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        )
+        self.store.put_bytes(manifest_key(step), manifest.model_dump_json(indent=1).encode())
+        self._advance_latest(manifest)
+        return manifest
+
+    def _union(self, step: int, records: list[NodeRecord]) -> list[FileEntry]:
+        by_path: dict[str, FileEntry] = {}
+        for record in records:
+            for entry in record.files:
+                other = by_path.setdefault(entry.path, entry)
+                if other != entry:
+                    raise CheckpointError(
+                        f"{self.store.url_for(step_name(step) + '/' + entry.path)}: two nodes uploaded different "
+                        "contents: each node must write distinct file names (check the trainer's node ranks)"
+                    )
+        return sorted(by_path.values(), key=lambda entry: entry.path)
+
+    def _advance_latest(self, manifest: CheckpointManifest) -> None:
+        # Only forward: a re-run commit of an older step (a restarted committer) must not move readers back.
+        current = self.latest()
+        if current is not None and current.step > manifest.step:
+            return
+        pointer = LatestPointer(step=manifest.step, manifest=manifest_key(manifest.step))
+        self.store.put_bytes(LATEST_KEY, pointer.model_dump_json().encode())
+
+    def apply_retention(self, keep: int) -> list[int]:
+        """Delete committed steps beyond the newest `keep` and uncommitted ones older than the newest committed.
+
+        Returns the deleted steps. Nothing newer than the newest committed step is touched: it may be mid-upload.
+        """
+        if keep < 1:
+            raise ValueError(f"keep={keep}: must be at least 1 so the newest committed checkpoint survives")
+        statuses = self.list_steps()
+        committed = [status.step for status in statuses if status.committed]
+        if not committed:
+            return []
+        newest = max(committed)
+        keep_steps = set(sorted(committed, reverse=True)[:keep])
+        doomed = [s.step for s in statuses if s.step < newest and s.step not in keep_steps]
+        for step in doomed:
+            # The manifest goes first, so a crash mid-delete leaves an uncommitted (ignored) step, never a
+            # "committed" one with files missing.
+            self.store.delete(manifest_key(step))
+            self.store.delete_prefix(step_name(step) + "/")
+            log.info("retention: deleted %s", self.store.url_for(step_name(step)))
+        return doomed
+
+    # ---- verifying and restoring --------------------------------------------------------------------------
+
+    def verify(self, step: int | None = None, deep: bool = True) -> CheckpointManifest:
+        """Check every file of a committed step exists with its size (and, deep, its sha256)."""
+        manifest = self.manifest(step)
+        prefix = step_name(manifest.step)
+        for entry in manifest.files:
+            key = f"{prefix}/{entry.path}"
+            info = self.store.head(key)
+            if info is None:
+                raise CheckpointError(
+                    f"{self.store.url_for(key)}: missing from committed step {manifest.step}: "
+                    "the checkpoint is damaged; restore an older step"
+                )
+            if info.size != entry.bytes:
+                raise CheckpointError(
+                    f"{self.store.url_for(key)}: {info.size} bytes, manifest says {entry.bytes}: "
+                    "the checkpoint is damaged; restore an older step"
+                )
+            if deep and self._sha256(key, entry.bytes) != entry.sha256:
+                raise CheckpointError(
+                    f"{self.store.url_for(key)}: sha256 differs from the manifest: "
+                    "the checkpoint is damaged; restore an older step"
+                )
+        return manifest
+
+    def _sha256(self, key: str, size: int) -> str:
+        digest = hashlib.sha256()
+        for start in range(0, size, VERIFY_CHUNK):
+            digest.update(self.store.get_range(key, start, min(VERIFY_CHUNK, size - start)))
+        return digest.hexdigest()
+
+    def restore(self, dest_dir: Path, step: int | None = None) -> Path:
+        """Download a committed step into dest_dir/step-XXXXXXXX/, verified; valid files already there stay."""
+        manifest = self.verify(step, deep=False)
+        return self._download(manifest, Path(dest_dir))
+
+    def _download(self, manifest: CheckpointManifest, dest_dir: Path) -> Path:
+        step_dir = dest_dir / step_name(manifest.step)
+        specs = [FileSpec(entry.path, entry.bytes, entry.sha256) for entry in manifest.files]
+        result = download(self.store.child(step_name(manifest.step)), specs, step_dir)
+        log.info(
+            "restored step %d into %s: %d files, %d skipped, %.1f MB/s",
+            manifest.step,
+            step_dir,
+            len(result.files),
+            result.files_skipped,
+            result.mb_per_s,
+        )
+        return step_dir
+
+    def restore_latest(self, dest_dir: Path) -> tuple[Path, CheckpointManifest, list[str]]:
+        """Restore the newest committed step that verifies, falling back to older ones.
+
+        Returns the step dir, its manifest and one warning per newer checkpoint skipped. Only damage to a
+        checkpoint (missing object, bad size/checksum) makes it fall back; other storage or disk errors are
+        raised, because an older checkpoint would not fix them and silently losing progress would hide them.
+        """
+        warnings = []
+        committed_seen = False
+        for step, objects in sorted(self._scan().items(), reverse=True):
+            if not objects.has_manifest:
+                continue
+            try:
+                manifest = self._read_manifest(step)
+                if manifest is None:
+                    continue
+                committed_seen = True
+                self.verify(step, deep=False)
+                return self._download(manifest, Path(dest_dir)), manifest, warnings
+            except (CheckpointError, ObjectNotFound, ChecksumMismatch) as exc:
+                warning = f"skipped checkpoint step {step}: {exc}"
+                log.warning("%s", warning)
+                warnings.append(warning)
+        if not committed_seen and not warnings:
+            raise NoCommittedCheckpoint(f"{self.store.url}: no committed checkpoint: train first or check the URL")
+        raise CheckpointError(
+            f"{self.store.url}: every committed checkpoint is damaged ({'; '.join(warnings)}): "
+            "start from scratch or repair the store"
+        )

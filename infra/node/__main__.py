@@ -1,0 +1,28 @@
+"""`python -m infra.node COMMAND ...`: the agent the orchestrator runs on every node."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+COMMANDS = {
+    "probe": "infra.node.probe",
+    "stage": "infra.node.stage",
+    "sync": "infra.node.sync",
+    "restore": "infra.node.restore",
+    "verify-ckpt": "infra.node.verify_ckpt",
+}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in COMMANDS:
+        print(f"usage: python -m infra.node {{{','.join(COMMANDS)}}} ...", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    module = importlib.import_module(COMMANDS[argv[0]])
+    return module.main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

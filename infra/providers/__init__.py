@@ -1,0 +1,39 @@
+"""Providers by name: the caller asks for one and never branches on which it got."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from infra.providers.base import (
+    CapacityError,
+    Cluster,
+    ClusterRecord,
+    InvalidRequestError,
+    LaunchError,
+    Node,
+    PriceError,
+    Provider,
+    QuotaError,
+)
+from infra.providers.local import LocalProvider
+
+_FACTORIES: dict[str, Callable[[], Provider]] = {
+    "local": LocalProvider,
+}
+
+
+def get_provider(name: str) -> Provider:
+    try:
+        return _FACTORIES[name]()
+    except KeyError:
+        raise InvalidRequestError(f"unknown provider '{name}': use one of {', '.join(sorted(_FACTORIES))}") from None
+
+
+def all_providers() -> list[Provider]:
+    return [factory() for factory in _FACTORIES.values()]
+
+
+__all__ = [
+    "CapacityError", "Cluster", "ClusterRecord", "InvalidRequestError", "LaunchError", "Node", "PriceError",
+    "Provider", "QuotaError", "all_providers", "get_provider",
+]

@@ -1,0 +1,124 @@
+"""The few operations every provider implements (SkyPilot's provision interface, in spirit).
+
+The flow only ever calls these: launch, describe, terminate, list_clusters, runner and
+preemption_notices. Launch failures are typed so failover can decide what to try next.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from infra.remote import Runner
+from infra.spec import ClusterSpec
+
+
+class LaunchError(Exception):
+    """A cluster could not be launched; subclasses say whether trying elsewhere can help."""
+
+    transient = False
+
+
+class CapacityError(LaunchError):
+    """No capacity of this type here now: another zone, region or later may have it."""
+
+    transient = True
+
+
+class QuotaError(LaunchError):
+    """The account's quota forbids it: raise the quota or ask for less."""
+
+
+class PriceError(LaunchError):
+    """The price exceeds the cap (e.g. spot above max price)."""
+
+
+class InvalidRequestError(LaunchError):
+    """The request can never succeed as written: fix the config."""
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    rank: int
+    address: str
+    workdir: str
+    data_dir: str
+    ckpt_dir: str
+    python: str
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.workdir.rstrip("/"), *parts])
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    provider: str
+    run_id: str
+    nodes: tuple[Node, ...]
+    created_at: float
+    owner: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def head(self) -> Node:
+        return self.nodes[0]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Cluster:
+        data = json.loads(text)
+        data["nodes"] = tuple(Node(**node) for node in data["nodes"])
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class ClusterRecord:
+    """What list_clusters reports: enough for the sweeper to decide whether the cluster is orphaned."""
+
+    name: str
+    provider: str
+    run_id: str
+    created_at: float
+    nodes: int
+    owner_alive: bool
+    processes: int
+
+
+@dataclass(frozen=True)
+class PreemptionNotice:
+    node: str
+    deadline: float
+    reason: str
+
+
+class Provider(ABC):
+    name: str
+
+    @abstractmethod
+    def launch(self, cluster_name: str, spec: ClusterSpec, run_id: str) -> Cluster:
+        """Start every node or none: a partial launch is rolled back before raising LaunchError."""
+
+    @abstractmethod
+    def describe(self, cluster_name: str) -> Cluster | None: ...
+
+    @abstractmethod
+    def terminate(self, cluster_name: str) -> bool:
+        """Idempotent; True when something was running or left behind and is now gone."""
+
+    @abstractmethod
+    def list_clusters(self) -> list[ClusterRecord]: ...
+
+    @abstractmethod
+    def runner(self, cluster: Cluster, node: Node) -> Runner: ...
+
+    @abstractmethod
+    def preemption_notices(self, cluster: Cluster) -> list[PreemptionNotice]: ...
+
+    @abstractmethod
+    def nodes_alive(self, cluster: Cluster) -> dict[str, bool]:
+        """Per node, whether it is still there (a vanished node counts as preempted)."""

@@ -1,0 +1,138 @@
+"""The embedded default: a cluster of N nodes on this machine.
+
+A node is a directory (its "local NVMe") plus the processes started in it. Every process carries the
+cluster and node names in its environment, so terminate finds them even after the orchestrator that
+started them was killed, and list_clusters lets the sweeper tear down what a dead run left.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from infra.providers.base import Cluster, ClusterRecord, InvalidRequestError, Node, PreemptionNotice, Provider
+from infra.remote import LocalRunner, Runner
+from infra.spec import ClusterSpec
+from infra.workspace import local_clusters_dir
+
+log = logging.getLogger(__name__)
+
+CLUSTER_TAG = "TRAINPIPE_CLUSTER"
+NODE_TAG = "TRAINPIPE_NODE"
+RECORD = "cluster.json"
+
+
+def _owner() -> dict[str, object]:
+    me = psutil.Process()
+    return {"pid": me.pid, "create_time": me.create_time(), "host": socket.gethostname()}
+
+
+def _owner_alive(owner: dict[str, object]) -> bool:
+    try:
+        process = psutil.Process(int(owner["pid"]))  # type: ignore[call-overload]
+        return abs(process.create_time() - float(owner["create_time"])) < 1.0  # type: ignore[arg-type]
+    except (psutil.NoSuchProcess, KeyError, ValueError):
+        return False
+
+
+def cluster_processes(cluster_name: str) -> list[psutil.Process]:
+    """Every process on this machine tagged with the cluster, found by environment, not by pid files."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get(CLUSTER_TAG) == cluster_name:
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def kill_processes(processes: list[psutil.Process], grace_s: float = 5.0) -> None:
+    for process in processes:
+        try:
+            process.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            continue
+    _, alive = psutil.wait_procs(processes, timeout=grace_s)
+    for process in alive:
+        log.warning("pid %s ignored SIGTERM for %.0fs: killing it", process.pid, grace_s)
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            continue
+    psutil.wait_procs(alive, timeout=grace_s)
+
+
+class LocalProvider(Provider):
+    name = "local"
+
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = (root or local_clusters_dir()).resolve()
+
+    def _dir(self, cluster_name: str) -> Path:
+        return self.root / cluster_name
+
+    def launch(self, cluster_name: str, spec: ClusterSpec, run_id: str) -> Cluster:
+        if spec.accelerator:
+            raise InvalidRequestError(f"cluster.accelerator: the local provider has no {spec.accelerator} GPUs: "
+                                      "remove cluster.accelerator or use a cloud provider")
+        base = self._dir(cluster_name)
+        nodes = []
+        for rank in range(spec.nodes):
+            workdir = base / f"node-{rank}"
+            for sub in ("data", "ckpt", "logs"):
+                (workdir / sub).mkdir(parents=True, exist_ok=True)
+            nodes.append(Node(name=f"{cluster_name}-node-{rank}", rank=rank, address="127.0.0.1",
+                              workdir=str(workdir), data_dir=str(workdir / "data"), ckpt_dir=str(workdir / "ckpt"),
+                              python=sys.executable))
+        cluster = Cluster(name=cluster_name, provider=self.name, run_id=run_id, nodes=tuple(nodes),
+                          created_at=time.time(), owner=_owner())
+        (base / RECORD).write_text(cluster.to_json())
+        return cluster
+
+    def describe(self, cluster_name: str) -> Cluster | None:
+        record = self._dir(cluster_name) / RECORD
+        return Cluster.from_json(record.read_text()) if record.is_file() else None
+
+    def terminate(self, cluster_name: str) -> bool:
+        processes = cluster_processes(cluster_name)
+        kill_processes(processes)
+        base = self._dir(cluster_name)
+        existed = base.exists()
+        if existed:
+            shutil.rmtree(base)
+        if processes or existed:
+            log.info("terminated local cluster %s (%d processes, dirs %s)", cluster_name, len(processes),
+                     "removed" if existed else "already gone")
+        return bool(processes) or existed
+
+    def list_clusters(self) -> list[ClusterRecord]:
+        if not self.root.is_dir():
+            return []
+        records = []
+        for record in sorted(self.root.glob(f"*/{RECORD}")):
+            cluster = Cluster.from_json(record.read_text())
+            records.append(ClusterRecord(
+                name=cluster.name, provider=self.name, run_id=cluster.run_id, created_at=cluster.created_at,
+                nodes=len(cluster.nodes), owner_alive=_owner_alive(cluster.owner),
+                processes=len(cluster_processes(cluster.name)),
+            ))
+        return records
+
+    def runner(self, cluster: Cluster, node: Node) -> Runner:
+        return LocalRunner(node.name, Path(node.workdir), {CLUSTER_TAG: cluster.name, NODE_TAG: node.name})
+
+    def preemption_notices(self, cluster: Cluster) -> list[PreemptionNotice]:
+        # Local nodes are never reclaimed by anyone but us; the chaos injector adds notices on purpose.
+        return []
+
+    def nodes_alive(self, cluster: Cluster) -> dict[str, bool]:
+        return {node.name: os.path.isdir(node.workdir) for node in cluster.nodes}

@@ -1,0 +1,205 @@
+"""Run commands on a node and move small files to and from it, whatever the node is.
+
+The local runner uses subprocesses; an SSH runner (paramiko) implements the same methods, so tasks
+never branch on where a node lives. Bulk data never goes through here: nodes move it themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+LineSink = Callable[[str], None]
+
+
+class RemoteError(Exception):
+    """A node command failed; the message names the node, the command and its last output."""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    returncode: int
+    output: str
+
+
+class Process(ABC):
+    """A command running in the background on a node."""
+
+    @abstractmethod
+    def poll(self) -> int | None: ...
+
+    @abstractmethod
+    def wait(self, timeout: float | None = None) -> int:
+        """Exit code; raises TimeoutError when still running after timeout seconds."""
+
+    @abstractmethod
+    def terminate(self, grace_s: float = 10.0) -> int | None:
+        """SIGTERM the whole process group, SIGKILL after grace_s; returns the exit code if it ended."""
+
+    @abstractmethod
+    def tail(self, lines: int = 20) -> str:
+        """The last lines it printed (stdout and stderr together)."""
+
+
+class Runner(ABC):
+    """How the orchestrator reaches one node."""
+
+    node_name: str
+
+    @abstractmethod
+    def start(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, on_line: LineSink | None = None,
+              log_path: str | None = None) -> Process: ...
+
+    @abstractmethod
+    def write_text(self, path: str, text: str) -> None:
+        """Write a small file on the node atomically."""
+
+    @abstractmethod
+    def read_text(self, path: str) -> str | None:
+        """A small file's text, or None when it does not exist."""
+
+    def run(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float | None = None,
+            on_line: LineSink | None = None, check: bool = True) -> RunResult:
+        process = self.start(argv, env=env, on_line=on_line)
+        try:
+            code = process.wait(timeout)
+        except TimeoutError:
+            process.terminate()
+            raise RemoteError(f"{self.node_name}: '{_short(argv)}' still running after {timeout:.0f}s: "
+                              "raise the timeout or check the node") from None
+        output = process.tail(10_000)
+        if check and code != 0:
+            raise RemoteError(f"{self.node_name}: '{_short(argv)}' exited {code}: {_last_line(output)}")
+        return RunResult(code, output)
+
+
+def _short(argv: Sequence[str]) -> str:
+    text = " ".join(argv)
+    return text if len(text) < 120 else text[:117] + "..."
+
+
+def _last_line(output: str) -> str:
+    lines = [line for line in output.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+class _OutputPump:
+    """Reads a process's output on a thread so it never blocks on a full pipe, keeps a tail, forwards lines."""
+
+    def __init__(self, stream, on_line: LineSink | None, log_path: str | None, keep: int = 2000) -> None:
+        self._lines: list[str] = []
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._on_line = on_line
+        self._log = open(log_path, "a", buffering=1) if log_path else None  # noqa: SIM115 - closed by the pump
+        self._thread = threading.Thread(target=self._pump, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _pump(self, stream) -> None:
+        try:
+            for raw in stream:
+                line = raw.rstrip("\n")
+                with self._lock:
+                    self._lines.append(line)
+                    del self._lines[: -self._keep]
+                if self._log:
+                    self._log.write(line + "\n")
+                if self._on_line:
+                    try:
+                        self._on_line(line)
+                    except Exception:  # a broken log sink must not kill the command it watches
+                        log.exception("line sink failed on %r", line)
+        finally:
+            stream.close()
+            if self._log:
+                self._log.close()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def tail(self, lines: int) -> str:
+        with self._lock:
+            return "\n".join(self._lines[-lines:])
+
+
+class LocalProcess(Process):
+    def __init__(self, popen: subprocess.Popen[str], pump: _OutputPump) -> None:
+        self._popen = popen
+        self._pump = pump
+        self.pid = popen.pid
+
+    def poll(self) -> int | None:
+        return self._popen.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        try:
+            code = self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"pid {self.pid} still running after {timeout}s") from None
+        self._pump.join(5)
+        return code
+
+    def terminate(self, grace_s: float = 10.0) -> int | None:
+        if self._popen.poll() is None:
+            _signal_group(self.pid, signal.SIGTERM)
+            try:
+                return self.wait(grace_s)
+            except TimeoutError:
+                _signal_group(self.pid, signal.SIGKILL)
+        try:
+            return self.wait(5)
+        except TimeoutError:
+            return None
+
+    def tail(self, lines: int = 20) -> str:
+        return self._pump.tail(lines)
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        return
+
+
+class LocalRunner(Runner):
+    """A node that is a directory on this machine; its processes carry the node's tags in their environment."""
+
+    def __init__(self, node_name: str, workdir: Path, tags: Mapping[str, str]) -> None:
+        self.node_name = node_name
+        self.workdir = workdir
+        self.tags = dict(tags)
+
+    def start(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, on_line: LineSink | None = None,
+              log_path: str | None = None) -> Process:
+        full_env = {**os.environ, **self.tags, **(env or {})}
+        try:
+            popen = subprocess.Popen(
+                list(argv), cwd=self.workdir, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
+            )
+        except OSError as exc:
+            raise RemoteError(f"{self.node_name}: cannot start '{_short(argv)}': {exc.strerror}") from None
+        return LocalProcess(popen, _OutputPump(popen.stdout, on_line, log_path))
+
+    def write_text(self, path: str, text: str) -> None:
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, target)
+
+    def read_text(self, path: str) -> str | None:
+        try:
+            return Path(path).read_text()
+        except FileNotFoundError:
+            return None

@@ -1,0 +1,51 @@
+"""Object storage behind one interface: open_store(url) picks the backend from the URL's scheme.
+
+Callers never branch on the scheme; a backend joins by adding one line to BACKENDS. Backends are
+imported on first use so a node that only reads file:// never needs boto3 or google-cloud-storage.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from infra.storage.base import ChecksumMismatch, ObjectInfo, ObjectNotFound, ObjectStore, StorageError
+
+__all__ = [
+    "BACKENDS",
+    "ChecksumMismatch",
+    "ObjectInfo",
+    "ObjectNotFound",
+    "ObjectStore",
+    "StorageError",
+    "open_store",
+]
+
+# scheme -> "module:ClassName" of its ObjectStore, constructed with the full URL.
+BACKENDS: dict[str, str] = {
+    "file": "infra.storage.local:FileStore",
+}
+
+
+def _supported() -> str:
+    names = [f"{scheme}://" for scheme in BACKENDS]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def open_store(url: str) -> ObjectStore:
+    """The store rooted at url; a plain local path (no '://') means file:// of its absolute path."""
+    if "://" not in url:
+        url = "file://" + str(Path(url).expanduser().resolve())
+    scheme = url.split("://", 1)[0]
+    target = BACKENDS.get(scheme)
+    if target is None:
+        raise StorageError(f"unknown scheme '{scheme}://' in '{url}': use {_supported()}")
+    module_name, class_name = target.split(":")
+    try:
+        backend = getattr(importlib.import_module(module_name), class_name)
+    except ImportError as exc:
+        raise StorageError(
+            f"{url}: the {scheme}:// backend cannot load ({exc}): install its dependencies (pip install trainpipe)"
+        ) from exc
+    store: ObjectStore = backend(url)
+    return store

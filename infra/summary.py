@@ -1,0 +1,80 @@
+"""The record of one run: what ran, how long each phase took, what it produced. Written as summary.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+PHASES = ("plan", "provision", "verify", "stage", "train", "sync", "teardown")
+
+
+@dataclass
+class RunSummary:
+    run_id: str
+    job: str
+    provider: str
+    nodes: int
+    status: str = "running"
+    error: str | None = None
+    phases: dict[str, float] = field(default_factory=dict)
+    steps: int = 0
+    start_step: int = 0
+    initial_loss: float | None = None
+    final_loss: float | None = None
+    final_eval_loss: float | None = None
+    loss_floor: float | None = None
+    checkpoint: str | None = None
+    checkpoint_step: int | None = None
+    nodes_left: int | None = None
+    stage: dict[str, Any] = field(default_factory=dict)
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    started_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Times a phase; the time is recorded even when the phase fails."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] = round(self.phases.get(name, 0.0) + time.perf_counter() - started, 3)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def write(self, directory: Path) -> Path:
+        directory.mkdir(parents=True, exist_ok=True)
+        target = directory / "summary.json"
+        tmp = directory / ".summary.json.tmp"
+        tmp.write_text(json.dumps(self.to_dict(), indent=2))
+        os.replace(tmp, target)
+        return target
+
+    def render(self) -> str:
+        """The few lines a person reads at the end of `make run`."""
+        lines = [f"run {self.run_id}: {self.status}" + (f" — {self.error}" if self.error else "")]
+        lines.append("  phases: " + ", ".join(f"{name} {self.phases[name]:.1f}s" for name in PHASES
+                                              if name in self.phases))
+        if self.stage:
+            lines.append(f"  staged: {self.stage.get('bytes', 0) / 1e6:.1f} MB per node at "
+                         f"{self.stage.get('mb_per_s', 0):.0f} MB/s (slowest node), "
+                         f"{self.stage.get('skipped_bytes', 0) / 1e6:.1f} MB already there")
+        if self.initial_loss is not None and self.final_loss is not None:
+            floor = f" (floor {self.loss_floor:.3f})" if self.loss_floor is not None else ""
+            lines.append(f"  loss: {self.initial_loss:.3f} at step {self.start_step + 1} → {self.final_loss:.3f} "
+                         f"at step {self.steps}{floor}")
+        lines.append(f"  checkpoint: {self.checkpoint or 'none committed'}")
+        if self.nodes_left is not None:
+            lines.append(f"  {self.nodes_left} nodes left running")
+        return "\n".join(lines)
+
+
+def load_summary(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())

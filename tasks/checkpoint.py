@@ -1,0 +1,21 @@
+"""Sync: the run's last checkpoint is committed in the store and every byte of it checks out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import get_run_logger, task
+
+from infra.providers import Cluster, get_provider
+from tasks.node_output import last_event, node_line_sink
+from tasks.policy import TRANSIENT_RETRIES
+
+
+@task(name="verify-committed-checkpoint", **TRANSIENT_RETRIES)
+def verify_committed_checkpoint(cluster: Cluster, checkpoint_url: str) -> dict[str, Any]:
+    """Runs on the head node, so checksumming reads the store over the cluster's network, not the orchestrator's."""
+    head = cluster.head
+    runner = get_provider(cluster.provider).runner(cluster, head)
+    result = runner.run([head.python, "-m", "infra.node", "verify-ckpt", "--url", checkpoint_url], timeout=3600,
+                        on_line=node_line_sink(get_run_logger(), head.name))
+    return last_event(result.output, "verified")

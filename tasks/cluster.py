@@ -1,0 +1,33 @@
+"""Provision and tear down the cluster."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+
+from infra.providers import Cluster, get_provider
+from infra.spec import JobSpec
+from tasks.policy import NO_RETRIES, TRANSIENT_RETRIES
+
+
+@task(name="provision-cluster", **TRANSIENT_RETRIES)
+def provision_cluster(job: JobSpec, cluster_name: str, run_id: str) -> Cluster:
+    logger = get_run_logger()
+    provider = get_provider(job.cluster.provider)
+    if provider.describe(cluster_name) is not None:
+        # A crashed earlier attempt of this run left it: start clean rather than adopt half-dead processes.
+        logger.warning("cluster %s is left from an earlier attempt: tearing it down first", cluster_name)
+        provider.terminate(cluster_name)
+    cluster = provider.launch(cluster_name, job.cluster, run_id)
+    logger.info("launched %s on %s: %s", cluster.name, provider.name, ", ".join(n.name for n in cluster.nodes))
+    return cluster
+
+
+@task(name="teardown-cluster", **NO_RETRIES)
+def teardown_cluster(provider_name: str, cluster_name: str) -> int:
+    """Terminate (idempotent) and return how many nodes are still alive afterwards: the answer must be 0."""
+    provider = get_provider(provider_name)
+    provider.terminate(cluster_name)
+    left = provider.describe(cluster_name)
+    alive = sum(provider.nodes_alive(left).values()) if left else 0
+    get_run_logger().info("teardown of %s: %d nodes left running", cluster_name, alive)
+    return alive

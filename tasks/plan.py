@@ -1,0 +1,16 @@
+"""Plan: validate everything that can be checked before a node is launched."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+
+from infra.plan import Plan, plan_job
+from infra.spec import JobSpec
+from tasks.policy import TRANSIENT_RETRIES
+
+
+@task(name="plan", **TRANSIENT_RETRIES)
+def plan_run(job: JobSpec, run_id: str) -> Plan:
+    plan = plan_job(job, run_id)
+    get_run_logger().info("plan:\n%s", plan.render())
+    return plan

@@ -1,0 +1,149 @@
+"""Train: torchrun on every node, with a checkpoint syncer beside it, until all nodes finish or one fails."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefect import get_run_logger, task
+
+from infra.providers import Cluster, Node, get_provider
+from infra.remote import Process, RemoteError, Runner
+from infra.spec import JobSpec
+from tasks.node_output import node_line_sink
+from tasks.policy import NO_RETRIES
+
+STOP_SYNC = ".stop-sync"
+SYNC_FLUSH_TIMEOUT_S = 600.0
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class TrainLaunch:
+    """What the flow decided before training: where to meet, where to resume from."""
+
+    checkpoint_url: str
+    rendezvous_port: int
+    resume_dirs: dict[str, str] = field(default_factory=dict)  # node name → local step dir
+
+
+@dataclass
+class TrainOutcome:
+    metrics: list[dict[str, Any]]
+    checkpoint_events: list[dict[str, Any]]
+    seconds: float
+
+
+def trainer_argv(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch) -> list[str]:
+    training, model = job.training, job.training.model
+    argv = [
+        node.python, "-m", "torch.distributed.run",
+        "--nnodes", str(len(cluster.nodes)), "--nproc-per-node", str(job.cluster.procs_per_node),
+        "--node-rank", str(node.rank), "--master-addr", cluster.head.address,
+        "--master-port", str(launch.rendezvous_port), "--max-restarts", "0",
+        "-m", "trainer.train",
+        "--data-dir", node.data_dir, "--ckpt-dir", node.ckpt_dir, "--metrics-file", node.path("logs", "metrics.jsonl"),
+        "--steps", str(training.steps), "--ckpt-every", str(job.checkpoints.every_steps),
+        "--keep-local", str(job.checkpoints.keep_local), "--batch-size", str(training.batch_size),
+        "--lr", str(training.lr), "--warmup-steps", str(training.warmup_steps), "--seed", str(training.seed),
+        "--vocab-size", str(model.vocab_size), "--d-model", str(model.d_model), "--n-layers", str(model.n_layers),
+        "--n-heads", str(model.n_heads), "--seq-len", str(model.seq_len), "--threads", str(training.threads_per_proc),
+        "--done-file", node.path("logs", "train.done"),
+    ]
+    if node.name in launch.resume_dirs:
+        argv += ["--resume-from", launch.resume_dirs[node.name]]
+    return argv
+
+
+def syncer_argv(job: JobSpec, cluster: Cluster, node: Node, checkpoint_url: str) -> list[str]:
+    return [
+        node.python, "-m", "infra.node", "sync", "--ckpt-dir", node.ckpt_dir, "--url", checkpoint_url,
+        "--node-rank", str(node.rank), "--nodes", str(len(cluster.nodes)),
+        "--world-size", str(len(cluster.nodes) * job.cluster.procs_per_node),
+        "--config-hash", job.config_hash(), "--keep", str(job.checkpoints.keep),
+        "--stop-file", node.path("ckpt", STOP_SYNC),
+    ]
+
+
+def _wait_all(trainers: dict[str, Process], deadline: float) -> None:
+    """Wait for every trainer; the first failure or the deadline stops the rest and raises."""
+    pending = dict(trainers)
+    while pending:
+        for name, process in list(pending.items()):
+            code = process.poll()
+            if code is None:
+                continue
+            del pending[name]
+            if code != 0:
+                raise TrainingError(f"{name}: training exited {code}: {_last_error(process)}")
+        if time.monotonic() > deadline:
+            raise TrainingError(f"training still running after training.timeout_s on {', '.join(pending)}: "
+                                "raise training.timeout_s or check the nodes' logs")
+        time.sleep(0.5)
+
+
+def _last_error(process: Process) -> str:
+    lines = [line for line in process.tail(200).splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "error" in line]
+    return (errors or lines or ["(no output)"])[-1].strip()
+
+
+def _stop_syncers(runners: dict[str, Runner], syncers: dict[str, Process], nodes: tuple[Node, ...]) -> None:
+    """Ask every syncer to flush what is complete and exit; a syncer that fails means checkpoints were not saved."""
+    started = [node for node in nodes if node.name in syncers]
+    for node in started:
+        runners[node.name].write_text(node.path("ckpt", STOP_SYNC), "stop\n")
+    failures = []
+    for node in started:
+        try:
+            code = syncers[node.name].wait(SYNC_FLUSH_TIMEOUT_S)
+        except TimeoutError:
+            syncers[node.name].terminate()
+            failures.append(f"{node.name}: checkpoint syncer did not flush within {SYNC_FLUSH_TIMEOUT_S:.0f}s")
+            continue
+        if code != 0:
+            failures.append(f"{node.name}: checkpoint syncer exited {code}: {_last_error(syncers[node.name])}")
+    if failures:
+        raise TrainingError("; ".join(failures))
+
+
+@task(name="train", **NO_RETRIES)
+def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOutcome:
+    """Not retried as a task: a failed training resumes from the last committed checkpoint on the next run."""
+    logger = get_run_logger()
+    provider = get_provider(cluster.provider)
+    runners = {node.name: provider.runner(cluster, node) for node in cluster.nodes}
+    checkpoint_events: list[dict[str, Any]] = []
+    env = {"OMP_NUM_THREADS": str(job.training.threads_per_proc), "PYTHONUNBUFFERED": "1"}
+    started = time.monotonic()
+    syncers: dict[str, Process] = {}
+    trainers: dict[str, Process] = {}
+    try:
+        for node in cluster.nodes:
+            syncers[node.name] = runners[node.name].start(
+                syncer_argv(job, cluster, node, launch.checkpoint_url), env=env,
+                on_line=node_line_sink(logger, f"{node.name} sync", checkpoint_events.append),
+                log_path=node.path("logs", "sync.log"))
+        for node in cluster.nodes:
+            trainers[node.name] = runners[node.name].start(
+                trainer_argv(job, cluster, node, launch), env=env,
+                on_line=node_line_sink(logger, node.name), log_path=node.path("logs", "train.log"))
+        _wait_all(trainers, started + job.training.timeout_s)
+    except BaseException:
+        for process in trainers.values():
+            process.terminate()
+        # Syncers still flush what completed: committed checkpoints are what the next attempt resumes from.
+        try:
+            _stop_syncers(runners, syncers, cluster.nodes)
+        except (TrainingError, RemoteError) as flush_error:
+            logger.error("after the training failure, checkpoint flush failed too: %s", flush_error)
+        raise
+    _stop_syncers(runners, syncers, cluster.nodes)
+    metrics_text = runners[cluster.head.name].read_text(cluster.head.path("logs", "metrics.jsonl")) or ""
+    metrics = [json.loads(line) for line in metrics_text.splitlines() if line.strip()]
+    return TrainOutcome(metrics=metrics, checkpoint_events=checkpoint_events, seconds=time.monotonic() - started)

@@ -1,0 +1,132 @@
+"""The whole pipeline for real: Prefect flow, 2 local nodes, torchrun + gloo, checkpoints committed to a file:// store.
+
+Nothing is mocked: nodes are directories with real processes, training is real torchrun, the store is real files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import REPO, TRAINPIPE
+from jobs import job_config, make_dataset, make_job, write_config
+
+from infra.checkpoints import CheckpointStore
+from infra.providers.local import CLUSTER_TAG
+from infra.storage import open_store
+from trainer.checkpoint import inspect_checkpoint
+
+
+def tagged_processes() -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if CLUSTER_TAG in process.environ():
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+@pytest.fixture
+def dataset_url(tmp_path: Path) -> str:
+    return make_dataset(tmp_path / "dataset")
+
+
+def test_flow_trains_commits_and_tears_down(prefect_server: None, workspace: Path, tmp_path: Path,
+                                            dataset_url: str) -> None:
+    from flows.retrain import retrain
+
+    job = make_job(tmp_path, dataset_url)
+    summary = retrain(job, "e2e-run")
+
+    assert summary["status"] == "completed"
+    assert set(summary["phases"]) == {"plan", "provision", "verify", "stage", "train", "sync", "teardown"}
+    assert summary["steps"] == 80 and summary["start_step"] == 0
+    assert summary["final_loss"] < summary["initial_loss"] * 0.6, "loss did not fall"
+    assert summary["loss_floor"] == pytest.approx(1.0889, abs=1e-3)
+    assert summary["checkpoint"].endswith("/e2e-run/step-00000080")
+    assert summary["nodes_left"] == 0
+    on_disk = json.loads((workspace / "runs" / "e2e-run" / "summary.json").read_text())
+    assert on_disk["checkpoint"] == summary["checkpoint"]
+
+    checkpoints = CheckpointStore(open_store(f"{job.checkpoints.url}/e2e-run"))
+    latest = checkpoints.latest()
+    assert latest is not None and latest.step == 80
+    assert [c.step for c in checkpoints.committed()] == [80, 60], "retention keeps the newest 2 committed"
+    loaded = inspect_checkpoint(checkpoints.restore(tmp_path / "restored"))
+    assert loaded["step"] == 80 and loaded["num_params"] > 0
+
+    assert not tagged_processes(), "node processes outlived the run"
+    assert not any((workspace / "clusters").iterdir()), "node directories outlived the run"
+
+
+def _run_cli(args: list[str], env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([TRAINPIPE, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_sigkilled_run_is_swept_and_rerun_resumes(workspace: Path, tmp_path: Path, dataset_url: str) -> None:
+    config = job_config(tmp_path, dataset_url, steps=400)
+    config_path = write_config(tmp_path / "job.yaml", config)
+    env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": str(tmp_path / "prefect"),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    checkpoints = CheckpointStore(open_store(f"{config['checkpoints']['url']}/resume-run"))
+
+    orchestrator = subprocess.Popen([TRAINPIPE, "run", str(config_path), "--run-id", "resume-run"], cwd=REPO,
+                                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while checkpoints.latest() is None:
+        assert orchestrator.poll() is None, "the run ended before its first committed checkpoint"
+        assert time.monotonic() < deadline, "no checkpoint was committed within 300 s"
+        time.sleep(0.5)
+    orchestrator.send_signal(signal.SIGKILL)  # the orchestrator dies without any chance to clean up
+    orchestrator.wait()
+
+    assert tagged_processes(), "killing the orchestrator should leave the nodes' processes running (orphans)"
+    status = _run_cli(["status"], env)
+    assert "ORPHANED" in status.stdout
+    swept = _run_cli(["sweep"], env)
+    assert swept.returncode == 0, swept.stderr
+    assert "swept 1 clusters" in swept.stdout
+    assert not tagged_processes(), "sweep left node processes running"
+
+    committed = checkpoints.latest()
+    assert committed is not None and 0 < committed.step < 400
+    rerun = _run_cli(["run", str(config_path), "--run-id", "resume-run"], env)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    summary = json.loads((workspace / "runs" / "resume-run" / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["start_step"] == committed.step, "the rerun did not continue from the committed step"
+    assert summary["steps"] == 400
+    assert "0 nodes left running" in rerun.stdout
+    assert not tagged_processes()
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [
+        (lambda c: c["cluster"].update(provider="azure-ish"), "unknown provider 'azure-ish'"),
+        (lambda c: c["cluster"].update(nodes=0), "cluster.nodes"),
+        (lambda c: c["dataset"].update(url="file:///nonexistent/dataset"), "no dataset manifest"),
+        (lambda c: c["checkpoints"].update(url="file:///proc/trainpipe-ckpt"), "checkpoints.url"),
+        (lambda c: c["training"]["model"].update(vocab_size=512), "vocab_size 256 != model vocab_size 512"),
+    ],
+    ids=["unknown-provider", "zero-nodes", "no-manifest", "unwritable-checkpoints", "vocab-mismatch"],
+)
+def test_bad_input_fails_plan_with_one_line_and_exit_2(workspace: Path, tmp_path: Path, dataset_url: str,
+                                                       mutate, expected: str) -> None:
+    config = job_config(tmp_path, dataset_url)
+    mutate(config)
+    env = {**os.environ, "TRAINPIPE_HOME": str(workspace)}
+    result = _run_cli(["run", str(write_config(tmp_path / "bad.yaml", config))], env, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    error_lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(error_lines) == 1 and expected in error_lines[0], result.stderr
+    assert not (workspace / "clusters").exists() or not any((workspace / "clusters").iterdir()), "launched anyway"
+

@@ -1,0 +1,81 @@
+"""Job config validation: every bad value fails at load time with one line naming the field and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from infra.spec import ConfigError, load_job, parse_job
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def base() -> dict:
+    return {"dataset": {"url": "file:///data/ds"}, "checkpoints": {"url": "s3://bucket/ckpt"}}
+
+
+def error_for(config: dict) -> str:
+    with pytest.raises(ConfigError) as caught:
+        parse_job(config, source="job.yaml")
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+def test_example_config_loads() -> None:
+    job = load_job(REPO / "examples" / "local.yaml")
+    assert job.cluster.provider == "local" and job.cluster.nodes == 2
+    assert job.dataset.url.startswith("file:///") and job.dataset.url.endswith(".trainpipe/datasets/markov-v256")
+
+
+def test_defaults_and_normalised_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    job = parse_job({"dataset": {"url": "data/ds/"}, "checkpoints": {"url": "gs://b/ckpt/"}})
+    assert job.dataset.url == f"file://{tmp_path}/data/ds"
+    assert job.checkpoints.url == "gs://b/ckpt"
+    assert job.training.model.vocab_size == 256
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "expected"),
+    [
+        (("cluster", "provider"), "azure-ish", "job.yaml: cluster.provider: unknown provider 'azure-ish': use one of"),
+        (("cluster", "nodes"), 0, "job.yaml: cluster.nodes: Input should be greater than or equal to 1 (got 0)"),
+        (("dataset", "url"), "ftp://host/ds", "dataset.url: unknown scheme 'ftp://': use one of file://, s3://, gs://"),
+        (("training", "steps"), -5, "training.steps"),
+        (("name",), "Bad Name", "name: String should match pattern"),
+        (("dataset", "validation"), "some", "dataset.validation: unknown validation 'some'"),
+    ],
+)
+def test_bad_values_name_field_and_fix(path: tuple[str, ...], value: object, expected: str) -> None:
+    config = base()
+    target = config
+    for key in path[:-1]:
+        target = target.setdefault(key, {})
+    target[path[-1]] = value
+    assert expected in error_for(config)
+
+
+def test_heads_must_divide_width() -> None:
+    config = base() | {"training": {"model": {"d_model": 30, "n_heads": 4}}}
+    assert "n_heads (4) must divide d_model (30)" in error_for(config)
+
+
+def test_missing_and_unknown_fields() -> None:
+    assert error_for({"dataset": {"url": "x"}}) == "job.yaml: checkpoints: missing: add 'checkpoints:' to the config"
+    config = base() | {"clutser": {}}
+    assert "clutser: unknown field: remove it or check its spelling" in error_for(config)
+
+
+def test_load_job_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_job(tmp_path / "missing.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("cluster: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_job(broken)
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_job(listing)

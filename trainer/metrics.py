@@ -1,0 +1,96 @@
+"""Training metrics: JSON lines for machines (the metrics file) and one flushed line per log for humans (stdout)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+# final_loss averages this many steps so one noisy batch does not decide the reported result.
+FINAL_LOSS_WINDOW = 10
+
+
+class TrainingMetrics:
+    """Every rank records (losses are all-reduced, so identical); only the writer (global rank 0) emits."""
+
+    def __init__(
+        self,
+        metrics_file: Path | None,
+        log_every: int,
+        first_step: int,
+        last_step: int,
+        recent_losses: Iterable[float] = (),
+    ) -> None:
+        if log_every < 1:
+            raise ValueError(f"log_every={log_every}: log at least every step (--log-every >= 1)")
+        self.metrics_file = metrics_file
+        self.log_every = log_every
+        self.first_step = first_step
+        self.last_step = last_step
+        self.initial_loss: float | None = None
+        # Carried across a resume so final_loss covers the last steps even when this run is shorter.
+        self._recent = deque(recent_losses, maxlen=FINAL_LOSS_WINDOW)
+        self._interval_seconds = 0.0
+        self._interval_steps = 0
+        self._interval_tokens = 0
+        if metrics_file is not None:
+            metrics_file.parent.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def recent_losses(self) -> list[float]:
+        return list(self._recent)
+
+    def _should_log(self, step: int) -> bool:
+        return step % self.log_every == 0 or step in (self.first_step, self.last_step)
+
+    def record(self, step: int, loss: float, lr: float, seconds: float, tokens: int) -> None:
+        if self.initial_loss is None:
+            self.initial_loss = loss
+        self._recent.append(loss)
+        self._interval_seconds += seconds
+        self._interval_steps += 1
+        self._interval_tokens += tokens
+        if not self._should_log(step):
+            return
+        step_s = self._interval_seconds / self._interval_steps
+        tokens_per_s = self._interval_tokens / self._interval_seconds if self._interval_seconds > 0 else 0.0
+        self._interval_seconds, self._interval_steps, self._interval_tokens = 0.0, 0, 0
+        self._emit(
+            {"step": step, "loss": loss, "lr": lr, "step_s": step_s, "tokens_per_s": tokens_per_s, "time": time.time()},
+            f"step {step}/{self.last_step} loss {loss:.4f} lr {lr:.2e} {step_s * 1000:.1f} ms/step "
+            f"{tokens_per_s:,.0f} tok/s",
+        )
+
+    def checkpoint(self, step: int, seconds: float) -> None:
+        self._emit(
+            {"event": "checkpoint", "step": step, "save_s": seconds, "time": time.time()},
+            f"checkpoint step {step} saved in {seconds:.2f} s",
+        )
+
+    def done(self, final_eval_loss: float) -> dict[str, Any]:
+        if not self._recent:
+            raise ValueError("no training step was recorded: cannot report a final loss")
+        event = {
+            "event": "done",
+            "final_eval_loss": final_eval_loss,
+            "initial_loss": self.initial_loss,
+            "final_loss": sum(self._recent) / len(self._recent),
+            "steps": self.last_step,
+            "start_step": self.first_step,
+            "time": time.time(),
+        }
+        self._emit(
+            event,
+            f"done: {self.last_step} steps, final loss {event['final_loss']:.4f}, eval loss {final_eval_loss:.4f}",
+        )
+        return event
+
+    def _emit(self, record: dict[str, Any], line: str) -> None:
+        if self.metrics_file is None:
+            return
+        with open(self.metrics_file, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        print(line, flush=True)

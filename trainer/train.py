@@ -1,0 +1,203 @@
+"""The training workload torchrun starts on every node: `python -m trainer.train --data-dir ... --ckpt-dir ...`.
+
+Read top to bottom: set up the process group, data and model; optionally resume; train with AdamW under a
+warm-up + cosine schedule, checkpointing to node-local disk; evaluate on a fixed held-out set; report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, write_json_atomic
+from trainer.data import DataError, TokenWindows
+from trainer.metrics import TrainingMetrics
+from trainer.model import GPT, GPTConfig, next_token_loss
+
+# The cosine decays to this fraction of the peak rather than to zero, so the last steps still learn.
+MIN_LR_FRACTION = 0.1
+GRAD_CLIP_NORM = 1.0
+
+
+class LaunchError(RuntimeError):
+    """The trainer was started wrongly (flags or environment); the message names the thing and the fix."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m trainer.train", description=__doc__)
+    parser.add_argument("--data-dir", type=Path, required=True, help="node-local dataset dir (manifest.json)")
+    parser.add_argument("--ckpt-dir", type=Path, required=True, help="node-local checkpoint root")
+    parser.add_argument("--metrics-file", type=Path, required=True, help="JSON-lines metrics (global rank 0)")
+    parser.add_argument("--steps", type=int, default=300, help="total optimizer steps (a resumed run counts from 0)")
+    parser.add_argument("--ckpt-every", type=int, default=50, help="save every this many steps and at the end")
+    parser.add_argument("--keep-local", type=int, default=2, help="complete checkpoints kept on local disk")
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per process per step")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    parser.add_argument("--warmup-steps", type=int, default=20, help="linear warm-up steps")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the model init and the data order")
+    parser.add_argument("--vocab-size", type=int, default=256)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--n-layers", type=int, default=2)
+    parser.add_argument("--n-heads", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
+    parser.add_argument("--log-every", type=int, default=10, help="metrics every this many steps")
+    parser.add_argument("--eval-batches", type=int, default=8, help="held-out batches for the final eval loss")
+    parser.add_argument("--resume-from", type=Path, default=None, help="step dir holding every node's files")
+    parser.add_argument("--done-file", type=Path, default=None, help="written by each node when training succeeds")
+    parser.add_argument(
+        "--collective-timeout-s", type=float, default=600.0, help="fail when a peer stops answering this long"
+    )
+    args = parser.parse_args(argv)
+    for flag in ("steps", "ckpt_every", "keep_local", "batch_size", "threads", "log_every", "eval_batches"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})")
+    if args.d_model % args.n_heads:
+        parser.error(f"--n-heads {args.n_heads} must divide --d-model {args.d_model}")
+    return args
+
+
+def lr_at(step: int, peak: float, warmup_steps: int, total_steps: int) -> float:
+    """Learning rate of 1-based `step`: linear warm-up to `peak`, then cosine decay to MIN_LR_FRACTION * peak."""
+    if step <= warmup_steps:
+        return peak * step / warmup_steps
+    progress = (step - warmup_steps) / max(total_steps - warmup_steps, 1)
+    floor = MIN_LR_FRACTION * peak
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def _env_rank(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise LaunchError(f"environment variable {name} is not set: start the trainer with torchrun")
+    return int(value)
+
+
+def _mean_over_ranks(value: torch.Tensor) -> float:
+    # Gloo has no ReduceOp.AVG, so sum and divide.
+    total = value.detach().clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total.item() / dist.get_world_size()
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], rank: int, world_size: int) -> float:
+    """Mean loss over the held-out batches, split across ranks (the bare module: no DDP collectives)."""
+    model.eval()
+    device = next(model.parameters()).device
+    # On the device, because NCCL reduces only GPU tensors.
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    for batch in batches[rank::world_size]:
+        sums[0] += next_token_loss(model, batch.to(device)).item()
+        sums[1] += 1
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+    model.train()
+    return (sums[0] / sums[1]).item()
+
+
+def train(args: argparse.Namespace) -> None:
+    rank, local_rank = _env_rank("RANK"), _env_rank("LOCAL_RANK")
+    world_size, node_rank = _env_rank("WORLD_SIZE"), _env_rank("GROUP_RANK")
+    torch.set_num_threads(args.threads)
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=args.collective_timeout_s))
+    try:
+        # --- data and model -------------------------------------------------------------------------------
+        data = TokenWindows(args.data_dir, seq_len=args.seq_len, vocab_size=args.vocab_size)
+        config = GPTConfig(args.vocab_size, args.d_model, args.n_layers, args.n_heads, args.seq_len)
+        torch.manual_seed(args.seed)
+        model = GPT(config).to(device)
+        ddp_model = DistributedDataParallel(model, device_ids=[local_rank] if use_cuda else None)
+        optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+
+        # --- resume: the data position is the step, so continuing at step + 1 replays nothing ---------------
+        start_step, recent_losses = 1, []
+        if args.resume_from is not None:
+            extra = load_checkpoint(args.resume_from, ddp_model, optimizer)
+            missing = [key for key in ("seed", "data_position", "recent_losses") if key not in extra]
+            if missing:
+                raise CheckpointError(
+                    f"{args.resume_from}: extra lacks {', '.join(missing)}: resume only from trainer.train checkpoints"
+                )
+            if extra["seed"] != args.seed:
+                raise LaunchError(
+                    f"{args.resume_from}: saved with --seed {extra['seed']}, not {args.seed}: "
+                    f"pass --seed {extra['seed']} to continue the same data order"
+                )
+            start_step, recent_losses = extra["data_position"], extra["recent_losses"]
+            if rank == 0:
+                print(f"resumed from {args.resume_from} at step {start_step}", flush=True)
+
+        metrics = TrainingMetrics(
+            args.metrics_file if rank == 0 else None,
+            log_every=args.log_every,
+            first_step=start_step,
+            last_step=args.steps,
+            recent_losses=recent_losses,
+        )
+        tokens_per_step = args.batch_size * args.seq_len * world_size
+
+        # --- the loop ------------------------------------------------------------------------------------
+        for step in range(start_step, args.steps + 1):
+            started = time.perf_counter()
+            lr = lr_at(step, args.lr, args.warmup_steps, args.steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batch = data.train_batch(args.seed, step, rank, world_size, args.batch_size).to(device)
+            loss = next_token_loss(ddp_model, batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), GRAD_CLIP_NORM)
+            optimizer.step()
+            mean_loss = _mean_over_ranks(loss)
+            if not math.isfinite(mean_loss):
+                raise LaunchError(f"loss became {mean_loss} at step {step}: lower --lr or raise --warmup-steps")
+            metrics.record(step, mean_loss, lr, time.perf_counter() - started, tokens_per_step)
+
+            if step % args.ckpt_every == 0 or step == args.steps:
+                saving = time.perf_counter()
+                extra = {
+                    "step": step,
+                    "data_position": step + 1,
+                    "seed": args.seed,
+                    "recent_losses": metrics.recent_losses,
+                }
+                save_checkpoint(args.ckpt_dir, step, ddp_model, optimizer, extra, keep_local=args.keep_local)
+                metrics.checkpoint(step, time.perf_counter() - saving)
+
+        # --- final eval and report -----------------------------------------------------------------------
+        eval_loss = evaluate(model, data.eval_batches(args.seed, args.eval_batches, args.batch_size), rank, world_size)
+        done = metrics.done(eval_loss)
+        if local_rank == 0 and args.done_file is not None:
+            args.done_file.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(args.done_file, {**done, "node_rank": node_rank, "world_size": world_size})
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        train(args)
+    except (LaunchError, DataError, CheckpointError) as exc:
+        # Expected failures get one readable line; anything else keeps its traceback.
+        print(f"trainer rank {os.environ.get('RANK', '?')}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""`trainpipe`: the command line. Bad input exits 2 with one line; commands that need no Prefect never import it."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from functools import wraps
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from infra.checkpoints import CheckpointError, CheckpointStore
+from infra.dataset.manifest import DatasetError
+from infra.plan import PlanError, cluster_name_for, plan_job
+from infra.providers import LaunchError, all_providers, get_provider
+from infra.spec import ConfigError, JobSpec, load_job
+from infra.storage import StorageError, open_store
+from infra.summary import RunSummary, load_summary
+from infra.workspace import runs_dir
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+dataset_app = typer.Typer(no_args_is_help=True, help="Create and check token datasets.")
+ckpt_app = typer.Typer(no_args_is_help=True, help="List and verify committed checkpoints.")
+app.add_typer(dataset_app, name="dataset")
+app.add_typer(ckpt_app, name="ckpt")
+
+USER_ERRORS = (ConfigError, PlanError, DatasetError, StorageError, CheckpointError, LaunchError)
+F = TypeVar("F", bound=Callable[..., Any])
+
+ConfigArg = Annotated[Path, typer.Argument(help="job config YAML (see examples/local.yaml)")]
+RunIdOpt = Annotated[str | None, typer.Option("--run-id", help="reuse a run id to resume its checkpoints")]
+
+
+def user_errors_exit_2(command: F) -> F:
+    """A mistake in what the user gave us is one line on stderr and exit code 2, never a traceback."""
+
+    @wraps(command)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except USER_ERRORS as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def new_run_id(job: JobSpec) -> str:
+    return f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+
+
+@app.command()
+@user_errors_exit_2
+def plan(config: ConfigArg, run_id: RunIdOpt = None) -> None:
+    """Validate the config, the dataset and the checkpoint store; print what would run. Launches nothing."""
+    job = load_job(config)
+    typer.echo(plan_job(job, run_id or new_run_id(job)).render())
+
+
+@app.command()
+@user_errors_exit_2
+def run(config: ConfigArg, run_id: RunIdOpt = None) -> None:
+    """Run the whole pipeline as a Prefect flow and print its summary."""
+    job = load_job(config)
+    run_id = run_id or new_run_id(job)
+    # Fail on bad input before Prefect starts, so the user sees one line rather than a flow traceback.
+    plan_job(job, run_id)
+    from flows.retrain import retrain
+
+    failure: Exception | None = None
+    try:
+        retrain(job, run_id)
+    except USER_ERRORS:
+        raise
+    except Exception as exc:  # the flow already logged the traceback; the user gets the summary and one line
+        failure = exc
+    summary_path = runs_dir() / run_id / "summary.json"
+    if summary_path.is_file():
+        typer.echo(RunSummary(**load_summary(summary_path)).render())
+        typer.echo(f"summary: {summary_path}")
+    if failure is not None:
+        typer.echo(f"error: run {run_id} failed: {type(failure).__name__}: {failure}", err=True)
+        raise typer.Exit(1)
+
+
+@app.command()
+@user_errors_exit_2
+def up(config: ConfigArg, run_id: RunIdOpt = None) -> None:
+    """Launch the cluster only and print its nodes (tear it down with `trainpipe down NAME`)."""
+    job = load_job(config)
+    run_id = run_id or new_run_id(job)
+    cluster = get_provider(job.cluster.provider).launch(cluster_name_for(run_id), job.cluster, run_id)
+    typer.echo(f"cluster {cluster.name} ({cluster.provider}) is up:")
+    for node in cluster.nodes:
+        typer.echo(f"  {node.name}  rank {node.rank}  {node.address}  {node.workdir}")
+
+
+@app.command()
+@user_errors_exit_2
+def down(name: Annotated[str, typer.Argument(help="cluster name, as `trainpipe status` shows it")]) -> None:
+    """Tear down a cluster (idempotent)."""
+    removed = [p.name for p in all_providers() if p.terminate(name)]
+    typer.echo(f"{name}: torn down on {', '.join(removed)}" if removed else f"{name}: nothing was running")
+
+
+@app.command()
+def status() -> None:
+    """Clusters trainpipe launched that still exist, and the latest runs."""
+    records = [r for provider in all_providers() for r in provider.list_clusters()]
+    typer.echo(f"{len(records)} clusters")
+    for r in records:
+        owner = "run alive" if r.owner_alive else "ORPHANED (its run is gone: `trainpipe sweep`)"
+        typer.echo(f"  {r.name}  {r.provider}  run {r.run_id}  {r.nodes} nodes  {r.processes} processes  {owner}")
+    summaries = sorted(runs_dir().glob("*/summary.json"), key=lambda p: p.stat().st_mtime)[-5:]
+    for path in summaries:
+        s = load_summary(path)
+        typer.echo(f"run {s['run_id']}: {s['status']}, steps {s['steps']}, checkpoint {s['checkpoint']}")
+
+
+@app.command()
+def sweep(
+    all_clusters: Annotated[bool, typer.Option("--all", help="also clusters whose run is still alive")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="only say what would be torn down")] = False,
+) -> None:
+    """Tear down clusters whose run is no longer running (what a killed orchestrator left behind)."""
+    swept = 0
+    for provider in all_providers():
+        for record in provider.list_clusters():
+            if record.owner_alive and not all_clusters:
+                continue
+            typer.echo(f"{'would tear down' if dry_run else 'tearing down'} {record.name} ({provider.name}, "
+                       f"run {record.run_id}, {record.processes} processes)")
+            if not dry_run:
+                provider.terminate(record.name)
+            swept += 1
+    typer.echo(f"swept {swept} clusters" if not dry_run else f"{swept} clusters would be swept")
+
+
+@dataset_app.command("synth")
+@user_errors_exit_2
+def dataset_synth(
+    url: Annotated[str, typer.Argument(help="dataset root URL or path")],
+    tokens: Annotated[int, typer.Option(help="total tokens")] = 20_000_000,
+    vocab_size: Annotated[int, typer.Option(help="vocabulary size")] = 256,
+    shard_tokens: Annotated[int, typer.Option(help="tokens per shard (2 bytes each)")] = 16_000_000,
+    seed: Annotated[int, typer.Option(help="generator seed")] = 0,
+) -> None:
+    """Write a synthetic Markov token dataset whose loss floor is known exactly."""
+    from infra.dataset.synth import synthesize
+
+    store = open_store(url)
+    started = time.perf_counter()
+    manifest = synthesize(store, tokens, vocab_size=vocab_size, shard_tokens=shard_tokens, seed=seed)
+    typer.echo(f"{store.url}: {len(manifest.shards)} shards, {manifest.total_tokens:,} tokens, vocab "
+               f"{manifest.vocab_size}, loss floor {manifest.loss_floor:.4f} nats "
+               f"({time.perf_counter() - started:.1f}s)")
+
+
+@dataset_app.command("validate")
+@user_errors_exit_2
+def dataset_validate(
+    url: Annotated[str, typer.Argument(help="dataset root URL or path")],
+    vocab_size: Annotated[int | None, typer.Option(help="the model's vocab size, if it must match")] = None,
+    shallow: Annotated[bool, typer.Option("--shallow", help="sizes only: skip checksums and token ranges")] = False,
+) -> None:
+    """Check the manifest and every shard (schema, counts, token range, checksums) with Great Expectations."""
+    from infra.dataset.validate import validate_dataset
+
+    report = validate_dataset(open_store(url), deep=not shallow, expected_vocab=vocab_size)
+    typer.echo(report.summary())
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@ckpt_app.command("ls")
+@user_errors_exit_2
+def ckpt_ls(url: Annotated[str, typer.Argument(help="a run's checkpoint root URL")]) -> None:
+    """List committed and uncommitted steps."""
+    checkpoints = CheckpointStore(open_store(url))
+    latest = checkpoints.latest()
+    for step in checkpoints.list_steps():
+        mark = "committed" if step.committed else "uncommitted"
+        star = "  <- latest" if latest and step.step == latest.step else ""
+        typer.echo(f"step {step.step:>8}  {mark:<11}  {step.files:>3} files  {step.bytes / 1e6:9.2f} MB{star}")
+
+
+@ckpt_app.command("verify")
+@user_errors_exit_2
+def ckpt_verify(
+    url: Annotated[str, typer.Argument(help="a run's checkpoint root URL")],
+    step: Annotated[int | None, typer.Argument(help="default: the latest committed step")] = None,
+) -> None:
+    """Check every file against the manifest, then load the checkpoint."""
+    from trainer.checkpoint import inspect_checkpoint
+
+    checkpoints = CheckpointStore(open_store(url))
+    manifest = checkpoints.verify(step, deep=True)
+    with tempfile.TemporaryDirectory(prefix="trainpipe-verify-") as scratch:
+        loaded = inspect_checkpoint(checkpoints.restore(Path(scratch), manifest.step))
+    typer.echo(json.dumps({"step": manifest.step, "files": len(manifest.files), "loaded": loaded}))
+
+
+def main() -> None:
+    sys.exit(app())
