@@ -52,9 +52,8 @@ def retrain(job: JobSpec, run_id: str | None = None) -> dict[str, Any]:
             restored = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.checkpoint_url)).result()
                         if plan.resume_step is not None else [])
         with summary.phase("train"):
-            launch = TrainLaunch(checkpoint_url=plan.checkpoint_url, rendezvous_port=probes[0]["free_port"],
-                                 resume_dirs={node.name: r["path"] for node, r in zip(cluster.nodes, restored,
-                                                                                        strict=True)})
+            resume_dirs = {node.name: r["path"] for node, r in zip(cluster.nodes, restored, strict=False)}
+            launch = TrainLaunch(plan.checkpoint_url, probes[0]["free_port"], resume_dirs)
             outcome = run_training(job, cluster, launch)
         with summary.phase("sync"):
             verified = verify_committed_checkpoint(cluster, plan.checkpoint_url)

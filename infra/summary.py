@@ -24,7 +24,7 @@ class RunSummary:
     error: str | None = None
     phases: dict[str, float] = field(default_factory=dict)
     steps: int = 0
-    start_step: int = 0
+    start_step: int = 0  # the first step this run executed (1 unless it resumed)
     initial_loss: float | None = None
     final_loss: float | None = None
     final_eval_loss: float | None = None
@@ -68,7 +68,7 @@ class RunSummary:
                          f"{self.stage.get('skipped_bytes', 0) / 1e6:.1f} MB already there")
         if self.initial_loss is not None and self.final_loss is not None:
             floor = f" (floor {self.loss_floor:.3f})" if self.loss_floor is not None else ""
-            lines.append(f"  loss: {self.initial_loss:.3f} at step {self.start_step + 1} → {self.final_loss:.3f} "
+            lines.append(f"  loss: {self.initial_loss:.3f} at step {self.start_step} → {self.final_loss:.3f} "
                          f"at step {self.steps}{floor}")
         lines.append(f"  checkpoint: {self.checkpoint or 'none committed'}")
         if self.nodes_left is not None:

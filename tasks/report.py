@@ -41,7 +41,7 @@ def _markdown(summary: RunSummary) -> str:
     return (f"# Run `{summary.run_id}`: {summary.status}\n\n"
             f"{summary.error or ''}\n\n"
             f"* job **{summary.job}** on **{summary.provider}**, {summary.nodes} nodes\n"
-            f"* loss {loss}, steps {summary.start_step + 1}–{summary.steps}\n"
+            f"* loss {loss}, steps {summary.start_step}–{summary.steps}\n"
             f"* committed checkpoint: {summary.checkpoint or 'none'}\n"
             f"* nodes left running after teardown: {summary.nodes_left}\n\n"
             f"| phase | seconds |\n|---|---|\n{rows}\n")

@@ -88,9 +88,11 @@ def _wait_all(trainers: dict[str, Process], deadline: float) -> None:
 
 
 def _last_error(process: Process) -> str:
-    lines = [line for line in process.tail(200).splitlines() if line.strip()]
+    """The trainer's own one-line error when it printed one, else the last line that looks like an error."""
+    lines = [line.strip() for line in process.tail(300).splitlines() if line.strip()]
+    ours = [line for line in lines if "trainer error (" in line or line.startswith(("restore:", "sync:"))]
     errors = [line for line in lines if "Error" in line or "error" in line]
-    return (errors or lines or ["(no output)"])[-1].strip()
+    return (ours or errors or lines or ["(no output)"])[-1]
 
 
 def _stop_syncers(runners: dict[str, Runner], syncers: dict[str, Process], nodes: tuple[Node, ...]) -> None:

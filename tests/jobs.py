@@ -23,8 +23,8 @@ def job_config(tmp: Path, dataset_url: str, **training: Any) -> dict[str, Any]:
         "name": "e2e",
         "cluster": {"provider": "local", "nodes": 2, "procs_per_node": 1},
         "dataset": {"url": dataset_url},
-        "checkpoints": {"url": f"file://{tmp}/store/ckpt", "every_steps": 20, "keep": 2, "keep_local": 2},
-        "training": {"steps": 80, "batch_size": 16, "lr": 3e-3, "warmup_steps": 10, "seed": 1,
+        "checkpoints": {"url": f"file://{tmp}/store/ckpt", "every_steps": 40, "keep": 2, "keep_local": 2},
+        "training": {"steps": 120, "batch_size": 16, "lr": 1e-2, "warmup_steps": 10, "seed": 1,
                      "model": {"vocab_size": 256, "d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 32},
                      **training},
     }

@@ -48,20 +48,20 @@ def test_flow_trains_commits_and_tears_down(prefect_server: None, workspace: Pat
 
     assert summary["status"] == "completed"
     assert set(summary["phases"]) == {"plan", "provision", "verify", "stage", "train", "sync", "teardown"}
-    assert summary["steps"] == 80 and summary["start_step"] == 0
+    assert summary["steps"] == 120 and summary["start_step"] == 1
     assert summary["final_loss"] < summary["initial_loss"] * 0.6, "loss did not fall"
     assert summary["loss_floor"] == pytest.approx(1.0889, abs=1e-3)
-    assert summary["checkpoint"].endswith("/e2e-run/step-00000080")
+    assert summary["checkpoint"].endswith("/e2e-run/step-00000120")
     assert summary["nodes_left"] == 0
     on_disk = json.loads((workspace / "runs" / "e2e-run" / "summary.json").read_text())
     assert on_disk["checkpoint"] == summary["checkpoint"]
 
     checkpoints = CheckpointStore(open_store(f"{job.checkpoints.url}/e2e-run"))
     latest = checkpoints.latest()
-    assert latest is not None and latest.step == 80
-    assert [c.step for c in checkpoints.committed()] == [80, 60], "retention keeps the newest 2 committed"
+    assert latest is not None and latest.step == 120
+    assert [c.step for c in checkpoints.committed()] == [120, 80], "retention keeps the newest 2 committed"
     loaded = inspect_checkpoint(checkpoints.restore(tmp_path / "restored"))
-    assert loaded["step"] == 80 and loaded["num_params"] > 0
+    assert loaded["step"] == 120 and loaded["num_params"] > 0
 
     assert not tagged_processes(), "node processes outlived the run"
     assert not any((workspace / "clusters").iterdir()), "node directories outlived the run"
@@ -102,7 +102,7 @@ def test_sigkilled_run_is_swept_and_rerun_resumes(workspace: Path, tmp_path: Pat
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     summary = json.loads((workspace / "runs" / "resume-run" / "summary.json").read_text())
     assert summary["status"] == "completed"
-    assert summary["start_step"] == committed.step, "the rerun did not continue from the committed step"
+    assert summary["start_step"] == committed.step + 1, "the rerun did not continue from the committed step"
     assert summary["steps"] == 400
     assert "0 nodes left running" in rerun.stdout
     assert not tagged_processes()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -38,12 +39,14 @@ def write_dataset(root: Path, shards: list[np.ndarray], vocab_size: int, seed: i
         name = f"shard-{index:05d}.bin"
         raw = tokens.astype("<u2").tobytes()
         (root / name).write_bytes(raw)
-        entries.append({"name": name, "bytes": len(raw), "sha256": "", "tokens": len(tokens)})
+        entries.append({"name": name, "bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest(),
+                        "tokens": len(tokens)})
     manifest = {
         "format": "trainpipe-tokens-v1",
         "dtype": "uint16",
         "vocab_size": vocab_size,
         "seed": seed,
+        "generator": {"kind": "test-markov", "branching": list(JUMP_WEIGHTS)},
         "loss_floor": LOSS_FLOOR,
         "total_tokens": sum(len(t) for t in shards),
         "shards": entries,
@@ -280,5 +283,6 @@ def test_a_failing_trainer_exits_non_zero_with_one_line_naming_the_file(markov_d
     args = trainer_args(markov_dir, tmp_path, 5, 4, "--vocab-size", str(VOCAB // 2))
     ((returncode, _, stderr),) = launch([args])
     assert returncode != 0
-    assert f"trainer rank 0: {markov_dir / 'manifest.json'}: dataset vocab_size {VOCAB} != model vocab_size" in stderr
+    manifest = markov_dir / "manifest.json"
+    assert f"trainer error (rank 0): {manifest}: dataset vocab_size {VOCAB} != model vocab_size" in stderr
     assert not (tmp_path / "done.json").exists()

@@ -6,16 +6,13 @@ step s + 1 sees exactly the batches an uninterrupted run would have seen.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-MANIFEST_NAME = "manifest.json"
-DATASET_FORMAT = "trainpipe-tokens-v1"
-TOKEN_DTYPE = "uint16"
+from infra.dataset.manifest import MANIFEST_KEY, DatasetError, DatasetManifest, load_manifest
+from infra.storage import open_store
 
 # Separate seed streams keep the eval batches out of the training order whatever the step count.
 _TRAIN_STREAM = 0
@@ -26,40 +23,12 @@ class DataError(ValueError):
     """A dataset that cannot be read for training; the message names the file and the fix."""
 
 
-@dataclass(frozen=True)
-class Manifest:
-    vocab_size: int
-    loss_floor: float | None
-    shards: tuple[tuple[str, int], ...]  # (file name, token count), in stream order
-
-
-def read_manifest(data_dir: Path) -> Manifest:
-    path = data_dir / MANIFEST_NAME
-    if not path.is_file():
-        raise DataError(f"{path}: no dataset manifest: stage the dataset into {data_dir} first")
+def read_manifest(data_dir: Path) -> DatasetManifest:
+    """The staged dataset's manifest, parsed by the same model the dataset tools write it with."""
     try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}): re-stage the dataset") from None
-    if not isinstance(raw, dict):
-        raise DataError(f"{path}: expected a JSON object with format, dtype, vocab_size, shards: re-stage the dataset")
-    if raw.get("format") != DATASET_FORMAT:
-        raise DataError(f"{path}: format {raw.get('format')!r} is not {DATASET_FORMAT!r}: re-export the dataset")
-    if raw.get("dtype") != TOKEN_DTYPE:
-        raise DataError(f"{path}: dtype {raw.get('dtype')!r} is not {TOKEN_DTYPE!r}: re-export the dataset")
-    try:
-        vocab_size = int(raw["vocab_size"])
-        shards = [(str(s["name"]), int(s["tokens"])) for s in raw["shards"]]
-        loss_floor = None if raw.get("loss_floor") is None else float(raw["loss_floor"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise DataError(f"{path}: missing or malformed field {exc}: re-export the dataset") from None
-    if not shards:
-        raise DataError(f"{path}: lists no shards: re-export the dataset with at least one shard")
-    return Manifest(
-        vocab_size=vocab_size,
-        loss_floor=loss_floor,
-        shards=tuple(shards),
-    )
+        return load_manifest(open_store(str(data_dir)))
+    except DatasetError as exc:
+        raise DataError(str(exc)) from None
 
 
 class TokenWindows:
@@ -69,17 +38,17 @@ class TokenWindows:
         manifest = read_manifest(data_dir)
         if manifest.vocab_size != vocab_size:
             raise DataError(
-                f"{data_dir / MANIFEST_NAME}: dataset vocab_size {manifest.vocab_size} != model vocab_size "
+                f"{data_dir / MANIFEST_KEY}: dataset vocab_size {manifest.vocab_size} != model vocab_size "
                 f"{vocab_size}: set the model's vocab_size (--vocab-size) to {manifest.vocab_size}"
             )
         self.window = seq_len + 1
         self.loss_floor = manifest.loss_floor
-        self.shards = [self._open_shard(data_dir / name, tokens) for name, tokens in manifest.shards]
+        self.shards = [self._open_shard(data_dir / shard.name, shard.tokens) for shard in manifest.shards]
         starts_per_shard = np.array([max(len(s) - self.window + 1, 0) for s in self.shards], dtype=np.int64)
         self.num_windows = int(starts_per_shard.sum())
         if self.num_windows == 0:
             raise DataError(
-                f"{data_dir / MANIFEST_NAME}: no shard holds {self.window} tokens (seq_len + 1): "
+                f"{data_dir / MANIFEST_KEY}: no shard holds {self.window} tokens (seq_len + 1): "
                 "lower --seq-len or write larger shards"
             )
         # Window index w lies in shard i when first_window[i] <= w < first_window[i + 1].

@@ -28,8 +28,8 @@ MIN_LR_FRACTION = 0.1
 GRAD_CLIP_NORM = 1.0
 
 
-class LaunchError(RuntimeError):
-    """The trainer was started wrongly (flags or environment); the message names the thing and the fix."""
+class TrainError(RuntimeError):
+    """A failure the trainer explains in one line (environment, resume mismatch, divergence) naming the fix."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -78,7 +78,7 @@ def lr_at(step: int, peak: float, warmup_steps: int, total_steps: int) -> float:
 def _env_rank(name: str) -> int:
     value = os.environ.get(name)
     if value is None:
-        raise LaunchError(f"environment variable {name} is not set: start the trainer with torchrun")
+        raise TrainError(f"environment variable {name} is not set: start the trainer with torchrun")
     return int(value)
 
 
@@ -132,7 +132,7 @@ def train(args: argparse.Namespace) -> None:
                     f"{args.resume_from}: extra lacks {', '.join(missing)}: resume only from trainer.train checkpoints"
                 )
             if extra["seed"] != args.seed:
-                raise LaunchError(
+                raise TrainError(
                     f"{args.resume_from}: saved with --seed {extra['seed']}, not {args.seed}: "
                     f"pass --seed {extra['seed']} to continue the same data order"
                 )
@@ -163,7 +163,7 @@ def train(args: argparse.Namespace) -> None:
             optimizer.step()
             mean_loss = _mean_over_ranks(loss)
             if not math.isfinite(mean_loss):
-                raise LaunchError(f"loss became {mean_loss} at step {step}: lower --lr or raise --warmup-steps")
+                raise TrainError(f"loss became {mean_loss} at step {step}: lower --lr or raise --warmup-steps")
             metrics.record(step, mean_loss, lr, time.perf_counter() - started, tokens_per_step)
 
             if step % args.ckpt_every == 0 or step == args.steps:
@@ -192,9 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         train(args)
-    except (LaunchError, DataError, CheckpointError) as exc:
+    except (TrainError, DataError, CheckpointError) as exc:
         # Expected failures get one readable line; anything else keeps its traceback.
-        print(f"trainer rank {os.environ.get('RANK', '?')}: {exc}", file=sys.stderr, flush=True)
+        print(f"trainer error (rank {os.environ.get('RANK', '?')}): {exc}", file=sys.stderr, flush=True)
         return 1
     return 0
 
