@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow, get_run_logger, unmapped
+from prefect import flow, unmapped
+from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as current_flow_run
 from prefect.states import State
 
@@ -29,7 +30,7 @@ def teardown_on_crash(flow: Any, flow_run: Any, state: State[Any]) -> None:
     """Cancellation and crash skip the flow's finally; this hook tears the cluster down from the parameters alone."""
     job = JobSpec.model_validate(flow_run.parameters["job"])
     run_id = flow_run.parameters.get("run_id") or default_run_id(job.name, str(flow_run.id))
-    get_run_logger().warning("run %s ended %s: tearing down its cluster", run_id, state.type.value)
+    flow_run_logger(flow_run, flow).warning("run %s ended %s: tearing down its cluster", run_id, state.type.value)
     teardown_cluster.fn(job.cluster.provider, cluster_name_for(run_id))
 
 
@@ -60,7 +61,7 @@ def retrain(job: JobSpec, run_id: str | None = None) -> dict[str, Any]:
         record_training(summary, staged, outcome, verified, plan.checkpoint_url)
         summary.status = "completed"
     except BaseException as exc:
-        summary.status, summary.error = "failed", f"{type(exc).__name__}: {exc}"
+        summary.status, summary.error = "failed", f"{type(exc).__name__}: {exc or 'no message'}"
         raise
     finally:
         with summary.phase("teardown"):

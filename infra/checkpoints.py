@@ -212,7 +212,7 @@ class CheckpointStore:
             raise NoCommittedCheckpoint(f"{self.store.url}: no committed checkpoint: train first or check the URL")
         raise CheckpointError(
             f"{self.store.url_for(manifest_key(step))}: step {step} is not committed: "
-            "pick a committed step (trainpipe ckpt list) or omit the step"
+            "pick a committed step (trainpipe ckpt ls) or omit the step"
         )
 
     # ---- writing ------------------------------------------------------------------------------------------

@@ -23,15 +23,23 @@ from infra.storage import open_store
 from trainer.checkpoint import inspect_checkpoint
 
 
-def tagged_processes() -> list[psutil.Process]:
+def tagged_processes(workspace: Path) -> list[psutil.Process]:
+    """Node processes of local clusters in this test's workspace (other sessions' clusters are not ours)."""
     found = []
     for process in psutil.process_iter():
         try:
-            if CLUSTER_TAG in process.environ():
+            if process.environ().get(CLUSTER_TAG, "").startswith(str(workspace)):
                 found.append(process)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
+
+
+def _in_group(process: psutil.Process, group: int) -> bool:
+    try:
+        return os.getpgid(process.pid) == group
+    except (ProcessLookupError, psutil.NoSuchProcess):
+        return False
 
 
 @pytest.fixture
@@ -63,7 +71,7 @@ def test_flow_trains_commits_and_tears_down(prefect_server: None, workspace: Pat
     loaded = inspect_checkpoint(checkpoints.restore(tmp_path / "restored"))
     assert loaded["step"] == 120 and loaded["num_params"] > 0
 
-    assert not tagged_processes(), "node processes outlived the run"
+    assert not tagged_processes(workspace), "node processes outlived the run"
     assert not any((workspace / "clusters").iterdir()), "node directories outlived the run"
 
 
@@ -79,22 +87,25 @@ def test_sigkilled_run_is_swept_and_rerun_resumes(workspace: Path, tmp_path: Pat
     checkpoints = CheckpointStore(open_store(f"{config['checkpoints']['url']}/resume-run"))
 
     orchestrator = subprocess.Popen([TRAINPIPE, "run", str(config_path), "--run-id", "resume-run"], cwd=REPO,
-                                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    start_new_session=True)
     deadline = time.monotonic() + 300
     while checkpoints.latest() is None:
         assert orchestrator.poll() is None, "the run ended before its first committed checkpoint"
         assert time.monotonic() < deadline, "no checkpoint was committed within 300 s"
         time.sleep(0.5)
-    orchestrator.send_signal(signal.SIGKILL)  # the orchestrator dies without any chance to clean up
+    # The orchestrator and its Prefect server die without any chance to clean up; the nodes run in their own
+    # sessions, as they would on other machines, so they survive as orphans.
+    os.killpg(orchestrator.pid, signal.SIGKILL)
     orchestrator.wait()
 
-    assert tagged_processes(), "killing the orchestrator should leave the nodes' processes running (orphans)"
+    assert tagged_processes(workspace), "killing the orchestrator should leave the nodes' processes running (orphans)"
     status = _run_cli(["status"], env)
     assert "ORPHANED" in status.stdout
     swept = _run_cli(["sweep"], env)
     assert swept.returncode == 0, swept.stderr
     assert "swept 1 clusters" in swept.stdout
-    assert not tagged_processes(), "sweep left node processes running"
+    assert not tagged_processes(workspace), "sweep left node processes running"
 
     committed = checkpoints.latest()
     assert committed is not None and 0 < committed.step < 400
@@ -105,7 +116,7 @@ def test_sigkilled_run_is_swept_and_rerun_resumes(workspace: Path, tmp_path: Pat
     assert summary["start_step"] == committed.step + 1, "the rerun did not continue from the committed step"
     assert summary["steps"] == 400
     assert "0 nodes left running" in rerun.stdout
-    assert not tagged_processes()
+    assert not tagged_processes(workspace)
 
 
 @pytest.mark.parametrize(
@@ -130,3 +141,28 @@ def test_bad_input_fails_plan_with_one_line_and_exit_2(workspace: Path, tmp_path
     assert len(error_lines) == 1 and expected in error_lines[0], result.stderr
     assert not (workspace / "clusters").exists() or not any((workspace / "clusters").iterdir()), "launched anyway"
 
+
+
+def test_sigterm_to_the_orchestrator_tears_the_cluster_down(workspace: Path, tmp_path: Path, dataset_url: str) -> None:
+    """SIGTERM is what a cancel, a stopping worker or a container runtime sends: the run must clean up after itself."""
+    config_path = write_config(tmp_path / "job.yaml", job_config(tmp_path, dataset_url, steps=2000))
+    env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": str(tmp_path / "prefect"),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    orchestrator = subprocess.Popen([TRAINPIPE, "run", str(config_path), "--run-id", "term-run"], cwd=REPO, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not any("trainer.train" in " ".join(p.cmdline()) for p in tagged_processes(workspace)):
+        assert orchestrator.poll() is None, "the run ended before training started"
+        assert time.monotonic() < deadline, "training did not start within 300 s"
+        time.sleep(0.5)
+    orchestrator.send_signal(signal.SIGTERM)
+    output, _ = orchestrator.communicate(timeout=120)
+
+    assert orchestrator.returncode == 128 + signal.SIGTERM, output[-3000:]
+    leftovers = [p.pid for p in psutil.process_iter() if _in_group(p, orchestrator.pid)]
+    assert not leftovers, f"processes of the orchestrator (its Prefect server?) outlived it: {leftovers}"
+    assert not tagged_processes(workspace), "node processes outlived a terminated run:\n" + output[-3000:]
+    assert not (workspace / "clusters" / "tp-term-run").exists()
+    summary = json.loads((workspace / "runs" / "term-run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["nodes_left"] == 0

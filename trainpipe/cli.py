@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import tempfile
 import time
@@ -72,6 +73,9 @@ def run(config: ConfigArg, run_id: RunIdOpt = None) -> None:
     plan_job(job, run_id)
     from flows.retrain import retrain
 
+    # Prefect turns SIGTERM into a graceful flow shutdown, then re-sends it to the handler it found. Python's
+    # default handler would end the process without atexit, leaking Prefect's ephemeral server process.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     failure: Exception | None = None
     try:
         retrain(job, run_id)
@@ -79,13 +83,18 @@ def run(config: ConfigArg, run_id: RunIdOpt = None) -> None:
         raise
     except Exception as exc:  # the flow already logged the traceback; the user gets the summary and one line
         failure = exc
-    summary_path = runs_dir() / run_id / "summary.json"
-    if summary_path.is_file():
-        typer.echo(RunSummary(**load_summary(summary_path)).render())
-        typer.echo(f"summary: {summary_path}")
+    finally:
+        summary_path = runs_dir() / run_id / "summary.json"
+        if summary_path.is_file():
+            typer.echo(RunSummary(**load_summary(summary_path)).render())
+            typer.echo(f"summary: {summary_path}")
     if failure is not None:
         typer.echo(f"error: run {run_id} failed: {type(failure).__name__}: {failure}", err=True)
         raise typer.Exit(1)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 @app.command()
@@ -183,7 +192,10 @@ def ckpt_ls(url: Annotated[str, typer.Argument(help="a run's checkpoint root URL
     """List committed and uncommitted steps."""
     checkpoints = CheckpointStore(open_store(url))
     latest = checkpoints.latest()
-    for step in checkpoints.list_steps():
+    steps = checkpoints.list_steps()
+    if not steps:
+        typer.echo(f"{checkpoints.store.url}: no checkpoints (committed or not)")
+    for step in steps:
         mark = "committed" if step.committed else "uncommitted"
         star = "  <- latest" if latest and step.step == latest.step else ""
         typer.echo(f"step {step.step:>8}  {mark:<11}  {step.files:>3} files  {step.bytes / 1e6:9.2f} MB{star}")

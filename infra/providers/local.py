@@ -43,12 +43,16 @@ def _owner_alive(owner: dict[str, object]) -> bool:
         return False
 
 
-def cluster_processes(cluster_name: str) -> list[psutil.Process]:
-    """Every process on this machine tagged with the cluster, found by environment, not by pid files."""
+def cluster_processes(cluster_dir: Path) -> list[psutil.Process]:
+    """Every process on this machine tagged with the cluster, found by environment, not by pid files.
+
+    The tag is the cluster's directory, not its name, so two workspaces that reuse a run id never touch
+    each other's processes.
+    """
     found = []
     for process in psutil.process_iter():
         try:
-            if process.environ().get(CLUSTER_TAG) == cluster_name:
+            if process.environ().get(CLUSTER_TAG) == str(cluster_dir):
                 found.append(process)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
@@ -103,9 +107,9 @@ class LocalProvider(Provider):
         return Cluster.from_json(record.read_text()) if record.is_file() else None
 
     def terminate(self, cluster_name: str) -> bool:
-        processes = cluster_processes(cluster_name)
-        kill_processes(processes)
         base = self._dir(cluster_name)
+        processes = cluster_processes(base)
+        kill_processes(processes)
         existed = base.exists()
         if existed:
             shutil.rmtree(base)
@@ -123,12 +127,13 @@ class LocalProvider(Provider):
             records.append(ClusterRecord(
                 name=cluster.name, provider=self.name, run_id=cluster.run_id, created_at=cluster.created_at,
                 nodes=len(cluster.nodes), owner_alive=_owner_alive(cluster.owner),
-                processes=len(cluster_processes(cluster.name)),
+                processes=len(cluster_processes(record.parent)),
             ))
         return records
 
     def runner(self, cluster: Cluster, node: Node) -> Runner:
-        return LocalRunner(node.name, Path(node.workdir), {CLUSTER_TAG: cluster.name, NODE_TAG: node.name})
+        tags = {CLUSTER_TAG: str(self._dir(cluster.name)), NODE_TAG: node.name}
+        return LocalRunner(node.name, Path(node.workdir), tags)
 
     def preemption_notices(self, cluster: Cluster) -> list[PreemptionNotice]:
         # Local nodes are never reclaimed by anyone but us; the chaos injector adds notices on purpose.
