@@ -24,6 +24,7 @@ run: $(BIN)/trainpipe $(DATASET)/manifest.json
 	$(BIN)/trainpipe run examples/local.yaml
 
 test: $(BIN)/trainpipe
+	scripts/install-system-packages
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 

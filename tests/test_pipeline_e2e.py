@@ -86,12 +86,12 @@ def test_sigkilled_run_is_swept_and_rerun_resumes(workspace: Path, tmp_path: Pat
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     checkpoints = CheckpointStore(open_store(f"{config['checkpoints']['url']}/resume-run"))
 
+    log = tmp_path / "orchestrator.log"
     orchestrator = subprocess.Popen([TRAINPIPE, "run", str(config_path), "--run-id", "resume-run"], cwd=REPO,
-                                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                    start_new_session=True)
+                                    env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 300
     while checkpoints.latest() is None:
-        assert orchestrator.poll() is None, "the run ended before its first committed checkpoint"
+        assert orchestrator.poll() is None, "the run ended before its first commit:\n" + log.read_text()[-3000:]
         assert time.monotonic() < deadline, "no checkpoint was committed within 300 s"
         time.sleep(0.5)
     # The orchestrator and its Prefect server die without any chance to clean up; the nodes run in their own
@@ -148,16 +148,17 @@ def test_sigterm_to_the_orchestrator_tears_the_cluster_down(workspace: Path, tmp
     config_path = write_config(tmp_path / "job.yaml", job_config(tmp_path, dataset_url, steps=2000))
     env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": str(tmp_path / "prefect"),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    log = tmp_path / "orchestrator.log"
     orchestrator = subprocess.Popen([TRAINPIPE, "run", str(config_path), "--run-id", "term-run"], cwd=REPO, env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    start_new_session=True)
+                                    stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 300
     while not any("trainer.train" in " ".join(p.cmdline()) for p in tagged_processes(workspace)):
-        assert orchestrator.poll() is None, "the run ended before training started"
+        assert orchestrator.poll() is None, "the run ended before training started:\n" + log.read_text()[-3000:]
         assert time.monotonic() < deadline, "training did not start within 300 s"
         time.sleep(0.5)
     orchestrator.send_signal(signal.SIGTERM)
-    output, _ = orchestrator.communicate(timeout=120)
+    orchestrator.wait(timeout=120)
+    output = log.read_text()
 
     assert orchestrator.returncode == 128 + signal.SIGTERM, output[-3000:]
     leftovers = [p.pid for p in psutil.process_iter() if _in_group(p, orchestrator.pid)]
