@@ -10,7 +10,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -47,6 +47,8 @@ class ClusterSpec(_Strict):
     spot: bool = Field(False, description="Prefer spot/preemptible capacity.")
     regions: tuple[str, ...] = Field((), description="Regions to consider, in order of preference; empty = any.")
     max_price_per_hour: float | None = Field(None, gt=0, description="Price cap for the whole cluster, USD/hour.")
+    lease_ttl_s: float = Field(120.0, ge=10, description="Nodes tear themselves down after this long without "
+                               "hearing from the orchestrator (bounds how long a cluster outlives a dead run).")
 
     @field_validator("provider")
     @classmethod
@@ -78,6 +80,13 @@ class CheckpointSpec(_Strict):
     every_steps: int = Field(50, ge=1, description="Save a checkpoint every this many steps (and at the end).")
     keep: int = Field(3, ge=1, description="Committed checkpoints kept in the store (the newest is never deleted).")
     keep_local: int = Field(2, ge=1, description="Checkpoints kept on each node's local disk.")
+    mode: Literal["async", "sync"] = Field(
+        "async", description="async: training continues while the checkpoint is written; sync: it waits."
+    )
+    flush_deadline_s: float = Field(
+        # torchrun's agent SIGKILLs its workers 30 s after forwarding SIGTERM to them.
+        20.0, gt=0, le=25, description="On SIGTERM (spot notice, cancel): seconds for a last save and its upload."
+    )
 
     @field_validator("url")
     @classmethod

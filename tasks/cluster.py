@@ -4,9 +4,23 @@ from __future__ import annotations
 
 from prefect import get_run_logger, task
 
-from infra.providers import Cluster, get_provider
+from infra.lease import LEASE_FILE, LeaseKeeper
+from infra.providers import Cluster, Provider, get_provider
 from infra.spec import JobSpec
 from tasks.policy import NO_RETRIES, TRANSIENT_RETRIES
+
+# Renewed several times per TTL, so one slow or failed renewal never expires a healthy node's lease.
+RENEWALS_PER_TTL = 6
+_lease_keepers: dict[str, LeaseKeeper] = {}
+
+
+def _start_lease(provider: Provider, cluster: Cluster, ttl_s: float) -> None:
+    """Start every node's watchdog, then keep its lease fresh from this process for as long as it lives."""
+    _lease_keepers[cluster.name] = LeaseKeeper(provider, cluster, ttl_s / RENEWALS_PER_TTL).start()
+    for node in cluster.nodes:
+        provider.runner(cluster, node).start(
+            [node.python, "-m", "infra.node", "watch", "--lease", node.path(LEASE_FILE), "--ttl", str(ttl_s)],
+            log_path=node.path("logs", "watch.log"))
 
 
 @task(name="provision-cluster", **TRANSIENT_RETRIES)
@@ -18,6 +32,7 @@ def provision_cluster(job: JobSpec, cluster_name: str, run_id: str) -> Cluster:
         logger.warning("cluster %s is left from an earlier attempt: tearing it down first", cluster_name)
         provider.terminate(cluster_name)
     cluster = provider.launch(cluster_name, job.cluster, run_id)
+    _start_lease(provider, cluster, job.cluster.lease_ttl_s)
     logger.info("launched %s on %s: %s", cluster.name, provider.name, ", ".join(n.name for n in cluster.nodes))
     return cluster
 
@@ -26,6 +41,9 @@ def provision_cluster(job: JobSpec, cluster_name: str, run_id: str) -> Cluster:
 def teardown_cluster(provider_name: str, cluster_name: str) -> int:
     """Terminate (idempotent) and return how many nodes are still alive afterwards: the answer must be 0."""
     provider = get_provider(provider_name)
+    keeper = _lease_keepers.pop(cluster_name, None)
+    if keeper is not None:
+        keeper.stop()
     provider.terminate(cluster_name)
     left = provider.describe(cluster_name)
     alive = sum(provider.nodes_alive(left).values()) if left else 0

@@ -12,6 +12,8 @@ COMMANDS = {
     "sync": "infra.node.sync",
     "restore": "infra.node.restore",
     "verify-ckpt": "infra.node.verify_ckpt",
+    "watch": "infra.node.watch",
+    "diskbench": "infra.node.diskbench",
 }
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import socket
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import psutil
 
+from infra.processes import kill_processes, tagged_processes
 from infra.providers.base import Cluster, ClusterRecord, InvalidRequestError, Node, PreemptionNotice, Provider
 from infra.remote import LocalRunner, Runner
 from infra.spec import ClusterSpec
@@ -44,35 +44,9 @@ def _owner_alive(owner: dict[str, object]) -> bool:
 
 
 def cluster_processes(cluster_dir: Path) -> list[psutil.Process]:
-    """Every process on this machine tagged with the cluster, found by environment, not by pid files.
-
-    The tag is the cluster's directory, not its name, so two workspaces that reuse a run id never touch
-    each other's processes.
-    """
-    found = []
-    for process in psutil.process_iter():
-        try:
-            if process.environ().get(CLUSTER_TAG) == str(cluster_dir):
-                found.append(process)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
-
-
-def kill_processes(processes: list[psutil.Process], grace_s: float = 5.0) -> None:
-    for process in processes:
-        try:
-            process.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            continue
-    _, alive = psutil.wait_procs(processes, timeout=grace_s)
-    for process in alive:
-        log.warning("pid %s ignored SIGTERM for %.0fs: killing it", process.pid, grace_s)
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            continue
-    psutil.wait_procs(alive, timeout=grace_s)
+    """The cluster's processes. The tag is the cluster's directory, not its name, so two workspaces that reuse
+    a run id never touch each other's processes."""
+    return tagged_processes(CLUSTER_TAG, str(cluster_dir))
 
 
 class LocalProvider(Provider):

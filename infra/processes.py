@@ -1,0 +1,40 @@
+"""Find processes by the tags they carry in their environment, and end them politely, then firmly."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+import psutil
+
+log = logging.getLogger(__name__)
+
+
+def tagged_processes(tag: str, value: str) -> list[psutil.Process]:
+    """Every other process on this machine whose environment has tag=value (no pid files to go stale)."""
+    me = os.getpid()
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.pid != me and process.environ().get(tag) == value:
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def kill_processes(processes: list[psutil.Process], grace_s: float = 5.0) -> None:
+    for process in processes:
+        try:
+            process.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            continue
+    _, alive = psutil.wait_procs(processes, timeout=grace_s)
+    for process in alive:
+        log.warning("pid %s ignored SIGTERM for %.0fs: killing it", process.pid, grace_s)
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            continue
+    psutil.wait_procs(alive, timeout=grace_s)
