@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from infra.models import StrictModel
 
 KNOWN_PROVIDERS = ("local",)
 KNOWN_SCHEMES = ("file", "s3", "gs")
@@ -21,10 +23,6 @@ KNOWN_SCHEMES = ("file", "s3", "gs")
 
 class ConfigError(ValueError):
     """A job config that cannot run; the message is one line naming the field and the fix."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 def _to_url(value: str) -> str:
@@ -37,7 +35,7 @@ def _to_url(value: str) -> str:
     return "file://" + str(Path(value).expanduser().resolve())
 
 
-class ClusterSpec(_Strict):
+class ClusterSpec(StrictModel):
     provider: str = Field("local", description=f"Where nodes run: one of {', '.join(KNOWN_PROVIDERS)}.")
     nodes: int = Field(2, ge=1, le=1024, description="Number of nodes (machines).")
     procs_per_node: int = Field(1, ge=1, le=64, description="Training processes per node (one per GPU).")
@@ -58,7 +56,7 @@ class ClusterSpec(_Strict):
         return value
 
 
-class DatasetSpec(_Strict):
+class DatasetSpec(StrictModel):
     url: str = Field(description="Dataset root holding manifest.json and the shards: file://, s3://, gs:// or a path.")
     validation: str = Field("full", description="'full' checks every shard before launch; 'manifest' checks sizes.")
 
@@ -75,7 +73,7 @@ class DatasetSpec(_Strict):
         return value
 
 
-class CheckpointSpec(_Strict):
+class CheckpointSpec(StrictModel):
     url: str = Field(description="Where committed checkpoints live; each run writes under <url>/<run-id>/.")
     every_steps: int = Field(50, ge=1, description="Save a checkpoint every this many steps (and at the end).")
     keep: int = Field(3, ge=1, description="Committed checkpoints kept in the store (the newest is never deleted).")
@@ -94,7 +92,7 @@ class CheckpointSpec(_Strict):
         return _to_url(value)
 
 
-class ModelSpec(_Strict):
+class ModelSpec(StrictModel):
     vocab_size: int = Field(256, ge=2, le=65536, description="Must equal the dataset's vocab_size.")
     d_model: int = Field(64, ge=8, description="Width of the transformer.")
     n_layers: int = Field(2, ge=1, description="Transformer blocks.")
@@ -108,7 +106,7 @@ class ModelSpec(_Strict):
         return self
 
 
-class TrainingSpec(_Strict):
+class TrainingSpec(StrictModel):
     steps: int = Field(300, ge=1, description="Optimizer steps to run in total (a resumed run counts from 0).")
     batch_size: int = Field(16, ge=1, description="Sequences per process per step.")
     lr: float = Field(3e-3, gt=0, description="Peak learning rate (AdamW, cosine decay).")
@@ -119,7 +117,7 @@ class TrainingSpec(_Strict):
     timeout_s: float = Field(3600, gt=0, description="Fail training that runs longer than this.")
 
 
-class JobSpec(_Strict):
+class JobSpec(StrictModel):
     name: str = Field("retrain", pattern=r"^[a-z0-9][a-z0-9-]{0,39}$", description="Job name: lowercase, digits, '-'.")
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
     dataset: DatasetSpec

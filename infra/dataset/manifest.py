@@ -10,8 +10,9 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
+from infra.models import SHA256_HEX, StrictModel
 from infra.storage.base import ObjectInfo, ObjectNotFound, ObjectStore
 
 MANIFEST_KEY = "manifest.json"
@@ -25,18 +26,14 @@ class DatasetError(Exception):
     """A dataset that cannot be used; the message is one line naming the object and the fix."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ShardInfo(_Strict):
+class ShardInfo(StrictModel):
     name: str
     bytes: int = Field(ge=0)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    sha256: str = Field(pattern=SHA256_HEX)
     tokens: int = Field(ge=0)
 
 
-class DatasetManifest(_Strict):
+class DatasetManifest(StrictModel):
     format: Literal["trainpipe-tokens-v1"] = DATASET_FORMAT
     dtype: Literal["uint16"] = TOKEN_DTYPE
     vocab_size: int = Field(ge=2, le=65536)
