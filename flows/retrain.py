@@ -13,10 +13,11 @@ from infra.plan import Plan, cluster_name_for
 from infra.spec import JobSpec
 from infra.summary import RunSummary
 from infra.workspace import run_dir
+from tasks.capacity import nodes_held
 from tasks.checkpoint import verify_committed_checkpoint
 from tasks.cluster import provision_cluster, teardown_cluster
 from tasks.plan import plan_run
-from tasks.report import publish_summary, record_training
+from tasks.report import publish_summary, record_resume, record_training
 from tasks.stage import restore_checkpoint, stage_dataset
 from tasks.train import TrainLaunch, run_training
 from tasks.verify import verify_node
@@ -37,7 +38,12 @@ def teardown_on_crash(flow: Any, flow_run: Any, state: State[Any]) -> None:
 @flow(name="retrain", on_cancellation=[teardown_on_crash], on_crashed=[teardown_on_crash], log_prints=True)
 def retrain(job: JobSpec, run_id: str | None = None) -> dict[str, Any]:
     """Run one retraining job from nothing to a committed checkpoint, and leave nothing running."""
-    run_id = run_id or default_run_id(job.name, str(current_flow_run.id))
+    # Its nodes count against the global node limit for the whole run, so runs together never exceed it.
+    with nodes_held(job.cluster.nodes):
+        return run_job(job, run_id or default_run_id(job.name, str(current_flow_run.id)))
+
+
+def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
     cluster_name = cluster_name_for(run_id)
     summary = RunSummary(run_id=run_id, job=job.name, provider=job.cluster.provider, nodes=job.cluster.nodes)
     try:
@@ -52,6 +58,8 @@ def retrain(job: JobSpec, run_id: str | None = None) -> dict[str, Any]:
             staged = stage_dataset.map(unmapped(cluster), cluster.nodes, unmapped(plan.dataset_url)).result()
             restored = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.checkpoint_url)).result()
                         if plan.resume_step is not None else [])
+            if restored:
+                record_resume(summary, restored)
         with summary.phase("train"):
             resume_dirs = {node.name: r["path"] for node, r in zip(cluster.nodes, restored, strict=False)}
             launch = TrainLaunch(plan.checkpoint_url, probes[0]["free_port"], resume_dirs)

@@ -13,7 +13,9 @@ checkpoint either whole or invisible, and `latest` is only a hint that readers d
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,8 +23,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
+from infra.models import SHA256_HEX, StrictModel
 from infra.storage.base import ChecksumMismatch, ObjectNotFound, ObjectStore
 from infra.storage.transfer import FileSpec, download, upload
 
@@ -35,6 +38,49 @@ NODES_DIR = "_nodes"
 VERIFY_CHUNK = 8 * 1024 * 1024
 _STEP_KEY = re.compile(r"^step-(\d{8,})/(.+)$")
 _NODE_RECORD = re.compile(r"^_nodes/node-(\d+)\.json$")
+
+
+# ---- node-local leases: the trainer and the syncer of one node telling each other what they are doing ----------
+# UPLOAD_LEASE: the syncer names the step it is uploading so the trainer's local retention leaves that step alone;
+# without it a syncer slower than two checkpoint intervals would see every upload deleted under it and never
+# commit. The syncer still tolerates a step vanishing (the race between listing and leasing), so this lease is
+# about progress, not safety.
+# SAVE_LEASE: the trainer names the step it is saving, so a syncer told to stop (SIGTERM) waits for that save,
+# within its flush deadline, instead of leaving the last checkpoint behind.
+# A lease whose process is gone (kill -9) does not count.
+UPLOAD_LEASE = ".uploading"
+SAVE_LEASE = ".saving"
+
+
+def write_lease(ckpt_dir: Path, name: str, step: int) -> None:
+    temp = ckpt_dir / f"{name}.tmp-{os.getpid()}"
+    temp.write_text(json.dumps({"step": step, "pid": os.getpid()}))
+    os.replace(temp, ckpt_dir / name)
+
+
+def clear_lease(ckpt_dir: Path, name: str) -> None:
+    (ckpt_dir / name).unlink(missing_ok=True)
+
+
+def leased_step(ckpt_dir: Path, name: str) -> int | None:
+    """The step named by a live process's lease of that name in ckpt_dir, or None."""
+    try:
+        lease = json.loads((ckpt_dir / name).read_text())
+    except FileNotFoundError:
+        return None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{ckpt_dir / name}: corrupt lease ({exc.msg}): delete it") from None
+    return int(lease["step"]) if _process_alive(int(lease["pid"])) else None
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
 
 
 class CheckpointError(Exception):
@@ -57,22 +103,18 @@ def node_record_key(step: int, node_rank: int) -> str:
     return f"{step_name(step)}/{NODES_DIR}/node-{node_rank}.json"
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class FileEntry(_Model):
+class FileEntry(StrictModel):
     path: str
     bytes: int = Field(ge=0)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    sha256: str = Field(pattern=SHA256_HEX)
 
 
-class NodeRecord(_Model):
+class NodeRecord(StrictModel):
     node_rank: int = Field(ge=0)
     files: list[FileEntry]
 
 
-class CheckpointManifest(_Model):
+class CheckpointManifest(StrictModel):
     format: Literal["trainpipe-ckpt-v1"] = FORMAT
     step: int = Field(ge=0)
     world_size: int = Field(ge=1)
@@ -86,7 +128,7 @@ class CheckpointManifest(_Model):
         return sum(entry.bytes for entry in self.files)
 
 
-class LatestPointer(_Model):
+class LatestPointer(StrictModel):
     step: int = Field(ge=0)
     manifest: str
 
@@ -204,12 +246,19 @@ class CheckpointStore:
         return manifests[0] if manifests else None
 
     def manifest(self, step: int | None = None) -> CheckpointManifest:
-        """The manifest of a committed step (the newest when None); CheckpointError when it is not committed."""
-        manifest = self.latest() if step is None else self._load_manifest(step)
+        """The manifest of a committed step (the newest when None).
+
+        CheckpointError when the step is not committed, or when its manifest (or, for None, the newest step's
+        manifest) is corrupt: someone asking for "the newest" must hear that it is damaged, not get an older one.
+        """
+        if step is None:
+            with_manifest = [s for s, objects in self._scan().items() if objects.has_manifest]
+            if not with_manifest:
+                raise NoCommittedCheckpoint(f"{self.store.url}: no committed checkpoint: train first or check the URL")
+            step = max(with_manifest)
+        manifest = self._read_manifest(step)
         if manifest is not None:
             return manifest
-        if step is None:
-            raise NoCommittedCheckpoint(f"{self.store.url}: no committed checkpoint: train first or check the URL")
         raise CheckpointError(
             f"{self.store.url_for(manifest_key(step))}: step {step} is not committed: "
             "pick a committed step (trainpipe ckpt ls) or omit the step"

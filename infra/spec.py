@@ -17,8 +17,9 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from infra.models import StrictModel
 
-KNOWN_PROVIDERS = ("local",)
+KNOWN_PROVIDERS = ("local", "aws")
 KNOWN_SCHEMES = ("file", "s3", "gs")
+SpotPolicy = Literal["never", "prefer", "only"]
 
 
 class ConfigError(ValueError):
@@ -42,8 +43,12 @@ class ClusterSpec(StrictModel):
     accelerator: str | None = Field(None, description="GPU type each process needs (e.g. H100); none trains on CPU.")
     min_network_gbps: float = Field(0.0, ge=0, description="Floor on the inter-node network bandwidth, in Gbit/s.")
     local_nvme: bool = Field(False, description="Require node-local NVMe for data and checkpoints.")
-    spot: bool = Field(False, description="Prefer spot/preemptible capacity.")
+    instance_type: str | None = Field(None, description="Pin one instance type (e.g. p5.48xlarge); none lets the "
+                                      "optimizer pick the cheapest that meets the floors.")
+    spot: SpotPolicy = Field("never", description="never: on-demand only; prefer: spot first, on-demand when no spot "
+                             "launches; only: spot or nothing. (true/false mean prefer/never.)")
     regions: tuple[str, ...] = Field((), description="Regions to consider, in order of preference; empty = any.")
+    zones: tuple[str, ...] = Field((), description="Zones to consider (e.g. us-east-1a); empty = any in the regions.")
     max_price_per_hour: float | None = Field(None, gt=0, description="Price cap for the whole cluster, USD/hour.")
     lease_ttl_s: float = Field(120.0, ge=10, description="Nodes tear themselves down after this long without "
                                "hearing from the orchestrator (bounds how long a cluster outlives a dead run).")
@@ -54,6 +59,12 @@ class ClusterSpec(StrictModel):
         if value not in KNOWN_PROVIDERS:
             raise ValueError(f"unknown provider '{value}': use one of {', '.join(KNOWN_PROVIDERS)}")
         return value
+
+    @field_validator("spot", mode="before")
+    @classmethod
+    def _spot_from_bool(cls, value: object) -> object:
+        # Configs written before the three-way policy said `spot: true/false`.
+        return {True: "prefer", False: "never"}.get(value, value) if isinstance(value, bool) else value
 
 
 class DatasetSpec(StrictModel):

@@ -33,7 +33,9 @@ class RunSummary:
     checkpoint_step: int | None = None
     nodes_left: int | None = None
     stage: dict[str, Any] = field(default_factory=dict)
-    checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)  # per step: stall, write, upload, commit
+    resumed_from_step: int | None = None  # the committed step this run restored (None: started fresh)
+    warnings: list[str] = field(default_factory=list)  # e.g. a damaged checkpoint skipped on resume
     started_at: float = field(default_factory=time.time)
     finished_at: float | None = None
 
@@ -70,7 +72,13 @@ class RunSummary:
             floor = f" (floor {self.loss_floor:.3f})" if self.loss_floor is not None else ""
             lines.append(f"  loss: {self.initial_loss:.3f} at step {self.start_step} → {self.final_loss:.3f} "
                          f"at step {self.steps}{floor}")
-        lines.append(f"  checkpoint: {self.checkpoint or 'none committed'}")
+        lines.append(f"  checkpoint: {self.checkpoint or 'none committed'}"
+                     + (f" (resumed from step {self.resumed_from_step})" if self.resumed_from_step is not None else ""))
+        stalls = [c["stall_s"] for c in self.checkpoints if c.get("stall_s") is not None]
+        if stalls:
+            lines.append(f"  checkpoints: {len(stalls)} saved, training stalled {sum(stalls) / len(stalls):.3f}s "
+                         f"per checkpoint ({self.checkpoints[-1].get('mode')})")
+        lines.extend(f"  warning: {warning}" for warning in self.warnings)
         if self.nodes_left is not None:
             lines.append(f"  {self.nodes_left} nodes left running")
         return "\n".join(lines)

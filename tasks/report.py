@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,8 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from infra.summary import PHASES, RunSummary
+from tasks.charts import markdown_image, run_chart_png
+from tasks.node_output import read_loss_curve
 from tasks.policy import NO_RETRIES
 from tasks.train import TrainOutcome
 
@@ -29,30 +32,80 @@ def record_training(summary: RunSummary, staged: list[dict[str, Any]], outcome: 
     summary.initial_loss = done["initial_loss"]
     summary.final_loss = done["final_loss"]
     summary.final_eval_loss = done.get("final_eval_loss")
-    summary.checkpoints = [e for e in outcome.checkpoint_events if e["event"] in ("uploaded", "committed")]
+    summary.checkpoints = checkpoint_metrics(outcome.metrics, outcome.checkpoint_events)
     summary.checkpoint_step = verified["step"]
     summary.checkpoint = f"{checkpoint_url}/step-{verified['step']:08d}"
 
 
-def _markdown(summary: RunSummary) -> str:
-    rows = "\n".join(f"| {name} | {summary.phases[name]:.1f} |" for name in PHASES if name in summary.phases)
-    loss = (f"{summary.initial_loss:.3f} → {summary.final_loss:.3f} (floor {summary.loss_floor:.3f})"
-            if summary.final_loss is not None and summary.loss_floor is not None else "n/a")
+def record_resume(summary: RunSummary, restored: list[dict[str, Any]],
+                  logger: logging.Logger | logging.LoggerAdapter[Any] | None = None) -> None:
+    """Which committed step every node restored, and why newer ones were skipped (a damaged checkpoint)."""
+    logger = logger or get_run_logger()
+    steps = {r["step"] for r in restored}
+    if len(steps) != 1:
+        raise RuntimeError(f"nodes restored different checkpoint steps {sorted(steps)}: rerun to restore again")
+    summary.resumed_from_step = steps.pop()
+    for warning in sorted({w for r in restored for w in r.get("warnings", [])}):
+        logger.warning("resume fell back to step %d: %s", summary.resumed_from_step, warning)
+        summary.warnings.append(f"resumed from step {summary.resumed_from_step}: {warning}")
+
+
+def checkpoint_metrics(trainer_events: list[dict[str, Any]], sync_events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per checkpoint step: the trainer's stall and local write (head node), the slowest node's upload,
+    and the commit time (from the step being complete locally to its manifest in the store)."""
+    rows: dict[int, dict[str, Any]] = {}
+    for event in trainer_events:
+        if event.get("event") == "checkpoint":
+            rows.setdefault(event["step"], {"step": event["step"]}).update(
+                mode=event["mode"], stall_s=event["stall_s"], write_s=event["write_s"], local_bytes=event["bytes"])
+    for event in sync_events:
+        if event["event"] not in ("uploaded", "committed"):
+            continue
+        row = rows.setdefault(event["step"], {"step": event["step"]})
+        if event["event"] == "uploaded":
+            row["upload_s"] = max(row.get("upload_s", 0.0), event["seconds"])
+            rates = [r for r in (row.get("upload_mb_per_s"), event["mb_per_s"]) if r is not None]
+            row["upload_mb_per_s"] = min(rates) if rates else None
+        elif event["event"] == "committed":
+            row.update(commit_s=event["commit_s"], committed_bytes=event["bytes"])
+    return [rows[step] for step in sorted(rows)]
+
+
+def _phase_rows(summary: RunSummary) -> list[dict[str, Any]]:
+    total = sum(summary.phases.values()) or 1.0
+    return [{"phase": name, "seconds": summary.phases[name], "share %": round(100 * summary.phases[name] / total, 1)}
+            for name in PHASES if name in summary.phases]
+
+
+def _markdown(summary: RunSummary, curve: list[tuple[int, float]]) -> str:
+    """What ran where, how long each phase took, how fast data moved, how far the loss fell, what was committed."""
+    facts = [f"job **{summary.job}** on **{summary.provider}**, {summary.nodes} nodes"]
+    if summary.stage:
+        facts.append(f"staged {summary.stage['bytes'] / 1e6:,.1f} MB per node at {summary.stage['mb_per_s']} MB/s "
+                     f"(slowest node), {summary.stage['skipped_bytes'] / 1e6:,.1f} MB already there")
+    if summary.final_loss is not None and summary.initial_loss is not None:
+        floor = f" (floor {summary.loss_floor:.3f})" if summary.loss_floor is not None else ""
+        facts.append(f"loss {summary.initial_loss:.3f} → **{summary.final_loss:.3f}**{floor}, "
+                     f"steps {summary.start_step}–{summary.steps}")
+    if summary.checkpoints:
+        facts.append(f"{len(summary.checkpoints)} checkpoint steps saved and synced")
+    checkpoint = f"[{summary.checkpoint}]({summary.checkpoint})" if summary.checkpoint else "none"
+    facts += [f"committed checkpoint: {checkpoint}", f"nodes left running after teardown: {summary.nodes_left}"]
+    rows = "\n".join(f"| {r['phase']} | {r['seconds']:.1f} | {r['share %']} |" for r in _phase_rows(summary))
+    chart = markdown_image(run_chart_png(curve, summary.phases, summary.loss_floor), "loss curve and time per phase")
     return (f"# Run `{summary.run_id}`: {summary.status}\n\n"
-            f"{summary.error or ''}\n\n"
-            f"* job **{summary.job}** on **{summary.provider}**, {summary.nodes} nodes\n"
-            f"* loss {loss}, steps {summary.start_step}–{summary.steps}\n"
-            f"* committed checkpoint: {summary.checkpoint or 'none'}\n"
-            f"* nodes left running after teardown: {summary.nodes_left}\n\n"
-            f"| phase | seconds |\n|---|---|\n{rows}\n")
+            + (f"**{summary.error}**\n\n" if summary.error else "")
+            + "".join(f"* {fact}\n" for fact in facts)
+            + f"\n| phase | seconds | share % |\n|---|---|---|\n{rows}\n\n{chart}\n")
 
 
 @task(name="publish-summary", **NO_RETRIES)
 def publish_summary(summary: RunSummary, directory: Path) -> Path:
     path = summary.write(directory)
     artifact_key = "retrain-" + "".join(c if c.isalnum() else "-" for c in summary.job.lower())
-    create_markdown_artifact(_markdown(summary), key=artifact_key, description=f"run {summary.run_id}")
-    create_table_artifact([{"phase": name, "seconds": summary.phases[name]} for name in PHASES
-                           if name in summary.phases], key=f"{artifact_key}-phases")
+    create_markdown_artifact(_markdown(summary, read_loss_curve(directory)), key=artifact_key,
+                             description=f"run {summary.run_id}")
+    create_table_artifact(_phase_rows(summary), key=f"{artifact_key}-phases",
+                          description=f"run {summary.run_id}: seconds per phase")
     get_run_logger().info("summary written to %s\n%s", path, summary.render())
     return path

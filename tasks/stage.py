@@ -2,19 +2,48 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from typing import Any
 
 from prefect import get_run_logger, task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from infra.providers import Cluster, Node, get_provider
 from tasks.node_output import last_event, node_line_sink
 from tasks.policy import TRANSIENT_RETRIES
 
 
+def _progress_artifact(node: Node, what: str) -> Callable[[dict[str, Any]], None]:
+    """A Prefect progress artifact for one node's transfer, moved along by its `progress` events."""
+    # Artifact keys allow only lowercase letters, digits and dashes.
+    key = re.sub(r"[^a-z0-9-]+", "-", f"{what}-{node.name}".lower())
+    artifact_id = create_progress_artifact(0.0, key=key, description=f"{node.name}: {what} starting")
+
+    def on_event(event: dict[str, Any]) -> None:
+        if event.get("event") == "staged":  # done, including when everything was already there
+            update_progress_artifact(artifact_id, 100.0, description=(
+                f"{node.name}: {what} done: {event['files']} files, {event['bytes'] / 1e6:,.0f} MB at "
+                f"{event['mb_per_s']} MB/s; {event['skipped_files']} files already there"))
+            return
+        if event.get("event") != "progress":
+            return
+        total = event["bytes_total"] or 1
+        update_progress_artifact(
+            artifact_id,
+            min(100.0, 100.0 * event["bytes_done"] / total),
+            description=(f"{node.name}: {what} {event['bytes_done'] / 1e6:,.0f} of {event['bytes_total'] / 1e6:,.0f} MB"
+                         f", {event['files_done']}/{event['files_total']} files, {event['mb_per_s']} MB/s, "
+                         f"ETA {event['eta_s']} s"),
+        )
+
+    return on_event
+
+
 @task(name="stage-dataset", **TRANSIENT_RETRIES)
 def stage_dataset(cluster: Cluster, node: Node, dataset_url: str, timeout_s: float = 3600) -> dict[str, Any]:
     runner = get_provider(cluster.provider).runner(cluster, node)
-    sink = node_line_sink(get_run_logger(), node.name)
+    sink = node_line_sink(get_run_logger(), node.name, on_event=_progress_artifact(node, "stage"))
     result = runner.run([node.python, "-m", "infra.node", "stage", "--dataset", dataset_url, "--dest", node.data_dir],
                         timeout=timeout_s, on_line=sink)
     return last_event(result.output, "staged")

@@ -12,11 +12,13 @@ from prefect import get_run_logger, task
 from infra.providers import Cluster, Node, get_provider
 from infra.remote import Process, RemoteError, Runner
 from infra.spec import JobSpec
-from tasks.node_output import node_line_sink
+from tasks.node_output import TrainingProgress, node_line_sink
 from tasks.policy import NO_RETRIES
 
 STOP_SYNC = ".stop-sync"
 SYNC_FLUSH_TIMEOUT_S = 600.0
+# Beyond the flush deadline: the trainer's own exit (process group teardown, torchrun's agent shutting down).
+TRAINER_EXIT_GRACE_S = 10.0
 
 
 class TrainingError(RuntimeError):
@@ -49,6 +51,7 @@ def trainer_argv(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch
         "-m", "trainer.train",
         "--data-dir", node.data_dir, "--ckpt-dir", node.ckpt_dir, "--metrics-file", node.path("logs", "metrics.jsonl"),
         "--steps", str(training.steps), "--ckpt-every", str(job.checkpoints.every_steps),
+        "--ckpt-mode", job.checkpoints.mode, "--flush-deadline-s", str(job.checkpoints.flush_deadline_s),
         "--keep-local", str(job.checkpoints.keep_local), "--batch-size", str(training.batch_size),
         "--lr", str(training.lr), "--warmup-steps", str(training.warmup_steps), "--seed", str(training.seed),
         "--vocab-size", str(model.vocab_size), "--d-model", str(model.d_model), "--n-layers", str(model.n_layers),
@@ -66,6 +69,7 @@ def syncer_argv(job: JobSpec, cluster: Cluster, node: Node, checkpoint_url: str)
         "--node-rank", str(node.rank), "--nodes", str(len(cluster.nodes)),
         "--world-size", str(len(cluster.nodes) * job.cluster.procs_per_node),
         "--config-hash", job.config_hash(), "--keep", str(job.checkpoints.keep),
+        "--flush-deadline", str(job.checkpoints.flush_deadline_s),
         "--stop-file", node.path("ckpt", STOP_SYNC),
     ]
 
@@ -95,7 +99,8 @@ def _last_error(process: Process) -> str:
     return (ours or errors or lines or ["(no output)"])[-1]
 
 
-def _stop_syncers(runners: dict[str, Runner], syncers: dict[str, Process], nodes: tuple[Node, ...]) -> None:
+def _stop_syncers(runners: dict[str, Runner], syncers: dict[str, Process], nodes: tuple[Node, ...],
+                  timeout_s: float = SYNC_FLUSH_TIMEOUT_S) -> None:
     """Ask every syncer to flush what is complete and exit; a syncer that fails means checkpoints were not saved."""
     started = [node for node in nodes if node.name in syncers]
     for node in started:
@@ -103,10 +108,10 @@ def _stop_syncers(runners: dict[str, Runner], syncers: dict[str, Process], nodes
     failures = []
     for node in started:
         try:
-            code = syncers[node.name].wait(SYNC_FLUSH_TIMEOUT_S)
+            code = syncers[node.name].wait(timeout_s)
         except TimeoutError:
             syncers[node.name].terminate()
-            failures.append(f"{node.name}: checkpoint syncer did not flush within {SYNC_FLUSH_TIMEOUT_S:.0f}s")
+            failures.append(f"{node.name}: checkpoint syncer did not flush within {timeout_s:.0f}s")
             continue
         if code != 0:
             failures.append(f"{node.name}: checkpoint syncer exited {code}: {_last_error(syncers[node.name])}")
@@ -118,6 +123,7 @@ def _stop_syncers(runners: dict[str, Runner], syncers: dict[str, Process], nodes
 def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOutcome:
     """Not retried as a task: a failed training resumes from the last committed checkpoint on the next run."""
     logger = get_run_logger()
+    progress = TrainingProgress(job.training.steps, cluster.run_id)
     provider = get_provider(cluster.provider)
     runners = {node.name: provider.runner(cluster, node) for node in cluster.nodes}
     checkpoint_events: list[dict[str, Any]] = []
@@ -134,14 +140,18 @@ def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOu
         for node in cluster.nodes:
             trainers[node.name] = runners[node.name].start(
                 trainer_argv(job, cluster, node, launch), env=env,
-                on_line=node_line_sink(logger, node.name), log_path=node.path("logs", "train.log"))
+                on_line=node_line_sink(logger, node.name, follow=progress.follow if node == cluster.head else None),
+                log_path=node.path("logs", "train.log"))
         _wait_all(trainers, started + job.training.timeout_s)
     except BaseException:
+        # SIGTERM first: each trainer finishes its save in flight (and a last one if the deadline allows) ...
+        deadline_s = job.checkpoints.flush_deadline_s
         for process in trainers.values():
-            process.terminate()
-        # Syncers still flush what completed: committed checkpoints are what the next attempt resumes from.
+            process.terminate(grace_s=deadline_s + TRAINER_EXIT_GRACE_S)
+        # ... then the syncers flush what completed, within the same deadline: committed checkpoints are what the
+        # next attempt resumes from.
         try:
-            _stop_syncers(runners, syncers, cluster.nodes)
+            _stop_syncers(runners, syncers, cluster.nodes, timeout_s=deadline_s)
         except (TrainingError, RemoteError) as flush_error:
             logger.error("after the training failure, checkpoint flush failed too: %s", flush_error)
         raise

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from servers import GcsServer, S3Server, create_gcs_bucket, gcs_emulator, rclone_s3
 
 # No telemetry from tests: the machines have no network and the tests must not try.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -31,3 +33,34 @@ def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     home = tmp_path / "home"
     monkeypatch.setenv("TRAINPIPE_HOME", str(home))
     return home
+
+
+# -- object-store servers (tests/servers.py): one per session, a fresh bucket per test ------------------
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    with rclone_s3(tmp_path_factory.mktemp("s3") / "root") as server:
+        yield server
+
+
+@pytest.fixture
+def s3_url(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
+    """s3:// of a new, empty bucket, with the environment pointing boto3 (and s5cmd/aws) at the server."""
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    return s3_server.make_bucket(f"bucket-{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsServer]:
+    with gcs_emulator(tmp_path_factory.mktemp("gcs")) as server:
+        yield server
+
+
+@pytest.fixture
+def gs_url(gcs_server: GcsServer, monkeypatch: pytest.MonkeyPatch) -> str:
+    """gs:// of a new, empty bucket, with STORAGE_EMULATOR_HOST pointing google-cloud-storage at the emulator."""
+    for name, value in gcs_server.env().items():
+        monkeypatch.setenv(name, value)
+    return create_gcs_bucket(gcs_server, f"bucket-{uuid.uuid4().hex[:12]}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -15,7 +16,16 @@ from typing import Any
 
 import pytest
 
-from infra.checkpoints import CheckpointError, CheckpointStore, NoCommittedCheckpoint, manifest_key, step_name
+from infra.checkpoints import (
+    SAVE_LEASE,
+    CheckpointError,
+    CheckpointStore,
+    NoCommittedCheckpoint,
+    clear_lease,
+    manifest_key,
+    step_name,
+    write_lease,
+)
 from infra.node import restore
 from infra.storage import open_store
 
@@ -238,7 +248,15 @@ def test_restore_cli_reports_the_step_and_exits_3_without_a_checkpoint(
 
 class SyncProcess:
     def __init__(
-        self, tmp_path: Path, ckpt_dir: Path, url: str, node_rank: int, *extra: str, nodes: int = 2, keep: int = 2
+        self,
+        tmp_path: Path,
+        ckpt_dir: Path,
+        url: str,
+        node_rank: int,
+        *extra: str,
+        nodes: int = 2,
+        keep: int = 2,
+        world_size: int = 2,
     ) -> None:
         runs = len(list(tmp_path.glob(f"sync-{node_rank}-*.out")))
         self.out = tmp_path / f"sync-{node_rank}-{runs}.out"
@@ -253,7 +271,7 @@ class SyncProcess:
             "--nodes",
             str(nodes),
             "--world-size",
-            "2",
+            str(world_size),
             "--config-hash",
             CONFIG_HASH,
             "--keep",
@@ -406,3 +424,83 @@ def test_a_marker_from_another_node_is_a_one_line_error(tmp_path: Path, checkpoi
     assert syncer.finish() == 1
     [line] = syncer.err.read_text().strip().splitlines()
     assert "node_rank 1 (--node-rank is 0)" in line and "step-00000100.complete" in line
+
+
+# ---- bad input: damaged checkpoints -------------------------------------------------------------------------------
+
+
+def test_a_corrupt_manifest_or_a_missing_file_fails_verify_naming_it_and_resume_falls_back(
+    tmp_path: Path, checkpoints: CheckpointStore, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from typer.testing import CliRunner
+
+    from infra.summary import RunSummary
+    from tasks.report import record_resume
+    from trainpipe.cli import app
+
+    url = checkpoints.store.url
+    dirs = node_dirs(tmp_path)
+    for step in (100, 200):
+        commit_step(checkpoints, dirs, step)
+    checkpoints.store.put_bytes(manifest_key(200), b'{"format": "trainpipe-ckpt-v1", "st')
+
+    verify = CliRunner().invoke(app, ["ckpt", "verify", url])
+    assert verify.exit_code == 2
+    [line] = verify.stderr.strip().splitlines()
+    assert f"{checkpoints.store.url_for(manifest_key(200))}: corrupt manifest" in line
+
+    # The resume takes the previous commit, and the flow says so in its log and in the run summary.
+    args = ["--url", url, "--dest", str(tmp_path / "dest")]
+    assert restore.main(args) == 0
+    captured = capsys.readouterr()
+    assert f"restore: warning: skipped checkpoint step 200: {checkpoints.store.url_for(manifest_key(200))}" in (
+        captured.err
+    )
+    restored = [json.loads(line) for line in captured.out.splitlines() if line.startswith('{"event"')]
+    summary = RunSummary(run_id="r", job="j", provider="local", nodes=2)
+    logger = logging.getLogger("test-resume")
+    logger.addHandler(caplog.handler)  # Prefect's logging config stops propagation to the root logger
+    try:
+        record_resume(summary, restored * 2, logger)
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert summary.resumed_from_step == 100
+    [warning] = summary.warnings
+    assert "step 200" in warning and manifest_key(200) in warning
+    assert any("resume fell back to step 100" in r.getMessage() for r in caplog.records)
+
+    missing = f"{step_name(100)}/__1_0.distcp"
+    checkpoints.store.delete(missing)
+    verify = CliRunner().invoke(app, ["ckpt", "verify", url, "100"])
+    assert verify.exit_code == 2
+    [line] = verify.stderr.strip().splitlines()
+    assert f"{checkpoints.store.url_for(missing)}: missing from committed step 100" in line
+    with pytest.raises(CheckpointError, match="every committed checkpoint is damaged"):
+        checkpoints.restore_latest(tmp_path / "dest2")
+
+
+def test_on_stop_the_syncer_waits_for_a_save_under_way_within_the_flush_deadline(
+    tmp_path: Path, checkpoints: CheckpointStore
+) -> None:
+    dirs = node_dirs(tmp_path)
+    write_lease(dirs[1], SAVE_LEASE, 100)  # this test process is the trainer, saving step 100
+    syncer = SyncProcess(tmp_path, dirs[1], checkpoints.store.url, 1, "--flush-deadline", "20")
+    try:
+        syncer.wait_for(is_event("started"))
+        syncer.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert syncer.proc.poll() is None, "the syncer left while a save was under way"
+        make_step(dirs[1], 100, 1)  # the marker first, then the lease goes: the order the trainer keeps
+        clear_lease(dirs[1], SAVE_LEASE)
+        assert syncer.finish() == 0
+    finally:
+        syncer.finish()
+    assert syncer.uploaded_steps() == [100]
+
+    # A save that outlives the deadline is abandoned: the syncer exits anyway.
+    write_lease(dirs[1], SAVE_LEASE, 200)
+    late = SyncProcess(tmp_path, dirs[1], checkpoints.store.url, 1, "--flush-deadline", "0.5")
+    late.wait_for(is_event("started"))
+    late.proc.send_signal(signal.SIGTERM)
+    assert late.finish(timeout=10) == 0
+    assert late.uploaded_steps() == []

@@ -158,10 +158,15 @@ def _start_node(nnodes: int, port: int, rdzv_id: str, is_host: bool, trainer_arg
     return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def start_nodes(node_args: list[list[str]]) -> list[subprocess.Popen]:
+    """Starts one torchrun agent per entry as the nodes of one job."""
+    port, rdzv_id = _free_port(), uuid.uuid4().hex[:12]
+    return [_start_node(len(node_args), port, rdzv_id, i == 0, args) for i, args in enumerate(node_args)]
+
+
 def launch(node_args: list[list[str]], timeout_s: float = 120) -> list[tuple[int, str, str]]:
     """Runs one torchrun agent per entry as the nodes of one job; returns each node's (exit code, stdout, stderr)."""
-    port, rdzv_id = _free_port(), uuid.uuid4().hex[:12]
-    nodes = [_start_node(len(node_args), port, rdzv_id, i == 0, args) for i, args in enumerate(node_args)]
+    nodes = start_nodes(node_args)
     outputs = [node.communicate(timeout=timeout_s) for node in nodes]
     return [(node.returncode, out, err) for node, (out, err) in zip(nodes, outputs, strict=True)]
 
@@ -211,6 +216,12 @@ def test_two_nodes_train_and_checkpoint_to_their_own_disks(two_node_run: list[Pa
     assert done["initial_loss"] == pytest.approx(np.log(VOCAB), rel=0.05)
     assert done["final_loss"] < done["initial_loss"] - 1.0
     assert done["final_eval_loss"] < done["initial_loss"] - 1.0
+    # Async is the default: each save reports how long training stalled and how long the background write took
+    # (the first stall also waits for the writer process to start, so neither bounds the other).
+    records = [json.loads(line) for line in (coordinator / "metrics.jsonl").read_text().splitlines()]
+    saves = [r for r in records if r.get("event") == "checkpoint"]
+    assert [s["step"] for s in saves] == [20, 40, 60]
+    assert all(s["mode"] == "async" and s["stall_s"] >= 0 and s["write_s"] > 0 and s["bytes"] > 0 for s in saves)
     for node in two_node_run:
         ckpt = node / "ckpt"
         assert complete_steps(ckpt) == [40, 60]  # keep_local=2 pruned step 20

@@ -19,8 +19,12 @@ import json
 import os
 import re
 import shutil
+import time
 import warnings
 from collections import defaultdict
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +34,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from infra.checkpoints import SAVE_LEASE, UPLOAD_LEASE, clear_lease, leased_step, write_lease
+from infra.checkpoints import CheckpointError as StoreCheckpointError
 
 METADATA_NAME = ".metadata"
 MARKER_SUFFIX = ".complete"
@@ -38,6 +47,8 @@ _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _MARKER = re.compile(r"^step-(\d{8})\.complete$")
 # Top-level keys of the DCP state dict; "extra" holds a JSON string so its keys need not be known to load it.
 _MODEL_KEY, _OPTIM_KEY, _EXTRA_KEY = "model", "optim", "extra"
+SAVE_MODES = ("async", "sync")
+WARMUP_DIR = ".writer-warmup"  # not a step: syncers never look at it
 
 
 class CheckpointError(RuntimeError):
@@ -100,9 +111,218 @@ def _env_int(name: str, default: int) -> int:
         raise CheckpointError(f"environment variable {name}={value!r} is not an integer: use torchrun") from None
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+@dataclass(frozen=True)
+class SaveRecord:
+    """One finished save: how long training was blocked, how long the write to local disk took, what it wrote."""
+
+    step: int
+    mode: str
+    stall_s: float  # the training loop was blocked this long (waiting for the previous save + staging, or all)
+    write_s: float  # from staging (after any wait for the previous save) until the files were on disk and marked
+    bytes: int  # this node's files of the step
+
+    def to_event(self) -> dict[str, Any]:
+        return {"event": "checkpoint", **asdict(self)}
+
+
+@dataclass
+class _InFlight:
+    step: int
+    stall_s: float
+    done: Future[SaveRecord]
+
+
+class Checkpointer:
+    """Collective saves of one training run to node-local disk, synchronous or in the background.
+
+    async: the state is copied into a CPU staging buffer (pinned when CUDA is there) that is reused across
+    saves, then `dcp.async_save` writes it in a background thread while training goes on. At most one save is
+    in flight: the next one waits for it, because it would overwrite the staging buffer being written.
+    sync: `dcp.save` blocks until the files are on disk (kept to measure what async saves).
+    Either way this node's completion marker is written only once its files are whole, so a syncer never
+    ships a partial step. Every rank must construct it (the async mode creates a process group).
+    """
+
+    def __init__(
+        self, ckpt_root: Path, mode: str = "async", keep_local: int | None = None, timeout_s: float | None = None
+    ) -> None:
+        """timeout_s bounds the background writer's collectives (a dead peer); None keeps torch's default."""
+        if mode not in SAVE_MODES:
+            raise CheckpointError(f"checkpoint mode {mode!r}: use one of {', '.join(SAVE_MODES)} (--ckpt-mode)")
+        if keep_local is not None and keep_local < 1:
+            raise CheckpointError(f"keep_local={keep_local}: keep at least 1 local checkpoint (--keep-local >= 1)")
+        self.ckpt_root = ckpt_root
+        self.mode = mode
+        self.keep_local = keep_local
+        self.is_node_leader = _env_int("LOCAL_RANK", 0) == 0
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        self._in_flight: _InFlight | None = None
+        self._finished_records: list[SaveRecord] = []
+        self._stager: DefaultStager | None = None
+        self._group: dist.ProcessGroup | None = None
+        self._warmup: Future[Any] | None = None
+        if mode == "async":
+            cuda = torch.cuda.is_available()
+            distributed = dist.is_available() and dist.is_initialized()
+            # No async staging: the copy is short and must end before the next optimizer step changes the state.
+            # Shared memory lets the writer process read the staged copy without pickling it.
+            self._stager = DefaultStager(StagingOptions(cuda, distributed, False, cuda))
+            # A writer process, not a thread: serialising the state holds the GIL, which would slow every training
+            # step while a checkpoint is written. Without a process group (a single-process script) DCP offers
+            # only the thread.
+            self._writer = AsyncCheckpointerType.PROCESS if distributed else AsyncCheckpointerType.THREAD
+            if distributed:
+                # The background writer's collectives get their own gloo group: sharing the training group from a
+                # second thread would interleave with DDP's all-reduces in a different order on each rank.
+                timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
+                self._group = dist.new_group(backend="gloo", timeout=timeout)
+                self._warmup = self._start_writer_process()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        extra: dict[str, Any],
+        blocking: bool = False,
+    ) -> None:
+        """Collective. Returns as soon as training may continue; `finished()` reports saves that completed.
+
+        blocking saves from this process whatever the mode: the last save on SIGTERM, which also reaches the
+        writer process (torchrun signals the worker's whole process group).
+        """
+        started = time.perf_counter()
+        self._finish_warmup()
+        self._finished_records.extend(self.wait())
+        began = time.perf_counter()  # this save's own work starts here; the waits above are stall, not write
+        if self.is_node_leader:
+            # A marker left by an earlier attempt at this step would vouch for files about to be overwritten. No
+            # rank writes before DCP's planning collective, which this rank joins only after the unlink.
+            marker_path(self.ckpt_root, step).unlink(missing_ok=True)
+            # Tells the node's syncer a save is under way, so a stop request waits for it (see SAVE_LEASE).
+            write_lease(self.ckpt_root, SAVE_LEASE, step)
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {_MODEL_KEY: model_state, _OPTIM_KEY: optim_state, _EXTRA_KEY: json.dumps(extra, sort_keys=True)}
+        writer = dcp.FileSystemWriter(self.ckpt_root / step_dir_name(step))
+        if self._stager is None or blocking:
+            try:
+                dcp.save(state, storage_writer=writer)
+            except BaseException:
+                self._clear_save_lease()
+                raise
+            stall_s = time.perf_counter() - started
+            self._finished_records.append(self._complete(step, began, stall_s, "sync"))
+            return
+        upload = dcp.async_save(state, storage_writer=writer, process_group=self._group, async_stager=self._stager,
+                                async_checkpointer_type=self._writer)
+        if not isinstance(upload, Future):
+            raise CheckpointError(f"dcp.async_save returned {type(upload).__name__}: expected a Future (torch 2.13)")
+        stall_s = time.perf_counter() - started
+        done: Future[SaveRecord] = Future()
+
+        def finish(written: Future[Any]) -> None:
+            # Runs on the writer thread. Errors travel through `done` to the training thread: never swallowed.
+            try:
+                written.result()
+                done.set_result(self._complete(step, began, stall_s, self.mode))
+            except BaseException as exc:
+                self._clear_save_lease()
+                done.set_exception(exc)
+
+        upload.add_done_callback(finish)
+        self._in_flight = _InFlight(step, stall_s, done)
+
+    def _start_writer_process(self) -> Future[Any]:
+        """DCP spawns its writer process on the first save, which takes seconds (a fresh interpreter imports
+        torch); a tiny save now lets that happen while training starts instead of delaying the first checkpoint."""
+        warmup = dcp.async_save(
+            {"warmup": torch.zeros(1)},
+            storage_writer=dcp.FileSystemWriter(self.ckpt_root / WARMUP_DIR),
+            process_group=self._group,
+            async_checkpointer_type=self._writer,
+        )
+        if not isinstance(warmup, Future):
+            raise CheckpointError(f"dcp.async_save returned {type(warmup).__name__}: expected a Future (torch 2.13)")
+        return warmup
+
+    def _finish_warmup(self) -> None:
+        warmup, self._warmup = self._warmup, None
+        if warmup is None:
+            return
+        try:
+            warmup.result()
+        except Exception as exc:
+            raise CheckpointError(
+                f"{self.ckpt_root / WARMUP_DIR}: the checkpoint writer process failed to start ({_cause(exc)}): "
+                "check the local disk and /dev/shm"
+            ) from exc
+        shutil.rmtree(self.ckpt_root / WARMUP_DIR, ignore_errors=True)
+
+    def finished(self) -> list[SaveRecord]:
+        """Saves completed since the last call, oldest first (polls the one in flight without waiting)."""
+        if self._in_flight is not None and self._in_flight.done.done():
+            self._finished_records.extend(self.wait())
+        records, self._finished_records = self._finished_records, []
+        return records
+
+    def wait(self) -> list[SaveRecord]:
+        """Blocks until the save in flight (if any) is on disk and marked; raises its error."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return []
+        try:
+            return [in_flight.done.result()]
+        except Exception as exc:
+            raise CheckpointError(
+                f"{self.ckpt_root / step_dir_name(in_flight.step)}: background save failed ({_cause(exc)}): "
+                "check the local disk (space, permissions)"
+            ) from exc
+
+    def close(self) -> None:
+        """Waits for the save in flight and frees the staging buffer; collective in async mode."""
+        try:
+            self._finish_warmup()
+            self._finished_records.extend(self.wait())
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+            if self._group is not None:
+                dist.destroy_process_group(self._group)
+                self._group = None
+
+    @property
+    def in_flight_step(self) -> int | None:
+        return self._in_flight.step if self._in_flight is not None else None
+
+    def _clear_save_lease(self) -> None:
+        if self.is_node_leader:
+            clear_lease(self.ckpt_root, SAVE_LEASE)
+
+    def _complete(self, step: int, started: float, stall_s: float, mode: str) -> SaveRecord:
+        """Marks this node's part of the step complete. DCP's save ends with a gather of every rank's write
+        results on the coordinator, so when it returns on any rank every rank's files are fsynced on disk."""
+        step_dir = self.ckpt_root / step_dir_name(step)
+        files = sorted(p.name for p in step_dir.iterdir() if p.is_file())
+        size = sum((step_dir / name).stat().st_size for name in files)
+        if self.is_node_leader:
+            marker = {
+                "step": step,
+                "world_size": _env_int("WORLD_SIZE", 1),
+                "node_rank": _env_int("GROUP_RANK", 0),
+                "files": files,
+            }
+            write_json_atomic(marker_path(self.ckpt_root, step), marker)
+            self._clear_save_lease()  # after the marker: a syncer that sees no lease must see the marker
+            if self.keep_local is not None:
+                prune_local(self.ckpt_root, self.keep_local)
+        return SaveRecord(step, mode, round(stall_s, 4), round(time.perf_counter() - started, 4), size)
 
 
 def save_checkpoint(
@@ -113,43 +333,28 @@ def save_checkpoint(
     extra: dict[str, Any],
     keep_local: int | None = None,
 ) -> Path:
-    """Collective: every rank calls it. Writes ckpt_root/step-NNNNNNNN/ and this node's completion marker.
+    """Collective, synchronous: writes ckpt_root/step-NNNNNNNN/ and this node's completion marker.
 
     `extra` must be JSON-serialisable (step, data position, losses). With keep_local, the node then keeps
-    only its newest keep_local complete steps.
+    only its newest keep_local complete steps. Training loops that save repeatedly want a Checkpointer.
     """
-    if keep_local is not None and keep_local < 1:
-        raise CheckpointError(f"keep_local={keep_local}: keep at least 1 local checkpoint (--keep-local >= 1)")
-    is_node_leader = _env_int("LOCAL_RANK", 0) == 0
-    step_dir = ckpt_root / step_dir_name(step)
-    if is_node_leader:
-        # A marker left by an earlier attempt at this step would vouch for files about to be overwritten.
-        marker_path(ckpt_root, step).unlink(missing_ok=True)
-    _barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {_MODEL_KEY: model_state, _OPTIM_KEY: optim_state, _EXTRA_KEY: json.dumps(extra, sort_keys=True)}
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(step_dir))
-    # Every local rank's files must be on disk before the marker lists them.
-    _barrier()
-    if is_node_leader:
-        files = sorted(p.name for p in step_dir.iterdir() if p.is_file())
-        marker = {
-            "step": step,
-            "world_size": _env_int("WORLD_SIZE", 1),
-            "node_rank": _env_int("GROUP_RANK", 0),
-            "files": files,
-        }
-        write_json_atomic(marker_path(ckpt_root, step), marker)
-        if keep_local is not None:
-            prune_local(ckpt_root, keep_local)
-    return step_dir
+    with Checkpointer(ckpt_root, "sync", keep_local) as checkpointer:
+        checkpointer.save(step, model, optimizer, extra)
+    return ckpt_root / step_dir_name(step)
 
 
 def prune_local(ckpt_root: Path, keep_local: int) -> list[int]:
-    """Delete all but the newest keep_local complete steps; returns the steps deleted."""
+    """Delete all but the newest keep_local complete steps, sparing the one the syncer is uploading.
+
+    Returns the steps deleted.
+    """
     if keep_local < 1:
         raise CheckpointError(f"keep_local={keep_local}: keep at least 1 local checkpoint (--keep-local >= 1)")
-    doomed = complete_steps(ckpt_root)[:-keep_local]
+    try:
+        leased = leased_step(ckpt_root, UPLOAD_LEASE)
+    except StoreCheckpointError as exc:
+        raise CheckpointError(str(exc)) from None
+    doomed = [step for step in complete_steps(ckpt_root)[:-keep_local] if step != leased]
     for step in doomed:
         # Marker first: a step dir without a marker is ignored by syncers, a marker without its files is not.
         marker_path(ckpt_root, step).unlink()

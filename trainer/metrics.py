@@ -9,6 +9,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from trainer.checkpoint import SaveRecord
+
 # final_loss averages this many steps so one noisy batch does not decide the reported result.
 FINAL_LOSS_WINDOW = 10
 
@@ -64,10 +66,12 @@ class TrainingMetrics:
             f"{tokens_per_s:,.0f} tok/s",
         )
 
-    def checkpoint(self, step: int, seconds: float) -> None:
+    def checkpoint(self, record: SaveRecord) -> None:
+        """A save that finished: the stall is what training paid, the write what the background did."""
         self._emit(
-            {"event": "checkpoint", "step": step, "save_s": seconds, "time": time.time()},
-            f"checkpoint step {step} saved in {seconds:.2f} s",
+            {**record.to_event(), "time": time.time()},
+            f"checkpoint step {record.step} ({record.mode}): training stalled {record.stall_s:.3f} s, "
+            f"written in {record.write_s:.2f} s ({record.bytes / 1e6:.1f} MB on this node)",
         )
 
     def done(self, final_eval_loss: float) -> dict[str, Any]:

@@ -9,16 +9,25 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, write_json_atomic
+from trainer.checkpoint import (
+    SAVE_MODES,
+    Checkpointer,
+    CheckpointError,
+    SaveRecord,
+    load_checkpoint,
+    write_json_atomic,
+)
 from trainer.data import DataError, TokenWindows
 from trainer.metrics import TrainingMetrics
 from trainer.model import GPT, GPTConfig, next_token_loss
@@ -26,10 +35,32 @@ from trainer.model import GPT, GPTConfig, next_token_loss
 # The cosine decays to this fraction of the peak rather than to zero, so the last steps still learn.
 MIN_LR_FRACTION = 0.1
 GRAD_CLIP_NORM = 1.0
+# A last save on SIGTERM is started only when the time left exceeds the slowest save so far by this factor.
+LAST_SAVE_MARGIN = 1.5
+EXIT_STOPPED = 128 + signal.SIGTERM
 
 
 class TrainError(RuntimeError):
     """A failure the trainer explains in one line (environment, resume mismatch, divergence) naming the fix."""
+
+
+class TrainStopped(Exception):
+    """SIGTERM ended training early; the message says which step was saved last."""
+
+
+class StopSignal:
+    """Remembers when SIGTERM arrived, so the loop can stop at a step boundary and budget a last save."""
+
+    def __init__(self) -> None:
+        self.received_at: float | None = None
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.received_at is None:
+            self.received_at = time.monotonic()
+
+    def time_left(self, deadline_s: float) -> float:
+        return deadline_s - (time.monotonic() - self.received_at) if self.received_at is not None else deadline_s
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,6 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--metrics-file", type=Path, required=True, help="JSON-lines metrics (global rank 0)")
     parser.add_argument("--steps", type=int, default=300, help="total optimizer steps (a resumed run counts from 0)")
     parser.add_argument("--ckpt-every", type=int, default=50, help="save every this many steps and at the end")
+    parser.add_argument("--ckpt-mode", choices=SAVE_MODES, default="async",
+                        help="async: stage to CPU memory and write in the background; sync: block until written")
+    parser.add_argument("--flush-deadline-s", type=float, default=20.0,
+                        help="on SIGTERM, finish (or start) a last save only if it fits in this many seconds")
     parser.add_argument("--keep-local", type=int, default=2, help="complete checkpoints kept on local disk")
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per process per step")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
@@ -82,11 +117,18 @@ def _env_rank(name: str) -> int:
     return int(value)
 
 
-def _mean_over_ranks(value: torch.Tensor) -> float:
+def _mean_loss_and_stop(loss: torch.Tensor, stop: bool) -> tuple[float, bool]:
+    """One all-reduce carries the loss and the stop flag, so every rank stops after the same step."""
     # Gloo has no ReduceOp.AVG, so sum and divide.
-    total = value.detach().clone()
+    total = torch.stack([loss.detach().float(), torch.tensor(float(stop), device=loss.device)])
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    return total.item() / dist.get_world_size()
+    return total[0].item() / dist.get_world_size(), total[1].item() > 0
+
+
+def _all_ranks_agree(flag: bool, device: torch.device) -> bool:
+    value = torch.tensor([0.0 if flag else 1.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value.item() == 0
 
 
 @torch.no_grad()
@@ -102,6 +144,54 @@ def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], rank: int, wor
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
     model.train()
     return (sums[0] / sums[1]).item()
+
+
+class SaveLog:
+    """Reports finished saves to the metrics and remembers what a last save on SIGTERM needs to decide."""
+
+    def __init__(self, metrics: TrainingMetrics, saved_step: int | None) -> None:
+        self.metrics = metrics
+        self.saved_step = saved_step  # the newest step saved completely (or resumed from)
+        self.slowest_s = 0.0
+
+    def report(self, records: list[SaveRecord]) -> None:
+        for record in records:
+            self.slowest_s = max(self.slowest_s, record.write_s)
+            self.saved_step = max(self.saved_step or 0, record.step)
+            self.metrics.checkpoint(record)
+
+
+def _extra(step: int, args: argparse.Namespace, metrics: TrainingMetrics) -> dict[str, Any]:
+    # The data position is the step, so continuing at step + 1 replays nothing.
+    return {"step": step, "data_position": step + 1, "seed": args.seed, "recent_losses": metrics.recent_losses}
+
+
+def _save_on_stop(
+    step: int,
+    args: argparse.Namespace,
+    checkpointer: Checkpointer,
+    saves: SaveLog,
+    stop: StopSignal,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+) -> str:
+    """SIGTERM: finish the save in flight, then save this step too if the deadline leaves time for it."""
+    device = next(model.parameters()).device
+    try:
+        saves.report(checkpointer.wait())
+    except CheckpointError as exc:
+        # The same SIGTERM may have ended the writer process mid-save: that step stays unmarked, never shipped.
+        print(f"trainer (rank {os.environ.get('RANK', '?')}): {exc}", file=sys.stderr, flush=True)
+    # Every rank must take the same branches: a save is collective.
+    if _all_ranks_agree(saves.saved_step == step, device):
+        return f"stopped by SIGTERM after step {step}: step {step} is saved"
+    left = stop.time_left(args.flush_deadline_s)
+    if not _all_ranks_agree(left > LAST_SAVE_MARGIN * saves.slowest_s, device):
+        return (f"stopped by SIGTERM after step {step}: no time for a last save ({left:.1f}s of "
+                f"--flush-deadline-s left, a save takes {saves.slowest_s:.1f}s); last saved step {saves.saved_step}")
+    checkpointer.save(step, model, optimizer, _extra(step, args, saves.metrics), blocking=True)
+    saves.report(checkpointer.wait())
+    return f"stopped by SIGTERM after step {step}: saved step {step}"
 
 
 def train(args: argparse.Namespace) -> None:
@@ -148,34 +238,38 @@ def train(args: argparse.Namespace) -> None:
             recent_losses=recent_losses,
         )
         tokens_per_step = args.batch_size * args.seq_len * world_size
+        stop = StopSignal()
+        checkpointer = Checkpointer(
+            args.ckpt_dir, args.ckpt_mode, keep_local=args.keep_local, timeout_s=args.collective_timeout_s
+        )
+        saves = SaveLog(metrics, saved_step=start_step - 1 if args.resume_from is not None else None)
 
         # --- the loop ------------------------------------------------------------------------------------
-        for step in range(start_step, args.steps + 1):
-            started = time.perf_counter()
-            lr = lr_at(step, args.lr, args.warmup_steps, args.steps)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            batch = data.train_batch(args.seed, step, rank, world_size, args.batch_size).to(device)
-            loss = next_token_loss(ddp_model, batch)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), GRAD_CLIP_NORM)
-            optimizer.step()
-            mean_loss = _mean_over_ranks(loss)
-            if not math.isfinite(mean_loss):
-                raise TrainError(f"loss became {mean_loss} at step {step}: lower --lr or raise --warmup-steps")
-            metrics.record(step, mean_loss, lr, time.perf_counter() - started, tokens_per_step)
-
-            if step % args.ckpt_every == 0 or step == args.steps:
-                saving = time.perf_counter()
-                extra = {
-                    "step": step,
-                    "data_position": step + 1,
-                    "seed": args.seed,
-                    "recent_losses": metrics.recent_losses,
-                }
-                save_checkpoint(args.ckpt_dir, step, ddp_model, optimizer, extra, keep_local=args.keep_local)
-                metrics.checkpoint(step, time.perf_counter() - saving)
+        try:
+            for step in range(start_step, args.steps + 1):
+                started = time.perf_counter()
+                lr = lr_at(step, args.lr, args.warmup_steps, args.steps)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                batch = data.train_batch(args.seed, step, rank, world_size, args.batch_size).to(device)
+                loss = next_token_loss(ddp_model, batch)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), GRAD_CLIP_NORM)
+                optimizer.step()
+                mean_loss, stopping = _mean_loss_and_stop(loss, stop.received_at is not None)
+                if not math.isfinite(mean_loss):
+                    raise TrainError(f"loss became {mean_loss} at step {step}: lower --lr or raise --warmup-steps")
+                metrics.record(step, mean_loss, lr, time.perf_counter() - started, tokens_per_step)
+                saves.report(checkpointer.finished())
+                if stopping:
+                    raise TrainStopped(_save_on_stop(step, args, checkpointer, saves, stop, ddp_model, optimizer))
+                if step % args.ckpt_every == 0 or step == args.steps:
+                    checkpointer.save(step, ddp_model, optimizer, _extra(step, args, metrics))
+                    saves.report(checkpointer.finished())
+            saves.report(checkpointer.wait())
+        finally:
+            checkpointer.close()
 
         # --- final eval and report -----------------------------------------------------------------------
         eval_loss = evaluate(model, data.eval_batches(args.seed, args.eval_batches, args.batch_size), rank, world_size)
@@ -192,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         train(args)
+    except TrainStopped as stopped:
+        print(f"trainer (rank {os.environ.get('RANK', '?')}): {stopped}", file=sys.stderr, flush=True)
+        return EXIT_STOPPED
     except (TrainError, DataError, CheckpointError) as exc:
         # Expected failures get one readable line; anything else keeps its traceback.
         print(f"trainer error (rank {os.environ.get('RANK', '?')}): {exc}", file=sys.stderr, flush=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import tempfile
@@ -18,11 +19,13 @@ import typer
 from infra.checkpoints import CheckpointError, CheckpointStore
 from infra.dataset.manifest import DatasetError
 from infra.plan import PlanError, cluster_name_for, plan_job
-from infra.providers import LaunchError, all_providers, get_provider
+from infra.providers import ClusterRecord, LaunchError, all_providers, get_provider
 from infra.spec import ConfigError, JobSpec, load_job
 from infra.storage import StorageError, open_store
 from infra.summary import RunSummary, load_summary
+from infra.sweep import sweep_clusters
 from infra.workspace import runs_dir
+from trainpipe import bench_command, catalog_command, cp_command, serve_command
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 dataset_app = typer.Typer(no_args_is_help=True, help="Create and check token datasets.")
@@ -71,6 +74,8 @@ def run(config: ConfigArg, run_id: RunIdOpt = None) -> None:
     run_id = run_id or new_run_id(job)
     # Fail on bad input before Prefect starts, so the user sees one line rather than a flow traceback.
     plan_job(job, run_id)
+    # Prefect's 20 s default for starting its in-process server is too short on a busy 2-core machine.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     from flows.retrain import retrain
 
     # Prefect turns SIGTERM into a graceful flow shutdown, then re-sends it to the handler it found. Python's
@@ -137,16 +142,11 @@ def sweep(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="only say what would be torn down")] = False,
 ) -> None:
     """Tear down clusters whose run is no longer running (what a killed orchestrator left behind)."""
-    swept = 0
-    for provider in all_providers():
-        for record in provider.list_clusters():
-            if record.owner_alive and not all_clusters:
-                continue
-            typer.echo(f"{'would tear down' if dry_run else 'tearing down'} {record.name} ({provider.name}, "
-                       f"run {record.run_id}, {record.processes} processes)")
-            if not dry_run:
-                provider.terminate(record.name)
-            swept += 1
+    def say(record: ClusterRecord) -> None:
+        typer.echo(f"{'would tear down' if dry_run else 'tearing down'} {record.name} ({record.provider}, "
+                   f"run {record.run_id}, {record.processes} processes)")
+
+    swept = len(sweep_clusters(include_alive=all_clusters, dry_run=dry_run, on_cluster=say))
     typer.echo(f"swept {swept} clusters" if not dry_run else f"{swept} clusters would be swept")
 
 
@@ -215,6 +215,13 @@ def ckpt_verify(
     with tempfile.TemporaryDirectory(prefix="trainpipe-verify-") as scratch:
         loaded = inspect_checkpoint(checkpoints.restore(Path(scratch), manifest.step))
     typer.echo(json.dumps({"step": manifest.step, "files": len(manifest.files), "loaded": loaded}))
+
+
+app.command("serve")(serve_command.serve)
+app.command("submit")(user_errors_exit_2(serve_command.submit))
+app.command("cp")(user_errors_exit_2(cp_command.cp))
+app.add_typer(bench_command.bench_app, name="bench")
+app.add_typer(catalog_command.catalog_app, name="catalog")
 
 
 def main() -> None:

@@ -21,7 +21,16 @@ from types import FrameType
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from infra.checkpoints import CheckpointError, CheckpointStore, step_name
+from infra.checkpoints import (
+    SAVE_LEASE,
+    UPLOAD_LEASE,
+    CheckpointError,
+    CheckpointStore,
+    clear_lease,
+    leased_step,
+    step_name,
+    write_lease,
+)
 from infra.node.events import emit, fail
 from infra.storage import StorageError, open_store
 from infra.storage.transfer import RetryPolicy, call_with_retries
@@ -67,6 +76,7 @@ class SyncConfig:
     poll_s: float
     stop_file: Path | None
     commit_timeout_s: float
+    flush_deadline_s: float = 20.0
 
     @property
     def state_path(self) -> Path:
@@ -85,6 +95,7 @@ class Syncer:
         self.skipped: set[tuple[int, int]] = set()  # (step, marker mtime_ns): pruned before upload
         # An Event rather than a flag so a stop request (SIGTERM) also cuts the poll sleep short.
         self.stop_requested = threading.Event()
+        self.waited_for: set[int] = set()  # trainer saves a stop already waited for (logged once each)
 
     # ---- state --------------------------------------------------------------------------------------------
 
@@ -199,6 +210,8 @@ class Syncer:
             self._skip(marker.step, mtime_ns, step_dir)
             return
         started = time.monotonic()
+        # The lease keeps the trainer's local retention off this step while it uploads (see UPLOAD_LEASE).
+        write_lease(self.config.ckpt_dir, UPLOAD_LEASE, marker.step)
         try:
             record = call_with_retries(
                 lambda: self.checkpoints.upload_node_part(step_dir, marker.step, self.config.node_rank, marker.files),
@@ -207,11 +220,13 @@ class Syncer:
             )
         except (StorageError, OSError):
             # Local retention removes the marker before the dir, so a missing marker means "pruned", even
-            # while the dir is still being deleted.
+            # while the dir is still being deleted (it got there between the listing and the lease).
             if not (marker_path.exists() and step_dir.is_dir()):
                 self._skip(marker.step, mtime_ns, step_dir)
                 return
             raise
+        finally:
+            clear_lease(self.config.ckpt_dir, UPLOAD_LEASE)
         seconds = time.monotonic() - started
         size = sum(entry.bytes for entry in record.files)
         self.state.uploaded[marker.step] = mtime_ns
@@ -285,16 +300,35 @@ class Syncer:
             f"node(s) {', '.join(map(str, missing))} under {where}: check those nodes' syncers"
         )
 
+    def _trainer_still_saving(self, stopped_at: float) -> bool:
+        """A save the trainer had under way when the stop came is worth waiting for, within the flush deadline."""
+        if time.monotonic() - stopped_at > self.config.flush_deadline_s:
+            return False
+        step = leased_step(self.config.ckpt_dir, SAVE_LEASE)
+        if step is not None and step not in self.waited_for:
+            self.waited_for.add(step)
+            log.info("stopping: waiting up to %.0fs for the trainer's save of step %d", self.config.flush_deadline_s,
+                     step)
+        return step is not None
+
     def run(self) -> int:
         is_committer = self.config.node_rank == 0
         deadline: float | None = None
+        stopped_at: float | None = None
         emit("started", node_rank=self.config.node_rank, url=self.config.url, committer=is_committer)
         while True:
-            # Read before scanning: every step complete when the stop was asked for is uploaded first.
+            # Read before scanning: every step complete when the stop was asked for is uploaded first. The
+            # trainer writes a step's marker before it drops its save lease, so a lease gone here means the
+            # marker is there for the scan below.
             stopping = self._should_stop()
+            stopped_at = stopped_at if stopped_at is not None or not stopping else time.monotonic()
+            saving = stopped_at is not None and self._trainer_still_saving(stopped_at)
             self.upload_pending()
             if is_committer:
                 self.commit_pending()
+            if saving:
+                time.sleep(self.config.poll_s)  # the stop event is set, so waiting on it would not pause
+                continue
             if stopping:
                 waiting = self.pending_commits() if is_committer else []
                 if not waiting:
@@ -325,12 +359,16 @@ def _parse(argv: list[str]) -> SyncConfig:
     parser.add_argument(
         "--commit-timeout", type=float, default=600.0, help="on stop, node 0 waits this long for other nodes' records"
     )
+    parser.add_argument(
+        "--flush-deadline", type=float, default=20.0, help="on stop, wait this long for a save under way"
+    )
     args = parser.parse_args(argv)
     if not 0 <= args.node_rank < args.nodes:
         parser.error(f"--node-rank {args.node_rank}: must be in [0, --nodes={args.nodes})")
-    if args.poll <= 0 or args.commit_timeout < 0:
+    if args.poll <= 0 or args.commit_timeout < 0 or args.flush_deadline < 0:
         parser.error(
-            f"--poll {args.poll:g} / --commit-timeout {args.commit_timeout:g}: use a poll > 0 and a timeout >= 0"
+            f"--poll {args.poll:g} / --commit-timeout {args.commit_timeout:g} / --flush-deadline "
+            f"{args.flush_deadline:g}: use a poll > 0 and timeouts >= 0"
         )
     if args.keep < 1:
         parser.error(f"--keep {args.keep}: must be at least 1 (the newest committed checkpoint is never deleted)")
@@ -345,6 +383,7 @@ def _parse(argv: list[str]) -> SyncConfig:
         poll_s=args.poll,
         stop_file=args.stop_file,
         commit_timeout_s=args.commit_timeout,
+        flush_deadline_s=args.flush_deadline,
     )
 
 

@@ -17,8 +17,17 @@ from infra.providers.base import (
 )
 from infra.providers.local import LocalProvider
 
+
+def _aws() -> Provider:
+    # Imported on first use: it pulls in boto3 and the optimizer, which most commands never need.
+    from infra.providers.aws import AwsProvider
+
+    return AwsProvider()
+
+
 _FACTORIES: dict[str, Callable[[], Provider]] = {
     "local": LocalProvider,
+    "aws": _aws,
 }
 
 

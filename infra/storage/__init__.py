@@ -24,6 +24,8 @@ __all__ = [
 # scheme -> "module:ClassName" of its ObjectStore, constructed with the full URL.
 BACKENDS: dict[str, str] = {
     "file": "infra.storage.local:FileStore",
+    "s3": "infra.storage.s3:S3Store",
+    "gs": "infra.storage.gcs:GcsStore",
 }
 
 

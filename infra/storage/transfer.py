@@ -676,21 +676,31 @@ def upload(
     max_inflight_bytes: int = DEFAULT_INFLIGHT_BYTES,
     progress: Callable[[Progress], None] | None = None,
     retry: RetryPolicy = DEFAULT_RETRY,
+    keys: Sequence[str] | None = None,
 ) -> TransferResult:
-    """Send src_dir/<rel> to the store as key <rel> for every rel path; returns each file's sha256."""
+    """Send src_dir/<rel> to the store as key <rel> (or keys[i], when given) for every rel path.
+
+    Returns each file's sha256, under its key.
+    """
     _check_args(workers, part_size, max_inflight_bytes)
     started = time.monotonic()
     src_dir = Path(src_dir)
     _checked_keys(rel_paths, str(src_dir))
+    if keys is None:
+        keys = rel_paths
+    elif len(keys) != len(rel_paths):
+        raise ValueError(f"{len(keys)} keys for {len(rel_paths)} files: give one key per file")
+    else:
+        _checked_keys(keys, store.url)
     puts: list[_Put] = []
-    for rel in rel_paths:
+    for rel, key in zip(rel_paths, keys, strict=True):
         path = src_dir / rel
         with os_errors_named(str(path), "read"):
             try:
                 size = path.stat().st_size
             except FileNotFoundError:
                 raise StorageError(f"{path}: no such local file: write it before uploading it") from None
-        puts.append(_Put(store, path, rel, size, retry))
+        puts.append(_Put(store, path, key, size, retry))
     pool = _Pool(workers, max_inflight_bytes, progress, started)
     pool.set_totals(sum(put.size for put in puts), len(puts))
     try:

@@ -1,0 +1,347 @@
+"""The transfer benchmark: trainpipe against s5cmd, aws s3 cp and boto3 on a local S3 server, and against
+google-cloud-storage's transfer_manager on the GCS emulator, in one run on this machine.
+
+Every client runs as its own process, timed from start to exit, the way a user runs it (startup included),
+over the same dataset: a few large files and many 8 MB ones. The ceiling is the best any client reached;
+a local `cp` of the same bytes gives the disk's limit. Runs from a checkout: it starts the test servers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+BIG_FILE = 256 << 20
+SMALL_FILE = 8 << 20
+BIN = Path(sys.executable).parent
+S3_CLIENTS = ("trainpipe", "s5cmd", "aws", "boto3")
+# `trainpipe cp` without the rest of the CLI's imports (pandas, prefect config): the same code, a faster start.
+TRAINPIPE_CP = [sys.executable, "-m", "trainpipe.cp_command"]
+
+
+def _test_servers() -> ModuleType:
+    """tests/servers.py of this checkout: the very servers the test suite runs against."""
+    path = Path(__file__).resolve().parent.parent / "tests" / "servers.py"
+    if not path.is_file():
+        raise RuntimeError(f"{path} is missing: run the benchmark from a trainpipe checkout")
+    spec = importlib.util.spec_from_file_location("trainpipe_test_servers", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is created
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    size_gb: float = 2.0
+    repeats: int = 3
+    gcs_size_gb: float = 0.5
+    clients: list[str] | None = None  # S3 clients to run (default: all); trainpipe always runs
+    workdir: Path | None = None
+
+
+@dataclass
+class Row:
+    store: str
+    direction: str
+    client: str
+    mb_per_s: list[float] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.mb_per_s) if self.mb_per_s else 0.0
+
+    @property
+    def best(self) -> float:
+        return max(self.mb_per_s, default=0.0)
+
+
+@dataclass
+class Report:
+    dataset: dict[str, object]
+    rows: list[Row]
+
+    def _rows(self, store: str, direction: str) -> list[Row]:
+        return [r for r in self.rows if r.store == store and r.direction == direction]
+
+    def ceiling(self, store: str, direction: str) -> float:
+        """The best any client reached (the disk's `cp` is its own row, not a client)."""
+        return max((r.best for r in self._rows(store, direction) if r.client != "local cp"), default=0.0)
+
+    def ratio(self, row: Row, against: str) -> float | None:
+        peer = next((r for r in self._rows(row.store, row.direction) if r.client == against and r.mb_per_s), None)
+        return row.median / peer.median if peer is not None and peer.median > 0 else None
+
+    def summary(self) -> list[dict[str, object]]:
+        out = []
+        for row in self.rows:
+            ceiling = self.ceiling(row.store, row.direction)
+            out.append({
+                **asdict(row), "median": round(row.median, 1), "best": round(row.best, 1),
+                "vs_s5cmd": _round(self.ratio(row, "s5cmd")),
+                "vs_transfer_manager": _round(self.ratio(row, "transfer_manager")),
+                "of_ceiling": _round(row.best / ceiling if ceiling and row.mb_per_s else None),
+            })
+        return out
+
+    def table(self) -> str:
+        lines = [f"dataset: {self.dataset}",
+                 f"{'store':<5} {'dir':<9} {'client':<17} {'median MB/s':>11} {'best':>8} {'vs s5cmd':>8} "
+                 f"{'vs tm':>6} {'of ceil':>7}  runs / note"]
+        for item in self.summary():
+            def show(value: object) -> str:
+                return "-" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value)
+
+            runs = ", ".join(f"{v:.0f}" for v in item["mb_per_s"]) if item["mb_per_s"] else ""  # type: ignore[attr-defined]
+            lines.append(f"{item['store']:<5} {item['direction']:<9} {item['client']:<17} {item['median']:>11.1f} "
+                         f"{item['best']:>8.1f} {show(item['vs_s5cmd']):>8} {show(item['vs_transfer_manager']):>6} "
+                         f"{show(item['of_ceiling']):>7}  {runs}{' ' + str(item['note']) if item['note'] else ''}")
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps({"dataset": self.dataset, "rows": self.summary()}, indent=2)
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+# -- the dataset ----------------------------------------------------------------------------------------
+
+
+def dataset_sizes(total_bytes: int) -> dict[str, int]:
+    """Half the bytes in large files (256 MB at full size), half in many 8 MB files; scaled down for small runs."""
+    big = max(1 << 20, min(BIG_FILE, total_bytes // 8))
+    small = max(64 << 10, min(SMALL_FILE, total_bytes // 64))
+    sizes = {f"big/{i:03d}.bin": big for i in range(max(1, (total_bytes // 2) // big))}
+    remaining = total_bytes - sum(sizes.values())
+    sizes |= {f"small/{i:05d}.bin": small for i in range(max(1, remaining // small))}
+    return sizes
+
+
+def write_dataset(root: Path, sizes: dict[str, int]) -> None:
+    block = os.urandom(SMALL_FILE)
+    for index, (rel, size) in enumerate(sorted(sizes.items())):
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as file:
+            file.write(index.to_bytes(8, "little"))  # no two files alike
+            written = 8
+            while written < size:
+                written += file.write(block[: size - written])
+
+
+def _bytes_under(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+# -- clients: each returns the argv of one run --------------------------------------------------------
+
+BOTO3_DOWNLOAD = """
+import sys, boto3, os
+s3 = boto3.client("s3")
+bucket, prefix, dest = sys.argv[1:4]
+for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+    for item in page.get("Contents", []):
+        path = os.path.join(dest, item["Key"][len(prefix):])
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        s3.download_file(bucket, item["Key"], path)
+"""
+
+BOTO3_UPLOAD = """
+import sys, boto3, os
+s3 = boto3.client("s3")
+src, bucket, prefix = sys.argv[1:4]
+for folder, _, names in os.walk(src):
+    for name in sorted(names):
+        path = os.path.join(folder, name)
+        s3.upload_file(path, bucket, prefix + os.path.relpath(path, src))
+"""
+
+TM_DOWNLOAD = """
+import sys
+from google.cloud import storage
+from google.cloud.storage import transfer_manager
+from google.auth.credentials import AnonymousCredentials
+bucket_name, prefix, dest = sys.argv[1:4]
+client = storage.Client(project="bench", credentials=AnonymousCredentials())
+bucket = client.bucket(bucket_name)
+names = [b.name for b in client.list_blobs(bucket, prefix=prefix)]
+results = transfer_manager.download_many_to_path(bucket, names, destination_directory=dest)
+errors = [r for r in results if isinstance(r, Exception)]
+sys.exit(f"{len(errors)} failed: {errors[:1]}" if errors else 0)
+"""
+
+TM_UPLOAD = """
+import sys, os
+from google.cloud import storage
+from google.cloud.storage import transfer_manager
+from google.auth.credentials import AnonymousCredentials
+src, bucket_name, prefix = sys.argv[1:4]
+client = storage.Client(project="bench", credentials=AnonymousCredentials())
+names = sorted(os.path.relpath(os.path.join(d, n), src) for d, _, ns in os.walk(src) for n in ns)
+results = transfer_manager.upload_many_from_filenames(client.bucket(bucket_name), names, source_directory=src,
+                                                      blob_name_prefix=prefix)
+errors = [r for r in results if isinstance(r, Exception)]
+sys.exit(f"{len(errors)} failed: {errors[:1]}" if errors else 0)
+"""
+
+
+def download_argv(client: str, bucket: str, prefix: str, dest: Path, endpoint: str) -> list[str]:
+    url = f"s3://{bucket}/{prefix}"
+    return {
+        "trainpipe": [*TRAINPIPE_CP, "--recursive", url, str(dest)],
+        "s5cmd": [str(BIN / "s5cmd"), "--endpoint-url", endpoint, "cp", f"{url}*", f"{dest}/"],
+        "aws": [str(BIN / "aws"), "--endpoint-url", endpoint, "s3", "cp", "--recursive", "--quiet", url, str(dest)],
+        "boto3": [sys.executable, "-c", BOTO3_DOWNLOAD, bucket, prefix, str(dest)],
+    }[client]
+
+
+def upload_argv(client: str, src: Path, bucket: str, prefix: str, endpoint: str) -> list[str]:
+    url = f"s3://{bucket}/{prefix}"
+    return {
+        "trainpipe": [*TRAINPIPE_CP, "--recursive", str(src), url],
+        "s5cmd": [str(BIN / "s5cmd"), "--endpoint-url", endpoint, "cp", f"{src}/*", url],
+        "aws": [str(BIN / "aws"), "--endpoint-url", endpoint, "s3", "cp", "--recursive", "--quiet", str(src), url],
+        "boto3": [sys.executable, "-c", BOTO3_UPLOAD, str(src), bucket, prefix],
+    }[client]
+
+
+def _timed(argv: list[str], env: dict[str, str]) -> float:
+    started = time.perf_counter()
+    done = subprocess.run(argv, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"{Path(argv[0]).name} exited {done.returncode}: {(done.stderr or done.stdout)[-800:]}")
+    return seconds
+
+
+def _measure(row: Row, runs: int, run_once: Callable[[int], float], nbytes: int, echo: Callable[[str], None]) -> None:
+    for index in range(runs):
+        try:
+            seconds = run_once(index)
+        except (RuntimeError, OSError) as exc:
+            row.note = f"failed: {' '.join(str(exc).split())[:200]}"
+            echo(f"  {row.store} {row.direction} {row.client}: {row.note}")
+            return
+        row.mb_per_s.append(nbytes / 1e6 / seconds)
+        echo(f"  {row.store} {row.direction} {row.client} run {index + 1}/{runs}: {row.mb_per_s[-1]:.0f} MB/s")
+
+
+def _fresh(path: Path) -> Path:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def _checked_download(dest: Path, nbytes: int, run: Callable[[], float]) -> float:
+    """One timed download into an empty dest, which must then hold every byte."""
+    _fresh(dest)
+    seconds = run()
+    if (got := _bytes_under(dest)) != nbytes:
+        raise RuntimeError(f"downloaded {got} of {nbytes} bytes")
+    shutil.rmtree(dest)
+    return seconds
+
+
+# -- the runs -------------------------------------------------------------------------------------------
+
+
+def bench_s3(config: BenchConfig, scratch: Path, servers: ModuleType, echo: Callable[[str], None]) -> Report:
+    clients = [c for c in S3_CLIENTS if c == "trainpipe" or config.clients is None or c in config.clients]
+    sizes = dataset_sizes(int(config.size_gb * 1e9))
+    nbytes = sum(sizes.values())
+    root = scratch / "s3root"
+    data = root / "bench" / "data"
+    echo(f"writing {nbytes / 1e9:.2f} GB: {len(sizes)} files under {data}")
+    write_dataset(data, sizes)
+    dataset = {"bytes": nbytes, "files": len(sizes), "big_files": sum(1 for k in sizes if k.startswith("big/")),
+               "big_file_bytes": max(sizes.values()), "repeats": config.repeats}
+    rows: list[Row] = []
+    with servers.rclone_s3(root, etag_hash="") as server:
+        env = {**os.environ, **server.env()}
+        server.make_bucket("upload")
+        dest = scratch / "download"
+        for client in clients:
+            row = Row("s3", "download", client)
+            rows.append(row)
+            argv = download_argv(client, "bench", "data/", dest, server.endpoint)
+
+            def download_once(_index: int, argv: list[str] = argv) -> float:
+                return _checked_download(dest, nbytes, lambda: _timed(argv, env))
+
+            _measure(row, config.repeats, download_once, nbytes, echo)
+        for client in clients:
+            row = Row("s3", "upload", client)
+            rows.append(row)
+
+            def upload_once(index: int, client: str = client) -> float:
+                prefix = f"{client}-{index}/"
+                seconds = _timed(upload_argv(client, data, "upload", prefix, server.endpoint), env)
+                if (got := _bytes_under(root / "upload" / prefix)) != nbytes:
+                    raise RuntimeError(f"uploaded {got} of {nbytes} bytes")
+                shutil.rmtree(root / "upload" / prefix)
+                return seconds
+
+            _measure(row, config.repeats, upload_once, nbytes, echo)
+    disk = Row("s3", "download", "local cp", note="(disk: cp -r of the same files)")
+    rows.append(disk)
+    _measure(disk, config.repeats,
+             lambda _i: _checked_download(dest, nbytes, lambda: _timed(["cp", "-r", f"{data}/.", str(dest)], env)),
+             nbytes, echo)
+    return Report(dataset, rows)
+
+
+def bench_gcs(config: BenchConfig, scratch: Path, servers: ModuleType, echo: Callable[[str], None]) -> list[Row]:
+    sizes = dataset_sizes(int(config.gcs_size_gb * 1e9))
+    nbytes = sum(sizes.values())
+    src = scratch / "gcs-src"
+    write_dataset(src, sizes)
+    echo(f"GCS emulator: {nbytes / 1e9:.2f} GB in {len(sizes)} files")
+    rows = {key: Row("gcs", key[0], key[1]) for key in
+            [("upload", "trainpipe"), ("upload", "transfer_manager"), ("download", "trainpipe"),
+             ("download", "transfer_manager")]}
+    with servers.gcs_emulator(scratch / "gcs") as server:
+        env = {**os.environ, **server.env()}
+        bucket = servers.create_gcs_bucket(server, "bench").removeprefix("gs://")
+        uploads = {
+            "trainpipe": lambda i: [*TRAINPIPE_CP, "-r", str(src), f"gs://{bucket}/tp-{i}/"],
+            "transfer_manager": lambda i: [sys.executable, "-c", TM_UPLOAD, str(src), bucket, f"tm-{i}/"],
+        }
+        for client, argv in uploads.items():
+            _measure(rows[("upload", client)], config.repeats, lambda i, argv=argv: _timed(argv(i), env), nbytes, echo)
+        dest = scratch / "gcs-download"
+        downloads = {
+            "trainpipe": [*TRAINPIPE_CP, "-r", f"gs://{bucket}/tp-0/", str(dest)],
+            "transfer_manager": [sys.executable, "-c", TM_DOWNLOAD, bucket, "tp-0/", str(dest)],
+        }
+        for client, argv in downloads.items():
+            _measure(rows[("download", client)], config.repeats,
+                     lambda _i, argv=argv: _checked_download(dest, nbytes, lambda: _timed(argv, env)), nbytes, echo)
+    return list(rows.values())
+
+
+def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> Report:
+    servers = _test_servers()
+    with ExitStack() as stack:
+        scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="trainpipe-bench-", dir=config.workdir)))
+        report = bench_s3(config, scratch, servers, echo)
+        shutil.rmtree(scratch / "s3root", ignore_errors=True)
+        if config.gcs_size_gb > 0:
+            report.rows.extend(bench_gcs(config, scratch, servers, echo))
+            report.dataset["gcs_bytes"] = sum(dataset_sizes(int(config.gcs_size_gb * 1e9)).values())
+    return report

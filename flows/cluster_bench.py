@@ -1,0 +1,51 @@
+"""cluster-bench: provision → probe every node → measure every node's local disk → teardown (always) → publish."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, unmapped
+from prefect.logging.loggers import flow_run_logger
+from prefect.runtime import flow_run as current_flow_run
+from prefect.states import State
+
+from infra.plan import cluster_name_for
+from infra.spec import ClusterSpec
+from tasks.bench import disk_bench, launch_bench_cluster, publish_bench
+from tasks.cluster import teardown_cluster
+from tasks.verify import verify_node
+
+
+def default_bench_id(flow_run_id: str) -> str:
+    return f"bench-{flow_run_id.replace('-', '')[:10]}"
+
+
+def teardown_bench_on_crash(flow: Any, flow_run: Any, state: State[Any]) -> None:
+    """Cancellation and crash skip the flow's finally; the cluster's name follows from the parameters alone."""
+    spec = ClusterSpec.model_validate(flow_run.parameters.get("cluster") or {})
+    bench_id = flow_run.parameters.get("bench_id") or default_bench_id(str(flow_run.id))
+    flow_run_logger(flow_run, flow).warning("bench %s ended %s: tearing down its cluster", bench_id, state.type.value)
+    teardown_cluster.fn(spec.provider, cluster_name_for(bench_id))
+
+
+@flow(name="cluster-bench", on_cancellation=[teardown_bench_on_crash], on_crashed=[teardown_bench_on_crash])
+def cluster_bench(cluster: ClusterSpec | None = None, disk_megabytes: int = 256,
+                  bench_id: str | None = None) -> dict[str, Any]:
+    """Measure what a cluster of this shape gives a job before paying for a long run on it.
+
+    Args:
+        cluster: The cluster to launch (default: 2 local nodes).
+        disk_megabytes: Size of the file each node writes and reads back on its local disk.
+        bench_id: Names the cluster; default derives it from the flow run id.
+    """
+    spec = cluster or ClusterSpec()
+    bench_id = bench_id or default_bench_id(str(current_flow_run.id))
+    cluster_name = cluster_name_for(bench_id)
+    try:
+        launched = launch_bench_cluster(spec, cluster_name, bench_id)
+        verify_node.map(unmapped(launched), launched.nodes, unmapped(disk_megabytes * 1024 * 1024)).result()
+        disks = disk_bench.map(unmapped(launched), launched.nodes, unmapped(disk_megabytes)).result()
+    finally:
+        nodes_left = teardown_cluster(spec.provider, cluster_name)
+    publish_bench(bench_id, disks, nodes_left)
+    return {"bench_id": bench_id, "disks": disks, "nodes_left": nodes_left}

