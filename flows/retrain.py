@@ -17,7 +17,7 @@ from tasks.capacity import nodes_held
 from tasks.checkpoint import verify_committed_checkpoint
 from tasks.cluster import provision_cluster, teardown_cluster
 from tasks.plan import plan_run
-from tasks.report import publish_summary, record_resume, record_training
+from tasks.report import publish_summary, record_failure, record_launch, record_resume, record_training
 from tasks.stage import restore_checkpoint, stage_dataset
 from tasks.train import TrainLaunch, run_training
 from tasks.verify import verify_node
@@ -52,6 +52,7 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
         summary.loss_floor = plan.loss_floor
         with summary.phase("provision"):
             cluster = provision_cluster(job, cluster_name, run_id)
+        record_launch(summary, cluster)
         with summary.phase("verify"):
             probes = verify_node.map(unmapped(cluster), cluster.nodes, unmapped(plan.dataset_bytes)).result()
         with summary.phase("stage"):
@@ -69,7 +70,7 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
         record_training(summary, staged, outcome, verified, plan.checkpoint_url)
         summary.status = "completed"
     except BaseException as exc:
-        summary.status, summary.error = "failed", f"{type(exc).__name__}: {exc or 'no message'}"
+        record_failure(summary, exc)
         raise
     finally:
         with summary.phase("teardown"):

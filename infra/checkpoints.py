@@ -7,7 +7,8 @@ Layout under a run's checkpoint root:
     latest                                 {"step": 100, "manifest": "step-00000100/manifest.json"}, after the manifest
 
 Because the manifest is written last and deleted first, a crash at any instant leaves every committed
-checkpoint either whole or invisible, and `latest` is only a hint that readers double-check.
+checkpoint either whole or invisible. `latest` is a hint for outside readers (it may lag one commit behind after
+a crash); trainpipe itself lists manifests.
 """
 
 from __future__ import annotations
@@ -225,23 +226,11 @@ class CheckpointStore:
         return manifests
 
     def latest(self) -> CheckpointManifest | None:
-        """The newest committed checkpoint: `latest` when it names a valid manifest, else found by scanning."""
-        try:
-            pointer = LatestPointer.model_validate_json(self.store.get_bytes(LATEST_KEY))
-        except ObjectNotFound:
-            pointer = None
-        except ValidationError:
-            log.warning("%s: corrupt pointer: scanning manifests instead", self.store.url_for(LATEST_KEY))
-            pointer = None
-        if pointer is not None:
-            manifest = self._load_manifest(pointer.step) if pointer.manifest == manifest_key(pointer.step) else None
-            if manifest is not None:
-                return manifest
-            log.warning(
-                "%s: names step %d, which has no valid manifest: scanning manifests instead",
-                self.store.url_for(LATEST_KEY),
-                pointer.step,
-            )
+        """The newest committed checkpoint, found by listing manifests.
+
+        Not read from `latest`: a committer killed between its manifest and the pointer leaves the pointer one
+        commit behind, and a reader racing a commit would see it behind too. The pointer serves outside readers.
+        """
         manifests = self.committed()
         return manifests[0] if manifests else None
 

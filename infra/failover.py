@@ -10,30 +10,23 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from infra.optimizer import Candidate
-from infra.providers.base import CapacityError, Cluster, InvalidRequestError, LaunchError, PriceError, QuotaError
+from infra.providers.base import (
+    Attempt,
+    CapacityError,
+    Cluster,
+    InvalidRequestError,
+    LaunchError,
+    PriceError,
+    QuotaError,
+)
 
 log = logging.getLogger(__name__)
 
 LaunchCandidate = Callable[[Candidate], Cluster]
-
-
-@dataclass(frozen=True)
-class Attempt:
-    candidate: str  # Candidate.key
-    instance_type: str
-    region: str
-    zone: str | None
-    market: str
-    outcome: str  # launched | capacity | quota | price | error | invalid | skipped
-    error: str | None
-    seconds: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class NoCapacityAnywhere(CapacityError):
@@ -55,6 +48,18 @@ class Launched:
     cluster: Cluster
     candidate: Candidate
     attempts: list[Attempt]
+
+    def recorded_cluster(self) -> Cluster:
+        """The cluster with what it runs on, its price and every attempt it took: what the run summary reports."""
+        return replace(self.cluster, instance_type=self.candidate.instance_type, market=self.candidate.market,
+                       price_per_hour=round(self.candidate.cluster_per_hour, 4),
+                       attempts=tuple(attempt.to_dict() for attempt in self.attempts))
+
+
+def attempts_of(exc: BaseException) -> list[dict[str, Any]]:
+    """The launch attempts a failed launch made (failover attaches them to its error), as dicts."""
+    return [attempt.to_dict() if isinstance(attempt, Attempt) else dict(attempt)
+            for attempt in getattr(exc, "attempts", [])]
 
 
 def _outcome(exc: LaunchError) -> str:

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 PHASES = ("plan", "provision", "verify", "stage", "train", "sync", "teardown")
+# The cluster is paid for from the start of provisioning to the end of teardown: every phase but plan.
+BILLED_PHASES = PHASES[1:]
 
 
 @dataclass
@@ -36,6 +38,11 @@ class RunSummary:
     checkpoints: list[dict[str, Any]] = field(default_factory=list)  # per step: stall, write, upload, commit
     resumed_from_step: int | None = None  # the committed step this run restored (None: started fresh)
     warnings: list[str] = field(default_factory=list)  # e.g. a damaged checkpoint skipped on resume
+    instance_type: str | None = None
+    market: str | None = None
+    price_per_hour: float | None = None  # the whole cluster, USD
+    cost_usd: float | None = None  # price_per_hour × the billed phases' seconds
+    attempts: list[dict[str, Any]] = field(default_factory=list)  # every launch attempt, in order
     started_at: float = field(default_factory=time.time)
     finished_at: float | None = None
 
@@ -47,6 +54,18 @@ class RunSummary:
             yield
         finally:
             self.phases[name] = round(self.phases.get(name, 0.0) + time.perf_counter() - started, 3)
+
+    def record_launch(self, instance_type: str | None, market: str, price_per_hour: float,
+                      attempts: list[dict[str, Any]]) -> None:
+        self.instance_type, self.market, self.price_per_hour = instance_type, market, price_per_hour
+        self.attempts = attempts
+
+    def finish(self) -> None:
+        """Stamps the end and prices the run (the price is known only once a launch succeeded)."""
+        self.finished_at = time.time()
+        if self.price_per_hour is not None:
+            billed_s = sum(self.phases.get(name, 0.0) for name in BILLED_PHASES)
+            self.cost_usd = round(self.price_per_hour * billed_s / 3600, 4)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,6 +91,13 @@ class RunSummary:
             floor = f" (floor {self.loss_floor:.3f})" if self.loss_floor is not None else ""
             lines.append(f"  loss: {self.initial_loss:.3f} at step {self.start_step} → {self.final_loss:.3f} "
                          f"at step {self.steps}{floor}")
+        if self.attempts:
+            launched = [a for a in self.attempts if a["outcome"] == "launched"]
+            place = (launched[0]["zone"] or launched[0]["region"]) if launched else None
+            where = f"{self.nodes}× {self.instance_type} ({self.market}) in {place}" if place else "nothing launched"
+            lines.append(f"  cluster: {where} after {len(self.attempts)} launch attempt(s)"
+                         + (f", ${self.price_per_hour:.2f}/h, cost ${self.cost_usd:.4f}"
+                            if self.cost_usd is not None and self.price_per_hour is not None else ""))
         lines.append(f"  checkpoint: {self.checkpoint or 'none committed'}"
                      + (f" (resumed from step {self.resumed_from_step})" if self.resumed_from_step is not None else ""))
         stalls = [c["stall_s"] for c in self.checkpoints if c.get("stall_s") is not None]

@@ -21,7 +21,8 @@ def run_chart_png(curve: Sequence[tuple[int, float]], phases: Mapping[str, float
         if loss_floor is not None:
             loss_axes.axhline(loss_floor, color="tab:gray", linestyle="--", label=f"floor {loss_floor:.3f}")
         loss_axes.set(title="training loss", xlabel="step", ylabel="nats/token")
-        loss_axes.legend(loc="upper right")
+        if curve or loss_floor is not None:  # a run that failed before training has nothing to label
+            loss_axes.legend(loc="upper right")
         names = list(phases)
         time_axes.barh(names, [phases[name] for name in names], color="tab:orange")
         time_axes.invert_yaxis()

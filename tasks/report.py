@@ -9,7 +9,9 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from infra.summary import PHASES, RunSummary
+from infra.failover import attempts_of
+from infra.providers import Cluster
+from infra.summary import BILLED_PHASES, PHASES, RunSummary
 from tasks.charts import markdown_image, run_chart_png
 from tasks.node_output import read_loss_curve
 from tasks.policy import NO_RETRIES
@@ -35,6 +37,17 @@ def record_training(summary: RunSummary, staged: list[dict[str, Any]], outcome: 
     summary.checkpoints = checkpoint_metrics(outcome.metrics, outcome.checkpoint_events)
     summary.checkpoint_step = verified["step"]
     summary.checkpoint = f"{checkpoint_url}/step-{verified['step']:08d}"
+
+
+def record_launch(summary: RunSummary, cluster: Cluster) -> None:
+    summary.record_launch(cluster.instance_type, cluster.market, cluster.price_per_hour, list(cluster.attempts))
+
+
+def record_failure(summary: RunSummary, exc: BaseException) -> None:
+    """Marks the run failed; a launch that never succeeded still reports every attempt it made."""
+    summary.status, summary.error = "failed", f"{type(exc).__name__}: {exc or 'no message'}"
+    if not summary.attempts:
+        summary.attempts = attempts_of(exc)
 
 
 def record_resume(summary: RunSummary, restored: list[dict[str, Any]],
@@ -77,9 +90,36 @@ def _phase_rows(summary: RunSummary) -> list[dict[str, Any]]:
             for name in PHASES if name in summary.phases]
 
 
+ATTEMPT_COLUMNS = ("instance_type", "region", "zone", "market", "outcome", "seconds", "error")
+
+
+def _attempt_rows(summary: RunSummary) -> list[dict[str, Any]]:
+    return [{column: attempt.get(column) for column in ATTEMPT_COLUMNS} for attempt in summary.attempts]
+
+
+def _cost_fact(summary: RunSummary) -> str | None:
+    if summary.cost_usd is None or summary.price_per_hour is None:
+        return None
+    return (f"{summary.nodes}× {summary.instance_type} ({summary.market}) at ${summary.price_per_hour:,.2f}/h: "
+            f"cost **${summary.cost_usd:,.4f}** for {sum(summary.phases.get(p, 0.0) for p in BILLED_PHASES):,.0f} s "
+            f"provisioned, after {len(summary.attempts)} launch attempt(s)")
+
+
+def _markdown_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return ""
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join("" if row[c] is None else str(row[c]) for c in columns) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
 def _markdown(summary: RunSummary, curve: list[tuple[int, float]]) -> str:
     """What ran where, how long each phase took, how fast data moved, how far the loss fell, what was committed."""
     facts = [f"job **{summary.job}** on **{summary.provider}**, {summary.nodes} nodes"]
+    cost = _cost_fact(summary)
+    if cost:
+        facts.append(cost)
     if summary.stage:
         facts.append(f"staged {summary.stage['bytes'] / 1e6:,.1f} MB per node at {summary.stage['mb_per_s']} MB/s "
                      f"(slowest node), {summary.stage['skipped_bytes'] / 1e6:,.1f} MB already there")
@@ -91,21 +131,27 @@ def _markdown(summary: RunSummary, curve: list[tuple[int, float]]) -> str:
         facts.append(f"{len(summary.checkpoints)} checkpoint steps saved and synced")
     checkpoint = f"[{summary.checkpoint}]({summary.checkpoint})" if summary.checkpoint else "none"
     facts += [f"committed checkpoint: {checkpoint}", f"nodes left running after teardown: {summary.nodes_left}"]
-    rows = "\n".join(f"| {r['phase']} | {r['seconds']:.1f} | {r['share %']} |" for r in _phase_rows(summary))
     chart = markdown_image(run_chart_png(curve, summary.phases, summary.loss_floor), "loss curve and time per phase")
+    attempts = _markdown_table(_attempt_rows(summary))
     return (f"# Run `{summary.run_id}`: {summary.status}\n\n"
             + (f"**{summary.error}**\n\n" if summary.error else "")
             + "".join(f"* {fact}\n" for fact in facts)
-            + f"\n| phase | seconds | share % |\n|---|---|---|\n{rows}\n\n{chart}\n")
+            + f"\n## Phases\n\n{_markdown_table(_phase_rows(summary))}"
+            + (f"\n## Launch attempts\n\n{attempts}" if attempts else "")
+            + f"\n{chart}\n")
 
 
 @task(name="publish-summary", **NO_RETRIES)
 def publish_summary(summary: RunSummary, directory: Path) -> Path:
+    summary.finish()
     path = summary.write(directory)
     artifact_key = "retrain-" + "".join(c if c.isalnum() else "-" for c in summary.job.lower())
     create_markdown_artifact(_markdown(summary, read_loss_curve(directory)), key=artifact_key,
                              description=f"run {summary.run_id}")
     create_table_artifact(_phase_rows(summary), key=f"{artifact_key}-phases",
                           description=f"run {summary.run_id}: seconds per phase")
+    if summary.attempts:
+        create_table_artifact(_attempt_rows(summary), key=f"{artifact_key}-launch-attempts",
+                              description=f"run {summary.run_id}: every launch attempt, in order")
     get_run_logger().info("summary written to %s\n%s", path, summary.render())
     return path

@@ -84,12 +84,14 @@ def assert_local_steps_load(ckpt_dir: Path) -> None:
 
 
 def assert_latest_is_whole(checkpoints: CheckpointStore, scratch: Path) -> int | None:
+    # Listed first: a syncer may still be committing, so latest can only be at least as new as this listing.
+    committed_before = [status.step for status in checkpoints.list_steps() if status.committed]
     latest = checkpoints.latest()
-    statuses = checkpoints.list_steps()
     if latest is None:
-        assert not any(status.committed for status in statuses)
+        assert not committed_before
         return None
-    assert latest.step == max(status.step for status in statuses if status.committed)
+    assert latest.step >= max(committed_before, default=latest.step)
+    assert latest.step in [status.step for status in checkpoints.list_steps() if status.committed]
     checkpoints.verify(latest.step, deep=True)
     assert inspect_checkpoint(checkpoints.restore(scratch, latest.step))["step"] == latest.step
     return latest.step

@@ -61,6 +61,8 @@ def test_flow_trains_commits_and_tears_down(prefect_server: None, workspace: Pat
     assert summary["loss_floor"] == pytest.approx(1.0889, abs=1e-3)
     assert summary["checkpoint"].endswith("/e2e-run/step-00000120")
     assert summary["nodes_left"] == 0
+    assert [(a["instance_type"], a["outcome"]) for a in summary["attempts"]] == [("local-process", "launched")]
+    assert summary["price_per_hour"] == 0.0 and summary["cost_usd"] == 0.0, "local nodes cost nothing"
     on_disk = json.loads((workspace / "runs" / "e2e-run" / "summary.json").read_text())
     assert on_disk["checkpoint"] == summary["checkpoint"]
 

@@ -178,6 +178,10 @@ def test_retrain_via_run_deployment_completes_with_artifacts_and_summary(stack: 
     assert training and float(training[0].data) == 100.0, [(a.description, a.data) for a in by_type["progress"]]
     phases = [row["phase"] for a in by_type["table"] for row in json.loads(a.data) if "phase" in row]
     assert {"plan", "provision", "stage", "train", "teardown"} <= set(phases)
+    launches = [a for a in by_type["table"] if (a.key or "").endswith("-launch-attempts")]
+    attempts = [row for a in launches for row in json.loads(a.data)]
+    assert [(row["instance_type"], row["outcome"]) for row in attempts] == [("local-process", "launched")]
+    assert "## Launch attempts" in markdown and "cost **$0.0000**" in markdown
     assert not tagged_processes(stack.home)
 
 

@@ -166,6 +166,21 @@ def _extra(step: int, args: argparse.Namespace, metrics: TrainingMetrics) -> dic
     return {"step": step, "data_position": step + 1, "seed": args.seed, "recent_losses": metrics.recent_losses}
 
 
+def _report_finished_saves(checkpointer: Checkpointer, saves: SaveLog, stop: StopSignal) -> None:
+    """Reports finished saves; a failure after SIGTERM is left to the stop path instead of ending this rank.
+
+    torchrun signals the worker's whole process group, so the SIGTERM that stops training also ends the writer
+    process mid-save. Raising here would make this rank exit while its peers wait in the collective that agrees
+    on stopping; the stop path (next step boundary) reports the lost save and decides on a last one.
+    """
+    try:
+        saves.report(checkpointer.finished())
+    except CheckpointError as exc:
+        if stop.received_at is None:
+            raise
+        print(f"trainer (rank {os.environ.get('RANK', '?')}): after SIGTERM: {exc}", file=sys.stderr, flush=True)
+
+
 def _save_on_stop(
     step: int,
     args: argparse.Namespace,
@@ -261,13 +276,21 @@ def train(args: argparse.Namespace) -> None:
                 if not math.isfinite(mean_loss):
                     raise TrainError(f"loss became {mean_loss} at step {step}: lower --lr or raise --warmup-steps")
                 metrics.record(step, mean_loss, lr, time.perf_counter() - started, tokens_per_step)
-                saves.report(checkpointer.finished())
+                _report_finished_saves(checkpointer, saves, stop)
                 if stopping:
                     raise TrainStopped(_save_on_stop(step, args, checkpointer, saves, stop, ddp_model, optimizer))
                 if step % args.ckpt_every == 0 or step == args.steps:
                     checkpointer.save(step, ddp_model, optimizer, _extra(step, args, metrics))
-                    saves.report(checkpointer.finished())
-            saves.report(checkpointer.wait())
+                    _report_finished_saves(checkpointer, saves, stop)
+            try:
+                saves.report(checkpointer.wait())
+            except CheckpointError as exc:
+                if stop.received_at is None:
+                    raise
+                raise TrainStopped(
+                    f"stopped by SIGTERM after step {args.steps}: its save was cut short ({exc}); "
+                    f"last saved step {saves.saved_step}"
+                ) from exc
         finally:
             checkpointer.close()
 

@@ -168,7 +168,7 @@ class AwsProvider(Provider):
             self.last_attempts = list(getattr(exc, "attempts", []))
             raise
         self.last_attempts = launched.attempts
-        return launched.cluster
+        return launched.recorded_cluster()
 
     def launch_candidate(self, cluster_name: str, spec: ClusterSpec, run_id: str, candidate: Candidate) -> Cluster:
         """Every node on this candidate or none: on any failure what this call started is rolled back."""

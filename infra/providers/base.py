@@ -40,6 +40,21 @@ class InvalidRequestError(LaunchError):
 
 
 @dataclass(frozen=True)
+class Attempt:
+    candidate: str  # Candidate.key
+    instance_type: str
+    region: str
+    zone: str | None
+    market: str
+    outcome: str  # launched | capacity | quota | price | error | invalid | skipped
+    error: str | None
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class Node:
     name: str
     rank: int
@@ -61,6 +76,11 @@ class Cluster:
     nodes: tuple[Node, ...]
     created_at: float
     owner: dict[str, Any] = field(default_factory=dict)
+    # What the cluster runs on and how it was obtained: the run summary's launch record and cost come from here.
+    instance_type: str | None = None
+    market: str = "on-demand"
+    price_per_hour: float = 0.0  # the whole cluster, USD
+    attempts: tuple[dict[str, Any], ...] = ()  # failover.Attempt.to_dict() of every launch attempt, in order
 
     @property
     def head(self) -> Node:
@@ -73,6 +93,7 @@ class Cluster:
     def from_json(cls, text: str) -> Cluster:
         data = json.loads(text)
         data["nodes"] = tuple(Node(**node) for node in data["nodes"])
+        data["attempts"] = tuple(data.get("attempts", ()))
         return cls(**data)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 
 from infra.processes import kill_processes, tagged_processes
-from infra.providers.base import Cluster, ClusterRecord, InvalidRequestError, Node, PreemptionNotice, Provider
+from infra.providers.base import Attempt, Cluster, ClusterRecord, InvalidRequestError, Node, PreemptionNotice, Provider
 from infra.remote import LocalRunner, Runner
 from infra.spec import ClusterSpec
 from infra.workspace import local_clusters_dir
@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 CLUSTER_TAG = "TRAINPIPE_CLUSTER"
 NODE_TAG = "TRAINPIPE_NODE"
 RECORD = "cluster.json"
+LOCAL_TYPE = "local-process"
 
 
 def _owner() -> dict[str, object]:
@@ -62,6 +63,7 @@ class LocalProvider(Provider):
         if spec.accelerator:
             raise InvalidRequestError(f"cluster.accelerator: the local provider has no {spec.accelerator} GPUs: "
                                       "remove cluster.accelerator or use a cloud provider")
+        started = time.monotonic()
         base = self._dir(cluster_name)
         nodes = []
         for rank in range(spec.nodes):
@@ -71,8 +73,13 @@ class LocalProvider(Provider):
             nodes.append(Node(name=f"{cluster_name}-node-{rank}", rank=rank, address="127.0.0.1",
                               workdir=str(workdir), data_dir=str(workdir / "data"), ckpt_dir=str(workdir / "ckpt"),
                               python=sys.executable))
+        # This machine is the only candidate and costs nothing extra; the record keeps the summary's shape.
+        attempt = Attempt(candidate="local", instance_type=LOCAL_TYPE, region=socket.gethostname(), zone=None,
+                          market="on-demand", outcome="launched", error=None,
+                          seconds=round(time.monotonic() - started, 3))
         cluster = Cluster(name=cluster_name, provider=self.name, run_id=run_id, nodes=tuple(nodes),
-                          created_at=time.time(), owner=_owner())
+                          created_at=time.time(), owner=_owner(), instance_type=LOCAL_TYPE,
+                          attempts=(attempt.to_dict(),))
         (base / RECORD).write_text(cluster.to_json())
         return cluster
 

@@ -1,0 +1,43 @@
+"""The run report's launch record: every attempt, what the cluster ran on, and what it cost — also when no launch
+succeeded (failover attaches its attempts to the error it raises)."""
+
+from __future__ import annotations
+
+import pytest
+
+from infra.failover import Attempt, NoCapacityAnywhere
+from infra.summary import RunSummary
+from tasks.report import _attempt_rows, _markdown, record_failure
+
+
+def attempt(zone: str, outcome: str, error: str | None = None) -> Attempt:
+    return Attempt(candidate=f"aws/p5.48xlarge/{zone}/spot", instance_type="p5.48xlarge", region="us-east-1",
+                   zone=zone, market="spot", outcome=outcome, error=error, seconds=1.5)
+
+
+def test_a_launched_cluster_is_priced_over_the_billed_phases_only() -> None:
+    summary = RunSummary(run_id="r1", job="j", provider="aws", nodes=2)
+    summary.phases = {"plan": 1000.0, "provision": 600.0, "train": 2400.0, "teardown": 600.0}
+    tried = [attempt("us-east-1a", "capacity", "InsufficientInstanceCapacity"), attempt("us-east-1b", "launched")]
+    summary.record_launch("p5.48xlarge", "spot", 40.0, [a.to_dict() for a in tried])
+    summary.finish()
+
+    assert summary.cost_usd == pytest.approx(40.0 * 3600 / 3600), "plan time is not billed"
+    assert "2× p5.48xlarge (spot) in us-east-1b after 2 launch attempt(s), $40.00/h, cost $40.0000" in summary.render()
+    markdown = _markdown(summary, [])
+    assert "## Launch attempts" in markdown
+    assert "| p5.48xlarge | us-east-1 | us-east-1a | spot | capacity | 1.5 | InsufficientInstanceCapacity |" in markdown
+    assert "cost **$40.0000**" in markdown
+
+
+def test_a_launch_that_failed_everywhere_still_reports_its_attempts() -> None:
+    summary = RunSummary(run_id="r2", job="j", provider="aws", nodes=2)
+    tried = [attempt("us-east-1a", "capacity", "InsufficientInstanceCapacity"),
+             attempt("us-east-1b", "capacity", "InsufficientInstanceCapacity")]
+    record_failure(summary, NoCapacityAnywhere("no candidate launched", tried))
+    summary.finish()
+
+    assert summary.status == "failed" and summary.error == "NoCapacityAnywhere: no candidate launched"
+    assert [row["outcome"] for row in _attempt_rows(summary)] == ["capacity", "capacity"]
+    assert summary.cost_usd is None, "nothing launched, nothing priced"
+    assert "nothing launched after 2 launch attempt(s)" in summary.render()
