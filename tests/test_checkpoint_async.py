@@ -75,6 +75,19 @@ def test_sync_and_async_write_the_same_checkpoint(tmp_path: Path) -> None:
     assert all(torch.equal(sync_state[k], async_state[k]) for k in sync_state)
 
 
+def test_a_prepared_staging_buffer_still_saves_the_state_of_the_save_call(tmp_path: Path) -> None:
+    model, optimizer = _model_and_optimizer()
+    with Checkpointer(tmp_path, "async") as checkpointer:
+        checkpointer.prepare(model, optimizer)  # copies the state as it is now into the staging buffer
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(-2.0)
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        checkpointer.save(3, model, optimizer, {"step": 3})
+    saved = _saved_model_state(tmp_path / step_dir_name(3))
+    assert all(torch.equal(saved[name], tensor) for name, tensor in expected.items())
+
+
 def test_a_bad_mode_is_one_line_naming_the_flag(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"checkpoint mode 'fast': use one of async, sync \(--ckpt-mode\)"):
         Checkpointer(tmp_path, "fast")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from infra.storage import ChecksumMismatch, ObjectInfo, ObjectNotFound, StorageError
-from infra.storage.checksum import CACHE_NAME
+from infra.storage.checksum import CACHE_NAME, PrefixHasher
 from infra.storage.local import FileStore
 from infra.storage.transfer import (
     FileResult,
@@ -384,3 +384,26 @@ def test_argument_errors(store: FileStore, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="workers=0: must be at least 1"):
         download(store, [], tmp_path, workers=0)
     assert download(store, [], tmp_path / "empty").files == []
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2, 3], [3, 1, 0, 2], [1, 0, 3, 2]], ids=["in-order", "reversed", "pairs"])
+@pytest.mark.parametrize("with_data", [True, False], ids=["from-buffer", "read-back"])
+def test_prefix_hasher_gives_the_file_sha256_whatever_the_order_of_parts(
+    tmp_path: Path, order: list[int], with_data: bool
+) -> None:
+    content = os.urandom(4 * 1000 + 17)
+    bounds = [(0, 1000), (1000, 1000), (2000, 1000), (3000, 1017)]
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        os.ftruncate(fd, len(content))
+        hasher = PrefixHasher(fd, len(content))
+        finished = []
+        for index in order:
+            offset, length = bounds[index]
+            part = content[offset:offset + length]
+            os.pwrite(fd, part, offset)
+            finished.append(hasher.part_done(offset, length, part if with_data else None))
+    finally:
+        os.close(fd)
+    assert finished.count(True) == 1 and finished[-1], "exactly the last part completes the hash"
+    assert hasher.hexdigest() == hashlib.sha256(content).hexdigest()

@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 import warnings
 from collections import defaultdict
@@ -161,6 +162,7 @@ class Checkpointer:
         self._stager: DefaultStager | None = None
         self._group: dist.ProcessGroup | None = None
         self._warmup: Future[Any] | None = None
+        self._prepared: Future[Any] | None = None
         if mode == "async":
             cuda = torch.cuda.is_available()
             distributed = dist.is_available() and dist.is_initialized()
@@ -199,6 +201,7 @@ class Checkpointer:
         """
         started = time.perf_counter()
         self._finish_warmup()
+        self._finish_prepare()
         self._finished_records.extend(self.wait())
         began = time.perf_counter()  # this save's own work starts here; the waits above are stall, not write
         if self.is_node_leader:
@@ -207,8 +210,7 @@ class Checkpointer:
             marker_path(self.ckpt_root, step).unlink(missing_ok=True)
             # Tells the node's syncer a save is under way, so a stop request waits for it (see SAVE_LEASE).
             write_lease(self.ckpt_root, SAVE_LEASE, step)
-        model_state, optim_state = get_state_dict(model, optimizer)
-        state = {_MODEL_KEY: model_state, _OPTIM_KEY: optim_state, _EXTRA_KEY: json.dumps(extra, sort_keys=True)}
+        state = _save_state(model, optimizer, extra)
         writer = dcp.FileSystemWriter(self.ckpt_root / step_dir_name(step))
         if self._stager is None or blocking:
             try:
@@ -237,6 +239,39 @@ class Checkpointer:
 
         upload.add_done_callback(finish)
         self._in_flight = _InFlight(step, stall_s, done)
+
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Async mode: allocate the staging buffer now, on a background thread, so the first save only copies.
+
+        Call it once the optimizer has stepped (its state exists from then on). The copy it makes is discarded:
+        only the buffers, reused by every save, matter; training goes on meanwhile, as it does during a write.
+        """
+        if self._stager is None or self._prepared is not None:
+            return
+        stager, state = self._stager, _save_state(model, optimizer, {})
+        prepared: Future[Any] = Future()
+
+        def allocate() -> None:
+            try:
+                stager.stage(state)
+                prepared.set_result(None)
+            except BaseException as exc:  # reaches the training thread through the future
+                prepared.set_exception(exc)
+
+        threading.Thread(target=allocate, name="checkpoint-staging-prepare", daemon=True).start()
+        self._prepared = prepared
+
+    def _finish_prepare(self) -> None:
+        prepared, self._prepared = self._prepared, None
+        if prepared is None:
+            return
+        try:
+            prepared.result()
+        except Exception as exc:
+            raise CheckpointError(
+                f"{self.ckpt_root}: allocating the checkpoint staging buffer failed ({_cause(exc)}): "
+                "check free memory and /dev/shm"
+            ) from exc
 
     def _start_writer_process(self) -> Future[Any]:
         """DCP spawns its writer process on the first save, which takes seconds (a fresh interpreter imports
@@ -288,6 +323,7 @@ class Checkpointer:
         """Waits for the save in flight and frees the staging buffer; collective in async mode."""
         try:
             self._finish_warmup()
+            self._finish_prepare()
             self._finished_records.extend(self.wait())
         finally:
             if self._stager is not None:
@@ -323,6 +359,11 @@ class Checkpointer:
             if self.keep_local is not None:
                 prune_local(self.ckpt_root, self.keep_local)
         return SaveRecord(step, mode, round(stall_s, 4), round(time.perf_counter() - started, 4), size)
+
+
+def _save_state(model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> dict[str, Any]:
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {_MODEL_KEY: model_state, _OPTIM_KEY: optim_state, _EXTRA_KEY: json.dumps(extra, sort_keys=True)}
 
 
 def save_checkpoint(

@@ -218,6 +218,12 @@ def train(args: argparse.Namespace) -> None:
         torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=args.collective_timeout_s))
+    stop = StopSignal()
+    # Built before data and model: its writer process takes seconds to start (a fresh interpreter imports torch),
+    # and starting it now keeps the first checkpoint from waiting for it.
+    checkpointer = Checkpointer(
+        args.ckpt_dir, args.ckpt_mode, keep_local=args.keep_local, timeout_s=args.collective_timeout_s
+    )
     try:
         # --- data and model -------------------------------------------------------------------------------
         data = TokenWindows(args.data_dir, seq_len=args.seq_len, vocab_size=args.vocab_size)
@@ -253,46 +259,41 @@ def train(args: argparse.Namespace) -> None:
             recent_losses=recent_losses,
         )
         tokens_per_step = args.batch_size * args.seq_len * world_size
-        stop = StopSignal()
-        checkpointer = Checkpointer(
-            args.ckpt_dir, args.ckpt_mode, keep_local=args.keep_local, timeout_s=args.collective_timeout_s
-        )
         saves = SaveLog(metrics, saved_step=start_step - 1 if args.resume_from is not None else None)
 
         # --- the loop ------------------------------------------------------------------------------------
-        try:
-            for step in range(start_step, args.steps + 1):
-                started = time.perf_counter()
-                lr = lr_at(step, args.lr, args.warmup_steps, args.steps)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                batch = data.train_batch(args.seed, step, rank, world_size, args.batch_size).to(device)
-                loss = next_token_loss(ddp_model, batch)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), GRAD_CLIP_NORM)
-                optimizer.step()
-                mean_loss, stopping = _mean_loss_and_stop(loss, stop.received_at is not None)
-                if not math.isfinite(mean_loss):
-                    raise TrainError(f"loss became {mean_loss} at step {step}: lower --lr or raise --warmup-steps")
-                metrics.record(step, mean_loss, lr, time.perf_counter() - started, tokens_per_step)
+        for step in range(start_step, args.steps + 1):
+            started = time.perf_counter()
+            lr = lr_at(step, args.lr, args.warmup_steps, args.steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batch = data.train_batch(args.seed, step, rank, world_size, args.batch_size).to(device)
+            loss = next_token_loss(ddp_model, batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), GRAD_CLIP_NORM)
+            optimizer.step()
+            if step == start_step:
+                checkpointer.prepare(ddp_model, optimizer)
+            mean_loss, stopping = _mean_loss_and_stop(loss, stop.received_at is not None)
+            if not math.isfinite(mean_loss):
+                raise TrainError(f"loss became {mean_loss} at step {step}: lower --lr or raise --warmup-steps")
+            metrics.record(step, mean_loss, lr, time.perf_counter() - started, tokens_per_step)
+            _report_finished_saves(checkpointer, saves, stop)
+            if stopping:
+                raise TrainStopped(_save_on_stop(step, args, checkpointer, saves, stop, ddp_model, optimizer))
+            if step % args.ckpt_every == 0 or step == args.steps:
+                checkpointer.save(step, ddp_model, optimizer, _extra(step, args, metrics))
                 _report_finished_saves(checkpointer, saves, stop)
-                if stopping:
-                    raise TrainStopped(_save_on_stop(step, args, checkpointer, saves, stop, ddp_model, optimizer))
-                if step % args.ckpt_every == 0 or step == args.steps:
-                    checkpointer.save(step, ddp_model, optimizer, _extra(step, args, metrics))
-                    _report_finished_saves(checkpointer, saves, stop)
-            try:
-                saves.report(checkpointer.wait())
-            except CheckpointError as exc:
-                if stop.received_at is None:
-                    raise
-                raise TrainStopped(
-                    f"stopped by SIGTERM after step {args.steps}: its save was cut short ({exc}); "
-                    f"last saved step {saves.saved_step}"
-                ) from exc
-        finally:
-            checkpointer.close()
+        try:
+            saves.report(checkpointer.wait())
+        except CheckpointError as exc:
+            if stop.received_at is None:
+                raise
+            raise TrainStopped(
+                f"stopped by SIGTERM after step {args.steps}: its save was cut short ({exc}); "
+                f"last saved step {saves.saved_step}"
+            ) from exc
 
         # --- final eval and report -----------------------------------------------------------------------
         eval_loss = evaluate(model, data.eval_batches(args.seed, args.eval_batches, args.batch_size), rank, world_size)
@@ -302,7 +303,10 @@ def train(args: argparse.Namespace) -> None:
             write_json_atomic(args.done_file, {**done, "node_rank": node_rank, "world_size": world_size})
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        try:
+            checkpointer.close()
+        finally:
+            dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -352,7 +352,7 @@ class _Fetch:
         with os_errors_named(str(self.part_path), "write"):
             write_all(self.fd, data, offset)
             pool.add_bytes(length)
-            if self.hasher.part_done(offset, length):
+            if self.hasher.part_done(offset, length, data):
                 self.finish(pool)
 
     def finish(self, pool: _Pool) -> None:
@@ -635,7 +635,7 @@ class _Put:
         )
         pool.add_bytes(length)
         with os_errors_named(str(self.path), "read"):
-            complete = hasher.part_done(offset, length)
+            complete = hasher.part_done(offset, length, data)
         if complete:
             info = call_with_retries(
                 lambda: store.finish_multipart(self.key, upload_id, self.tags),
