@@ -263,15 +263,8 @@ class Checkpointer:
 
     def _finish_prepare(self) -> None:
         prepared, self._prepared = self._prepared, None
-        if prepared is None:
-            return
-        try:
-            prepared.result()
-        except Exception as exc:
-            raise CheckpointError(
-                f"{self.ckpt_root}: allocating the checkpoint staging buffer failed ({_cause(exc)}): "
-                "check free memory and /dev/shm"
-            ) from exc
+        _await_setup(prepared, f"{self.ckpt_root}: allocating the checkpoint staging buffer failed",
+                     "check free memory and /dev/shm")
 
     def _start_writer_process(self) -> Future[Any]:
         """DCP spawns its writer process on the first save, which takes seconds (a fresh interpreter imports
@@ -290,13 +283,8 @@ class Checkpointer:
         warmup, self._warmup = self._warmup, None
         if warmup is None:
             return
-        try:
-            warmup.result()
-        except Exception as exc:
-            raise CheckpointError(
-                f"{self.ckpt_root / WARMUP_DIR}: the checkpoint writer process failed to start ({_cause(exc)}): "
-                "check the local disk and /dev/shm"
-            ) from exc
+        _await_setup(warmup, f"{self.ckpt_root / WARMUP_DIR}: the checkpoint writer process failed to start",
+                     "check the local disk and /dev/shm")
         shutil.rmtree(self.ckpt_root / WARMUP_DIR, ignore_errors=True)
 
     def finished(self) -> list[SaveRecord]:
@@ -359,6 +347,16 @@ class Checkpointer:
             if self.keep_local is not None:
                 prune_local(self.ckpt_root, self.keep_local)
         return SaveRecord(step, mode, round(stall_s, 4), round(time.perf_counter() - started, 4), size)
+
+
+def _await_setup(setup: Future[Any] | None, failed: str, fix: str) -> None:
+    """Waits for background setup work; its failure becomes one CheckpointError naming what failed and the fix."""
+    if setup is None:
+        return
+    try:
+        setup.result()
+    except Exception as exc:
+        raise CheckpointError(f"{failed} ({_cause(exc)}): {fix}") from exc
 
 
 def _save_state(model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> dict[str, Any]:

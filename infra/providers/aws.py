@@ -7,11 +7,9 @@ and the rank), so a retried launch adopts the instances it already started inste
 
 from __future__ import annotations
 
-import getpass
 import hashlib
 import logging
 import os
-import socket
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -19,15 +17,14 @@ from datetime import UTC, datetime
 from typing import Any
 
 import boto3
-import psutil
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from infra.catalog import Catalog, load_catalog
-from infra.failover import Attempt, launch_with_failover
-from infra.optimizer import Candidate, NoCandidateError, candidates
+from infra.catalog import Catalog
+from infra.optimizer import Candidate
 from infra.providers.aws_errors import CapacityError, InvalidRequestError, LaunchError, classify, error_code
-from infra.providers.base import Cluster, ClusterRecord, Node, PreemptionNotice, Provider
+from infra.providers.base import Cluster, ClusterRecord, Node, PreemptionNotice
+from infra.providers.cloud import MOUNT, CloudProvider, owner_alive, owner_stamp
 from infra.remote import Runner
 from infra.spec import ClusterSpec
 
@@ -40,7 +37,6 @@ TAG_CREATED = "trainpipe:created-at"
 TAG_RANK = "trainpipe:rank"
 TAG_TOKEN = "trainpipe:launch-token"
 LIVE_STATES = ("pending", "running", "stopping", "stopped")
-MOUNT = "/mnt/trainpipe"
 # Deep Learning AMI (NVIDIA driver, EFA installer) published by AWS as a public SSM parameter.
 DEFAULT_AMI_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
 SPOT_NOTICE_CODES = ("marked-for-termination", "marked-for-stop", "instance-terminated-by-price")
@@ -70,23 +66,6 @@ chmod -R 1777 {MOUNT}/trainpipe
 """
 
 
-def _owner() -> str:
-    me = psutil.Process()
-    return f"{getpass.getuser()}@{socket.gethostname()}:{me.pid}:{me.create_time():.0f}"
-
-
-def _owner_alive(owner: str) -> bool:
-    """Alive when the launching process still runs here; a launch from another machine cannot be checked: alive."""
-    try:
-        _, host_pid_time = owner.split("@", 1)
-        host, pid, created = host_pid_time.rsplit(":", 2)
-        if host != socket.gethostname():
-            return True
-        return abs(psutil.Process(int(pid)).create_time() - float(created)) < 1.0
-    except (ValueError, psutil.NoSuchProcess):
-        return False
-
-
 def _tags(instance_or_group: dict[str, Any]) -> dict[str, str]:
     return {t["Key"]: t["Value"] for t in instance_or_group.get("Tags", [])}
 
@@ -102,14 +81,13 @@ def launch_token(cluster_name: str, candidate: Candidate, rank: int, after: tupl
     return hashlib.sha256(text.encode()).hexdigest()[:48]
 
 
-class AwsProvider(Provider):
+class AwsProvider(CloudProvider):
     name = "aws"
 
     def __init__(self, catalog: Catalog | None = None, regions: tuple[str, ...] | None = None,
                  endpoint_url: str | None = None, ami: str | None = None, ssh_cidr: str | None = None,
                  key_name: str | None = None) -> None:
-        # Nothing here touches AWS: a provider is built for `plan` and `status` on machines without credentials.
-        self._catalog = catalog
+        super().__init__(catalog)
         env_regions = tuple(r for r in os.environ.get("TRAINPIPE_AWS_REGIONS", "").split(",") if r)
         self._regions = regions or env_regions or None
         self._endpoint_url = endpoint_url
@@ -117,15 +95,8 @@ class AwsProvider(Provider):
         self._ssh_cidr = ssh_cidr or os.environ.get("TRAINPIPE_SSH_CIDR")
         self._key_name = key_name or os.environ.get("TRAINPIPE_AWS_KEY_NAME")
         self._clients: dict[str, Any] = {}
-        self.last_attempts: list[Attempt] = []  # of the latest launch, for the run summary
 
     # -- plumbing -----------------------------------------------------------------------------------------------
-
-    @property
-    def catalog(self) -> Catalog:
-        if self._catalog is None:
-            self._catalog = load_catalog()
-        return self._catalog
 
     def regions(self) -> tuple[str, ...]:
         """Where to look for clusters: TRAINPIPE_AWS_REGIONS, else every region the catalog sells AWS types in."""
@@ -156,24 +127,10 @@ class AwsProvider(Provider):
 
     # -- launch -------------------------------------------------------------------------------------------------
 
-    def launch(self, cluster_name: str, spec: ClusterSpec, run_id: str) -> Cluster:
-        try:
-            # The order of candidates does not depend on the job's length; one hour prices them.
-            found = candidates(spec, self.catalog, hours=1.0)
-        except NoCandidateError as exc:
-            raise InvalidRequestError(str(exc)) from None
-        try:
-            launched = launch_with_failover(found, lambda c: self.launch_candidate(cluster_name, spec, run_id, c))
-        except LaunchError as exc:
-            self.last_attempts = list(getattr(exc, "attempts", []))
-            raise
-        self.last_attempts = launched.attempts
-        return launched.recorded_cluster()
-
     def launch_candidate(self, cluster_name: str, spec: ClusterSpec, run_id: str, candidate: Candidate) -> Cluster:
         """Every node on this candidate or none: on any failure what this call started is rolled back."""
         region = candidate.region
-        tags = {"Name": cluster_name, TAG_CLUSTER: cluster_name, TAG_RUN: run_id, TAG_OWNER: _owner(),
+        tags = {"Name": cluster_name, TAG_CLUSTER: cluster_name, TAG_RUN: run_id, TAG_OWNER: owner_stamp(),
                 TAG_CREATED: datetime.now(UTC).isoformat(timespec="seconds")}
         try:
             ec2 = self.client(region)
@@ -437,7 +394,7 @@ class AwsProvider(Provider):
             records.append(ClusterRecord(
                 name=name, provider=self.name, run_id=tags.get(TAG_RUN, "unknown"),
                 created_at=datetime.fromisoformat(tags[TAG_CREATED]).timestamp() if TAG_CREATED in tags else 0.0,
-                nodes=len(instances), owner_alive=bool(instances) and _owner_alive(tags.get(TAG_OWNER, "")),
+                nodes=len(instances), owner_alive=bool(instances) and owner_alive(tags.get(TAG_OWNER, "")),
                 processes=len(instances)))
         return records
 
