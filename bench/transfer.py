@@ -4,6 +4,9 @@ google-cloud-storage's transfer_manager on the GCS emulator, in one run on this 
 Every client runs as its own process, timed from start to exit, the way a user runs it (startup included),
 over the same dataset: a few large files and many 8 MB ones. The ceiling is the best any client reached;
 a local `cp` of the same bytes gives the disk's limit. Runs from a checkout: it starts the test servers.
+
+CPU seconds per GB are measured for the client (its process tree) and for the server during each run: on a
+machine where both share a few cores, the client's CPU per byte decides its throughput as much as its design.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -22,6 +26,8 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
+
+import psutil
 
 BIG_FILE = 256 << 20
 SMALL_FILE = 8 << 20
@@ -59,6 +65,8 @@ class Row:
     direction: str
     client: str
     mb_per_s: list[float] = field(default_factory=list)
+    client_cpu_s_per_gb: list[float] = field(default_factory=list)
+    server_cpu_s_per_gb: list[float] = field(default_factory=list)
     note: str = ""
 
     @property
@@ -95,25 +103,33 @@ class Report:
                 "vs_s5cmd": _round(self.ratio(row, "s5cmd")),
                 "vs_transfer_manager": _round(self.ratio(row, "transfer_manager")),
                 "of_ceiling": _round(row.best / ceiling if ceiling and row.mb_per_s else None),
+                "client_cpu_s_per_gb": _round(_median(row.client_cpu_s_per_gb)),
+                "server_cpu_s_per_gb": _round(_median(row.server_cpu_s_per_gb)),
             })
         return out
 
     def table(self) -> str:
         lines = [f"dataset: {self.dataset}",
                  f"{'store':<5} {'dir':<9} {'client':<17} {'median MB/s':>11} {'best':>8} {'vs s5cmd':>8} "
-                 f"{'vs tm':>6} {'of ceil':>7}  runs / note"]
+                 f"{'vs tm':>6} {'of ceil':>7} {'cpu-s/GB':>8} {'server':>6}  runs / note"]
         for item in self.summary():
             def show(value: object) -> str:
                 return "-" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value)
 
+            note = f" {item['note']}" if item["note"] else ""
             runs = ", ".join(f"{v:.0f}" for v in item["mb_per_s"]) if item["mb_per_s"] else ""  # type: ignore[attr-defined]
             lines.append(f"{item['store']:<5} {item['direction']:<9} {item['client']:<17} {item['median']:>11.1f} "
                          f"{item['best']:>8.1f} {show(item['vs_s5cmd']):>8} {show(item['vs_transfer_manager']):>6} "
-                         f"{show(item['of_ceiling']):>7}  {runs}{' ' + str(item['note']) if item['note'] else ''}")
+                         f"{show(item['of_ceiling']):>7} {show(item['client_cpu_s_per_gb']):>8} "
+                         f"{show(item['server_cpu_s_per_gb']):>6}  {runs}{note}")
         return "\n".join(lines)
 
     def to_json(self) -> str:
         return json.dumps({"dataset": self.dataset, "rows": self.summary()}, indent=2)
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def _round(value: float | None) -> float | None:
@@ -221,25 +237,66 @@ def upload_argv(client: str, src: Path, bucket: str, prefix: str, endpoint: str)
     }[client]
 
 
-def _timed(argv: list[str], env: dict[str, str]) -> float:
-    started = time.perf_counter()
-    done = subprocess.run(argv, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - started
-    if done.returncode != 0:
-        raise RuntimeError(f"{Path(argv[0]).name} exited {done.returncode}: {(done.stderr or done.stdout)[-800:]}")
-    return seconds
+@dataclass(frozen=True)
+class Timing:
+    seconds: float
+    client_cpu_s: float
+    server_cpu_s: float
 
 
-def _measure(row: Row, runs: int, run_once: Callable[[int], float], nbytes: int, echo: Callable[[str], None]) -> None:
+class Meter:
+    """Runs one client process at a time, timing it and counting its CPU and the server's."""
+
+    def __init__(self, env: dict[str, str], server_port: int | None) -> None:
+        self.env = env
+        self.server = _listening_child(server_port) if server_port is not None else None
+
+    def _server_cpu(self) -> float:
+        if self.server is None:
+            return 0.0
+        times = self.server.cpu_times()
+        return times.user + times.system
+
+    def run(self, argv: list[str]) -> Timing:
+        client_before, server_before = resource.getrusage(resource.RUSAGE_CHILDREN), self._server_cpu()
+        started = time.perf_counter()
+        done = subprocess.run(argv, env=self.env, capture_output=True, text=True)
+        seconds = time.perf_counter() - started
+        client_after, server_after = resource.getrusage(resource.RUSAGE_CHILDREN), self._server_cpu()
+        if done.returncode != 0:
+            raise RuntimeError(f"{Path(argv[0]).name} exited {done.returncode}: {(done.stderr or done.stdout)[-800:]}")
+        client_cpu = (client_after.ru_utime - client_before.ru_utime) + (client_after.ru_stime - client_before.ru_stime)
+        return Timing(seconds, client_cpu, server_after - server_before)
+
+
+def _listening_child(port: int) -> psutil.Process:
+    """The server this process started that serves port (its command line names the port)."""
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if any(str(port) in part for part in child.cmdline()):
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    raise RuntimeError(f"no child process serves port {port}: the test server did not start")
+
+
+def _port(url: str) -> int:
+    return int(url.rstrip("/").rsplit(":", 1)[1])
+
+
+def _measure(row: Row, runs: int, run_once: Callable[[int], Timing], nbytes: int, echo: Callable[[str], None]) -> None:
     for index in range(runs):
         try:
-            seconds = run_once(index)
+            timing = run_once(index)
         except (RuntimeError, OSError) as exc:
             row.note = f"failed: {' '.join(str(exc).split())[:200]}"
             echo(f"  {row.store} {row.direction} {row.client}: {row.note}")
             return
-        row.mb_per_s.append(nbytes / 1e6 / seconds)
-        echo(f"  {row.store} {row.direction} {row.client} run {index + 1}/{runs}: {row.mb_per_s[-1]:.0f} MB/s")
+        row.mb_per_s.append(nbytes / 1e6 / timing.seconds)
+        row.client_cpu_s_per_gb.append(timing.client_cpu_s / (nbytes / 1e9))
+        row.server_cpu_s_per_gb.append(timing.server_cpu_s / (nbytes / 1e9))
+        echo(f"  {row.store} {row.direction} {row.client} run {index + 1}/{runs}: {row.mb_per_s[-1]:.0f} MB/s, "
+             f"client {row.client_cpu_s_per_gb[-1]:.2f} cpu-s/GB, server {row.server_cpu_s_per_gb[-1]:.2f}")
 
 
 def _fresh(path: Path) -> Path:
@@ -248,14 +305,14 @@ def _fresh(path: Path) -> Path:
     return path
 
 
-def _checked_download(dest: Path, nbytes: int, run: Callable[[], float]) -> float:
+def _checked_download(dest: Path, nbytes: int, run: Callable[[], Timing]) -> Timing:
     """One timed download into an empty dest, which must then hold every byte."""
     _fresh(dest)
-    seconds = run()
+    timing = run()
     if (got := _bytes_under(dest)) != nbytes:
         raise RuntimeError(f"downloaded {got} of {nbytes} bytes")
     shutil.rmtree(dest)
-    return seconds
+    return timing
 
 
 # -- the runs -------------------------------------------------------------------------------------------
@@ -273,7 +330,7 @@ def bench_s3(config: BenchConfig, scratch: Path, servers: ModuleType, echo: Call
                "big_file_bytes": max(sizes.values()), "repeats": config.repeats}
     rows: list[Row] = []
     with servers.rclone_s3(root, etag_hash="") as server:
-        env = {**os.environ, **server.env()}
+        meter = Meter({**os.environ, **server.env()}, _port(server.endpoint))
         server.make_bucket("upload")
         dest = scratch / "download"
         for client in clients:
@@ -281,27 +338,28 @@ def bench_s3(config: BenchConfig, scratch: Path, servers: ModuleType, echo: Call
             rows.append(row)
             argv = download_argv(client, "bench", "data/", dest, server.endpoint)
 
-            def download_once(_index: int, argv: list[str] = argv) -> float:
-                return _checked_download(dest, nbytes, lambda: _timed(argv, env))
+            def download_once(_index: int, argv: list[str] = argv) -> Timing:
+                return _checked_download(dest, nbytes, lambda: meter.run(argv))
 
             _measure(row, config.repeats, download_once, nbytes, echo)
         for client in clients:
             row = Row("s3", "upload", client)
             rows.append(row)
 
-            def upload_once(index: int, client: str = client) -> float:
+            def upload_once(index: int, client: str = client) -> Timing:
                 prefix = f"{client}-{index}/"
-                seconds = _timed(upload_argv(client, data, "upload", prefix, server.endpoint), env)
+                timing = meter.run(upload_argv(client, data, "upload", prefix, server.endpoint))
                 if (got := _bytes_under(root / "upload" / prefix)) != nbytes:
                     raise RuntimeError(f"uploaded {got} of {nbytes} bytes")
                 shutil.rmtree(root / "upload" / prefix)
-                return seconds
+                return timing
 
             _measure(row, config.repeats, upload_once, nbytes, echo)
     disk = Row("s3", "download", "local cp", note="(disk: cp -r of the same files)")
     rows.append(disk)
+    local = Meter(dict(os.environ), None)
     _measure(disk, config.repeats,
-             lambda _i: _checked_download(dest, nbytes, lambda: _timed(["cp", "-r", f"{data}/.", str(dest)], env)),
+             lambda _i: _checked_download(dest, nbytes, lambda: local.run(["cp", "-r", f"{data}/.", str(dest)])),
              nbytes, echo)
     return Report(dataset, rows)
 
@@ -316,14 +374,14 @@ def bench_gcs(config: BenchConfig, scratch: Path, servers: ModuleType, echo: Cal
             [("upload", "trainpipe"), ("upload", "transfer_manager"), ("download", "trainpipe"),
              ("download", "transfer_manager")]}
     with servers.gcs_emulator(scratch / "gcs") as server:
-        env = {**os.environ, **server.env()}
+        meter = Meter({**os.environ, **server.env()}, _port(f"http://{server.host}"))
         bucket = servers.create_gcs_bucket(server, "bench").removeprefix("gs://")
         uploads = {
             "trainpipe": lambda i: [*TRAINPIPE_CP, "-r", str(src), f"gs://{bucket}/tp-{i}/"],
             "transfer_manager": lambda i: [sys.executable, "-c", TM_UPLOAD, str(src), bucket, f"tm-{i}/"],
         }
         for client, argv in uploads.items():
-            _measure(rows[("upload", client)], config.repeats, lambda i, argv=argv: _timed(argv(i), env), nbytes, echo)
+            _measure(rows[("upload", client)], config.repeats, lambda i, argv=argv: meter.run(argv(i)), nbytes, echo)
         dest = scratch / "gcs-download"
         downloads = {
             "trainpipe": [*TRAINPIPE_CP, "-r", f"gs://{bucket}/tp-0/", str(dest)],
@@ -331,7 +389,7 @@ def bench_gcs(config: BenchConfig, scratch: Path, servers: ModuleType, echo: Cal
         }
         for client, argv in downloads.items():
             _measure(rows[("download", client)], config.repeats,
-                     lambda _i, argv=argv: _checked_download(dest, nbytes, lambda: _timed(argv, env)), nbytes, echo)
+                     lambda _i, argv=argv: _checked_download(dest, nbytes, lambda: meter.run(argv)), nbytes, echo)
     return list(rows.values())
 
 

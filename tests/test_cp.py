@@ -82,5 +82,7 @@ def test_bench_transfer_smoke(tmp_path: Path) -> None:
                                            for c in ("trainpipe", "transfer_manager")}
     for row in rows.values():
         assert len(row["mb_per_s"]) == 1 and row["mb_per_s"][0] > 0 and not row["note"].startswith("failed"), row
+        assert row["client_cpu_s_per_gb"] > 0, row
+        assert (row["server_cpu_s_per_gb"] > 0) == (row["client"] != "local cp"), row
     assert rows[("s3", "download", "s5cmd")]["vs_s5cmd"] == 1.0
     assert "trainpipe" in result.output and "of ceil" in result.output
