@@ -91,10 +91,25 @@ def _phase_rows(summary: RunSummary) -> list[dict[str, Any]]:
 
 
 ATTEMPT_COLUMNS = ("instance_type", "region", "zone", "market", "outcome", "seconds", "error")
+CHECKPOINT_COLUMNS = ("step", "mode", "stall_s", "write_s", "upload_s", "upload_mb_per_s", "commit_s")
 
 
 def _attempt_rows(summary: RunSummary) -> list[dict[str, Any]]:
     return [{column: attempt.get(column) for column in ATTEMPT_COLUMNS} for attempt in summary.attempts]
+
+
+def _checkpoint_rows(summary: RunSummary) -> list[dict[str, Any]]:
+    return [{column: row.get(column) for column in CHECKPOINT_COLUMNS} for row in summary.checkpoints]
+
+
+def _checkpoint_fact(summary: RunSummary) -> str | None:
+    stalls = [c["stall_s"] for c in summary.checkpoints if c.get("stall_s") is not None]
+    uploads = [c["upload_mb_per_s"] for c in summary.checkpoints if c.get("upload_mb_per_s")]
+    if not stalls:
+        return None
+    upload = f", uploaded at {min(uploads):,.0f}–{max(uploads):,.0f} MB/s" if uploads else ""
+    return (f"{len(summary.checkpoints)} checkpoints ({summary.checkpoints[-1].get('mode')}): training stalled "
+            f"{sum(stalls) / len(stalls):.3f} s per checkpoint{upload}")
 
 
 def _cost_fact(summary: RunSummary) -> str | None:
@@ -127,17 +142,18 @@ def _markdown(summary: RunSummary, curve: list[tuple[int, float]]) -> str:
         floor = f" (floor {summary.loss_floor:.3f})" if summary.loss_floor is not None else ""
         facts.append(f"loss {summary.initial_loss:.3f} → **{summary.final_loss:.3f}**{floor}, "
                      f"steps {summary.start_step}–{summary.steps}")
-    if summary.checkpoints:
-        facts.append(f"{len(summary.checkpoints)} checkpoint steps saved and synced")
+    checkpoint_fact = _checkpoint_fact(summary)
+    if checkpoint_fact:
+        facts.append(checkpoint_fact)
     checkpoint = f"[{summary.checkpoint}]({summary.checkpoint})" if summary.checkpoint else "none"
     facts += [f"committed checkpoint: {checkpoint}", f"nodes left running after teardown: {summary.nodes_left}"]
     chart = markdown_image(run_chart_png(curve, summary.phases, summary.loss_floor), "loss curve and time per phase")
-    attempts = _markdown_table(_attempt_rows(summary))
+    sections = {"Phases": _phase_rows(summary), "Checkpoints": _checkpoint_rows(summary),
+                "Launch attempts": _attempt_rows(summary)}
     return (f"# Run `{summary.run_id}`: {summary.status}\n\n"
             + (f"**{summary.error}**\n\n" if summary.error else "")
             + "".join(f"* {fact}\n" for fact in facts)
-            + f"\n## Phases\n\n{_markdown_table(_phase_rows(summary))}"
-            + (f"\n## Launch attempts\n\n{attempts}" if attempts else "")
+            + "".join(f"\n## {title}\n\n{_markdown_table(rows)}" for title, rows in sections.items() if rows)
             + f"\n{chart}\n")
 
 
@@ -150,8 +166,10 @@ def publish_summary(summary: RunSummary, directory: Path) -> Path:
                              description=f"run {summary.run_id}")
     create_table_artifact(_phase_rows(summary), key=f"{artifact_key}-phases",
                           description=f"run {summary.run_id}: seconds per phase")
-    if summary.attempts:
-        create_table_artifact(_attempt_rows(summary), key=f"{artifact_key}-launch-attempts",
-                              description=f"run {summary.run_id}: every launch attempt, in order")
+    tables = {"launch-attempts": (_attempt_rows(summary), "every launch attempt, in order"),
+              "checkpoints": (_checkpoint_rows(summary), "per checkpoint: training stall, write, upload, commit")}
+    for suffix, (rows, what) in tables.items():
+        if rows:
+            create_table_artifact(rows, key=f"{artifact_key}-{suffix}", description=f"run {summary.run_id}: {what}")
     get_run_logger().info("summary written to %s\n%s", path, summary.render())
     return path

@@ -182,6 +182,9 @@ def test_retrain_via_run_deployment_completes_with_artifacts_and_summary(stack: 
     attempts = [row for a in launches for row in json.loads(a.data)]
     assert [(row["instance_type"], row["outcome"]) for row in attempts] == [("local-process", "launched")]
     assert "## Launch attempts" in markdown and "cost **$0.0000**" in markdown
+    checkpoint_rows = [row for a in by_type["table"] if (a.key or "").endswith("-checkpoints")
+                       for row in json.loads(a.data)]
+    assert checkpoint_rows and all(row["stall_s"] is not None for row in checkpoint_rows), checkpoint_rows
     assert not tagged_processes(stack.home)
 
 

@@ -41,3 +41,18 @@ def test_a_launch_that_failed_everywhere_still_reports_its_attempts() -> None:
     assert [row["outcome"] for row in _attempt_rows(summary)] == ["capacity", "capacity"]
     assert summary.cost_usd is None, "nothing launched, nothing priced"
     assert "nothing launched after 2 launch attempt(s)" in summary.render()
+
+
+def test_checkpoints_get_a_fact_and_a_table() -> None:
+    summary = RunSummary(run_id="r3", job="j", provider="local", nodes=2)
+    summary.checkpoints = [
+        {"step": 50, "mode": "async", "stall_s": 0.04, "write_s": 0.9, "upload_s": 0.5, "upload_mb_per_s": 300.0,
+         "commit_s": 0.7, "local_bytes": 1},
+        {"step": 100, "mode": "async", "stall_s": 0.06, "write_s": 0.8, "upload_s": 0.4, "upload_mb_per_s": 350.0,
+         "commit_s": 0.6, "local_bytes": 1},
+    ]
+    markdown = _markdown(summary, [(1, 5.0), (100, 2.0)])
+    assert "2 checkpoints (async): training stalled 0.050 s per checkpoint, uploaded at 300–350 MB/s" in markdown
+    assert "## Checkpoints" in markdown
+    assert "| step | mode | stall_s | write_s | upload_s | upload_mb_per_s | commit_s |" in markdown
+    assert "| 100 | async | 0.06 | 0.8 | 0.4 | 350.0 | 0.6 |" in markdown
