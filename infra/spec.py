@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,7 +18,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from infra.models import StrictModel
 
-KNOWN_PROVIDERS = ("local", "aws")
+KNOWN_PROVIDERS = ("local", "aws", "gcp", "ssh")
 KNOWN_SCHEMES = ("file", "s3", "gs")
 SpotPolicy = Literal["never", "prefer", "only"]
 
@@ -36,6 +37,96 @@ def _to_url(value: str) -> str:
     return "file://" + str(Path(value).expanduser().resolve())
 
 
+SSH_FINGERPRINT = r"^SHA256:[A-Za-z0-9+/]{43}$"
+
+
+def _readable_file(value: str, what: str, fix: str) -> str:
+    """An absolute path to a file this process can read (relative paths count from the cwd)."""
+    path = Path(value).expanduser().resolve()
+    if not path.is_file() or not os.access(path, os.R_OK):
+        raise ValueError(f"{what} {path}: not a readable file: {fix}")
+    return str(path)
+
+
+def _known_hosts_names(host: str, port: int) -> list[str]:
+    # How OpenSSH writes a host in known_hosts: bare for port 22, [host]:port otherwise.
+    return [host] if port == 22 else [f"[{host}]:{port}"]
+
+
+class SshHostSpec(StrictModel):
+    host: str = Field(min_length=1, description="Address or DNS name of the machine.")
+    port: int = Field(22, ge=1, le=65535, description="Its SSH port.")
+    user: str = Field(min_length=1, description="User to log in as (key authentication only).")
+    key_file: str = Field(description="Private key that logs in as that user (no passphrase; ssh-agent is not used).")
+    workdir: str = Field(description="Absolute path on the machine's local NVMe: each cluster gets "
+                         "<workdir>/<cluster>/{data,ckpt,logs} and the machine's reservation lives here.")
+    python: str = Field("python3", min_length=1, description="Python interpreter on the machine that has (or gets) "
+                        "trainpipe and torch installed, e.g. /opt/venv/bin/python.")
+    host_key: str | None = Field(None, description="Pinned SHA256 fingerprint of the machine's host key "
+                                 "(ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub on it); without it the key must "
+                                 "be in cluster.ssh.known_hosts.")
+
+    @field_validator("key_file")
+    @classmethod
+    def _key_readable(cls, value: str) -> str:
+        return _readable_file(value, "key file", "give the path of the private key that logs in to the host "
+                              "(ssh-keygen -t ed25519 creates one) and make it readable")
+
+    @field_validator("workdir")
+    @classmethod
+    def _absolute_workdir(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError(f"workdir '{value}' is not absolute: give the full path of a dir on the host's NVMe")
+        return value.rstrip("/") or "/"
+
+    @field_validator("host_key")
+    @classmethod
+    def _fingerprint_shape(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(SSH_FINGERPRINT, value):
+            raise ValueError(f"host_key '{value}' is not a SHA256 fingerprint: copy the 'SHA256:...' part of "
+                             "`ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub` run on the host")
+        return value
+
+
+class SshClusterSpec(StrictModel):
+    hosts: tuple[SshHostSpec, ...] = Field((), description="The machines, in rank order: a cluster of N nodes uses "
+                                           "the first N.")
+    known_hosts: str | None = Field(None, description="known_hosts file with the hosts' keys (for hosts without "
+                                    "host_key); unknown or changed keys are refused, never added.")
+
+    @field_validator("known_hosts")
+    @classmethod
+    def _known_hosts_readable(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        return _readable_file(value, "known_hosts file", "point cluster.ssh.known_hosts at an existing file "
+                              "(ssh-keyscan -p PORT HOST >> FILE, after checking the fingerprints)")
+
+    @model_validator(mode="after")
+    def _every_host_verifiable(self) -> SshClusterSpec:
+        seen: set[tuple[str, int, str]] = set()
+        for index, host in enumerate(self.hosts):
+            where = f"hosts[{index}] ({host.host}:{host.port})"
+            if (host.host, host.port, host.workdir) in seen:
+                raise ValueError(f"{where}: listed twice with the same workdir: two nodes would share one dir")
+            seen.add((host.host, host.port, host.workdir))
+            if host.host_key is None and not self._in_known_hosts(host):
+                source = (f"cluster.ssh.known_hosts ({self.known_hosts}) has no entry for it" if self.known_hosts
+                          else "cluster.ssh.known_hosts is not set")
+                raise ValueError(f"{where}: no way to verify its host key: {source}: set its host_key to the "
+                                 "SHA256 fingerprint or add it to known_hosts (ssh-keyscan, after checking the key)")
+        return self
+
+    def _in_known_hosts(self, host: SshHostSpec) -> bool:
+        if self.known_hosts is None:
+            return False
+        # Imported here: paramiko is only needed by ssh configs, and spec.py is imported by every command.
+        from paramiko.hostkeys import HostKeys
+
+        known = HostKeys(self.known_hosts)
+        return any(known.lookup(name) for name in _known_hosts_names(host.host, host.port))
+
+
 class ClusterSpec(StrictModel):
     provider: str = Field("local", description=f"Where nodes run: one of {', '.join(KNOWN_PROVIDERS)}.")
     nodes: int = Field(2, ge=1, le=1024, description="Number of nodes (machines).")
@@ -52,6 +143,7 @@ class ClusterSpec(StrictModel):
     max_price_per_hour: float | None = Field(None, gt=0, description="Price cap for the whole cluster, USD/hour.")
     lease_ttl_s: float = Field(120.0, ge=10, description="Nodes tear themselves down after this long without "
                                "hearing from the orchestrator (bounds how long a cluster outlives a dead run).")
+    ssh: SshClusterSpec | None = Field(None, description="provider ssh: the machines to use and how to reach them.")
 
     @field_validator("provider")
     @classmethod
@@ -65,6 +157,19 @@ class ClusterSpec(StrictModel):
     def _spot_from_bool(cls, value: object) -> object:
         # Configs written before the three-way policy said `spot: true/false`.
         return {True: "prefer", False: "never"}.get(value, value) if isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _ssh_hosts_for_ssh_provider(self) -> ClusterSpec:
+        if self.provider != "ssh":
+            return self
+        hosts = self.ssh.hosts if self.ssh else ()
+        if not hosts:
+            raise ValueError("provider ssh needs cluster.ssh.hosts: list the machines (host, user, key_file, "
+                             "workdir; see examples/ssh.yaml)")
+        if len(hosts) < self.nodes:
+            raise ValueError(f"cluster.nodes is {self.nodes} but cluster.ssh.hosts lists {len(hosts)}: add hosts "
+                             "or lower cluster.nodes")
+        return self
 
 
 class DatasetSpec(StrictModel):

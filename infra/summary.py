@@ -43,6 +43,7 @@ class RunSummary:
     price_per_hour: float | None = None  # the whole cluster, USD
     cost_usd: float | None = None  # price_per_hour × the billed phases' seconds
     attempts: list[dict[str, Any]] = field(default_factory=list)  # every launch attempt, in order
+    node_reports: dict[str, dict[str, Any]] = field(default_factory=dict)  # per node: mount, GPUs, interfaces
     started_at: float = field(default_factory=time.time)
     finished_at: float | None = None
 

@@ -41,6 +41,8 @@ def record_training(summary: RunSummary, staged: list[dict[str, Any]], outcome: 
 
 def record_launch(summary: RunSummary, cluster: Cluster) -> None:
     summary.record_launch(cluster.instance_type, cluster.market, cluster.price_per_hour, list(cluster.attempts))
+    # What bootstrap found on each node (providers that bootstrap over SSH put it on the cluster record).
+    summary.node_reports = dict(cluster.owner.get("bootstrap", {}))
 
 
 def record_failure(summary: RunSummary, exc: BaseException) -> None:

@@ -25,9 +25,23 @@ def _aws() -> Provider:
     return AwsProvider()
 
 
+def _gcp() -> Provider:
+    from infra.providers.gcp import GcpProvider
+
+    return GcpProvider()
+
+
+def _ssh() -> Provider:
+    from infra.providers.ssh import SshProvider
+
+    return SshProvider()
+
+
 _FACTORIES: dict[str, Callable[[], Provider]] = {
     "local": LocalProvider,
     "aws": _aws,
+    "gcp": _gcp,
+    "ssh": _ssh,
 }
 
 
