@@ -1,7 +1,14 @@
-"""retrain: plan → provision → verify → stage → train → sync → teardown (always) → report."""
+"""retrain: plan → provision → verify → stage → train → sync → teardown (always) → report.
+
+A preemption during training loops back: teardown → provision → verify → stage + restore → train, resuming
+from the latest committed checkpoint, at most recovery.max_recoveries times within recovery.deadline_s.
+"""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from prefect import flow, unmapped
@@ -9,17 +16,21 @@ from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as current_flow_run
 from prefect.states import State
 
+from infra.catalog import load_catalog
 from infra.plan import Plan, cluster_name_for
+from infra.providers import Cluster
+from infra.recovery import Recoveries, RecoveryRecord, narrowed
 from infra.spec import JobSpec
 from infra.summary import RunSummary
 from infra.workspace import run_dir
 from tasks.capacity import nodes_held
-from tasks.checkpoint import verify_committed_checkpoint
+from tasks.checkpoint import latest_committed_step, verify_committed_checkpoint
 from tasks.cluster import provision_cluster, teardown_cluster
 from tasks.plan import plan_run
+from tasks.preemption import Preempted
 from tasks.report import publish_summary, record_failure, record_launch, record_resume, record_training
 from tasks.stage import restore_checkpoint, stage_dataset
-from tasks.train import TrainLaunch, run_training
+from tasks.train import TrainLaunch, TrainOutcome, run_training
 from tasks.verify import verify_node
 
 
@@ -46,25 +57,26 @@ def retrain(job: JobSpec, run_id: str | None = None) -> dict[str, Any]:
 def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
     cluster_name = cluster_name_for(run_id)
     summary = RunSummary(run_id=run_id, job=job.name, provider=job.cluster.provider, nodes=job.cluster.nodes)
+    recoveries = Recoveries(job.recovery)
     try:
         with summary.phase("plan"):
             plan: Plan = plan_run(job, run_id)
         summary.loss_floor = plan.loss_floor
-        with summary.phase("provision"):
-            cluster = provision_cluster(job, cluster_name, run_id)
-        record_launch(summary, cluster)
-        with summary.phase("verify"):
-            probes = verify_node.map(unmapped(cluster), cluster.nodes, unmapped(plan.dataset_bytes)).result()
-        with summary.phase("stage"):
-            staged = stage_dataset.map(unmapped(cluster), cluster.nodes, unmapped(plan.dataset_url)).result()
-            restored = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.checkpoint_url)).result()
-                        if plan.resume_step is not None else [])
-            if restored:
-                record_resume(summary, restored)
-        with summary.phase("train"):
-            resume_dirs = {node.name: r["path"] for node, r in zip(cluster.nodes, restored, strict=False)}
-            launch = TrainLaunch(plan.checkpoint_url, probes[0]["free_port"], resume_dirs)
-            outcome = run_training(job, cluster, launch)
+        resume_step, recovery = plan.resume_step, None
+        while True:
+            try:
+                cluster, staged, outcome = train_on_a_cluster(job, plan, summary, cluster_name, resume_step, recovery)
+                break
+            except Preempted as preempted:
+                # The nodes are gone or going: tear down what is left, launch again, resume from the last commit.
+                recovery = recoveries.begin(preempted.node, preempted.reason, preempted.with_notice,
+                                            preempted.step_reached, preempted.detected_at)
+                summary.recoveries.append(recovery.to_dict())
+                with summary.phase("teardown"), _timed(recovery, "teardown"):
+                    teardown_cluster.with_options(task_run_name=f"recovery-{recovery.number}: teardown after "
+                                                  f"{preempted}")(job.cluster.provider, cluster_name)
+                job = _avoiding(job, plan, recoveries, summary.attempts)
+                resume_step = latest_committed_step(plan.checkpoint_url)
         with summary.phase("sync"):
             verified = verify_committed_checkpoint(cluster, plan.checkpoint_url)
         record_training(summary, staged, outcome, verified, plan.checkpoint_url)
@@ -75,5 +87,54 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
     finally:
         with summary.phase("teardown"):
             summary.nodes_left = teardown_cluster(job.cluster.provider, cluster_name)
+        summary.recoveries = [r.to_dict() for r in recoveries.records]
         publish_summary(summary, run_dir(run_id))
     return summary.to_dict()
+
+
+def train_on_a_cluster(job: JobSpec, plan: Plan, summary: RunSummary, cluster_name: str, resume_step: int | None,
+                       recovery: RecoveryRecord | None) -> tuple[Cluster, list[dict[str, Any]], TrainOutcome]:
+    """provision → verify → stage (+ restore) → train, once; a recovery records how long each step took it."""
+    attempt = len(summary.recoveries)
+    with summary.phase("provision"), _timed(recovery, "provision"):
+        cluster = provision_cluster(job, cluster_name, summary.run_id)
+    record_launch(summary, cluster)
+    with summary.phase("verify"), _timed(recovery, "verify"):
+        probes = verify_node.map(unmapped(cluster), cluster.nodes, unmapped(plan.dataset_bytes)).result()
+    with summary.phase("stage"):
+        with _timed(recovery, "stage"):
+            staged = stage_dataset.map(unmapped(cluster), cluster.nodes, unmapped(plan.dataset_url)).result()
+        with _timed(recovery, "restore"):
+            restored = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.checkpoint_url)).result()
+                        if resume_step is not None else [])
+    if restored:
+        record_resume(summary, restored, initial=recovery is None)
+    if recovery is not None:
+        recovery.resumed(restored[0]["step"] if restored else None, cluster.price_per_hour)
+        summary.recoveries[-1] = recovery.to_dict()
+    with summary.phase("train"):
+        resume_dirs = {node.name: r["path"] for node, r in zip(cluster.nodes, restored, strict=False)}
+        launch = TrainLaunch(plan.checkpoint_url, probes[0]["free_port"], resume_dirs)
+        outcome = run_training(job, cluster, launch, attempt)
+    return cluster, staged, outcome
+
+
+@contextmanager
+def _timed(recovery: RecoveryRecord | None, phase: str) -> Iterator[None]:
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        if recovery is not None:
+            recovery.seconds[phase] = round(recovery.seconds.get(phase, 0.0) + time.monotonic() - started, 3)
+
+
+def _avoiding(job: JobSpec, plan: Plan, recoveries: Recoveries, attempts: list[dict[str, Any]]) -> JobSpec:
+    """The job with the failover policy applied: where the preempted cluster ran may be blocked for the next."""
+    if not plan.candidates:
+        return job  # local and ssh: the same machines again
+    launched = next((a for a in reversed(attempts) if a["outcome"] == "launched"), None)
+    if launched is not None:
+        recoveries.block(launched["region"], launched["zone"])
+    cluster = narrowed(job.cluster, load_catalog(), recoveries.blocked)
+    return job.model_copy(update={"cluster": cluster})

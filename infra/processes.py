@@ -38,3 +38,15 @@ def kill_processes(processes: list[psutil.Process], grace_s: float = 5.0) -> Non
         except psutil.NoSuchProcess:
             continue
     psutil.wait_procs(alive, timeout=grace_s)
+
+
+def hard_kill(processes: list[psutil.Process]) -> None:
+    """SIGKILL, no warning: what a machine taken away does to everything on it.
+
+    No waiting: SIGKILL cannot be refused, and a killed child of another process stays a zombie until that
+    parent reaps it, which waiting here would mistake for a process still running."""
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            continue

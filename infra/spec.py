@@ -17,9 +17,11 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from infra.models import StrictModel
+from infra.recovery_spec import ChaosSpec, RecoverySpec
 
 KNOWN_PROVIDERS = ("local", "aws", "gcp", "ssh")
 KNOWN_SCHEMES = ("file", "s3", "gs")
+CHAOS_PROVIDERS = ("local",)
 SpotPolicy = Literal["never", "prefer", "only"]
 
 
@@ -127,6 +129,30 @@ class SshClusterSpec(StrictModel):
         return any(known.lookup(name) for name in _known_hosts_names(host.host, host.port))
 
 
+class VerifySpec(StrictModel):
+    """The verify stage's cluster bench: does the cluster deliver the network and disk the job pays for."""
+
+    bench: Literal["off", "warn", "fail"] = Field(
+        "warn", description="off: skip the bench; warn: log figures below expectation and train anyway; fail: stop "
+        "the run before training when a figure is below expectation.")
+    min_fraction: float = Field(0.8, gt=0, le=1, description="A measured figure below this fraction of what is "
+                                "expected (the job's floors, the catalog's figures) misses.")
+    tcp_streams: int = Field(4, ge=1, le=64, description="Parallel TCP streams per node-to-node link.")
+    tcp_seconds: float = Field(3.0, gt=0, le=60, description="How long each node-to-node TCP test sends.")
+    allreduce_sizes_mb: tuple[int, ...] = Field(
+        (1, 16, 64), min_length=1, description="All-reduce message sizes in MB; the largest gives the bus bandwidth "
+        "that is compared.")
+    disk_bytes_mb: int = Field(256, ge=1, description="Size of the file each node writes and reads back with direct "
+                               "I/O on its data dir, in MB.")
+
+    @field_validator("allreduce_sizes_mb")
+    @classmethod
+    def _positive_sizes(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if any(size < 1 for size in value):
+            raise ValueError(f"allreduce_sizes_mb {list(value)}: every size must be at least 1 MB")
+        return value
+
+
 class ClusterSpec(StrictModel):
     provider: str = Field("local", description=f"Where nodes run: one of {', '.join(KNOWN_PROVIDERS)}.")
     nodes: int = Field(2, ge=1, le=1024, description="Number of nodes (machines).")
@@ -144,6 +170,8 @@ class ClusterSpec(StrictModel):
     lease_ttl_s: float = Field(120.0, ge=10, description="Nodes tear themselves down after this long without "
                                "hearing from the orchestrator (bounds how long a cluster outlives a dead run).")
     ssh: SshClusterSpec | None = Field(None, description="provider ssh: the machines to use and how to reach them.")
+    verify: VerifySpec = Field(default_factory=VerifySpec, description="After provisioning: measure node-to-node "
+                               "network, all-reduce and local disk throughput against the floors and the catalog.")
 
     @field_validator("provider")
     @classmethod
@@ -239,6 +267,20 @@ class JobSpec(StrictModel):
     dataset: DatasetSpec
     checkpoints: CheckpointSpec
     training: TrainingSpec = Field(default_factory=TrainingSpec)
+    recovery: RecoverySpec = Field(default_factory=RecoverySpec)
+    chaos: ChaosSpec | None = Field(None, description="Preemptions to inject (local provider): for tests.")
+
+    @model_validator(mode="after")
+    def _chaos_fits(self) -> JobSpec:
+        if self.chaos is None:
+            return self
+        if self.cluster.provider not in CHAOS_PROVIDERS:
+            raise ValueError(f"chaos: the {self.cluster.provider} provider takes nodes away by itself: "
+                             f"remove chaos or use one of {', '.join(CHAOS_PROVIDERS)}")
+        for event in self.chaos.preempt:
+            if event.node >= self.cluster.nodes:
+                raise ValueError(f"chaos.preempt node {event.node}: the cluster has nodes 0-{self.cluster.nodes - 1}")
+        return self
 
     def config_hash(self) -> str:
         """Identifies the training setup a checkpoint came from (the cluster shape may differ on resume)."""

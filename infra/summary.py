@@ -44,6 +44,7 @@ class RunSummary:
     cost_usd: float | None = None  # price_per_hour × the billed phases' seconds
     attempts: list[dict[str, Any]] = field(default_factory=list)  # every launch attempt, in order
     node_reports: dict[str, dict[str, Any]] = field(default_factory=dict)  # per node: mount, GPUs, interfaces
+    recoveries: list[dict[str, Any]] = field(default_factory=list)  # infra.recovery.RecoveryRecord per preemption
     started_at: float = field(default_factory=time.time)
     finished_at: float | None = None
 
@@ -59,7 +60,7 @@ class RunSummary:
     def record_launch(self, instance_type: str | None, market: str, price_per_hour: float,
                       attempts: list[dict[str, Any]]) -> None:
         self.instance_type, self.market, self.price_per_hour = instance_type, market, price_per_hour
-        self.attempts = attempts
+        self.attempts.extend(attempts)  # a recovery launches again: its attempts follow the first launch's
 
     def finish(self) -> None:
         """Stamps the end and prices the run (the price is known only once a launch succeeded)."""
@@ -105,6 +106,11 @@ class RunSummary:
         if stalls:
             lines.append(f"  checkpoints: {len(stalls)} saved, training stalled {sum(stalls) / len(stalls):.3f}s "
                          f"per checkpoint ({self.checkpoints[-1].get('mode')})")
+        for r in self.recoveries:
+            lines.append(f"  recovery {r['number']}: {r['node']} preempted ({r['reason']}) "
+                         f"at step {r['step_reached']}, "
+                         f"resumed from step {r['resumed_from_step']} after {r['notice_to_resume_s']:.1f}s, "
+                         f"{r['steps_lost']} steps redone")
         lines.extend(f"  warning: {warning}" for warning in self.warnings)
         if self.nodes_left is not None:
             lines.append(f"  {self.nodes_left} nodes left running")

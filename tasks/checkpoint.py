@@ -6,7 +6,9 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
+from infra.checkpoints import CheckpointStore
 from infra.providers import Cluster, get_provider
+from infra.storage import open_store
 from tasks.node_output import last_event, node_line_sink
 from tasks.policy import TRANSIENT_RETRIES
 
@@ -19,3 +21,10 @@ def verify_committed_checkpoint(cluster: Cluster, checkpoint_url: str) -> dict[s
     result = runner.run([head.python, "-m", "infra.node", "verify-ckpt", "--url", checkpoint_url], timeout=3600,
                         on_line=node_line_sink(get_run_logger(), head.name))
     return last_event(result.output, "verified")
+
+
+@task(name="find-latest-commit", **TRANSIENT_RETRIES)
+def latest_committed_step(checkpoint_url: str) -> int | None:
+    """What a recovery resumes from: asked of the store, which outlives every node."""
+    latest = CheckpointStore(open_store(checkpoint_url)).latest()
+    return latest.step if latest is not None else None

@@ -8,6 +8,7 @@ from infra.lease import LEASE_FILE, LeaseKeeper
 from infra.providers import Cluster, Provider, get_provider
 from infra.spec import JobSpec
 from tasks.policy import NO_RETRIES, TRANSIENT_RETRIES
+from tasks.train import STOP_SYNC
 
 # Renewed several times per TTL, so one slow or failed renewal never expires a healthy node's lease.
 RENEWALS_PER_TTL = 6
@@ -19,7 +20,9 @@ def _start_lease(provider: Provider, cluster: Cluster, ttl_s: float) -> None:
     _lease_keepers[cluster.name] = LeaseKeeper(provider, cluster, ttl_s / RENEWALS_PER_TTL).start()
     for node in cluster.nodes:
         provider.runner(cluster, node).start(
-            [node.python, "-m", "infra.node", "watch", "--lease", node.path(LEASE_FILE), "--ttl", str(ttl_s)],
+            [node.python, "-m", "infra.node", "watch", "--lease", node.path(LEASE_FILE), "--ttl", str(ttl_s),
+             "--notice-source", provider.notice_source, "--workdir", node.workdir,
+             "--stop-sync-file", node.path("ckpt", STOP_SYNC)],
             log_path=node.path("logs", "watch.log"))
 
 

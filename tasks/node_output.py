@@ -61,12 +61,14 @@ class TrainingProgress:
         self._throttle = Throttle(PROGRESS_ARTIFACT_INTERVAL_S)
         # Created here, on the task's thread, so the artifact belongs to the run; lines arrive on other threads.
         self.artifact_id = create_progress_artifact(0.0, description=f"training: 0/{total_steps} steps")
+        self.last_step = 0  # the newest step rank 0 reported: how far training got when a node was lost
 
     def follow(self, line: str) -> None:
         match = STEP_LINE.match(line)
         if match is None:
             return
         step, loss = int(match.group(1)), float(match.group(3))
+        self.last_step = max(self.last_step, step)
         with self.curve_path.open("a") as curve:
             curve.write(f"{step},{loss}\n")
         if self._throttle.ready() or step >= self.total_steps:

@@ -53,16 +53,20 @@ def record_failure(summary: RunSummary, exc: BaseException) -> None:
 
 
 def record_resume(summary: RunSummary, restored: list[dict[str, Any]],
-                  logger: logging.Logger | logging.LoggerAdapter[Any] | None = None) -> None:
-    """Which committed step every node restored, and why newer ones were skipped (a damaged checkpoint)."""
+                  logger: logging.Logger | logging.LoggerAdapter[Any] | None = None, initial: bool = True) -> None:
+    """Which committed step every node restored, and why newer ones were skipped (a damaged checkpoint).
+
+    initial: the run's own start (its resumed_from_step); a recovery's restore only adds its warnings."""
     logger = logger or get_run_logger()
     steps = {r["step"] for r in restored}
     if len(steps) != 1:
         raise RuntimeError(f"nodes restored different checkpoint steps {sorted(steps)}: rerun to restore again")
-    summary.resumed_from_step = steps.pop()
+    step = steps.pop()
+    if initial:
+        summary.resumed_from_step = step
     for warning in sorted({w for r in restored for w in r.get("warnings", [])}):
-        logger.warning("resume fell back to step %d: %s", summary.resumed_from_step, warning)
-        summary.warnings.append(f"resumed from step {summary.resumed_from_step}: {warning}")
+        logger.warning("resume fell back to step %d: %s", step, warning)
+        summary.warnings.append(f"resumed from step {step}: {warning}")
 
 
 def checkpoint_metrics(trainer_events: list[dict[str, Any]], sync_events: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -14,15 +14,12 @@ from infra.remote import Process, RemoteError, Runner
 from infra.spec import JobSpec
 from tasks.node_output import TrainingProgress, node_line_sink
 from tasks.policy import NO_RETRIES
+from tasks.preemption import PreemptionWatch, TrainingError
 
 STOP_SYNC = ".stop-sync"
 SYNC_FLUSH_TIMEOUT_S = 600.0
 # Beyond the flush deadline: the trainer's own exit (process group teardown, torchrun's agent shutting down).
 TRAINER_EXIT_GRACE_S = 10.0
-
-
-class TrainingError(RuntimeError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -74,17 +71,23 @@ def syncer_argv(job: JobSpec, cluster: Cluster, node: Node, checkpoint_url: str)
     ]
 
 
-def _wait_all(trainers: dict[str, Process], deadline: float) -> None:
-    """Wait for every trainer; the first failure or the deadline stops the rest and raises."""
+def chaos_argv(node: Node, trigger: str, notice_s: float) -> list[str]:
+    return [node.python, "-m", "infra.node", "chaos", "--trigger", trigger, "--workdir", node.workdir,
+            "--notice-s", str(notice_s)]
+
+
+def _wait_all(trainers: dict[str, Process], deadline: float, watch: PreemptionWatch) -> None:
+    """Wait for every trainer; the first failure, a preemption or the deadline stops the rest and raises."""
     pending = dict(trainers)
     while pending:
+        watch.poll()
         for name, process in list(pending.items()):
             code = process.poll()
             if code is None:
                 continue
             del pending[name]
             if code != 0:
-                raise TrainingError(f"{name}: training exited {code}: {_last_error(process)}")
+                raise watch.explain(TrainingError(f"{name}: training exited {code}: {_last_error(process)}"))
         if time.monotonic() > deadline:
             raise TrainingError(f"training still running after training.timeout_s on {', '.join(pending)}: "
                                 "raise training.timeout_s or check the nodes' logs")
@@ -120,12 +123,13 @@ def _stop_syncers(runners: dict[str, Runner], syncers: dict[str, Process], nodes
 
 
 @task(name="train", **NO_RETRIES)
-def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOutcome:
-    """Not retried as a task: a failed training resumes from the last committed checkpoint on the next run."""
+def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch, attempt: int = 0) -> TrainOutcome:
+    """Not retried as a task: a preemption is recovered by the flow, any other failure resumes on the next run."""
     logger = get_run_logger()
     progress = TrainingProgress(job.training.steps, cluster.run_id)
     provider = get_provider(cluster.provider)
     runners = {node.name: provider.runner(cluster, node) for node in cluster.nodes}
+    watch = PreemptionWatch(provider, cluster, runners, progress, job.recovery.confirm_s, logger)
     checkpoint_events: list[dict[str, Any]] = []
     env = {"OMP_NUM_THREADS": str(job.training.threads_per_proc), "PYTHONUNBUFFERED": "1"}
     started = time.monotonic()
@@ -142,7 +146,9 @@ def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOu
                 trainer_argv(job, cluster, node, launch), env=env,
                 on_line=node_line_sink(logger, node.name, follow=progress.follow if node == cluster.head else None),
                 log_path=node.path("logs", "train.log"))
-        _wait_all(trainers, started + job.training.timeout_s)
+        if job.chaos is not None:
+            watch.arm([event for event in job.chaos.preempt if event.attempt == attempt], chaos_argv)
+        _wait_all(trainers, started + job.training.timeout_s, watch)
     except BaseException:
         # SIGTERM first: each trainer finishes its save in flight (and a last one if the deadline allows) ...
         deadline_s = job.checkpoints.flush_deadline_s

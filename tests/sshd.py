@@ -132,11 +132,12 @@ LogLevel VERBOSE
 """)
 
 
-def start_server(root: Path, client_public_key: Path, attempts: int = 5) -> SshServer:
-    """A new sshd in root, accepting client_public_key; retried on a port taken between probe and bind."""
+def start_server(root: Path, client_public_key: Path, attempts: int = 5, host_key: Path | None = None) -> SshServer:
+    """A new sshd in root, accepting client_public_key; retried on a port taken between probe and bind. Its host key
+    is host_key (private, mode 0600, .pub beside it) when given, else a new one."""
     root.mkdir(parents=True, exist_ok=True)
     PRIVSEP_DIR.mkdir(parents=True, exist_ok=True)
-    host_key = keygen(root / "host_ed25519", "test-host")
+    host_key = host_key or keygen(root / "host_ed25519", "test-host")
     authorized = root / "authorized_keys"
     authorized.write_text(client_public_key.read_text())
     for attempt in range(1, attempts + 1):

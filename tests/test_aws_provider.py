@@ -51,13 +51,18 @@ def images(ec2_server: Ec2Server) -> str:
 
 
 @pytest.fixture
-def aws(ec2_server: Ec2Server, images: str, monkeypatch: pytest.MonkeyPatch) -> AwsProvider:
+def aws(ec2_server: Ec2Server, images: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> AwsProvider:
     for name, value in ec2_server.env().items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("TRAINPIPE_AWS_REGIONS", ",".join(REGIONS))
     monkeypatch.setenv("TRAINPIPE_SSH_CIDR", SSH_CIDR)
     monkeypatch.setenv("TRAINPIPE_AWS_AMI", images)
-    return AwsProvider(catalog=small_catalog())
+    # Launch checks the key nodes are reached with before paying for anything; moto's instances are never reached
+    # (no machine behind them), so the key is only read, and bootstrap is off (tests/test_cloud_ssh.py covers it).
+    key = tmp_path / "id_ed25519"
+    key.write_text("a private key\n")
+    monkeypatch.setenv("TRAINPIPE_SSH_KEY_FILE", str(key))
+    return AwsProvider(catalog=small_catalog(), bootstrap=False)
 
 
 def spec(**fields: Any) -> ClusterSpec:

@@ -26,6 +26,7 @@ from google.cloud import compute_v1
 import infra.providers.gcp as gcp_module
 from infra.catalog import Catalog, shipped_catalog
 from infra.failover import QuotaEverywhere
+from infra.hostkeys import generate_host_key
 from infra.providers import get_provider
 from infra.providers.base import CapacityError, InvalidRequestError, LaunchError, QuotaError
 from infra.providers.gcp import (
@@ -35,10 +36,10 @@ from infra.providers.gcp import (
     LABEL_RANK,
     LABEL_RUN,
     MOUNT,
-    STARTUP_SCRIPT,
     GcpProvider,
     label_value,
     resource_name,
+    startup_script,
 )
 from infra.providers.gcp_errors import AuthError, classify, is_transient, operation_error
 from infra.spec import ClusterSpec
@@ -61,8 +62,13 @@ def small_catalog() -> Catalog:
 
 
 @pytest.fixture
-def gcp(gce: GceServer, monkeypatch: pytest.MonkeyPatch) -> GcpProvider:
+def gcp(gce: GceServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> GcpProvider:
     gce.reset()
+    # Launch checks the key nodes are reached with before paying for anything; the simulated instances are never
+    # reached (no machine behind them), so the key is only read, and bootstrap is off (tests/test_cloud_ssh.py).
+    key = tmp_path / "id_ed25519"
+    key.write_text("a private key\n")
+    monkeypatch.setenv("TRAINPIPE_SSH_KEY_FILE", str(key))
     # The simulated API answers at once: poll and back off in milliseconds, not in the seconds GCE needs.
     monkeypatch.setattr(gcp_module, "POLL_FIRST_S", 0.005)
     monkeypatch.setattr(gcp_module, "POLL_MAX_S", 0.02)
@@ -70,7 +76,7 @@ def gcp(gce: GceServer, monkeypatch: pytest.MonkeyPatch) -> GcpProvider:
     monkeypatch.setattr(gcp_module, "FREE_FIRST_S", 0.01)
     monkeypatch.delenv("TRAINPIPE_GCP_ZONES", raising=False)
     return GcpProvider(catalog=small_catalog(), project=PROJECT, credentials=AnonymousCredentials(),
-                       api_endpoint=gce.endpoint)
+                       api_endpoint=gce.endpoint, bootstrap=False)
 
 
 def spec(**fields: Any) -> ClusterSpec:
@@ -305,7 +311,7 @@ def test_zones_scope_what_is_looked_at(gcp: GcpProvider, gce: GceServer, monkeyp
     gcp.launch("tp-gcp-scope", spec(nodes=1, regions=("us-central1",)), "run-scope")
     monkeypatch.setenv("TRAINPIPE_GCP_ZONES", "europe-west4-a")
     elsewhere = GcpProvider(catalog=small_catalog(), project=PROJECT, credentials=AnonymousCredentials(),
-                            api_endpoint=gce.endpoint)
+                            api_endpoint=gce.endpoint, bootstrap=False)
     assert elsewhere.describe("tp-gcp-scope") is None and elsewhere.list_clusters() == []
     assert gcp.terminate("tp-gcp-scope") and left(gce, "tp-gcp-scope") == []
 
@@ -323,8 +329,9 @@ def test_names_and_labels_follow_gce_rules() -> None:
 
 
 def test_startup_script_is_valid_bash() -> None:
-    subprocess.run(["bash", "-n"], input=STARTUP_SCRIPT, text=True, check=True)
-    assert "google-local-nvme-ssd-" in STARTUP_SCRIPT and f"{MOUNT}/trainpipe/ckpt" in STARTUP_SCRIPT
+    script = startup_script(generate_host_key())
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    assert "google-local-nvme-ssd-" in script and f"{MOUNT}/trainpipe/ckpt" in script
 
 
 def _operation(code: str, status: int) -> exceptions.GoogleAPICallError:

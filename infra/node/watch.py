@@ -1,4 +1,9 @@
-"""`watch`: the node's lease watchdog. A node that stops hearing from its orchestrator tears itself down.
+"""`watch`: the node's lease watchdog and preemption watcher.
+
+A node that stops hearing from its orchestrator tears itself down; a node told it is about to be taken away
+(a spot notice: infra.preemption) stops its trainer with SIGTERM — the trainer saves at its next step boundary
+within checkpoints.flush_deadline_s — then asks the syncer to flush, so the last save is committed before the
+node goes.
 
 The orchestrator renews a lease file on every node (infra.lease.LeaseKeeper). If the orchestrator dies —
 SIGKILL, a lost machine, a network partition — renewals stop, and once the lease is older than its TTL the
@@ -11,13 +16,30 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import psutil
+
 from infra.node.events import emit, fail
+from infra.preemption import (
+    AWS_IMDS,
+    GCP_METADATA,
+    NOTICE_FILE,
+    MetadataError,
+    Notice,
+    aws_notice,
+    gcp_notice,
+    read_notice,
+    write_notice,
+)
 from infra.processes import kill_processes, tagged_processes
 from infra.providers.local import NODE_TAG
+
+TRAINER_MARK = "torch.distributed.run"
 
 
 def lease_age_s(lease: Path, now: float) -> float | None:
@@ -31,16 +53,84 @@ def lease_age_s(lease: Path, now: float) -> float | None:
         return 0.0
 
 
+class NoticeWatch:
+    """Polls one notice source; acts on the first notice: SIGTERM to the trainer, then the syncer's flush."""
+
+    def __init__(self, source: str, url: str | None, workdir: Path, stop_sync: Path | None, node_tag: str | None):
+        self.workdir, self.stop_sync, self.node_tag = workdir, stop_sync, node_tag
+        self.notice: Notice | None = None
+        self._rebalance_seen = False
+        self._failures = 0
+        self._check: Callable[[], Notice | None] = {
+            "aws": lambda: self._aws(url or AWS_IMDS),
+            "gcp": lambda: gcp_notice(url or GCP_METADATA),
+            "file": lambda: read_notice(workdir / NOTICE_FILE),
+        }[source]
+
+    def _aws(self, url: str) -> Notice | None:
+        notice, rebalance = aws_notice(url)
+        if rebalance and not self._rebalance_seen:
+            # Softer than a notice: the node may run for a long time yet; the orchestrator's log says so.
+            self._rebalance_seen = True
+            emit("rebalance-recommendation", source="aws")
+        return notice
+
+    def poll(self) -> None:
+        if self.notice is not None:
+            return
+        try:
+            notice = self._check()
+        except (OSError, MetadataError, ValueError, KeyError) as exc:
+            self._failures += 1
+            emit("notice-check-failed", error=str(exc), failures=self._failures)
+            return
+        if notice is not None:
+            self.notice = notice
+            self._act(notice)
+
+    def _act(self, notice: Notice) -> None:
+        emit("preemption-notice", reason=notice.reason, deadline=notice.deadline, source=notice.source)
+        path = self.workdir / NOTICE_FILE
+        if read_notice(path) is None:
+            write_notice(path, notice)  # what the orchestrator of a local or ssh node reads
+        trainers = [p for p in self._node_processes() if TRAINER_MARK in " ".join(_cmdline(p))]
+        for trainer in trainers:
+            trainer.send_signal(signal.SIGTERM)
+        _gone, alive = psutil.wait_procs(trainers, timeout=max(0.0, notice.deadline - time.time()))
+        emit("trainer-stopped", trainers=len(trainers), still_running=len(alive))
+        if self.stop_sync is not None:
+            self.stop_sync.write_text("stop\n")  # after the trainer's last save: the syncer ships it, then exits
+
+    def _node_processes(self) -> list[psutil.Process]:
+        return tagged_processes(NODE_TAG, self.node_tag) if self.node_tag else []
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m infra.node watch")
     parser.add_argument("--lease", required=True, type=Path, help="file holding the last renewal's unix time")
     parser.add_argument("--ttl", required=True, type=float, help="seconds without renewal before teardown")
     parser.add_argument("--on-expire", choices=("kill-node", "shutdown"), default="kill-node")
     parser.add_argument("--poll", type=float, default=1.0)
+    parser.add_argument("--notice-source", choices=("none", "aws", "gcp", "file"), default="none",
+                        help="where preemption notices come from: the cloud's metadata service or a notice file")
+    parser.add_argument("--notice-url", help="metadata service base URL (default: the cloud's own)")
+    parser.add_argument("--notice-poll", type=float, default=2.0, help="seconds between notice checks")
+    parser.add_argument("--workdir", type=Path, help="the node's workdir (notice file); default: the lease's dir")
+    parser.add_argument("--stop-sync-file", type=Path, help="written after the trainer stopped on a notice")
     args = parser.parse_args(argv)
     node_tag = os.environ.get(NODE_TAG)
-    if args.on_expire == "kill-node" and not node_tag:
+    if (args.on_expire == "kill-node" or args.notice_source != "none") and not node_tag:
         return fail(f"watch: {NODE_TAG} is not set: start the watchdog through the node's runner, which tags it")
+    notices = (NoticeWatch(args.notice_source, args.notice_url, args.workdir or args.lease.parent,
+                           args.stop_sync_file, node_tag) if args.notice_source != "none" else None)
+    next_notice_check = 0.0
 
     started = time.time()
     emit("watching", lease=str(args.lease), ttl_s=args.ttl)
@@ -51,6 +141,9 @@ def main(argv: list[str]) -> int:
         age = now - started if age is None else age
         if age > args.ttl:
             break
+        if notices is not None and now >= next_notice_check:
+            notices.poll()
+            next_notice_check = now + args.notice_poll
         time.sleep(args.poll)
 
     emit("lease-expired", age_s=round(age, 1), ttl_s=args.ttl, action=args.on_expire)

@@ -20,12 +20,13 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
+from infra.bootstrap import WheelSource
 from infra.catalog import Catalog
+from infra.hostkeys import HostKey
 from infra.optimizer import Candidate
 from infra.providers.aws_errors import CapacityError, InvalidRequestError, LaunchError, classify, error_code
 from infra.providers.base import Cluster, ClusterRecord, Node, PreemptionNotice
-from infra.providers.cloud import MOUNT, CloudProvider, owner_alive, owner_stamp
-from infra.remote import Runner
+from infra.providers.cloud import HOST_KEYS, MOUNT, CloudProvider, boot_script, owner_alive, owner_stamp
 from infra.spec import ClusterSpec
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ TAG_OWNER = "trainpipe:owner"
 TAG_CREATED = "trainpipe:created-at"
 TAG_RANK = "trainpipe:rank"
 TAG_TOKEN = "trainpipe:launch-token"
+TAG_HOST_KEY = "trainpipe:host-key"  # the SHA256 fingerprint of the host key the instance's user-data installs
 LIVE_STATES = ("pending", "running", "stopping", "stopped")
 # Deep Learning AMI (NVIDIA driver, EFA installer) published by AWS as a public SSM parameter.
 DEFAULT_AMI_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
@@ -44,10 +46,9 @@ SPOT_NOTICE_S = 120.0  # EC2 gives a spot instance two minutes between the notic
 WAIT_S = 600.0  # for instances to reach running / terminated
 DELETE_RETRIES = 6  # groups stay "in use" for a short while after their instances end
 
-# Instance store NVMe: RAID0 over every device (one device is used as is), one filesystem, mounted at MOUNT.
-USER_DATA = f"""#!/bin/bash
-set -euo pipefail
-mkdir -p {MOUNT}
+# Instance store NVMe: RAID0 over every device (one device is used as is), one filesystem, mounted at MOUNT. EC2 runs
+# user-data once, at the instance's first boot; it follows the host key install (see user_data).
+NVME_SCRIPT = f"""mkdir -p {MOUNT}
 mapfile -t devices < <(lsblk -dpno NAME,MODEL | awk '/Instance Storage/ {{print $1}}')
 if [ "${{#devices[@]}}" -gt 1 ]; then
   mdadm --create /dev/md0 --run --force --level=0 --raid-devices="${{#devices[@]}}" "${{devices[@]}}"
@@ -64,6 +65,12 @@ fi
 mkdir -p {MOUNT}/trainpipe/data {MOUNT}/trainpipe/ckpt {MOUNT}/trainpipe/logs
 chmod -R 1777 {MOUNT}/trainpipe
 """
+
+
+def user_data(host_key: HostKey) -> str:
+    """The instance's user-data: the cluster's host key installed first, then the NVMe mount. Anyone who may call
+    DescribeInstanceAttribute in the account can read it, host private key included: see infra.hostkeys."""
+    return boot_script(host_key, NVME_SCRIPT)
 
 
 def _tags(instance_or_group: dict[str, Any]) -> dict[str, str]:
@@ -83,11 +90,14 @@ def launch_token(cluster_name: str, candidate: Candidate, rank: int, after: tupl
 
 class AwsProvider(CloudProvider):
     name = "aws"
+    notice_source = "aws"
+    key_hint = "the private key of the EC2 key pair TRAINPIPE_AWS_KEY_NAME names"
+    boot_log = "/var/log/cloud-init-output.log"
 
     def __init__(self, catalog: Catalog | None = None, regions: tuple[str, ...] | None = None,
                  endpoint_url: str | None = None, ami: str | None = None, ssh_cidr: str | None = None,
-                 key_name: str | None = None) -> None:
-        super().__init__(catalog)
+                 key_name: str | None = None, bootstrap: bool = True, wheel: WheelSource = None) -> None:
+        super().__init__(catalog, bootstrap=bootstrap, wheel=wheel)
         env_regions = tuple(r for r in os.environ.get("TRAINPIPE_AWS_REGIONS", "").split(",") if r)
         self._regions = regions or env_regions or None
         self._endpoint_url = endpoint_url
@@ -127,7 +137,8 @@ class AwsProvider(CloudProvider):
 
     # -- launch -------------------------------------------------------------------------------------------------
 
-    def launch_candidate(self, cluster_name: str, spec: ClusterSpec, run_id: str, candidate: Candidate) -> Cluster:
+    def launch_candidate(self, cluster_name: str, spec: ClusterSpec, run_id: str, candidate: Candidate,
+                         host_key: HostKey) -> Cluster:
         """Every node on this candidate or none: on any failure what this call started is rolled back."""
         region = candidate.region
         tags = {"Name": cluster_name, TAG_CLUSTER: cluster_name, TAG_RUN: run_id, TAG_OWNER: owner_stamp(),
@@ -139,7 +150,7 @@ class AwsProvider(CloudProvider):
             group_id = self._security_group(ec2, cluster_name, subnet["VpcId"], tags)
             placement = self._placement_group(ec2, cluster_name, tags)
             instances = [self._node_instance(ec2, cluster_name, spec, candidate, rank, image, subnet["SubnetId"],
-                                             group_id, placement, tags) for rank in range(spec.nodes)]
+                                             group_id, placement, tags, host_key) for rank in range(spec.nodes)]
             ids = [i["InstanceId"] for i in instances]
             self._wait_until(ec2, ids, "running")
         except (ClientError, BotoCoreError) as exc:
@@ -241,8 +252,8 @@ class AwsProvider(CloudProvider):
         return cluster_name
 
     def _node_instance(self, ec2: Any, cluster_name: str, spec: ClusterSpec, candidate: Candidate, rank: int,
-                       image: str, subnet_id: str, group_id: str, placement: str,
-                       tags: dict[str, str]) -> dict[str, Any]:
+                       image: str, subnet_id: str, group_id: str, placement: str, tags: dict[str, str],
+                       host_key: HostKey) -> dict[str, Any]:
         ended: tuple[str, ...] = ()
         while True:
             token = launch_token(cluster_name, candidate, rank, ended)
@@ -255,10 +266,12 @@ class AwsProvider(CloudProvider):
             if not earlier:
                 break
             ended = tuple(sorted(i["InstanceId"] for i in earlier))
-        node_tags = {**tags, "Name": f"{cluster_name}-node-{rank}", TAG_RANK: str(rank), TAG_TOKEN: token}
+        # An adopted instance (above) keeps the key, and the tag, of the try that started it.
+        node_tags = {**tags, "Name": f"{cluster_name}-node-{rank}", TAG_RANK: str(rank), TAG_TOKEN: token,
+                     TAG_HOST_KEY: host_key.fingerprint}
         request: dict[str, Any] = {
             "ImageId": image, "InstanceType": candidate.instance_type, "MinCount": 1, "MaxCount": 1,
-            "ClientToken": token, "UserData": USER_DATA, "InstanceInitiatedShutdownBehavior": "terminate",
+            "ClientToken": token, "UserData": user_data(host_key), "InstanceInitiatedShutdownBehavior": "terminate",
             "Placement": {"GroupName": placement},
             "NetworkInterfaces": self._interfaces(candidate, subnet_id, group_id),
             "TagSpecifications": [_tag_spec(kind, node_tags) for kind in ("instance", "volume", "network-interface")],
@@ -301,7 +314,8 @@ class AwsProvider(CloudProvider):
         # owner also says where the nodes are, so later calls (preemption, liveness) go straight to the region.
         owner = {"owner": tags[TAG_OWNER], "region": region,
                  "instances": {_tags(i)["Name"]: i["InstanceId"] for i in instances},
-                 "instance_type": instances[0]["InstanceType"]}
+                 "instance_type": instances[0]["InstanceType"],
+                 HOST_KEYS: {_tags(i)["Name"]: _tags(i)[TAG_HOST_KEY] for i in instances if TAG_HOST_KEY in _tags(i)}}
         return Cluster(name=cluster_name, provider=self.name, run_id=tags[TAG_RUN], nodes=nodes, created_at=created,
                        owner=owner)
 
@@ -399,9 +413,6 @@ class AwsProvider(CloudProvider):
         return records
 
     # -- nodes --------------------------------------------------------------------------------------------------
-
-    def runner(self, cluster: Cluster, node: Node) -> Runner:
-        raise InvalidRequestError("aws nodes are reached over SSH: the ssh runner lands with the SSH provider")
 
     def _states(self, cluster: Cluster) -> dict[str, str]:
         ids = list(cluster.owner["instances"].values())

@@ -119,6 +119,9 @@ class PreemptionNotice:
 
 class Provider(ABC):
     name: str
+    # Where a node's watcher (infra.node watch) looks for preemption notices: the cloud's metadata service, or
+    # the notice file the chaos injector raises on local and ssh nodes.
+    notice_source: str = "none"
 
     @abstractmethod
     def launch(self, cluster_name: str, spec: ClusterSpec, run_id: str) -> Cluster:

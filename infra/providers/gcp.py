@@ -31,12 +31,14 @@ from google.auth import exceptions as auth_exceptions
 from google.auth.credentials import Credentials
 from google.cloud import compute_v1
 
+from infra.bootstrap import WheelSource
 from infra.catalog import Catalog
+from infra.hostkeys import HostKey
 from infra.optimizer import Candidate
 
 # Provider-neutral helpers (no boto3 state): the owner string, its liveness check and the node mount point.
 from infra.providers.base import Cluster, ClusterRecord, Node, PreemptionNotice
-from infra.providers.cloud import MOUNT, CloudProvider, owner_alive, owner_stamp
+from infra.providers.cloud import HOST_KEYS, MOUNT, CloudProvider, boot_script, owner_alive, owner_stamp
 from infra.providers.gcp_errors import (
     CapacityError,
     InvalidRequestError,
@@ -46,7 +48,6 @@ from infra.providers.gcp_errors import (
     is_transient,
     operation_error,
 )
-from infra.remote import Runner
 from infra.spec import ClusterSpec
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ LABEL_RUN = "trainpipe_run_id"
 LABEL_OWNER = "trainpipe_owner"
 LABEL_CREATED = "trainpipe_created_at"
 LABEL_RANK = "trainpipe_rank"
+# Metadata only (a fingerprint is no label value): the SHA256 fingerprint of the host key the startup-script installs.
+META_HOST_KEY = "trainpipe_host_key"
 POLICY_MARK = "trainpipe cluster placement "  # + the cluster's stamp as JSON: how our policies are recognised
 SCOPES = ["https://www.googleapis.com/auth/cloud-platform"]
 # Deep Learning VM image (NVIDIA driver, CUDA) published by Google; TRAINPIPE_GCP_IMAGE overrides it.
@@ -85,10 +88,9 @@ GCE_PRODUCT_FILE = Path("/sys/class/dmi/id/product_name")
 API_ERRORS = (exceptions.GoogleAPICallError, auth_exceptions.GoogleAuthError, requests.RequestException)
 
 # Local SSDs: RAID0 over every device (one device is used as is), one filesystem, mounted at MOUNT. GCE runs the
-# startup script on every boot, so each step is skipped when already done.
-STARTUP_SCRIPT = f"""#!/bin/bash
-set -euo pipefail
-shopt -s nullglob
+# startup script on every boot, so each step is skipped when already done; it follows the host key install (see
+# startup_script), which is the same key at every boot.
+NVME_SCRIPT = f"""shopt -s nullglob
 mkdir -p {MOUNT}
 if ! mountpoint -q {MOUNT}; then
   devices=(/dev/disk/by-id/google-local-nvme-ssd-*)
@@ -112,6 +114,13 @@ fi
 mkdir -p {MOUNT}/trainpipe/data {MOUNT}/trainpipe/ckpt {MOUNT}/trainpipe/logs
 chmod -R 1777 {MOUNT}/trainpipe
 """
+
+
+def startup_script(host_key: HostKey) -> str:
+    """The instance's startup-script: the cluster's host key installed first, then the local SSD mount. Anyone who may
+    read instance metadata in the project (compute.instances.get) can read it, host private key included: see
+    infra.hostkeys."""
+    return boot_script(host_key, NVME_SCRIPT)
 
 
 def _hash8(text: str) -> str:
@@ -202,13 +211,17 @@ class _Stamp:
 
 class GcpProvider(CloudProvider):
     name = "gcp"
+    notice_source = "gcp"
+    key_hint = "a private key whose public key is in TRAINPIPE_GCP_SSH_KEYS (or the project's ssh-keys metadata)"
+    boot_log = "`journalctl -u google-startup-scripts`"
 
     def __init__(self, catalog: Catalog | None = None, zones: tuple[str, ...] | None = None,
                  project: str | None = None, credentials: Credentials | None = None, api_endpoint: str | None = None,
                  image: str | None = None, network: str | None = None, subnetwork: str | None = None,
-                 service_account: str | None = None, ssh_keys: str | None = None) -> None:
+                 service_account: str | None = None, ssh_keys: str | None = None, bootstrap: bool = True,
+                 wheel: WheelSource = None) -> None:
         # The project and the credentials are resolved on first use, never here.
-        super().__init__(catalog)
+        super().__init__(catalog, bootstrap=bootstrap, wheel=wheel)
         env_zones = tuple(z for z in os.environ.get("TRAINPIPE_GCP_ZONES", "").split(",") if z)
         self._zones = zones or env_zones or None
         self._project = project or os.environ.get("TRAINPIPE_GCP_PROJECT") or None
@@ -348,7 +361,8 @@ class GcpProvider(CloudProvider):
 
     # -- launch -------------------------------------------------------------------------------------------------
 
-    def launch_candidate(self, cluster_name: str, spec: ClusterSpec, run_id: str, candidate: Candidate) -> Cluster:
+    def launch_candidate(self, cluster_name: str, spec: ClusterSpec, run_id: str, candidate: Candidate,
+                         host_key: HostKey) -> Cluster:
         """Every node on this candidate or none: on any failure what this call started is rolled back."""
         zone = self._zone(candidate)
         doing = f"launch {cluster_name} on {candidate.label()}"
@@ -358,7 +372,7 @@ class GcpProvider(CloudProvider):
             policy = self._placement_policy(cluster_name, _region(zone), stamp, doing)
             names = [resource_name(cluster_name, f"node-{rank}") for rank in range(spec.nodes)]
             for rank, name in enumerate(names):
-                operation = self._node(name, rank, candidate, zone, policy, stamp, doing)
+                operation = self._node(name, rank, candidate, zone, policy, stamp, host_key, doing)
                 if operation is not None:
                     started.append(operation)
             failures = self._finish(started, doing)
@@ -419,8 +433,9 @@ class GcpProvider(CloudProvider):
         return f"projects/{self.project}/regions/{region}/resourcePolicies/{name}"
 
     def _node(self, name: str, rank: int, candidate: Candidate, zone: str, policy: str, stamp: _Stamp,
-              doing: str) -> compute_v1.Operation | None:
-        """Start one node; None when a live node of this very launch already runs (adopted as it is)."""
+              host_key: HostKey, doing: str) -> compute_v1.Operation | None:
+        """Start one node; None when a live node of this very launch already runs (adopted as it is, with the host
+        key, and the metadata naming it, of the try that started it)."""
         existing = self._get(doing, lambda: self.instances.get(
             project=self.project, zone=zone, instance=name, retry=None, timeout=API_TIMEOUT_S))
         if existing is not None:
@@ -440,14 +455,14 @@ class GcpProvider(CloudProvider):
                 self._done(deleting, doing)
         request = compute_v1.InsertInstanceRequest(
             project=self.project, zone=zone, request_id=str(uuid.uuid4()),
-            instance_resource=self._instance(name, rank, candidate, zone, policy, stamp))
+            instance_resource=self._instance(name, rank, candidate, zone, policy, stamp, host_key))
         return self._api(doing, lambda: self.instances.insert_unary(request=request, retry=None,
                                                                     timeout=API_TIMEOUT_S))
 
-    def _instance(self, name: str, rank: int, candidate: Candidate, zone: str, policy: str,
-                  stamp: _Stamp) -> compute_v1.Instance:
-        metadata = {"startup-script": STARTUP_SCRIPT, "install-nvidia-driver": "True", **stamp.exact(),
-                    LABEL_RANK: str(rank)}
+    def _instance(self, name: str, rank: int, candidate: Candidate, zone: str, policy: str, stamp: _Stamp,
+                  host_key: HostKey) -> compute_v1.Instance:
+        metadata = {"startup-script": startup_script(host_key), "install-nvidia-driver": "True", **stamp.exact(),
+                    LABEL_RANK: str(rank), META_HOST_KEY: host_key.fingerprint}
         if self._ssh_keys:
             metadata["ssh-keys"] = self._ssh_keys
         # GPU VMs cannot live-migrate; a host event ends the node visibly (nodes_alive) instead of rebooting it
@@ -516,7 +531,8 @@ class GcpProvider(CloudProvider):
         spot = instances[0].scheduling.provisioning_model == "SPOT"
         # owner also says where the nodes are, so later calls (preemption, liveness) go straight to the zone.
         owner = {"owner": stamp.get(LABEL_OWNER, ""), "project": self.project, "zone": zone, "region": _region(zone),
-                 "instances": {i.name: str(i.id) for i in instances}, "instance_type": machine_type}
+                 "instances": {i.name: str(i.id) for i in instances}, "instance_type": machine_type,
+                 HOST_KEYS: {i.name: _stamp_of(i)[META_HOST_KEY] for i in instances if META_HOST_KEY in _stamp_of(i)}}
         return Cluster(name=cluster_name, provider=self.name, run_id=stamp.get(LABEL_RUN, "unknown"), nodes=nodes,
                        created_at=_created(stamp), owner=owner, instance_type=machine_type,
                        market="spot" if spot else "on-demand")
@@ -656,9 +672,6 @@ class GcpProvider(CloudProvider):
         ) for name, found in sorted(by_cluster.items())]
 
     # -- nodes --------------------------------------------------------------------------------------------------
-
-    def runner(self, cluster: Cluster, node: Node) -> Runner:
-        raise InvalidRequestError("gcp nodes are reached over SSH: the ssh runner lands with the SSH provider")
 
     def _nodes_now(self, cluster: Cluster) -> dict[str, compute_v1.Instance]:
         doing = f"describe {cluster.name}"

@@ -8,7 +8,6 @@ started them was killed, and list_clusters lets the sweeper tear down what a dea
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import socket
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import psutil
 
+from infra.preemption import NOTICE_FILE, read_notice
 from infra.processes import kill_processes, tagged_processes
 from infra.providers.base import Attempt, Cluster, ClusterRecord, InvalidRequestError, Node, PreemptionNotice, Provider
 from infra.remote import LocalRunner, Runner
@@ -29,6 +29,7 @@ CLUSTER_TAG = "TRAINPIPE_CLUSTER"
 NODE_TAG = "TRAINPIPE_NODE"
 RECORD = "cluster.json"
 LOCAL_TYPE = "local-process"
+NODE_MARKER = ".node"  # written at launch; a node whose marker is gone was taken away
 
 
 def _owner() -> dict[str, object]:
@@ -52,6 +53,7 @@ def cluster_processes(cluster_dir: Path) -> list[psutil.Process]:
 
 class LocalProvider(Provider):
     name = "local"
+    notice_source = "file"
 
     def __init__(self, root: Path | None = None) -> None:
         self.root = (root or local_clusters_dir()).resolve()
@@ -70,6 +72,7 @@ class LocalProvider(Provider):
             workdir = base / f"node-{rank}"
             for sub in ("data", "ckpt", "logs"):
                 (workdir / sub).mkdir(parents=True, exist_ok=True)
+            (workdir / NODE_MARKER).write_text(f"{cluster_name}\n")
             nodes.append(Node(name=f"{cluster_name}-node-{rank}", rank=rank, address="127.0.0.1",
                               workdir=str(workdir), data_dir=str(workdir / "data"), ckpt_dir=str(workdir / "ckpt"),
                               python=sys.executable))
@@ -117,8 +120,14 @@ class LocalProvider(Provider):
         return LocalRunner(node.name, Path(node.workdir), tags)
 
     def preemption_notices(self, cluster: Cluster) -> list[PreemptionNotice]:
-        # Local nodes are never reclaimed by anyone but us; the chaos injector adds notices on purpose.
-        return []
+        # Local nodes are never reclaimed by anyone but us: the chaos injector raises notices on purpose.
+        notices = []
+        for node in cluster.nodes:
+            notice = read_notice(Path(node.workdir) / NOTICE_FILE)
+            if notice is not None:
+                notices.append(PreemptionNotice(node=node.name, deadline=notice.deadline, reason=notice.reason))
+        return notices
 
     def nodes_alive(self, cluster: Cluster) -> dict[str, bool]:
-        return {node.name: os.path.isdir(node.workdir) for node in cluster.nodes}
+        # The marker, not the directory: a lease renewal racing a reclaimed node would recreate the directory.
+        return {node.name: (Path(node.workdir) / NODE_MARKER).is_file() for node in cluster.nodes}

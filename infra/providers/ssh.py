@@ -161,7 +161,7 @@ def _owner_alive(owner: dict[str, Any]) -> bool:
         return False
 
 
-def _launch_error(exc: BaseException) -> LaunchError:
+def launch_error(exc: BaseException) -> LaunchError:
     """The failure of one host as the LaunchError that says whether trying again can help."""
     if isinstance(exc, LaunchError):
         return exc
@@ -172,7 +172,7 @@ def _launch_error(exc: BaseException) -> LaunchError:
     return LaunchError(str(exc))
 
 
-def _in_parallel(items: list[T], work: Callable[[T], Any]) -> list[tuple[T, Any, BaseException | None]]:
+def in_parallel(items: list[T], work: Callable[[T], Any]) -> list[tuple[T, Any, BaseException | None]]:
     """work(item) for every item at once (hosts are independent); (item, result, error) in item order."""
     if not items:
         return []
@@ -187,6 +187,7 @@ def _in_parallel(items: list[T], work: Callable[[T], Any]) -> list[tuple[T, Any,
 
 class SshProvider(Provider):
     name = "ssh"
+    notice_source = "file"
 
     def __init__(self, root: Path | None = None, wheel: WheelSource = None,
                  teardown_connect_s: float = TEARDOWN_CONNECT_S) -> None:
@@ -232,14 +233,14 @@ class SshProvider(Provider):
         self._write_record(cluster)  # first: a launch that dies half way is still found and torn down
         hosts = self._hosts(cluster)
         reserved: set[str] = set()
-        outcomes = _in_parallel(hosts, lambda host: self._prepare(host, cluster, spec, reserved))
+        outcomes = in_parallel(hosts, lambda host: self._prepare(host, cluster, spec, reserved))
         failures = [(host, error) for host, _, error in outcomes if error is not None]
         if failures:
             self._roll_back(cluster, [host for host in hosts if host.node.name in reserved])
             unexpected = [error for _, error in failures if not isinstance(error, LaunchError | RemoteError | OSError)]
             if unexpected:
                 raise unexpected[0]  # a bug, not a host problem: keep its type and traceback
-            errors = [_launch_error(error) for _, error in failures]
+            errors = [launch_error(error) for _, error in failures]
             raise type(errors[0])("; ".join(str(e) for e in errors)) from failures[0][1]
         self.last_reports = {host.node.name: report for host, report, _ in outcomes}
         attempt = Attempt(candidate="ssh", instance_type=SSH_TYPE, region=socket.gethostname(), zone=None,
@@ -341,7 +342,7 @@ class SshProvider(Provider):
             return _teardown(host.runner(connect_s), host.host.python, host.node.workdir, host.reservation,
                              cluster.name, record)
 
-        results = _in_parallel(hosts, clean)
+        results = in_parallel(hosts, clean)
         done = {host.node.name: result for host, result, error in results if error is None}
         failed = {host.node.name: error for host, _, error in results if error is not None}
         self.last_teardown[cluster.name] = {**done, **{name: {"error": str(e)} for name, e in failed.items()}}
@@ -392,7 +393,7 @@ class SshProvider(Provider):
             return host.runner(self.teardown_connect_s).exists(host.node.workdir)
 
         return {host.node.name: (error is None and bool(result)) or (error is not None and host.node.name in unreached)
-                for host, result, error in _in_parallel(self._hosts(cluster), alive)}
+                for host, result, error in in_parallel(self._hosts(cluster), alive)}
 
 
 def _cluster_dir(workdir: str, cluster_name: str) -> str:

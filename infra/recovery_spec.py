@@ -1,0 +1,42 @@
+"""What a job does when nodes are taken away: the recovery policy, and the preemptions a test injects on purpose."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from infra.models import StrictModel
+
+
+class RecoverySpec(StrictModel):
+    max_recoveries: int = Field(3, ge=0, le=100, description="Re-provisions after preemptions before the run fails.")
+    deadline_s: float = Field(24 * 3600.0, gt=0, description="The run fails when this many seconds have passed "
+                              "since it started, however many recoveries are left.")
+    failover: Literal["same_zone_first", "eager_next_region"] = Field(
+        "same_zone_first", description="same_zone_first: retry where the preempted cluster ran, then move on; "
+        "eager_next_region: block the preempted region for the next attempt at once.")
+    confirm_s: float = Field(5.0, ge=0, le=300, description="A node that vanishes without notice counts as "
+                             "preempted after it stays gone this long.")
+
+
+class PreemptSpec(StrictModel):
+    node: int = Field(ge=0, description="Rank of the node to preempt.")
+    attempt: int = Field(0, ge=0, description="Which attempt of the run it hits: 0 is the first, 1 the first "
+                         "recovery, and so on.")
+    at_step: int | None = Field(None, ge=1, description="Preempt once training has reached this step ...")
+    after_s: float | None = Field(None, ge=0, description="... or this many seconds after training started.")
+    notice_s: float = Field(0.0, ge=0, le=600, description="Seconds of notice before the node goes away (a spot "
+                            "notice); 0 kills it without notice.")
+
+    @model_validator(mode="after")
+    def _one_trigger(self) -> PreemptSpec:
+        if (self.at_step is None) == (self.after_s is None):
+            raise ValueError("give exactly one of at_step and after_s: when the preemption happens")
+        return self
+
+
+class ChaosSpec(StrictModel):
+    """Preemptions injected on the local and ssh providers, so the whole recovery path runs without a cloud."""
+
+    preempt: tuple[PreemptSpec, ...] = Field((), description="Preemptions to inject, each on one node.")
