@@ -11,6 +11,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from infra.failover import attempts_of
 from infra.providers import Cluster
+from infra.recovery import RECOVERY_PHASES
 from infra.summary import BILLED_PHASES, PHASES, RunSummary
 from tasks.charts import markdown_image, run_chart_png
 from tasks.node_output import read_loss_curve
@@ -108,6 +109,16 @@ def _checkpoint_rows(summary: RunSummary) -> list[dict[str, Any]]:
     return [{column: row.get(column) for column in CHECKPOINT_COLUMNS} for row in summary.checkpoints]
 
 
+def _recovery_rows(summary: RunSummary) -> list[dict[str, Any]]:
+    """One row per recovery: why, how far training had got, where it resumed, and where the time went."""
+    rows = []
+    for r in summary.recoveries:
+        row = {key: r[key] for key in ("number", "node", "reason", "step_reached", "resumed_from_step", "steps_lost",
+                                       "notice_to_resume_s", "extra_cost_usd")}
+        rows.append({**row, **{f"{phase}_s": r["seconds"].get(phase) for phase in RECOVERY_PHASES}})
+    return rows
+
+
 def _checkpoint_fact(summary: RunSummary) -> str | None:
     stalls = [c["stall_s"] for c in summary.checkpoints if c.get("stall_s") is not None]
     uploads = [c["upload_mb_per_s"] for c in summary.checkpoints if c.get("upload_mb_per_s")]
@@ -155,7 +166,7 @@ def _markdown(summary: RunSummary, curve: list[tuple[int, float]]) -> str:
     facts += [f"committed checkpoint: {checkpoint}", f"nodes left running after teardown: {summary.nodes_left}"]
     chart = markdown_image(run_chart_png(curve, summary.phases, summary.loss_floor), "loss curve and time per phase")
     sections = {"Phases": _phase_rows(summary), "Checkpoints": _checkpoint_rows(summary),
-                "Launch attempts": _attempt_rows(summary)}
+                "Launch attempts": _attempt_rows(summary), "Recoveries from preemption": _recovery_rows(summary)}
     return (f"# Run `{summary.run_id}`: {summary.status}\n\n"
             + (f"**{summary.error}**\n\n" if summary.error else "")
             + "".join(f"* {fact}\n" for fact in facts)
@@ -173,7 +184,8 @@ def publish_summary(summary: RunSummary, directory: Path) -> Path:
     create_table_artifact(_phase_rows(summary), key=f"{artifact_key}-phases",
                           description=f"run {summary.run_id}: seconds per phase")
     tables = {"launch-attempts": (_attempt_rows(summary), "every launch attempt, in order"),
-              "checkpoints": (_checkpoint_rows(summary), "per checkpoint: training stall, write, upload, commit")}
+              "checkpoints": (_checkpoint_rows(summary), "per checkpoint: training stall, write, upload, commit"),
+              "recoveries": (_recovery_rows(summary), "per preemption: steps redone, time to resume and its split")}
     for suffix, (rows, what) in tables.items():
         if rows:
             create_table_artifact(rows, key=f"{artifact_key}-{suffix}", description=f"run {summary.run_id}: {what}")
