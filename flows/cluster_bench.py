@@ -1,19 +1,20 @@
-"""cluster-bench: provision → probe every node → measure every node's local disk → teardown (always) → publish."""
+"""cluster-bench: provision → probe every node → TCP between nodes, all-reduce, every node's disk → teardown (always)
+→ publish the figures and the verdict."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow, unmapped
+from prefect import flow, get_run_logger, unmapped
 from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as current_flow_run
 from prefect.states import State
 
 from infra.plan import cluster_name_for
 from infra.spec import ClusterSpec
-from tasks.bench import disk_bench, launch_bench_cluster, publish_bench
+from tasks.bench import launch_bench_cluster, measure_cluster, publish_bench
 from tasks.cluster import teardown_cluster
-from tasks.verify import verify_node
+from tasks.verify import enforce_verdict, verify_node
 
 
 def default_bench_id(flow_run_id: str) -> str:
@@ -29,23 +30,29 @@ def teardown_bench_on_crash(flow: Any, flow_run: Any, state: State[Any]) -> None
 
 
 @flow(name="cluster-bench", on_cancellation=[teardown_bench_on_crash], on_crashed=[teardown_bench_on_crash])
-def cluster_bench(cluster: ClusterSpec | None = None, disk_megabytes: int = 256,
+def cluster_bench(cluster: ClusterSpec | None = None, disk_megabytes: int | None = None,
                   bench_id: str | None = None) -> dict[str, Any]:
     """Measure what a cluster of this shape gives a job before paying for a long run on it.
 
     Args:
-        cluster: The cluster to launch (default: 2 local nodes).
-        disk_megabytes: Size of the file each node writes and reads back on its local disk.
+        cluster: The cluster to launch (default: 2 local nodes); its verify settings say how long and how much to
+            measure, and what the figures are held to (its floors, the catalog, verify.min_fraction).
+        disk_megabytes: Size of the file each node writes and reads back on its local disk (default:
+            cluster.verify.disk_bytes_mb).
         bench_id: Names the cluster; default derives it from the flow run id.
     """
     spec = cluster or ClusterSpec()
+    if disk_megabytes is not None:
+        spec = spec.model_copy(update={"verify": spec.verify.model_copy(update={"disk_bytes_mb": disk_megabytes})})
     bench_id = bench_id or default_bench_id(str(current_flow_run.id))
     cluster_name = cluster_name_for(bench_id)
     try:
         launched = launch_bench_cluster(spec, cluster_name, bench_id)
-        verify_node.map(unmapped(launched), launched.nodes, unmapped(disk_megabytes * 1024 * 1024)).result()
-        disks = disk_bench.map(unmapped(launched), launched.nodes, unmapped(disk_megabytes)).result()
+        verify_node.map(unmapped(launched), launched.nodes, unmapped(spec.verify.disk_bytes_mb * 1024 * 1024)).result()
+        result = measure_cluster(launched, spec)
     finally:
         nodes_left = teardown_cluster(spec.provider, cluster_name)
-    publish_bench(bench_id, disks, nodes_left)
-    return {"bench_id": bench_id, "disks": disks, "nodes_left": nodes_left}
+    publish_bench(bench_id, result, nodes_left)
+    # Published first: a cluster that misses is exactly the one whose figures someone needs to see.
+    enforce_verdict(result, spec.verify.bench, get_run_logger())
+    return {"bench_id": bench_id, **result.to_dict(), "nodes_left": nodes_left}

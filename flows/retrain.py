@@ -31,7 +31,7 @@ from tasks.preemption import Preempted
 from tasks.report import publish_summary, record_failure, record_launch, record_resume, record_training
 from tasks.stage import restore_checkpoint, stage_dataset
 from tasks.train import TrainLaunch, TrainOutcome, run_training
-from tasks.verify import verify_node
+from tasks.verify import bench_cluster, verify_node
 
 
 def default_run_id(job_name: str, flow_run_id: str) -> str:
@@ -101,6 +101,7 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, summary: RunSummary, cluster_na
     record_launch(summary, cluster)
     with summary.phase("verify"), _timed(recovery, "verify"):
         probes = verify_node.map(unmapped(cluster), cluster.nodes, unmapped(plan.dataset_bytes)).result()
+        summary.cluster_bench = bench_cluster(job, cluster)
     with summary.phase("stage"):
         with _timed(recovery, "stage"):
             staged = stage_dataset.map(unmapped(cluster), cluster.nodes, unmapped(plan.dataset_url)).result()

@@ -45,6 +45,7 @@ class RunSummary:
     attempts: list[dict[str, Any]] = field(default_factory=list)  # every launch attempt, in order
     node_reports: dict[str, dict[str, Any]] = field(default_factory=dict)  # per node: mount, GPUs, interfaces
     recoveries: list[dict[str, Any]] = field(default_factory=list)  # infra.recovery.RecoveryRecord per preemption
+    cluster_bench: dict[str, Any] = field(default_factory=dict)  # the verify stage's figures and verdict
     started_at: float = field(default_factory=time.time)
     finished_at: float | None = None
 

@@ -1,15 +1,15 @@
-"""Cluster benchmarks: launch a cluster for measuring only, measure each node's disk, publish the numbers."""
+"""Cluster benchmarks: launch a cluster for measuring only, measure its network, collectives and disks, publish."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from infra.providers import Cluster, Node, get_provider
+from infra import clusterbench
+from infra.clusterbench import BenchResult
+from infra.providers import Cluster, get_provider
 from infra.spec import ClusterSpec
-from tasks.node_output import last_event, node_line_sink
+from tasks.node_output import node_line_sink
 from tasks.policy import TRANSIENT_RETRIES
 
 
@@ -20,24 +20,40 @@ def launch_bench_cluster(spec: ClusterSpec, cluster_name: str, bench_id: str) ->
     return cluster
 
 
-@task(name="disk-bench", **TRANSIENT_RETRIES)
-def disk_bench(cluster: Cluster, node: Node, megabytes: int) -> dict[str, Any]:
-    runner = get_provider(cluster.provider).runner(cluster, node)
-    result = runner.run([node.python, "-m", "infra.node", "diskbench", "--dir", node.data_dir,
-                         "--megabytes", str(megabytes)], timeout=600, on_line=node_line_sink(get_run_logger(),
-                                                                                            node.name))
-    return {"node": node.name, **last_event(result.output, "diskbench")}
+@task(name="measure-cluster", **TRANSIENT_RETRIES)
+def measure_cluster(cluster: Cluster, spec: ClusterSpec) -> BenchResult:
+    """TCP between nodes, all-reduce over the training backend, every node's disk; held to the floors and catalog."""
+    logger = get_run_logger()
+    return clusterbench.bench_cluster(cluster, spec, sink_for=lambda label: node_line_sink(logger, label),
+                                      say=lambda message: logger.info("cluster bench: %s", message))
+
+
+def _markdown(bench_id: str, result: BenchResult, nodes_left: int) -> str:
+    measurement, verdict = result.measurement, result.verdict
+    lines = [f"# Cluster bench `{bench_id}`", "",
+             f"* {measurement.nodes} nodes, instance type `{measurement.instance_type}`"
+             + (f" (catalog `{result.catalog_key}`)" if result.catalog_key else " (not in the catalog)"),
+             f"* measured in {measurement.seconds:g}s; nodes left running after teardown: {nodes_left}", "",
+             "| figure | value | unit | detail |", "|---|---:|---|---|"]
+    lines += [f"| {row['figure']} | {row['value']} | {row['unit']} | {row['detail']} |" for row in measurement.rows()]
+    head = (f"**ok**: {len(verdict.checks)} figures checked" if verdict.ok
+            else f"**missed**: {len(verdict.failures)} of {len(verdict.checks)} figures")
+    lines += ["", f"## Verdict: {head}", ""] + [f"* {line}" for line in verdict.lines()]
+    return "\n".join(lines) + "\n"
 
 
 @task(name="publish-bench")
-def publish_bench(bench_id: str, disks: list[dict[str, Any]], nodes_left: int) -> None:
-    rows = [{"node": d["node"], "write MB/s": d["write_mb_per_s"], "read MB/s": d["read_mb_per_s"],
-             "MB": round(d["bytes"] / 1e6, 1)} for d in disks]
-    create_table_artifact(rows, key="cluster-bench-disks", description=f"bench {bench_id}: local disk throughput")
-    slowest = min(disks, key=lambda d: d["write_mb_per_s"])
-    create_markdown_artifact(
-        f"# Cluster bench `{bench_id}`\n\n"
-        f"* {len(disks)} nodes; slowest disk: **{slowest['node']}** writes {slowest['write_mb_per_s']} MB/s "
-        f"(fsync'd), reads {slowest['read_mb_per_s']} MB/s (page cache dropped)\n"
-        f"* nodes left running after teardown: {nodes_left}\n",
-        key="cluster-bench", description=f"bench {bench_id}")
+def publish_bench(bench_id: str, result: BenchResult, nodes_left: int) -> None:
+    measurement = result.measurement
+    create_table_artifact(measurement.rows(), key="cluster-bench-figures",
+                          description=f"bench {bench_id}: TCP, all-reduce and disk figures")
+    disks = [{"node": d.node, "write MB/s": d.write_mb_per_s, "read MB/s": d.read_mb_per_s,
+              "MB": round(d.bytes / 1e6, 1), "O_DIRECT": d.direct} for d in measurement.disks]
+    create_table_artifact(disks, key="cluster-bench-disks", description=f"bench {bench_id}: local disk throughput")
+    checks = [{"figure": c.figure, "measured": c.measured, "expected": c.expected, "unit": c.unit,
+               "source": c.source, "passed": c.passed} for c in result.verdict.checks]
+    if checks:
+        create_table_artifact(checks, key="cluster-bench-verdict",
+                              description=f"bench {bench_id}: measured vs expected")
+    create_markdown_artifact(_markdown(bench_id, result, nodes_left), key="cluster-bench",
+                             description=f"bench {bench_id}")

@@ -1,13 +1,18 @@
-"""Verify: every node answers, its dirs are writable and it has room for the dataset."""
+"""Verify: every node answers, its dirs are writable and it has room for the dataset; the cluster delivers the
+network and disk throughput the job pays for."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from prefect import get_run_logger, task
 
+from infra import clusterbench
+from infra.clusterbench import BenchResult
 from infra.providers import Cluster, Node, get_provider
-from tasks.node_output import last_event
+from infra.spec import JobSpec
+from tasks.node_output import last_event, node_line_sink
 from tasks.policy import TRANSIENT_RETRIES
 
 
@@ -26,3 +31,37 @@ def verify_node(cluster: Cluster, node: Node, need_bytes: int) -> dict[str, Any]
     get_run_logger().info("%s ok: python %s, %s cpus, %.1f GB free for data", node.name, probe["python"],
                           probe["cpus"], probe["free_bytes"][node.data_dir] / 1e9)
     return probe
+
+
+class ClusterBenchError(RuntimeError):
+    """The cluster missed what the job pays for and cluster.verify.bench is fail: one line per missed figure."""
+
+
+def enforce_verdict(result: BenchResult, mode: str, logger: logging.Logger | logging.LoggerAdapter[Any]) -> None:
+    """Log every figure against what it was held to; a miss raises when mode is fail and warns otherwise."""
+    verdict = result.verdict
+    for line in verdict.lines():
+        logger.info("cluster bench: %s", line)
+    if verdict.ok:
+        logger.info("cluster bench: ok, %d figures checked in %.0fs", len(verdict.checks), result.measurement.seconds)
+        return
+    if mode == "fail":
+        raise ClusterBenchError(verdict.failure_message())
+    logger.warning("%s\n(cluster.verify.bench is %s: going on)", verdict.failure_message(), mode)
+
+
+@task(name="bench-cluster", **TRANSIENT_RETRIES)
+def bench_cluster(job: JobSpec, cluster: Cluster) -> dict[str, Any]:
+    """Measure node-to-node TCP, all-reduce and local disk throughput, and hold them to the floors and the catalog.
+
+    Retried only on transient errors (a dropped connection to a node); a verdict is never retried.
+    """
+    logger = get_run_logger()
+    mode = job.cluster.verify.bench
+    if mode == "off":
+        logger.info("cluster bench skipped: cluster.verify.bench is off")
+        return {"mode": mode}
+    result = clusterbench.bench_cluster(cluster, job.cluster, sink_for=lambda label: node_line_sink(logger, label),
+                                        say=lambda message: logger.info("cluster bench: %s", message))
+    enforce_verdict(result, mode, logger)
+    return {"mode": mode, **result.to_dict()}

@@ -21,7 +21,8 @@ def make_dataset(root: Path, tokens: int = 400_000, shard_tokens: int = 100_000,
 def job_config(tmp: Path, dataset_url: str, **training: Any) -> dict[str, Any]:
     return {
         "name": "e2e",
-        "cluster": {"provider": "local", "nodes": 2, "procs_per_node": 1},
+        # The verify-stage bench has its own tests (test_cluster_bench); here it would only add seconds per run.
+        "cluster": {"provider": "local", "nodes": 2, "procs_per_node": 1, "verify": {"bench": "off"}},
         "dataset": {"url": dataset_url},
         "checkpoints": {"url": f"file://{tmp}/store/ckpt", "every_steps": 40, "keep": 2, "keep_local": 2},
         "training": {"steps": 120, "batch_size": 16, "lr": 1e-2, "warmup_steps": 10, "seed": 1,

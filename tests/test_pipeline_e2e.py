@@ -15,10 +15,11 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import REPO, TRAINPIPE
-from jobs import job_config, make_dataset, make_job, write_config
+from jobs import job_config, make_dataset, write_config
 
 from infra.checkpoints import CheckpointStore
 from infra.providers.local import CLUSTER_TAG
+from infra.spec import parse_job
 from infra.storage import open_store
 from trainer.checkpoint import inspect_checkpoint
 
@@ -51,7 +52,10 @@ def test_flow_trains_commits_and_tears_down(prefect_server: None, workspace: Pat
                                             dataset_url: str) -> None:
     from flows.retrain import retrain
 
-    job = make_job(tmp_path, dataset_url)
+    config = job_config(tmp_path, dataset_url)
+    # The verify stage's bench, kept short: its figures land in the summary (its own tests check the figures).
+    config["cluster"]["verify"] = {"bench": "warn", "tcp_seconds": 0.5, "allreduce_sizes_mb": [1], "disk_bytes_mb": 8}
+    job = parse_job(config)
     summary = retrain(job, "e2e-run")
 
     assert summary["status"] == "completed"
@@ -63,6 +67,9 @@ def test_flow_trains_commits_and_tears_down(prefect_server: None, workspace: Pat
     assert summary["nodes_left"] == 0
     assert [(a["instance_type"], a["outcome"]) for a in summary["attempts"]] == [("local-process", "launched")]
     assert summary["price_per_hour"] == 0.0 and summary["cost_usd"] == 0.0, "local nodes cost nothing"
+    bench = summary["cluster_bench"]
+    assert bench["mode"] == "warn" and bench["verdict"]["ok"], bench
+    assert len(bench["measurement"]["links"]) == 2 and all(link["gbps"] > 0 for link in bench["measurement"]["links"])
     on_disk = json.loads((workspace / "runs" / "e2e-run" / "summary.json").read_text())
     assert on_disk["checkpoint"] == summary["checkpoint"]
 

@@ -32,4 +32,5 @@ def transfer(
         typer.echo(f"wrote {json_out}")
 
 
-from trainpipe import bench_ckpt_command  # noqa: E402, F401  (registers `bench ckpt` on bench_app)
+# Each registers its `bench` subcommand on bench_app.
+from trainpipe import bench_ckpt_command, bench_cluster_command  # noqa: E402, F401

@@ -14,6 +14,9 @@ COMMANDS = {
     "verify-ckpt": "infra.node.verify_ckpt",
     "watch": "infra.node.watch",
     "diskbench": "infra.node.diskbench",
+    "netbench": "infra.node.netbench",
+    "allreduce-bench": "infra.node.allreduce_bench",
+    "chaos": "infra.node.chaos",
 }
 
 

@@ -1,0 +1,117 @@
+"""`allreduce-bench`: all-reduce bandwidth over the training backend, as nccl-tests' all_reduce_perf reports it.
+
+Run under torchrun on every node (`torchrun ... -m infra.node allreduce-bench --sizes-mb 1 16 64`). Per message
+size, rank 0 prints an `allreduce` event with
+
+    algbw = bytes / time                      (what one all-reduce of that size achieves)
+    busbw = algbw × 2(n−1)/n                  (nccl-tests' bus bandwidth: comparable to the link's speed whatever n)
+
+where time is the slowest rank's mean over the timed iterations. The backend is the one training uses: nccl when
+CUDA is available, else gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from infra.node.events import emit, fail
+
+MB = 1024 * 1024
+MIN_ITERS = 3
+
+
+def bus_factor(world_size: int) -> float:
+    """How many times each byte crosses a rank's link in a ring all-reduce, per byte reduced."""
+    return 2 * (world_size - 1) / world_size
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest(seconds: float, device: torch.device) -> float:
+    """The largest value over all ranks: every rank then takes the same decisions from it."""
+    value = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value.item())
+
+
+def _timed(tensor: torch.Tensor, iters: int, device: torch.device) -> float:
+    dist.barrier()
+    _synchronize(device)
+    started = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(tensor)
+    _synchronize(device)
+    return _slowest((time.perf_counter() - started) / iters, device)
+
+
+def check_sum(tensor: torch.Tensor, rank: int, world_size: int) -> None:
+    """One all-reduce with a known answer first: a fabric that corrupts data must not pass as a fast one."""
+    tensor.fill_(float(rank + 1))
+    dist.all_reduce(tensor)
+    expected = world_size * (world_size + 1) / 2
+    ends = (float(tensor[0].item()), float(tensor[-1].item()))
+    if ends != (expected, expected):
+        raise RuntimeError(f"all-reduce returned {ends}, expected {expected} everywhere: the collective is broken")
+
+
+def measure(size_bytes: int, warmup: int, max_iters: int, budget_s: float, device: torch.device, rank: int,
+            world_size: int) -> dict[str, float | int]:
+    tensor = torch.empty(size_bytes // 4, dtype=torch.float32, device=device)
+    check_sum(tensor, rank, world_size)
+    tensor.zero_()  # zeros stay zeros however often they are summed: no overflow to inf whatever the iterations
+    warm_s = _timed(tensor, warmup, device)
+    # From the slowest rank's warm-up time, so every rank runs the same number of iterations.
+    iters = max(MIN_ITERS, min(max_iters, int(budget_s / max(warm_s, 1e-9))))
+    seconds = _timed(tensor, iters, device)
+    algbw = tensor.numel() * 4 / seconds / 1e9
+    busbw = algbw * bus_factor(world_size)
+    return {"size_bytes": tensor.numel() * 4, "iters": iters, "time_ms": round(seconds * 1e3, 3),
+            "algbw_gb_per_s": round(algbw, 4), "busbw_gb_per_s": round(busbw, 4),
+            "busbw_gbit_per_s": round(busbw * 8, 3)}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="torchrun ... -m infra.node allreduce-bench")
+    parser.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 16, 64], help="message sizes in MB")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per size")
+    parser.add_argument("--iters", type=int, default=20, help="timed iterations per size, at most")
+    parser.add_argument("--seconds-per-size", type=float, default=2.0,
+                        help="fewer timed iterations (never under 3) when they would take longer than this")
+    parser.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    args = parser.parse_args(argv)
+    if min(args.sizes_mb) < 1 or args.warmup < 1 or args.iters < MIN_ITERS:
+        return fail(f"allreduce-bench: sizes must be ≥ 1 MB, --warmup ≥ 1 and --iters ≥ {MIN_ITERS}")
+    if "RANK" not in os.environ:
+        return fail("allreduce-bench: no RANK in the environment: run it under torchrun")
+
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    backend = "nccl" if use_cuda else "gloo"
+    try:
+        # device_id binds nccl's communicator to this rank's GPU up front, so barriers never guess the device.
+        dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
+                                device_id=device if use_cuda else None)
+        try:
+            world_size = dist.get_world_size()
+            for size_mb in args.sizes_mb:
+                figures = measure(size_mb * MB, args.warmup, args.iters, args.seconds_per_size, device, rank,
+                                  world_size)
+                if rank == 0:
+                    emit("allreduce", backend=backend, world_size=world_size, **figures)
+        finally:
+            dist.destroy_process_group()
+    except RuntimeError as exc:  # torch.distributed's errors are RuntimeErrors; one line beats a traceback per rank
+        return fail(f"allreduce-bench: rank {rank} ({backend}): {exc}")
+    return 0

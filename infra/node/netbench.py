@@ -1,0 +1,198 @@
+"""`netbench`: node-to-node TCP throughput with parallel streams (what iperf3 -P measures, in plain Python).
+
+    python -m infra.node netbench server --streams 4
+    python -m infra.node netbench client --host 10.0.0.2 --port PORT --streams 4 --seconds 3
+
+The server listens on a free port and says which in a `netbench-listening` event, takes exactly --streams
+connections and counts what arrives on each. Every client stream sends until the time (or its share of --bytes) is
+up, half-closes, and waits for the server's count of what it received: the client's clock therefore stops only
+when the data is on the other node, not when it left this one's socket buffer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+from infra.node.events import emit, fail
+
+BUFFER = 4 * 1024 * 1024  # per sendall / recv_into: large calls keep the per-call Python overhead negligible
+ACK = struct.Struct("!Q")  # the server's byte count for one stream, sent back after that stream's EOF
+
+
+class NetbenchError(RuntimeError):
+    pass
+
+
+def _set_socket_buffers(sock: socket.socket, kilobytes: int) -> None:
+    # 0 leaves Linux's autotuning on: an explicit SO_SNDBUF/SO_RCVBUF is capped at net.core.[rw]mem_max (often
+    # 208 KB) and turns autotuning off, which would throttle exactly the long fat links this measures.
+    if kilobytes > 0:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, kilobytes * 1024)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, kilobytes * 1024)
+
+
+def _run_threads(targets: list[Callable[[], None]]) -> None:
+    """Run one thread per target; the first error any of them raised is raised here, after all have ended."""
+    errors: list[BaseException] = []
+
+    def guarded(target: Callable[[], None]) -> None:
+        try:
+            target()
+        except BaseException as exc:  # re-raised below, on the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(t,), daemon=True) for t in targets]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+# -- server -------------------------------------------------------------------------------------------------
+
+
+def listen(bind: str, port: int, backlog: int) -> socket.socket:
+    if not bind and socket.has_dualstack_ipv6():
+        # Both families on one socket: the client may reach this node by an IPv4 or an IPv6 address.
+        return socket.create_server(("", port), family=socket.AF_INET6, backlog=backlog, dualstack_ipv6=True)
+    return socket.create_server((bind, port), backlog=backlog)
+
+
+def receive(conn: socket.socket, counts: list[int], index: int) -> None:
+    buffer = memoryview(bytearray(BUFFER))
+    received = 0
+    with conn:
+        while n := conn.recv_into(buffer):
+            received += n
+        counts[index] = received
+        conn.sendall(ACK.pack(received))
+
+
+def serve(server: socket.socket, streams: int, timeout_s: float, sockbuf_kb: int) -> tuple[int, float]:
+    """Accept `streams` connections and drain them; total bytes and seconds from the first accept to the last EOF."""
+    server.settimeout(timeout_s)
+    counts = [0] * streams
+    conns: list[socket.socket] = []
+    started = 0.0
+    try:
+        for _ in range(streams):
+            conn, _ = server.accept()
+            started = started or time.perf_counter()
+            conn.settimeout(timeout_s)
+            _set_socket_buffers(conn, sockbuf_kb)
+            conns.append(conn)
+    except TimeoutError:
+        for conn in conns:
+            conn.close()
+        raise NetbenchError(f"{len(conns)} of {streams} streams connected within {timeout_s:.0f}s: check that the "
+                            "client node can reach this one on the port (firewall, security group)") from None
+    _run_threads([lambda i=i, c=c: receive(c, counts, i) for i, c in enumerate(conns)])
+    return sum(counts), time.perf_counter() - started
+
+
+# -- client -------------------------------------------------------------------------------------------------
+
+
+def send(sock: socket.socket, payload: memoryview, deadline: float, quota: int | None) -> int:
+    """Send until the deadline (or the quota), half-close, and return what the server says it received."""
+    sent = 0
+    with sock:
+        while (quota is None and time.perf_counter() < deadline) or (quota is not None and sent < quota):
+            chunk = payload if quota is None else payload[: min(len(payload), quota - sent)]
+            sock.sendall(chunk)
+            sent += len(chunk)
+        sock.shutdown(socket.SHUT_WR)
+        ack = bytearray()
+        while len(ack) < ACK.size:
+            part = sock.recv(ACK.size - len(ack))
+            if not part:
+                raise NetbenchError("the server closed the stream before acknowledging it")
+            ack += part
+    received = ACK.unpack(ack)[0]
+    if received != sent:
+        raise NetbenchError(f"sent {sent} bytes on a stream, the server received {received}")
+    return received
+
+
+def run_client(host: str, port: int, streams: int, seconds: float | None, total_bytes: int | None,
+               timeout_s: float, sockbuf_kb: int) -> tuple[int, float]:
+    socks = []
+    try:
+        for _ in range(streams):
+            sock = socket.create_connection((host, port), timeout=timeout_s)
+            _set_socket_buffers(sock, sockbuf_kb)
+            socks.append(sock)
+    except OSError:
+        for sock in socks:
+            sock.close()
+        raise
+    payload = memoryview(os.urandom(BUFFER))  # random: a compressing path cannot flatter the figure
+    quota = None if total_bytes is None else -(-total_bytes // streams)
+    results = [0] * streams
+    started = time.perf_counter()
+    deadline = started + (seconds or 0.0)
+
+    def stream(index: int, sock: socket.socket) -> None:
+        results[index] = send(sock, payload, deadline, quota)
+
+    _run_threads([lambda i=i, s=s: stream(i, s) for i, s in enumerate(socks)])
+    return sum(results), time.perf_counter() - started
+
+
+def gbit_per_s(total: int, seconds: float) -> float:
+    return round(total * 8 / 1e9 / max(seconds, 1e-9), 3)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m infra.node netbench")
+    modes = parser.add_subparsers(dest="mode", required=True)
+    server_args = modes.add_parser("server", help="receive the streams of one client, then exit")
+    server_args.add_argument("--bind", default="", help="address to listen on (default: all)")
+    server_args.add_argument("--port", type=int, default=0, help="port to listen on (default: a free one)")
+    client_args = modes.add_parser("client", help="send to a server and report Gbit/s")
+    client_args.add_argument("--host", required=True, help="the server node's address")
+    client_args.add_argument("--port", type=int, required=True)
+    amount = client_args.add_mutually_exclusive_group(required=True)
+    amount.add_argument("--seconds", type=float, help="send for this long")
+    amount.add_argument("--bytes", type=int, help="send this many bytes in all")
+    for sub in (server_args, client_args):
+        sub.add_argument("--streams", type=int, default=4, help="parallel TCP connections")
+        sub.add_argument("--timeout", type=float, default=60.0, help="give up when the peer is silent this long")
+        sub.add_argument("--sockbuf-kb", type=int, default=0, help="SO_SNDBUF/SO_RCVBUF (default: kernel autotuning)")
+    args = parser.parse_args(argv)
+    if args.streams < 1:
+        return fail(f"--streams {args.streams}: use at least 1")
+
+    if args.mode == "server":
+        try:
+            server = listen(args.bind, args.port, args.streams)
+        except OSError as exc:
+            return fail(f"netbench server: cannot listen on {args.bind or '*'}:{args.port} ({exc.strerror or exc})")
+        with server:
+            emit("netbench-listening", port=server.getsockname()[1], streams=args.streams)
+            try:
+                total, seconds = serve(server, args.streams, args.timeout, args.sockbuf_kb)
+            except (OSError, NetbenchError) as exc:
+                return fail(f"netbench server: {exc}")
+        emit("netbench-server", streams=args.streams, bytes=total, seconds=round(seconds, 4),
+             gbps=gbit_per_s(total, seconds))
+        return 0
+
+    if (args.seconds is not None and args.seconds <= 0) or (args.bytes is not None and args.bytes < args.streams):
+        return fail("netbench client: --seconds must be positive and --bytes at least one per stream")
+    try:
+        total, seconds = run_client(args.host, args.port, args.streams, args.seconds, args.bytes, args.timeout,
+                                    args.sockbuf_kb)
+    except (OSError, NetbenchError) as exc:
+        return fail(f"netbench client: to {args.host}:{args.port}: {exc}")
+    emit("netbench", host=args.host, port=args.port, streams=args.streams, bytes=total, seconds=round(seconds, 4),
+         gbps=gbit_per_s(total, seconds))
+    return 0
