@@ -35,7 +35,7 @@ from typing import Any
 from infra.catalog import InstanceType, load_catalog
 from infra.node.events import parse
 from infra.providers import Cluster, Node, Provider, get_provider
-from infra.remote import LineSink, Process
+from infra.remote import LineSink, Process, last_error, wait_all
 from infra.spec import ClusterSpec
 
 log = logging.getLogger(__name__)
@@ -309,11 +309,7 @@ class _EventTap:
 
 
 def _last_error(process: Process) -> str:
-    """The node command's own one-line error where it printed one, else the last line that looks like an error."""
-    lines = [line.strip() for line in process.tail(200).splitlines() if line.strip()]
-    ours = [line for line in lines if line.startswith(("netbench ", "allreduce-bench:")) or "benchmark failed" in line]
-    errors = [line for line in lines if "Error" in line or "error" in line]
-    return (ours or errors or lines or ["(no output)"])[-1]
+    return last_error(process, ("netbench ", "allreduce-bench:", "benchmark failed"), lines=200)
 
 
 def _run(provider: Provider, cluster: Cluster, node: Node, argv: list[str], timeout_s: float, label: str,
@@ -407,19 +403,10 @@ def free_port(cluster: Cluster, node: Node, sink_for: SinkFactory = _log_sink) -
 
 def _wait_all(processes: dict[str, Process], deadline_s: float, what: str) -> None:
     """Wait for every node's process; the first that fails (or the deadline) raises, and the caller stops the rest."""
-    deadline = time.monotonic() + deadline_s
-    pending = dict(processes)
-    while pending:
-        for name, process in list(pending.items()):
-            code = process.poll()
-            if code is None:
-                continue
-            del pending[name]
-            if code != 0:
-                raise BenchError(f"{name}: {what} exited {code}: {_last_error(process)}")
-        if time.monotonic() > deadline:
-            raise BenchError(f"{what} still running after {deadline_s:.0f}s on {', '.join(pending)}: check the nodes")
-        time.sleep(0.2)
+    wait_all(processes, time.monotonic() + deadline_s, interval_s=0.2,
+             failed=lambda name, code, process: BenchError(f"{name}: {what} exited {code}: {_last_error(process)}"),
+             overdue=lambda pending: BenchError(f"{what} still running after {deadline_s:.0f}s on "
+                                                f"{', '.join(pending)}: check the nodes"))
 
 
 def measure_allreduce(cluster: Cluster, spec: ClusterSpec,

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -76,10 +77,45 @@ class Runner(ABC):
             process.terminate()
             raise RemoteError(f"{self.node_name}: '{_short(argv)}' still running after {timeout:.0f}s: "
                               "raise the timeout or check the node") from None
+        self._check_ended(process, argv)
         output = process.tail(10_000)
         if check and code != 0:
             raise RemoteError(f"{self.node_name}: '{_short(argv)}' exited {code}: {_last_line(output)}")
         return RunResult(code, output)
+
+
+    def _check_ended(self, process: Process, argv: Sequence[str]) -> None:  # noqa: B027 - a hook, empty by default
+        """After a command ended: a runner whose transport can fail (ssh) raises here when it did."""
+
+
+def last_error(process: Process, own_markers: Sequence[str], lines: int = 300) -> str:
+    """A node command's own one-line error (a line holding one of own_markers) when it printed one, else the
+    last line that looks like an error, else its last line."""
+    kept = [line.strip() for line in process.tail(lines).splitlines() if line.strip()]
+    ours = [line for line in kept if any(marker in line for marker in own_markers)]
+    errors = [line for line in kept if "Error" in line or "error" in line]
+    return (ours or errors or kept or ["(no output)"])[-1]
+
+
+def wait_all(processes: Mapping[str, Process], deadline: float, *, failed: Callable[[str, int, Process], Exception],
+             overdue: Callable[[list[str]], Exception], poll: Callable[[], None] | None = None,
+             interval_s: float = 0.5) -> None:
+    """Wait for every node's process until the monotonic deadline; the first that fails raises failed(...), the
+    deadline raises overdue(names still running); poll runs each round. The caller stops whatever is left."""
+    pending = dict(processes)
+    while pending:
+        if poll is not None:
+            poll()
+        for name, process in list(pending.items()):
+            code = process.poll()
+            if code is None:
+                continue
+            del pending[name]
+            if code != 0:
+                raise failed(name, code, process)
+        if time.monotonic() > deadline:
+            raise overdue(list(pending))
+        time.sleep(interval_s)
 
 
 def _short(argv: Sequence[str]) -> str:

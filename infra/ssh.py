@@ -35,7 +35,7 @@ import paramiko
 from paramiko.hostkeys import HostKeys
 from paramiko.ssh_exception import AuthenticationException, ChannelException, IncompatiblePeer, SSHException
 
-from infra.remote import LineSink, Process, RemoteError, Runner, RunResult, _last_line, _short
+from infra.remote import LineSink, Process, RemoteError, Runner, _short
 
 log = logging.getLogger(__name__)
 
@@ -605,26 +605,13 @@ class SshRunner(Runner):
                                   ) from None
         return SshProcess(self, channel, argv, on_line)
 
-    def run(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float | None = None,
-            on_line: LineSink | None = None, check: bool = True) -> RunResult:
-        """Runner.run, except that a dropped connection ends the command and raises SshConnectError: transient, so
-        a task retry runs the step again, with no copy of it left running on the node."""
-        process = self.start(argv, env=env, on_line=on_line)
-        assert isinstance(process, SshProcess)
-        try:
-            code = process.wait(timeout)
-        except TimeoutError:
-            process.terminate()
-            raise RemoteError(f"{self.node_name}: '{_short(argv)}' still running after {timeout:.0f}s: "
-                              "raise the timeout or check the node") from None
-        if process.lost:
+    def _check_ended(self, process: Process, argv: Sequence[str]) -> None:
+        """A dropped connection ends the command and raises SshConnectError: transient, so a task retry runs the
+        step again, with no copy of it left running on the node."""
+        if isinstance(process, SshProcess) and process.lost:
             process.terminate()
             raise SshConnectError(f"{self.node_name}: connection lost while '{_short(argv)}' ran: it was ended; "
                                   "running it again is safe")
-        output = process.tail(10_000)
-        if check and code != 0:
-            raise RemoteError(f"{self.node_name}: '{_short(argv)}' exited {code}: {_last_line(output)}")
-        return RunResult(code, output)
 
     def exec_quick(self, command: str, timeout: float = CHANNEL_TIMEOUT_S) -> tuple[int, str]:
         """A short shell command without the wrapper or the tags (signals, checks): exit status and output."""

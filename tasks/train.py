@@ -10,7 +10,7 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from infra.providers import Cluster, Node, get_provider
-from infra.remote import Process, RemoteError, Runner
+from infra.remote import Process, RemoteError, Runner, last_error, wait_all
 from infra.spec import JobSpec
 from tasks.node_output import TrainingProgress, node_line_sink
 from tasks.policy import NO_RETRIES
@@ -78,28 +78,17 @@ def chaos_argv(node: Node, trigger: str, notice_s: float) -> list[str]:
 
 def _wait_all(trainers: dict[str, Process], deadline: float, watch: PreemptionWatch) -> None:
     """Wait for every trainer; the first failure, a preemption or the deadline stops the rest and raises."""
-    pending = dict(trainers)
-    while pending:
-        watch.poll()
-        for name, process in list(pending.items()):
-            code = process.poll()
-            if code is None:
-                continue
-            del pending[name]
-            if code != 0:
-                raise watch.explain(TrainingError(f"{name}: training exited {code}: {_last_error(process)}"))
-        if time.monotonic() > deadline:
-            raise TrainingError(f"training still running after training.timeout_s on {', '.join(pending)}: "
-                                "raise training.timeout_s or check the nodes' logs")
-        time.sleep(0.5)
+    wait_all(
+        trainers, deadline, poll=watch.poll,
+        failed=lambda name, code, process: watch.explain(
+            TrainingError(f"{name}: training exited {code}: {_last_error(process)}")),
+        overdue=lambda pending: TrainingError(
+            f"training still running after training.timeout_s on {', '.join(pending)}: "
+            "raise training.timeout_s or check the nodes' logs"))
 
 
 def _last_error(process: Process) -> str:
-    """The trainer's own one-line error when it printed one, else the last line that looks like an error."""
-    lines = [line.strip() for line in process.tail(300).splitlines() if line.strip()]
-    ours = [line for line in lines if "trainer error (" in line or line.startswith(("restore:", "sync:"))]
-    errors = [line for line in lines if "Error" in line or "error" in line]
-    return (ours or errors or lines or ["(no output)"])[-1]
+    return last_error(process, ("trainer error (", "restore:", "sync:"))
 
 
 def _stop_syncers(runners: dict[str, Runner], syncers: dict[str, Process], nodes: tuple[Node, ...],

@@ -10,10 +10,10 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 from conftest import REPO, TRAINPIPE
 from jobs import job_config, write_config
+from test_pipeline_e2e import tagged_processes
 
 import tasks.verify
 from infra import clusterbench
@@ -22,23 +22,10 @@ from infra.clusterbench import AllReduceFigure, ClusterMeasurement, DiskFigure, 
 from infra.node import diskbench
 from infra.plan import cluster_candidates
 from infra.providers import Cluster, get_provider
-from infra.providers.local import CLUSTER_TAG
 from infra.spec import ClusterSpec, parse_job
 
 QUICK = {"tcp_seconds": 1, "tcp_streams": 2, "allreduce_sizes_mb": [1, 4], "disk_bytes_mb": 16}
 IMPOSSIBLE_GBPS = 100000
-
-
-def node_processes(workspace: Path) -> list[psutil.Process]:
-    """Processes of local clusters in this test's workspace (other sessions' clusters are not ours)."""
-    found = []
-    for process in psutil.process_iter():
-        try:
-            if process.environ().get(CLUSTER_TAG, "").startswith(str(workspace)):
-                found.append(process)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
 
 
 def bench_config(tmp: Path, **cluster: Any) -> dict[str, Any]:
@@ -87,7 +74,7 @@ def test_bench_fail_with_an_unreachable_floor_names_each_missed_figure(
     assert lines[1].startswith(f"tcp node-0 → node-1: {link.gbps:.4g} Gbit/s measured vs 1e+05 Gbit/s expected "
                                "(job floor cluster.min_network_gbps): below 80% of it: pick another instance type")
     assert "cluster.verify.bench: warn" in lines[2]
-    assert not node_processes(workspace), "bench processes outlived the cluster"
+    assert not tagged_processes(workspace), "bench processes outlived the cluster"
 
 
 def test_bench_off_measures_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -188,5 +175,5 @@ def test_cli_prints_the_table_and_verdict_and_tears_down(workspace: Path, tmp_pa
     assert "verdict: FAILED: 1 of 1 figures missed" in output and "measured vs 1e+05 Gbit/s expected" in output
     assert ": 0 nodes left running" in output, output
     assert (tmp_path / "bench.json").is_file()
-    assert not node_processes(workspace), "bench processes outlived the command"
+    assert not tagged_processes(workspace), "bench processes outlived the command"
     assert not any((workspace / "clusters").iterdir()), "node directories outlived the command"

@@ -195,14 +195,15 @@ def test_a_job_preempted_twice_finishes_like_an_uninterrupted_one(prefect_server
     from flows.retrain import retrain
 
     dataset = make_dataset(tmp_path / "dataset")
-    training = {"steps": 300}
+    # Steps of tens of ms, so a commit lands within a few steps of its save, as it does for any real model.
+    training = {"steps": 300, "batch_size": 64}
     plain = retrain(parse_job(job_config(tmp_path / "plain", dataset, **training)), "plain-run")
 
     config = job_config(tmp_path / "chaos", dataset, **training)
     config["recovery"] = {"max_recoveries": 3, "confirm_s": 3}
     config["chaos"] = {"preempt": [
         {"node": 1, "attempt": 0, "at_step": 60, "notice_s": 4},  # a spot notice: the trainer saves first
-        {"node": 0, "attempt": 1, "at_step": 200, "notice_s": 0},  # the head node killed without notice
+        {"node": 0, "attempt": 1, "at_step": 220, "notice_s": 0},  # the head node killed without notice
     ]}
     summary = retrain(parse_job(config), "chaos-run")
 
