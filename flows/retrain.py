@@ -74,7 +74,7 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
                 summary.recoveries.append(recovery.to_dict())
                 with summary.phase("teardown"), _timed(recovery, "teardown"):
                     teardown_cluster.with_options(task_run_name=f"recovery-{recovery.number}: teardown after "
-                                                  f"{preempted}")(job.cluster.provider, cluster_name)
+                                                  f"{preempted}")(job.cluster.provider, cluster_name, keep_data=True)
                 job = _avoiding(job, plan, recoveries, summary.attempts)
                 resume_step = latest_committed_step(plan.checkpoint_url)
         with summary.phase("sync"):
@@ -111,6 +111,7 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, summary: RunSummary, cluster_na
     if restored:
         record_resume(summary, restored, initial=recovery is None)
     if recovery is not None:
+        recovery.reused_bytes = sum(s["skipped_bytes"] for s in staged)
         recovery.resumed(restored[0]["step"] if restored else None, cluster.price_per_hour)
         summary.recoveries[-1] = recovery.to_dict()
     with summary.phase("train"):

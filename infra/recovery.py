@@ -33,6 +33,7 @@ class RecoveryRecord:
     detected_at: float
     resumed_from_step: int | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # per RECOVERY_PHASES
+    reused_bytes: int = 0  # staged data the relaunched nodes still had (same machines): not downloaded again
     notice_to_resume_s: float | None = None
     steps_lost: int | None = None
     extra_cost_usd: float | None = None

@@ -41,13 +41,19 @@ def provision_cluster(job: JobSpec, cluster_name: str, run_id: str) -> Cluster:
 
 
 @task(name="teardown-cluster", **NO_RETRIES)
-def teardown_cluster(provider_name: str, cluster_name: str) -> int:
-    """Terminate (idempotent) and return how many nodes are still alive afterwards: the answer must be 0."""
+def teardown_cluster(provider_name: str, cluster_name: str, keep_data: bool = False) -> int:
+    """Terminate (idempotent) and return how many nodes are still alive afterwards: the answer must be 0.
+
+    keep_data: a recovery's teardown, after which the same machines (where the provider has them) keep their
+    staged data for the relaunch."""
     provider = get_provider(provider_name)
     keeper = _lease_keepers.pop(cluster_name, None)
     if keeper is not None:
         keeper.stop()
-    provider.terminate(cluster_name)
+    if keep_data:
+        provider.terminate_keeping_data(cluster_name)
+    else:
+        provider.terminate(cluster_name)
     left = provider.describe(cluster_name)
     alive = sum(provider.nodes_alive(left).values()) if left else 0
     get_run_logger().info("teardown of %s: %d nodes left running", cluster_name, alive)

@@ -114,7 +114,7 @@ def _recovery_rows(summary: RunSummary) -> list[dict[str, Any]]:
     rows = []
     for r in summary.recoveries:
         row = {key: r[key] for key in ("number", "node", "reason", "step_reached", "resumed_from_step", "steps_lost",
-                                       "notice_to_resume_s", "extra_cost_usd")}
+                                       "notice_to_resume_s", "extra_cost_usd", "reused_bytes")}
         rows.append({**row, **{f"{phase}_s": r["seconds"].get(phase) for phase in RECOVERY_PHASES}})
     return rows
 

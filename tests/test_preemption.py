@@ -217,6 +217,8 @@ def test_a_job_preempted_twice_finishes_like_an_uninterrupted_one(prefect_server
         assert set(recovery["seconds"]) == {"teardown", "provision", "verify", "stage", "restore"}, recovery
         assert recovery["notice_to_resume_s"] > 0 and recovery["extra_cost_usd"] == 0.0
     assert first["resumed_from_step"] >= 60, "the notice let the trainer save the step it stopped at"
+    # One node of two survived each preemption: its staged shards were reused, the replaced node's fetched again.
+    assert first["reused_bytes"] > 0 and second["reused_bytes"] > 0
     assert first["step_reached"] < 200 and second["step_reached"] < 300, "a preemption came too late to test"
     assert summary["final_loss"] == pytest.approx(plain["final_loss"], rel=0.05)
     assert [a["outcome"] for a in summary["attempts"]] == ["launched"] * 3

@@ -62,9 +62,9 @@ def test_recoveries_get_a_table_with_the_time_split() -> None:
     summary = RunSummary(run_id="r4", job="j", provider="local", nodes=2)
     summary.recoveries = [{"number": 1, "node": "n1", "reason": "chaos: spot notice", "with_notice": True,
                            "step_reached": 70, "detected_at": 0.0, "resumed_from_step": 72, "steps_lost": 0,
-                           "notice_to_resume_s": 2.5, "extra_cost_usd": 0.0,
+                           "notice_to_resume_s": 2.5, "extra_cost_usd": 0.0, "reused_bytes": 400,
                            "seconds": {"teardown": 0.1, "provision": 0.2, "verify": 0.5, "stage": 1.0,
                                        "restore": 0.6}}]
     markdown = _markdown(summary, [])
     assert "## Recoveries from preemption" in markdown
-    assert "| 1 | n1 | chaos: spot notice | 70 | 72 | 0 | 2.5 | 0.0 | 0.1 | 0.2 | 0.5 | 1.0 | 0.6 |" in markdown
+    assert "| 1 | n1 | chaos: spot notice | 70 | 72 | 0 | 2.5 | 0.0 | 400 | 0.1 | 0.2 | 0.5 | 1.0 | 0.6 |" in markdown

@@ -134,6 +134,11 @@ class Provider(ABC):
     def terminate(self, cluster_name: str) -> bool:
         """Idempotent; True when something was running or left behind and is now gone."""
 
+    def terminate_keeping_data(self, cluster_name: str) -> bool:
+        """Terminate, except that a relaunch on the same machines finds their staged data again: a recovery's
+        teardown. A provider whose machines never come back (cloud instances) simply terminates."""
+        return self.terminate(cluster_name)
+
     @abstractmethod
     def list_clusters(self) -> list[ClusterRecord]: ...
 

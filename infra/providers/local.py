@@ -102,6 +102,25 @@ class LocalProvider(Provider):
                      "removed" if existed else "already gone")
         return bool(processes) or existed
 
+    def terminate_keeping_data(self, cluster_name: str) -> bool:
+        """Everything goes but each node's data dir: the relaunch reuses the shards its verified cache vouches for."""
+        base = self._dir(cluster_name)
+        processes = cluster_processes(base)
+        kill_processes(processes)
+        if not base.exists():
+            return bool(processes)
+        for entry in base.iterdir():
+            kept = [entry / "data"] if entry.is_dir() and entry.name.startswith("node-") else []
+            for path in ([*entry.iterdir()] if kept else [entry]):
+                if path in kept:
+                    continue
+                if path.is_dir():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+        log.info("terminated local cluster %s, keeping its nodes' data for the relaunch", cluster_name)
+        return True
+
     def list_clusters(self) -> list[ClusterRecord]:
         if not self.root.is_dir():
             return []
