@@ -76,13 +76,21 @@ def gcp_notice(base_url: str = GCP_METADATA, timeout: float = 2.0) -> Notice | N
     return Notice("gce preemption", time.time() + GCP_NOTICE_S, "gcp") if body.strip() == "TRUE" else None
 
 
-def read_notice(path: Path) -> Notice | None:
-    try:
-        return Notice(**json.loads(path.read_text()))
-    except FileNotFoundError:
+def parse_notice(text: str | None) -> Notice | None:
+    """A notice file's contents (None: no file)."""
+    if text is None:
         return None
+    try:
+        return Notice(**json.loads(text))
     except (ValueError, TypeError):
         return None  # caught mid-write: it is written atomically, the next poll reads it whole
+
+
+def read_notice(path: Path) -> Notice | None:
+    try:
+        return parse_notice(path.read_text())
+    except FileNotFoundError:
+        return None
 
 
 def write_notice(path: Path, notice: Notice) -> None:

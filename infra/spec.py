@@ -21,7 +21,7 @@ from infra.recovery_spec import ChaosSpec, RecoverySpec
 
 KNOWN_PROVIDERS = ("local", "aws", "gcp", "ssh")
 KNOWN_SCHEMES = ("file", "s3", "gs")
-CHAOS_PROVIDERS = ("local",)
+CHAOS_PROVIDERS = ("local", "ssh")
 SpotPolicy = Literal["never", "prefer", "only"]
 
 
@@ -268,7 +268,7 @@ class JobSpec(StrictModel):
     checkpoints: CheckpointSpec
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
-    chaos: ChaosSpec | None = Field(None, description="Preemptions to inject (local provider): for tests.")
+    chaos: ChaosSpec | None = Field(None, description="Preemptions to inject (local and ssh providers): for tests.")
 
     @model_validator(mode="after")
     def _chaos_fits(self) -> JobSpec:

@@ -24,6 +24,7 @@ from sshd import SshServer, ssh_servers
 
 from infra.bootstrap import bootstrap_node, build_wheel
 from infra.checkpoints import CheckpointStore
+from infra.preemption import NOTICE_FILE, Notice, write_notice
 from infra.providers import InvalidRequestError, get_provider
 from infra.providers.local import CLUSTER_TAG
 from infra.providers.ssh import RESERVATION, HostReservedError, SshProvider
@@ -176,6 +177,10 @@ def test_launch_bootstraps_reserves_and_terminate_cleans_every_host(workspace: P
         provider.runner(cluster, node).start(["sh", "-c", "sleep 300 & sleep 300"], log_path=node.path("logs", "x"))
     wait_until(lambda: len(cluster_processes(workdirs)) >= 4)
     assert other_process.nodes_alive(cluster) == {node.name: True for node in cluster.nodes}
+    assert other_process.preemption_notices(cluster) == []
+    write_notice(workdirs[1] / "tp-boot" / NOTICE_FILE, Notice("chaos: spot notice", time.time() + 30, "chaos"))
+    [notice] = other_process.preemption_notices(cluster)
+    assert (notice.node, notice.reason) == (cluster.nodes[1].name, "chaos: spot notice"), "read over SFTP"
 
     assert other_process.terminate("tp-boot") is True
     assert not cluster_processes(workdirs), "processes of the cluster outlived terminate"

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import psutil
 
 from infra.bootstrap import NodeReport, WheelBuilder, WheelSource, bootstrap_node
+from infra.preemption import NOTICE_FILE, parse_notice
 from infra.providers.base import (
     Attempt,
     Cluster,
@@ -381,8 +382,14 @@ class SshProvider(Provider):
         return host.runner(LAUNCH_CONNECT_S, tags={CLUSTER_TAG: node.workdir, NODE_TAG: node.name})
 
     def preemption_notices(self, cluster: Cluster) -> list[PreemptionNotice]:
-        # The user's own machines are not reclaimed by anyone.
-        return []
+        """The notice files the nodes' watchers act on: nobody reclaims the user's own machines but the chaos
+        injector, which raises a node's notice the way a cloud would."""
+        notices = []
+        for node in cluster.nodes:
+            notice = parse_notice(self.runner(cluster, node).read_text(node.path(NOTICE_FILE)))
+            if notice is not None:
+                notices.append(PreemptionNotice(node=node.name, deadline=notice.deadline, reason=notice.reason))
+        return notices
 
     def nodes_alive(self, cluster: Cluster) -> dict[str, bool]:
         """Reachable with its cluster dir present. A host teardown could not reach counts as alive: what it still
