@@ -6,9 +6,7 @@ from the latest committed checkpoint, at most recovery.max_recoveries times with
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from prefect import flow, unmapped
@@ -71,7 +69,6 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
                 # The nodes are gone or going: tear down what is left, launch again, resume from the last commit.
                 recovery = recoveries.begin(preempted.node, preempted.reason, preempted.with_notice,
                                             preempted.step_reached, preempted.detected_at)
-                summary.recoveries.append(recovery.to_dict())
                 with summary.phase("teardown"), _timed(recovery, "teardown"):
                     teardown_cluster.with_options(task_run_name=f"recovery-{recovery.number}: teardown after "
                                                   f"{preempted}")(job.cluster.provider, cluster_name, keep_data=True)
@@ -95,7 +92,6 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
 def train_on_a_cluster(job: JobSpec, plan: Plan, summary: RunSummary, cluster_name: str, resume_step: int | None,
                        recovery: RecoveryRecord | None) -> tuple[Cluster, list[dict[str, Any]], TrainOutcome]:
     """provision → verify → stage (+ restore) → train, once; a recovery records how long each step took it."""
-    attempt = len(summary.recoveries)
     with summary.phase("provision"), _timed(recovery, "provision"):
         cluster = provision_cluster(job, cluster_name, summary.run_id)
     record_launch(summary, cluster)
@@ -113,22 +109,16 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, summary: RunSummary, cluster_na
     if recovery is not None:
         recovery.reused_bytes = sum(s["skipped_bytes"] for s in staged)
         recovery.resumed(restored[0]["step"] if restored else None, cluster.price_per_hour)
-        summary.recoveries[-1] = recovery.to_dict()
     with summary.phase("train"):
         resume_dirs = {node.name: r["path"] for node, r in zip(cluster.nodes, restored, strict=False)}
         launch = TrainLaunch(plan.checkpoint_url, probes[0]["free_port"], resume_dirs)
-        outcome = run_training(job, cluster, launch, attempt)
+        outcome = run_training(job, cluster, launch, recovery.number if recovery is not None else 0)
     return cluster, staged, outcome
 
 
-@contextmanager
-def _timed(recovery: RecoveryRecord | None, phase: str) -> Iterator[None]:
-    started = time.monotonic()
-    try:
-        yield
-    finally:
-        if recovery is not None:
-            recovery.seconds[phase] = round(recovery.seconds.get(phase, 0.0) + time.monotonic() - started, 3)
+def _timed(recovery: RecoveryRecord | None, phase: str) -> AbstractContextManager[None]:
+    """A recovery's share of a phase: recorded on the recovery too, so its time to resume can be split."""
+    return recovery.phase(phase) if recovery is not None else nullcontext()
 
 
 def _avoiding(job: JobSpec, plan: Plan, recoveries: Recoveries, attempts: list[dict[str, Any]]) -> JobSpec:

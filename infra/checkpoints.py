@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -216,14 +216,16 @@ class CheckpointStore:
             for step, objects in sorted(self._scan().items())
         ]
 
-    def committed(self) -> list[CheckpointManifest]:
-        """Committed checkpoints, newest first."""
-        manifests = []
+    def _committed_newest_first(self) -> Iterator[CheckpointManifest]:
+        """One listing, then manifests read newest first only as far as the caller goes."""
         for step, objects in sorted(self._scan().items(), reverse=True):
             manifest = self._load_manifest(step) if objects.has_manifest else None
             if manifest is not None:
-                manifests.append(manifest)
-        return manifests
+                yield manifest
+
+    def committed(self) -> list[CheckpointManifest]:
+        """Committed checkpoints, newest first."""
+        return list(self._committed_newest_first())
 
     def latest(self) -> CheckpointManifest | None:
         """The newest committed checkpoint, found by listing manifests.
@@ -231,8 +233,7 @@ class CheckpointStore:
         Not read from `latest`: a committer killed between its manifest and the pointer leaves the pointer one
         commit behind, and a reader racing a commit would see it behind too. The pointer serves outside readers.
         """
-        manifests = self.committed()
-        return manifests[0] if manifests else None
+        return next(self._committed_newest_first(), None)
 
     def manifest(self, step: int | None = None) -> CheckpointManifest:
         """The manifest of a committed step (the newest when None).

@@ -35,7 +35,7 @@ from typing import Any
 from infra.catalog import InstanceType, load_catalog
 from infra.node.events import parse
 from infra.providers import Cluster, Node, Provider, get_provider
-from infra.remote import LineSink, Process, last_error, wait_all
+from infra.remote import LineSink, Process, RemoteError, last_error, wait_all
 from infra.spec import ClusterSpec
 
 log = logging.getLogger(__name__)
@@ -315,14 +315,10 @@ def _last_error(process: Process) -> str:
 def _run(provider: Provider, cluster: Cluster, node: Node, argv: list[str], timeout_s: float, label: str,
          sink_for: SinkFactory) -> _EventTap:
     tap = _EventTap(sink_for(f"{node.name} {label}"))
-    process = provider.runner(cluster, node).start(argv, on_line=tap)
     try:
-        code = process.wait(timeout_s)
-    except TimeoutError:
-        process.terminate(grace_s=5)
-        raise BenchError(f"{node.name}: {label} still running after {timeout_s:.0f}s: check the node") from None
-    if code != 0:
-        raise BenchError(f"{node.name}: {label} exited {code}: {_last_error(process)}")
+        provider.runner(cluster, node).run(argv, timeout=timeout_s, on_line=tap)
+    except RemoteError as exc:
+        raise BenchError(f"{label}: {exc}") from None
     return tap
 
 

@@ -8,6 +8,7 @@ split into teardown, provision, verify, stage and restore, with the extra cost o
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -15,6 +16,7 @@ from infra.catalog import Catalog
 from infra.optimizer import NoCandidateError, candidates
 from infra.recovery_spec import RecoverySpec
 from infra.spec import ClusterSpec
+from infra.summary import timed_into
 
 RECOVERY_PHASES = ("teardown", "provision", "verify", "stage", "restore")
 
@@ -37,6 +39,9 @@ class RecoveryRecord:
     notice_to_resume_s: float | None = None
     steps_lost: int | None = None
     extra_cost_usd: float | None = None
+
+    def phase(self, name: str) -> AbstractContextManager[None]:
+        return timed_into(self.seconds, name)
 
     def resumed(self, step: int | None, price_per_hour: float) -> None:
         """Training restarts now, from the committed step `step` (None: from scratch)."""

@@ -627,6 +627,22 @@ class SshRunner(Runner):
             raise SshConnectError(f"{self.node_name}: '{command[:80]}' failed ({exc or type(exc).__name__})"
                                   ) from None
 
+    @contextmanager
+    def _sftp(self, doing: str, path: str, *, missing_passes: bool = False) -> Iterator[paramiko.SFTPClient]:
+        """An SFTP session whose failures name the node: a lost connection as the node's SshError, any other
+        failure as 'cannot <doing> <path>'; with missing_passes, FileNotFoundError reaches the caller as is."""
+        try:
+            with self._conn.sftp(self.connect_timeout_s) as sftp:
+                yield sftp
+        except FileNotFoundError as exc:
+            if missing_passes:
+                raise
+            raise RemoteError(f"{self.node_name}: cannot {doing} {path}: {exc.strerror or exc}") from None
+        except SshError as exc:
+            raise self._name(exc) from None
+        except OSError as exc:
+            raise RemoteError(f"{self.node_name}: cannot {doing} {path}: {exc.strerror or exc}") from None
+
     def write_text(self, path: str, text: str) -> None:
         def write(sftp: paramiko.SFTPClient, tmp: str) -> None:
             with sftp.open(tmp, "w") as handle:
@@ -641,50 +657,34 @@ class SshRunner(Runner):
     def _put(self, path: str, write: Callable[[paramiko.SFTPClient, str], object]) -> None:
         directory, name = posixpath.split(path)
         tmp = posixpath.join(directory, f".{name}.{uuid.uuid4().hex[:8]}.tmp")
-        try:
-            with self._conn.sftp(self.connect_timeout_s) as sftp:
-                if directory:
-                    _makedirs(sftp, directory)
-                try:
-                    write(sftp, tmp)
-                    sftp.posix_rename(tmp, path)
-                except BaseException:
-                    _remove_quietly(sftp, tmp)
-                    raise
-        except SshError as exc:
-            raise self._name(exc) from None
-        except OSError as exc:
-            raise RemoteError(f"{self.node_name}: cannot write {path}: {exc.strerror or exc}") from None
+        with self._sftp("write", path) as sftp:
+            if directory:
+                _makedirs(sftp, directory)
+            try:
+                write(sftp, tmp)
+                sftp.posix_rename(tmp, path)
+            except BaseException:
+                _remove_quietly(sftp, tmp)
+                raise
 
     def read_text(self, path: str) -> str | None:
         try:
-            with self._conn.sftp(self.connect_timeout_s) as sftp, sftp.open(path, "r") as handle:
+            with self._sftp("read", path, missing_passes=True) as sftp, sftp.open(path, "r") as handle:
                 return handle.read().decode()
         except FileNotFoundError:
             return None
-        except SshError as exc:
-            raise self._name(exc) from None
-        except OSError as exc:
-            raise RemoteError(f"{self.node_name}: cannot read {path}: {exc.strerror or exc}") from None
 
     def makedirs(self, path: str) -> None:
-        try:
-            with self._conn.sftp(self.connect_timeout_s) as sftp:
-                _makedirs(sftp, path)
-        except SshError as exc:
-            raise self._name(exc) from None
-        except OSError as exc:
-            raise RemoteError(f"{self.node_name}: cannot create {path}: {exc.strerror or exc}") from None
+        with self._sftp("create", path) as sftp:
+            _makedirs(sftp, path)
 
     def exists(self, path: str) -> bool:
         try:
-            with self._conn.sftp(self.connect_timeout_s) as sftp:
+            with self._sftp("stat", path, missing_passes=True) as sftp:
                 sftp.stat(path)
                 return True
         except FileNotFoundError:
             return False
-        except SshError as exc:
-            raise self._name(exc) from None
 
     def create_exclusive(self, path: str, text: str) -> bool:
         """Create path holding text only if it does not exist yet (O_EXCL on the node): False when it did."""
@@ -703,13 +703,11 @@ class SshRunner(Runner):
 
     def remove(self, path: str) -> bool:
         try:
-            with self._conn.sftp(self.connect_timeout_s) as sftp:
+            with self._sftp("remove", path, missing_passes=True) as sftp:
                 sftp.remove(path)
                 return True
         except FileNotFoundError:
             return False
-        except SshError as exc:
-            raise self._name(exc) from None
 
 
 def _makedirs(sftp: paramiko.SFTPClient, path: str) -> None:

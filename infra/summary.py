@@ -6,7 +6,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +14,16 @@ from typing import Any
 PHASES = ("plan", "provision", "verify", "stage", "train", "sync", "teardown")
 # The cluster is paid for from the start of provisioning to the end of teardown: every phase but plan.
 BILLED_PHASES = PHASES[1:]
+
+
+@contextmanager
+def timed_into(seconds: dict[str, float], name: str) -> Iterator[None]:
+    """Adds the block's seconds to seconds[name] (phases run more than once add up), also when it fails."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[name] = round(seconds.get(name, 0.0) + time.perf_counter() - started, 3)
 
 
 @dataclass
@@ -49,14 +59,9 @@ class RunSummary:
     started_at: float = field(default_factory=time.time)
     finished_at: float | None = None
 
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str) -> AbstractContextManager[None]:
         """Times a phase; the time is recorded even when the phase fails."""
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.phases[name] = round(self.phases.get(name, 0.0) + time.perf_counter() - started, 3)
+        return timed_into(self.phases, name)
 
     def record_launch(self, instance_type: str | None, market: str, price_per_hour: float,
                       attempts: list[dict[str, Any]]) -> None:

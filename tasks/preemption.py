@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from infra.providers import Cluster, Provider
+from infra.providers import Cluster, Node, Provider
 from infra.recovery_spec import PreemptSpec
 from infra.remote import Runner
 from tasks.node_output import TrainingProgress
@@ -57,7 +58,7 @@ class PreemptionWatch:
 
     # -- chaos ---------------------------------------------------------------------------------------------------
 
-    def arm(self, events: list[PreemptSpec], node_argv: Any) -> None:
+    def arm(self, events: list[PreemptSpec], node_argv: Callable[[Node, str, float], list[str]]) -> None:
         """Start the chaos injector on each node an event of this attempt preempts (node_argv builds its argv)."""
         for event in events:
             node = self.cluster.nodes[event.node]

@@ -91,35 +91,24 @@ class LocalProvider(Provider):
         return Cluster.from_json(record.read_text()) if record.is_file() else None
 
     def terminate(self, cluster_name: str) -> bool:
+        return self._terminate(cluster_name, keep_data=False)
+
+    def terminate_keeping_data(self, cluster_name: str) -> bool:
+        """Everything goes but each node's data dir: the relaunch reuses the shards its verified cache vouches for."""
+        return self._terminate(cluster_name, keep_data=True)
+
+    def _terminate(self, cluster_name: str, keep_data: bool) -> bool:
         base = self._dir(cluster_name)
         processes = cluster_processes(base)
         kill_processes(processes)
         existed = base.exists()
         if existed:
-            shutil.rmtree(base)
+            kept = {path for path in base.glob("node-*/data")} if keep_data else set()
+            _remove_all_but(base, kept)
         if processes or existed:
-            log.info("terminated local cluster %s (%d processes, dirs %s)", cluster_name, len(processes),
-                     "removed" if existed else "already gone")
+            log.info("terminated local cluster %s (%d processes, dirs %s%s)", cluster_name, len(processes),
+                     "removed" if existed else "already gone", ", nodes' data kept" if keep_data else "")
         return bool(processes) or existed
-
-    def terminate_keeping_data(self, cluster_name: str) -> bool:
-        """Everything goes but each node's data dir: the relaunch reuses the shards its verified cache vouches for."""
-        base = self._dir(cluster_name)
-        processes = cluster_processes(base)
-        kill_processes(processes)
-        if not base.exists():
-            return bool(processes)
-        for entry in base.iterdir():
-            kept = [entry / "data"] if entry.is_dir() and entry.name.startswith("node-") else []
-            for path in ([*entry.iterdir()] if kept else [entry]):
-                if path in kept:
-                    continue
-                if path.is_dir():
-                    shutil.rmtree(path)
-                else:
-                    path.unlink()
-        log.info("terminated local cluster %s, keeping its nodes' data for the relaunch", cluster_name)
-        return True
 
     def list_clusters(self) -> list[ClusterRecord]:
         if not self.root.is_dir():
@@ -150,3 +139,16 @@ class LocalProvider(Provider):
     def nodes_alive(self, cluster: Cluster) -> dict[str, bool]:
         # The marker, not the directory: a lease renewal racing a reclaimed node would recreate the directory.
         return {node.name: (Path(node.workdir) / NODE_MARKER).is_file() for node in cluster.nodes}
+
+
+def _remove_all_but(root: Path, kept: set[Path]) -> None:
+    """Delete root with everything under it except the kept paths (and the directories leading to them)."""
+    if root in kept:
+        return
+    if root.is_dir() and not root.is_symlink() and any(k.is_relative_to(root) for k in kept):
+        for child in root.iterdir():
+            _remove_all_but(child, kept)
+    elif root.is_dir() and not root.is_symlink():
+        shutil.rmtree(root)
+    else:
+        root.unlink()
