@@ -95,12 +95,16 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, summary: RunSummary, cluster_na
     with summary.phase("provision"), _timed(recovery, "provision"):
         cluster = provision_cluster(job, cluster_name, summary.run_id)
     record_launch(summary, cluster)
+    # Remote access reads every batch from the store: nothing is staged, so nodes need no room for the dataset.
+    staging = job.dataset.access == "staged"
     with summary.phase("verify"), _timed(recovery, "verify"):
-        probes = verify_node.map(unmapped(cluster), cluster.nodes, unmapped(plan.dataset_bytes)).result()
+        need_bytes = plan.dataset_bytes if staging else 0
+        probes = verify_node.map(unmapped(cluster), cluster.nodes, unmapped(need_bytes)).result()
         summary.cluster_bench = bench_cluster(job, cluster)
     with summary.phase("stage"):
         with _timed(recovery, "stage"):
-            staged = stage_dataset.map(unmapped(cluster), cluster.nodes, unmapped(plan.dataset_url)).result()
+            staged = (stage_dataset.map(unmapped(cluster), cluster.nodes, unmapped(plan.dataset_url)).result()
+                      if staging else [])
         with _timed(recovery, "restore"):
             restored = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.checkpoint_url)).result()
                         if resume_step is not None else [])
@@ -111,7 +115,8 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, summary: RunSummary, cluster_na
         recovery.resumed(restored[0]["step"] if restored else None, cluster.price_per_hour)
     with summary.phase("train"):
         resume_dirs = {node.name: r["path"] for node, r in zip(cluster.nodes, restored, strict=False)}
-        launch = TrainLaunch(plan.checkpoint_url, probes[0]["free_port"], resume_dirs)
+        launch = TrainLaunch(plan.checkpoint_url, probes[0]["free_port"], resume_dirs,
+                             dataset_url=None if staging else plan.dataset_url)
         outcome = run_training(job, cluster, launch, recovery.number if recovery is not None else 0)
     return cluster, staged, outcome
 

@@ -19,9 +19,9 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from infra.models import StrictModel
 from infra.recovery_spec import ChaosSpec, RecoverySpec
 
-KNOWN_PROVIDERS = ("local", "aws", "gcp", "ssh")
+KNOWN_PROVIDERS = ("local", "aws", "gcp", "ssh", "netns")
 KNOWN_SCHEMES = ("file", "s3", "gs")
-CHAOS_PROVIDERS = ("local", "ssh")
+CHAOS_PROVIDERS = ("local", "ssh", "netns")
 SpotPolicy = Literal["never", "prefer", "only"]
 
 
@@ -153,6 +153,13 @@ class VerifySpec(StrictModel):
         return value
 
 
+class NetnsClusterSpec(StrictModel):
+    """provider netns: an emulated multi-host cluster on this Linux machine (root), one network namespace a node."""
+
+    link_mbit: float | None = Field(None, gt=0, description="Shape every node's link (both directions) to this many "
+                                    "Mbit/s with tc tbf; none leaves the links unshaped.")
+
+
 class ClusterSpec(StrictModel):
     provider: str = Field("local", description=f"Where nodes run: one of {', '.join(KNOWN_PROVIDERS)}.")
     nodes: int = Field(2, ge=1, le=1024, description="Number of nodes (machines).")
@@ -172,6 +179,8 @@ class ClusterSpec(StrictModel):
     ssh: SshClusterSpec | None = Field(None, description="provider ssh: the machines to use and how to reach them.")
     verify: VerifySpec = Field(default_factory=VerifySpec, description="After provisioning: measure node-to-node "
                                "network, all-reduce and local disk throughput against the floors and the catalog.")
+    netns: NetnsClusterSpec = Field(default_factory=NetnsClusterSpec, description="provider netns: how its emulated "
+                                    "links are shaped.")
 
     @field_validator("provider")
     @classmethod
@@ -203,6 +212,10 @@ class ClusterSpec(StrictModel):
 class DatasetSpec(StrictModel):
     url: str = Field(description="Dataset root holding manifest.json and the shards: file://, s3://, gs:// or a path.")
     validation: str = Field("full", description="'full' checks every shard before launch; 'manifest' checks sizes.")
+    access: Literal["staged", "remote"] = Field(
+        "staged", description="staged: every node copies the shards to its local disk before training (fast); "
+        "remote: the trainer reads each batch from the store with ranged GETs, as a mounted object store does "
+        "(for comparisons: every step then waits on the store).")
 
     @field_validator("url")
     @classmethod
@@ -222,8 +235,10 @@ class CheckpointSpec(StrictModel):
     every_steps: int = Field(50, ge=1, description="Save a checkpoint every this many steps (and at the end).")
     keep: int = Field(3, ge=1, description="Committed checkpoints kept in the store (the newest is never deleted).")
     keep_local: int = Field(2, ge=1, description="Checkpoints kept on each node's local disk.")
-    mode: Literal["async", "sync"] = Field(
-        "async", description="async: training continues while the checkpoint is written; sync: it waits."
+    mode: Literal["async", "sync", "direct"] = Field(
+        "async", description="async: training continues while the checkpoint is written; sync: it waits for the "
+        "local write; direct: it also waits until the node's part is uploaded to the store, as writing straight to "
+        "network storage does (for comparisons)."
     )
     flush_deadline_s: float = Field(
         # torchrun's agent SIGKILLs its workers 30 s after forwarding SIGTERM to them.

@@ -56,6 +56,8 @@ class RunSummary:
     node_reports: dict[str, dict[str, Any]] = field(default_factory=dict)  # per node: mount, GPUs, interfaces
     recoveries: list[dict[str, Any]] = field(default_factory=list)  # infra.recovery.RecoveryRecord per preemption
     cluster_bench: dict[str, Any] = field(default_factory=dict)  # the verify stage's figures and verdict
+    breakdown: dict[str, Any] = field(default_factory=dict)  # infra.breakdown.StepBreakdown.summary(): where step
+    # time went (T_compute / T_network / T_io)
     started_at: float = field(default_factory=time.time)
     finished_at: float | None = None
 
@@ -99,6 +101,10 @@ class RunSummary:
             floor = f" (floor {self.loss_floor:.3f})" if self.loss_floor is not None else ""
             lines.append(f"  loss: {self.initial_loss:.3f} at step {self.start_step} → {self.final_loss:.3f} "
                          f"at step {self.steps}{floor}")
+        if self.breakdown:
+            shares = self.breakdown["shares"]
+            lines.append(f"  step time: compute {shares['T_compute']:.0%}, network {shares['T_network']:.0%}, "
+                         f"I/O {shares['T_io']:.0%} ({self.breakdown['dominant']})")
         if self.attempts:
             launched = [a for a in self.attempts if a["outcome"] == "launched"]
             place = (launched[0]["zone"] or launched[0]["region"]) if launched else None

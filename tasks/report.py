@@ -9,7 +9,10 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from infra.breakdown import StepBreakdown
 from infra.failover import attempts_of
+from infra.predict import what_if
+from infra.predict_report import facts_from_summary
 from infra.providers import Cluster
 from infra.recovery import RECOVERY_PHASES
 from infra.summary import BILLED_PHASES, PHASES, RunSummary
@@ -21,15 +24,18 @@ from tasks.train import TrainOutcome
 
 def record_training(summary: RunSummary, staged: list[dict[str, Any]], outcome: TrainOutcome,
                     verified: dict[str, Any], checkpoint_url: str) -> None:
-    summary.stage = {
-        "bytes": max(s["bytes"] for s in staged),
-        "skipped_bytes": max(s["skipped_bytes"] for s in staged),
-        "mb_per_s": min(s["mb_per_s"] for s in staged),
-        "seconds": max(s["seconds"] for s in staged),
-    }
+    if staged:  # nothing is staged when the trainer reads the dataset from the store (dataset.access remote)
+        summary.stage = {
+            "bytes": max(s["bytes"] for s in staged),
+            "skipped_bytes": max(s["skipped_bytes"] for s in staged),
+            "mb_per_s": min(s["mb_per_s"] for s in staged),
+            "seconds": max(s["seconds"] for s in staged),
+        }
     done = next((m for m in reversed(outcome.metrics) if m.get("event") == "done"), None)
     if done is None:
         raise RuntimeError("the trainer finished without its final metrics record: see the head node's train.log")
+    if "breakdown" in done:
+        summary.breakdown = StepBreakdown.from_dict(done["breakdown"]).summary()
     summary.steps = done["steps"]
     summary.start_step = done["start_step"]
     summary.initial_loss = done["initial_loss"]
@@ -119,6 +125,36 @@ def _recovery_rows(summary: RunSummary) -> list[dict[str, Any]]:
     return rows
 
 
+def _breakdown_rows(summary: RunSummary) -> list[dict[str, Any]]:
+    """T_compute, T_network and T_io of the training steps: seconds, per step, share of step time."""
+    if not summary.breakdown:
+        return []
+    b = summary.breakdown
+    return [{"term": name, "seconds": round(seconds, 3), "ms per step": round(1000 * b["per_step_s"][name], 2),
+             "share %": round(100 * b["shares"][name], 1)} for name, seconds in b["terms_s"].items()]
+
+
+def _what_if_rows(summary: RunSummary) -> list[dict[str, Any]]:
+    """The predictor on this run's own breakdown: as measured, 2× network, local NVMe (catalog candidates and a
+    deadline are `trainpipe predict`'s)."""
+    if not summary.breakdown or summary.breakdown["wall_s"] <= 0:  # a resumed run with no step left to train
+        return []
+    facts = facts_from_summary(summary.to_dict(), summary.run_id)
+    return [{"scenario": p.label, "step s": round(p.step_s, 4), "job s": round(p.job_s, 1),
+             "speedup": round(p.speedup, 2), "bound": p.bound()}
+            for p in what_if(facts.breakdown, facts.measured, facts.job, facts.price_per_hour)]
+
+
+def _breakdown_fact(summary: RunSummary) -> str | None:
+    if not summary.breakdown:
+        return None
+    b = summary.breakdown
+    return (f"step time: **{b['dominant']}**; {b['allreduce_bytes_per_step'] / 1e6:,.2f} MB all-reduced and "
+            f"{b['read_bytes_per_step'] / 1e3:,.1f} kB read per step ({b['data_source']} data, {b['ckpt_mode']} "
+            f"checkpoints); gradient all-reduce {b['comm_total_s']:.2f} s in flight, "
+            f"{b['comm_exposed_s']:.2f} s exposed")
+
+
 def _checkpoint_fact(summary: RunSummary) -> str | None:
     stalls = [c["stall_s"] for c in summary.checkpoints if c.get("stall_s") is not None]
     uploads = [c["upload_mb_per_s"] for c in summary.checkpoints if c.get("upload_mb_per_s")]
@@ -159,13 +195,13 @@ def _markdown(summary: RunSummary, curve: list[tuple[int, float]]) -> str:
         floor = f" (floor {summary.loss_floor:.3f})" if summary.loss_floor is not None else ""
         facts.append(f"loss {summary.initial_loss:.3f} → **{summary.final_loss:.3f}**{floor}, "
                      f"steps {summary.start_step}–{summary.steps}")
-    checkpoint_fact = _checkpoint_fact(summary)
-    if checkpoint_fact:
-        facts.append(checkpoint_fact)
+    facts += [fact for fact in (_breakdown_fact(summary), _checkpoint_fact(summary)) if fact]
     checkpoint = f"[{summary.checkpoint}]({summary.checkpoint})" if summary.checkpoint else "none"
     facts += [f"committed checkpoint: {checkpoint}", f"nodes left running after teardown: {summary.nodes_left}"]
     chart = markdown_image(run_chart_png(curve, summary.phases, summary.loss_floor), "loss curve and time per phase")
-    sections = {"Phases": _phase_rows(summary), "Checkpoints": _checkpoint_rows(summary),
+    sections = {"Phases": _phase_rows(summary), "Step time": _breakdown_rows(summary),
+                "What if (predicted from this run; `trainpipe predict` adds the catalog)": _what_if_rows(summary),
+                "Checkpoints": _checkpoint_rows(summary),
                 "Launch attempts": _attempt_rows(summary), "Recoveries from preemption": _recovery_rows(summary)}
     return (f"# Run `{summary.run_id}`: {summary.status}\n\n"
             + (f"**{summary.error}**\n\n" if summary.error else "")
@@ -183,7 +219,8 @@ def publish_summary(summary: RunSummary, directory: Path) -> Path:
                              description=f"run {summary.run_id}")
     create_table_artifact(_phase_rows(summary), key=f"{artifact_key}-phases",
                           description=f"run {summary.run_id}: seconds per phase")
-    tables = {"launch-attempts": (_attempt_rows(summary), "every launch attempt, in order"),
+    tables = {"step-time": (_breakdown_rows(summary), "T_compute, T_network, T_io of the training steps"),
+              "launch-attempts": (_attempt_rows(summary), "every launch attempt, in order"),
               "checkpoints": (_checkpoint_rows(summary), "per checkpoint: training stall, write, upload, commit"),
               "recoveries": (_recovery_rows(summary), "per preemption: steps redone, time to resume and its split")}
     for suffix, (rows, what) in tables.items():

@@ -20,6 +20,9 @@ STOP_SYNC = ".stop-sync"
 SYNC_FLUSH_TIMEOUT_S = 600.0
 # Beyond the flush deadline: the trainer's own exit (process group teardown, torchrun's agent shutting down).
 TRAINER_EXIT_GRACE_S = 10.0
+# Checkpoint mode direct blocks training until the syncer has uploaded each step, so its scan interval would be paid
+# on every checkpoint: the default (half a second) is fine for a syncer working in the background, not here.
+DIRECT_SYNC_POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class TrainLaunch:
     checkpoint_url: str
     rendezvous_port: int
     resume_dirs: dict[str, str] = field(default_factory=dict)  # node name → local step dir
+    dataset_url: str | None = None  # read in place by the trainer (dataset.access remote); None: the staged copy
 
 
 @dataclass
@@ -46,7 +50,8 @@ def trainer_argv(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch
         "--node-rank", str(node.rank), "--master-addr", cluster.head.address,
         "--master-port", str(launch.rendezvous_port), "--max-restarts", "0",
         "-m", "trainer.train",
-        "--data-dir", node.data_dir, "--ckpt-dir", node.ckpt_dir, "--metrics-file", node.path("logs", "metrics.jsonl"),
+        *(("--data-url", launch.dataset_url) if launch.dataset_url is not None else ("--data-dir", node.data_dir)),
+        "--ckpt-dir", node.ckpt_dir, "--metrics-file", node.path("logs", "metrics.jsonl"),
         "--steps", str(training.steps), "--ckpt-every", str(job.checkpoints.every_steps),
         "--ckpt-mode", job.checkpoints.mode, "--flush-deadline-s", str(job.checkpoints.flush_deadline_s),
         "--keep-local", str(job.checkpoints.keep_local), "--batch-size", str(training.batch_size),
@@ -61,7 +66,7 @@ def trainer_argv(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch
 
 
 def syncer_argv(job: JobSpec, cluster: Cluster, node: Node, checkpoint_url: str) -> list[str]:
-    return [
+    argv = [
         node.python, "-m", "infra.node", "sync", "--ckpt-dir", node.ckpt_dir, "--url", checkpoint_url,
         "--node-rank", str(node.rank), "--nodes", str(len(cluster.nodes)),
         "--world-size", str(len(cluster.nodes) * job.cluster.procs_per_node),
@@ -69,6 +74,9 @@ def syncer_argv(job: JobSpec, cluster: Cluster, node: Node, checkpoint_url: str)
         "--flush-deadline", str(job.checkpoints.flush_deadline_s),
         "--stop-file", node.path("ckpt", STOP_SYNC),
     ]
+    if job.checkpoints.mode == "direct":
+        argv += ["--poll", str(DIRECT_SYNC_POLL_S)]
+    return argv
 
 
 def chaos_argv(node: Node, trigger: str, notice_s: float) -> list[str]:

@@ -89,7 +89,8 @@ def test_a_prepared_staging_buffer_still_saves_the_state_of_the_save_call(tmp_pa
 
 
 def test_a_bad_mode_is_one_line_naming_the_flag(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match=r"checkpoint mode 'fast': use one of async, sync \(--ckpt-mode\)"):
+    modes = r"async, sync, direct \(--ckpt-mode\)"
+    with pytest.raises(CheckpointError, match=rf"checkpoint mode 'fast': use one of {modes}"):
         Checkpointer(tmp_path, "fast")
 
 

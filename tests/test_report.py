@@ -1,13 +1,15 @@
-"""The run report's launch record: every attempt, what the cluster ran on, and what it cost — also when no launch
-succeeded (failover attaches its attempts to the error it raises)."""
+"""The run report: the launch record (every attempt, what the cluster ran on, what it cost — also when no launch
+succeeded: failover attaches its attempts to the error it raises), checkpoints, recoveries, and where step time
+went with the predictor's what-if rows."""
 
 from __future__ import annotations
 
 import pytest
 
+from infra.breakdown import StepBreakdown
 from infra.failover import Attempt, NoCapacityAnywhere
 from infra.summary import RunSummary
-from tasks.report import _attempt_rows, _markdown, record_failure
+from tasks.report import _attempt_rows, _markdown, _what_if_rows, record_failure
 
 
 def attempt(zone: str, outcome: str, error: str | None = None) -> Attempt:
@@ -68,3 +70,31 @@ def test_recoveries_get_a_table_with_the_time_split() -> None:
     markdown = _markdown(summary, [])
     assert "## Recoveries from preemption" in markdown
     assert "| 1 | n1 | chaos: spot notice | 70 | 72 | 0 | 2.5 | 0.0 | 400 | 0.1 | 0.2 | 0.5 | 1.0 | 0.6 |" in markdown
+
+
+def test_the_step_breakdown_gets_a_fact_a_table_and_what_if_rows() -> None:
+    summary = RunSummary(run_id="r5", job="j", provider="local", nodes=2)
+    summary.breakdown = StepBreakdown(
+        steps=100, wall_s=50.0, comm_exposed_s=30.0, comm_total_s=30.0, sync_wait_s=1.0, data_wait_s=4.0,
+        ckpt_block_s=1.0, allreduce_bytes=100 * 4_000_000, read_bytes=100 * 1040, read_requests=800, ckpt_bytes=5,
+        ckpt_saves=1, world_size=2, nodes=2).summary()
+    summary.stage = {"bytes": 40_000_000, "skipped_bytes": 0, "mb_per_s": 100.0, "seconds": 0.4}
+
+    assert "compute 28%, network 62%, I/O 10% (network-bound: 62% of step time" in summary.render()
+    markdown = _markdown(summary, [])
+    assert "step time: **network-bound: 62% of step time in exposed all-reduce and sync**; 4.00 MB all-reduced" \
+        in markdown
+    assert "| T_network | 31.0 | 310.0 | 62.0 |" in markdown, "seconds, ms per step, share"
+    what_if = {row["scenario"]: row for row in _what_if_rows(summary)}
+    assert what_if["as measured"]["step s"] == pytest.approx(0.5)
+    # No overlap measured, so 2× bandwidth halves the exposed all-reduce: 0.5 − 0.15 s per step.
+    assert what_if["2× network"]["step s"] == pytest.approx(0.35)
+    assert "## What if" in markdown
+
+
+def test_a_run_that_trained_no_step_has_no_what_if() -> None:
+    summary = RunSummary(run_id="r6", job="j", provider="local", nodes=2)
+    summary.breakdown = StepBreakdown(
+        steps=0, wall_s=0.0, comm_exposed_s=0.0, comm_total_s=0.0, sync_wait_s=0.0, data_wait_s=0.0,
+        ckpt_block_s=0.0, allreduce_bytes=0, read_bytes=0, read_requests=0, ckpt_bytes=0, ckpt_saves=0).summary()
+    assert _what_if_rows(summary) == []

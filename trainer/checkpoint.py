@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from infra.checkpoints import SAVE_LEASE, UPLOAD_LEASE, clear_lease, leased_step, write_lease
 from infra.checkpoints import CheckpointError as StoreCheckpointError
+from infra.node.sync import SyncError, read_state, state_path
 
 METADATA_NAME = ".metadata"
 MARKER_SUFFIX = ".complete"
@@ -48,7 +49,10 @@ _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _MARKER = re.compile(r"^step-(\d{8})\.complete$")
 # Top-level keys of the DCP state dict; "extra" holds a JSON string so its keys need not be known to load it.
 _MODEL_KEY, _OPTIM_KEY, _EXTRA_KEY = "model", "optim", "extra"
-SAVE_MODES = ("async", "sync")
+# direct saves as sync does; the trainer then also waits for the node's syncer to upload the step (wait_for_upload).
+SAVE_MODES = ("async", "sync", "direct")
+# How often a direct-mode wait looks at the syncer's state file: small beside an upload, cheap (one small read).
+UPLOAD_POLL_S = 0.01
 WARMUP_DIR = ".writer-warmup"  # not a step: syncers never look at it
 
 
@@ -140,6 +144,7 @@ class Checkpointer:
     saves, then `dcp.async_save` writes it in a background thread while training goes on. At most one save is
     in flight: the next one waits for it, because it would overwrite the staging buffer being written.
     sync: `dcp.save` blocks until the files are on disk (kept to measure what async saves).
+    direct: saves as sync does (the wait for the upload is wait_for_upload's, called by the training loop).
     Either way this node's completion marker is written only once its files are whole, so a syncer never
     ships a partial step. Every rank must construct it (the async mode creates a process group).
     """
@@ -219,7 +224,9 @@ class Checkpointer:
                 self._clear_save_lease()
                 raise
             stall_s = time.perf_counter() - started
-            self._finished_records.append(self._complete(step, began, stall_s, "sync"))
+            # A blocking save of an async run is a sync save; direct names its own.
+            mode = "sync" if self.mode == "async" else self.mode
+            self._finished_records.append(self._complete(step, began, stall_s, mode))
             return
         upload = dcp.async_save(state, storage_writer=writer, process_group=self._group, async_stager=self._stager,
                                 async_checkpointer_type=self._writer)
@@ -278,6 +285,10 @@ class Checkpointer:
         if not isinstance(warmup, Future):
             raise CheckpointError(f"dcp.async_save returned {type(warmup).__name__}: expected a Future (torch 2.13)")
         return warmup
+
+    def ready(self) -> None:
+        """Wait until the async writer process is up (at once in the other modes)."""
+        self._finish_warmup()
 
     def _finish_warmup(self) -> None:
         warmup, self._warmup = self._warmup, None
@@ -347,6 +358,33 @@ class Checkpointer:
             if self.keep_local is not None:
                 prune_local(self.ckpt_root, self.keep_local)
         return SaveRecord(step, mode, round(stall_s, 4), round(time.perf_counter() - started, 4), size)
+
+
+def wait_for_upload(
+    ckpt_root: Path, step: int, node_rank: int, timeout_s: float, poll_s: float = UPLOAD_POLL_S
+) -> None:
+    """Mode direct, on the node's local rank 0: blocks until the node's syncer has uploaded its part of `step`.
+
+    The syncer records each uploaded step with its marker's mtime_ns in its state file, so an upload of an older
+    save of the same step (a run restarted in the same dir) does not count for the one just written.
+    """
+    written = marker_path(ckpt_root, step).stat().st_mtime_ns
+    path = state_path(ckpt_root, node_rank)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            state = read_state(path)
+        except SyncError as exc:
+            raise CheckpointError(str(exc)) from None
+        if state is not None and state.uploaded.get(step) == written:
+            return
+        if time.monotonic() > deadline:
+            raise CheckpointError(
+                f"{path}: step {step} not uploaded by this node's checkpoint syncer within {timeout_s:.1f}s "
+                f"(--ckpt-mode direct): check that `python -m infra.node sync --ckpt-dir {ckpt_root}` runs on this "
+                f"node and read its log (under the flow: {ckpt_root.parent / 'logs' / 'sync.log'})"
+            )
+        time.sleep(poll_s)
 
 
 def _await_setup(setup: Future[Any] | None, failed: str, fix: str) -> None:

@@ -9,7 +9,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from infra.breakdown import StepBreakdown
 from trainer.checkpoint import SaveRecord
+from trainer.step_timing import StepSplit
 
 # final_loss averages this many steps so one noisy batch does not decide the reported result.
 FINAL_LOSS_WINDOW = 10
@@ -35,8 +37,8 @@ class TrainingMetrics:
         self.initial_loss: float | None = None
         # Carried across a resume so final_loss covers the last steps even when this run is shorter.
         self._recent = deque(recent_losses, maxlen=FINAL_LOSS_WINDOW)
-        self._interval_seconds = 0.0
-        self._interval_steps = 0
+        self._loss_and_lr: tuple[float, float] | None = None  # the step's, until end_step logs it
+        self._interval = StepSplit()
         self._interval_tokens = 0
         if metrics_file is not None:
             metrics_file.parent.mkdir(parents=True, exist_ok=True)
@@ -48,22 +50,33 @@ class TrainingMetrics:
     def _should_log(self, step: int) -> bool:
         return step % self.log_every == 0 or step in (self.first_step, self.last_step)
 
-    def record(self, step: int, loss: float, lr: float, seconds: float, tokens: int) -> None:
+    def record(self, step: int, loss: float, lr: float) -> None:
+        """The step's loss, as soon as it is known: a checkpoint of this step saves recent_losses with it."""
         if self.initial_loss is None:
             self.initial_loss = loss
         self._recent.append(loss)
-        self._interval_seconds += seconds
-        self._interval_steps += 1
+        self._loss_and_lr = (loss, lr)
+
+    def end_step(self, step: int, split: StepSplit, tokens: int) -> None:
+        """After the step's checkpoint handling, so its save shows in the interval of the step that paid for it."""
+        if self._loss_and_lr is None:
+            raise ValueError(f"step {step}: end_step before record: record the step's loss first")
+        self._interval += split
         self._interval_tokens += tokens
         if not self._should_log(step):
             return
-        step_s = self._interval_seconds / self._interval_steps
-        tokens_per_s = self._interval_tokens / self._interval_seconds if self._interval_seconds > 0 else 0.0
-        self._interval_seconds, self._interval_steps, self._interval_tokens = 0.0, 0, 0
+        (loss, lr), interval = self._loss_and_lr, self._interval
+        step_s = interval.wall_s / max(interval.steps, 1)
+        tokens_per_s = self._interval_tokens / interval.wall_s if interval.wall_s > 0 else 0.0
+        self._interval, self._interval_tokens = StepSplit(), 0
+        parts = interval.per_step_ms()
         self._emit(
-            {"step": step, "loss": loss, "lr": lr, "step_s": step_s, "tokens_per_s": tokens_per_s, "time": time.time()},
+            {"step": step, "loss": loss, "lr": lr, "step_s": step_s, "tokens_per_s": tokens_per_s, **parts,
+             "time": time.time()},
             f"step {step}/{self.last_step} loss {loss:.4f} lr {lr:.2e} {step_s * 1000:.1f} ms/step "
-            f"{tokens_per_s:,.0f} tok/s",
+            f"{tokens_per_s:,.0f} tok/s (compute {parts['compute_ms']:.1f}, comm {parts['comm_exposed_ms']:.1f} "
+            f"exposed of {parts['comm_total_ms']:.1f}, sync {parts['sync_ms']:.1f}, data {parts['data_ms']:.1f}, "
+            f"ckpt {parts['ckpt_ms']:.1f} ms)",
         )
 
     def checkpoint(self, record: SaveRecord) -> None:
@@ -74,7 +87,7 @@ class TrainingMetrics:
             f"written in {record.write_s:.2f} s ({record.bytes / 1e6:.1f} MB on this node)",
         )
 
-    def done(self, final_eval_loss: float) -> dict[str, Any]:
+    def done(self, final_eval_loss: float, breakdown: StepBreakdown | None = None) -> dict[str, Any]:
         if not self._recent:
             raise ValueError("no training step was recorded: cannot report a final loss")
         event = {
@@ -86,10 +99,11 @@ class TrainingMetrics:
             "start_step": self.first_step,
             "time": time.time(),
         }
-        self._emit(
-            event,
-            f"done: {self.last_step} steps, final loss {event['final_loss']:.4f}, eval loss {final_eval_loss:.4f}",
-        )
+        line = f"done: {self.last_step} steps, final loss {event['final_loss']:.4f}, eval loss {final_eval_loss:.4f}"
+        if breakdown is not None:
+            event["breakdown"] = breakdown.to_dict()
+            line += f"; {breakdown.dominant()}"
+        self._emit(event, line)
         return event
 
     def _emit(self, record: dict[str, Any], line: str) -> None:

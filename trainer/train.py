@@ -1,7 +1,8 @@
 """The training workload torchrun starts on every node: `python -m trainer.train --data-dir ... --ckpt-dir ...`.
 
 Read top to bottom: set up the process group, data and model; optionally resume; train with AdamW under a
-warm-up + cosine schedule, checkpointing to node-local disk; evaluate on a fixed held-out set; report.
+warm-up + cosine schedule, checkpointing to node-local disk; evaluate on a fixed held-out set; report, with where
+the step time went (trainer.step_timing: compute, gradient communication, data, checkpoints).
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ from trainer.checkpoint import (
     CheckpointError,
     SaveRecord,
     load_checkpoint,
+    wait_for_upload,
     write_json_atomic,
 )
 from trainer.data import DataError, TokenWindows
 from trainer.metrics import TrainingMetrics
 from trainer.model import GPT, GPTConfig, next_token_loss
+from trainer.step_timing import StepTimer
 
 # The cosine decays to this fraction of the peak rather than to zero, so the last steps still learn.
 MIN_LR_FRACTION = 0.1
@@ -38,6 +41,9 @@ GRAD_CLIP_NORM = 1.0
 # A last save on SIGTERM is started only when the time left exceeds the slowest save so far by this factor.
 LAST_SAVE_MARGIN = 1.5
 EXIT_STOPPED = 128 + signal.SIGTERM
+# Mode direct: the wait for an upload gives up before --collective-timeout-s, so the collective that tells every rank
+# about it does not time out first on the ranks already waiting in it.
+UPLOAD_WAIT_SHARE = 0.8
 
 
 class TrainError(RuntimeError):
@@ -65,13 +71,17 @@ class StopSignal:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m trainer.train", description=__doc__)
-    parser.add_argument("--data-dir", type=Path, required=True, help="node-local dataset dir (manifest.json)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data-dir", type=Path, help="node-local dataset dir (manifest.json): the staged copy")
+    source.add_argument("--data-url", help="dataset root in an object store (file://, s3://, gs://), read in place "
+                        "with one ranged GET per sequence instead of a staged copy (dataset.access remote)")
     parser.add_argument("--ckpt-dir", type=Path, required=True, help="node-local checkpoint root")
     parser.add_argument("--metrics-file", type=Path, required=True, help="JSON-lines metrics (global rank 0)")
     parser.add_argument("--steps", type=int, default=300, help="total optimizer steps (a resumed run counts from 0)")
     parser.add_argument("--ckpt-every", type=int, default=50, help="save every this many steps and at the end")
     parser.add_argument("--ckpt-mode", choices=SAVE_MODES, default="async",
-                        help="async: stage to CPU memory and write in the background; sync: block until written")
+                        help="async: stage to CPU memory and write in the background; sync: block until written; "
+                        "direct: as sync, then also wait until the node's syncer has uploaded the step")
     parser.add_argument("--flush-deadline-s", type=float, default=20.0,
                         help="on SIGTERM, finish (or start) a last save only if it fits in this many seconds")
     parser.add_argument("--keep-local", type=int, default=2, help="complete checkpoints kept on local disk")
@@ -153,9 +163,13 @@ class SaveLog:
         self.metrics = metrics
         self.saved_step = saved_step  # the newest step saved completely (or resumed from)
         self.slowest_s = 0.0
+        self.count = 0
+        self.bytes = 0  # this node's files, summed over the saves reported
 
     def report(self, records: list[SaveRecord]) -> None:
         for record in records:
+            self.count += 1
+            self.bytes += record.bytes
             self.slowest_s = max(self.slowest_s, record.write_s)
             self.saved_step = max(self.saved_step or 0, record.step)
             self.metrics.checkpoint(record)
@@ -179,6 +193,35 @@ def _report_finished_saves(checkpointer: Checkpointer, saves: SaveLog, stop: Sto
         if stop.received_at is None:
             raise
         print(f"trainer (rank {os.environ.get('RANK', '?')}): after SIGTERM: {exc}", file=sys.stderr, flush=True)
+
+
+def _wait_for_upload(step: int, args: argparse.Namespace, node_rank: int, is_node_leader: bool,
+                     device: torch.device) -> None:
+    """Mode direct: every rank blocks until every node's syncer has uploaded the node's part of `step`.
+
+    The node's local rank 0 watches its syncer; the collective after that holds every rank for as long as the
+    slowest node, and tells every rank about a failure, so none is left waiting for a peer that gave up.
+    """
+    error: CheckpointError | None = None
+    if is_node_leader:
+        try:
+            wait_for_upload(args.ckpt_dir, step, node_rank, UPLOAD_WAIT_SHARE * args.collective_timeout_s)
+        except CheckpointError as exc:
+            error = exc
+    if not _all_ranks_agree(error is None, device):
+        if error is not None:
+            raise TrainError(str(error)) from error
+        raise TrainError(
+            f"step {step}: another node's checkpoint syncer did not upload it in time (--ckpt-mode direct): "
+            "see that node's trainer error"
+        )
+
+
+def _node_count(world_size: int) -> int:
+    # torchrun sets GROUP_WORLD_SIZE (its agents, one per node); elsewhere assume nodes of LOCAL_WORLD_SIZE each.
+    if "GROUP_WORLD_SIZE" in os.environ:
+        return _env_rank("GROUP_WORLD_SIZE")
+    return world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
 def _save_on_stop(
@@ -226,11 +269,18 @@ def train(args: argparse.Namespace) -> None:
     )
     try:
         # --- data and model -------------------------------------------------------------------------------
-        data = TokenWindows(args.data_dir, seq_len=args.seq_len, vocab_size=args.vocab_size)
+        data = TokenWindows(
+            args.data_url if args.data_url is not None else args.data_dir,
+            seq_len=args.seq_len,
+            vocab_size=args.vocab_size,
+        )
+        read_latency_s = data.reader.read_latency_s()
         config = GPTConfig(args.vocab_size, args.d_model, args.n_layers, args.n_heads, args.seq_len)
         torch.manual_seed(args.seed)
         model = GPT(config).to(device)
         ddp_model = DistributedDataParallel(model, device_ids=[local_rank] if use_cuda else None)
+        timer = StepTimer(device)
+        timer.attach(ddp_model)
         optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
 
         # --- resume: the data position is the step, so continuing at step + 1 replays nothing ---------------
@@ -261,30 +311,42 @@ def train(args: argparse.Namespace) -> None:
         tokens_per_step = args.batch_size * args.seq_len * world_size
         saves = SaveLog(metrics, saved_step=start_step - 1 if args.resume_from is not None else None)
 
+        # The writer process starting is a one-time cost: waiting here keeps it out of the first save's stall
+        # and so out of the step times the breakdown reports (by now it has usually started anyway).
+        checkpointer.ready()
+
         # --- the loop ------------------------------------------------------------------------------------
         for step in range(start_step, args.steps + 1):
-            started = time.perf_counter()
+            timer.start_step()
             lr = lr_at(step, args.lr, args.warmup_steps, args.steps)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            batch = data.train_batch(args.seed, step, rank, world_size, args.batch_size).to(device)
+            with timer.phase("data"):
+                batch = data.train_batch(args.seed, step, rank, world_size, args.batch_size).to(device)
             loss = next_token_loss(ddp_model, batch)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            with timer.backward():
+                loss.backward()
             torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), GRAD_CLIP_NORM)
             optimizer.step()
             if step == start_step:
                 checkpointer.prepare(ddp_model, optimizer)
-            mean_loss, stopping = _mean_loss_and_stop(loss, stop.received_at is not None)
+            with timer.phase("sync"):
+                mean_loss, stopping = _mean_loss_and_stop(loss, stop.received_at is not None)
             if not math.isfinite(mean_loss):
                 raise TrainError(f"loss became {mean_loss} at step {step}: lower --lr or raise --warmup-steps")
-            metrics.record(step, mean_loss, lr, time.perf_counter() - started, tokens_per_step)
+            metrics.record(step, mean_loss, lr)
             _report_finished_saves(checkpointer, saves, stop)
             if stopping:
                 raise TrainStopped(_save_on_stop(step, args, checkpointer, saves, stop, ddp_model, optimizer))
             if step % args.ckpt_every == 0 or step == args.steps:
-                checkpointer.save(step, ddp_model, optimizer, _extra(step, args, metrics))
-                _report_finished_saves(checkpointer, saves, stop)
+                with timer.phase("ckpt"):
+                    checkpointer.save(step, ddp_model, optimizer, _extra(step, args, metrics))
+                    _report_finished_saves(checkpointer, saves, stop)
+                    if args.ckpt_mode == "direct":
+                        with timer.phase("upload"):
+                            _wait_for_upload(step, args, node_rank, local_rank == 0, device)
+            metrics.end_step(step, timer.end_step(), tokens_per_step)
         try:
             saves.report(checkpointer.wait())
         except CheckpointError as exc:
@@ -297,7 +359,18 @@ def train(args: argparse.Namespace) -> None:
 
         # --- final eval and report -----------------------------------------------------------------------
         eval_loss = evaluate(model, data.eval_batches(args.seed, args.eval_batches, args.batch_size), rank, world_size)
-        done = metrics.done(eval_loss)
+        breakdown = timer.breakdown(
+            read_bytes=data.train_read_bytes,
+            read_requests=data.train_reads,
+            read_latency_s=read_latency_s,
+            data_source=data.source,
+            ckpt_bytes=saves.bytes,
+            ckpt_saves=saves.count,
+            ckpt_mode=args.ckpt_mode,
+            world_size=world_size,
+            nodes=_node_count(world_size),
+        )
+        done = metrics.done(eval_loss, breakdown)
         if local_rank == 0 and args.done_file is not None:
             args.done_file.parent.mkdir(parents=True, exist_ok=True)
             write_json_atomic(args.done_file, {**done, "node_rank": node_rank, "world_size": world_size})

@@ -25,7 +25,7 @@ from infra.storage import StorageError, open_store
 from infra.summary import RunSummary, load_summary
 from infra.sweep import sweep_clusters
 from infra.workspace import runs_dir
-from trainpipe import bench_command, catalog_command, cp_command, serve_command
+from trainpipe import bench_command, catalog_command, cp_command, predict_command, serve_command
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 dataset_app = typer.Typer(no_args_is_help=True, help="Create and check token datasets.")
@@ -220,6 +220,7 @@ def ckpt_verify(
 app.command("serve")(serve_command.serve)
 app.command("submit")(user_errors_exit_2(serve_command.submit))
 app.command("cp")(user_errors_exit_2(cp_command.cp))
+app.command("predict")(predict_command.predict)
 app.add_typer(bench_command.bench_app, name="bench")
 app.add_typer(catalog_command.catalog_app, name="catalog")
 

@@ -80,11 +80,28 @@ class SyncConfig:
 
     @property
     def state_path(self) -> Path:
-        return self.ckpt_dir / f".sync-state-node-{self.node_rank}.json"
+        return state_path(self.ckpt_dir, self.node_rank)
 
 
 class SyncError(Exception):
     """A permanent failure of the syncer; the message is one line naming the thing and the fix."""
+
+
+def state_path(ckpt_dir: Path, node_rank: int) -> Path:
+    """The node's sync state file; a trainer in checkpoint mode direct reads it to wait for its uploads."""
+    return ckpt_dir / f".sync-state-node-{node_rank}.json"
+
+
+def read_state(path: Path) -> SyncState | None:
+    """The state a syncer left in `path`, or None when none has written it yet (it is replaced atomically)."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        return SyncState.model_validate_json(raw)
+    except ValidationError as exc:
+        raise SyncError(f"{path}: corrupt sync state ({exc.errors()[0]['msg']}): delete it to re-upload") from None
 
 
 class Syncer:
@@ -102,12 +119,9 @@ class Syncer:
     def _load_state(self) -> SyncState:
         path = self.config.state_path
         fresh = SyncState(url=self.config.url, node_rank=self.config.node_rank)
-        if not path.exists():
+        state = read_state(path)
+        if state is None:
             return fresh
-        try:
-            state = SyncState.model_validate_json(path.read_bytes())
-        except ValidationError as exc:
-            raise SyncError(f"{path}: corrupt sync state ({exc.errors()[0]['msg']}): delete it to re-upload") from None
         if state.url != self.config.url or state.node_rank != self.config.node_rank:
             # A checkpoint dir reused by another run: its uploads went elsewhere, so they do not count here.
             log.info("%s: state is for %s node %d: starting fresh", path, state.url, state.node_rank)
