@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import textwrap
 
 import matplotlib
 
@@ -19,7 +20,7 @@ def repro_chart_png(report: ReproReport) -> bytes:
     predicted job time, and the measured speedup vs (a) over each bar."""
     figure, axes = plt.subplots(figsize=(8, 4.2), dpi=90)
     try:
-        labels = [f"({r.key}) {r.link_mbit:g} Mbit\n{r.title.split(' + ', 1)[1]}" for r in report.results]
+        labels = [f"({r.key}) " + textwrap.fill(r.title, 24) for r in report.results]
         bottoms = [0.0] * len(report.results)
         for term, colour in TERM_COLOURS.items():
             heights = [r.stage_s if term == "staging" else r.terms_s[term] for r in report.results]

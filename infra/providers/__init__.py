@@ -37,11 +37,18 @@ def _ssh() -> Provider:
     return SshProvider()
 
 
+def _netns() -> Provider:
+    from infra.providers.netns import NetnsProvider
+
+    return NetnsProvider()
+
+
 _FACTORIES: dict[str, Callable[[], Provider]] = {
     "local": LocalProvider,
     "aws": _aws,
     "gcp": _gcp,
     "ssh": _ssh,
+    "netns": _netns,
 }
 
 

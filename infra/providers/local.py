@@ -54,6 +54,7 @@ def cluster_processes(cluster_dir: Path) -> list[psutil.Process]:
 class LocalProvider(Provider):
     name = "local"
     notice_source = "file"
+    instance_type = LOCAL_TYPE  # what the run summary says the nodes ran on
 
     def __init__(self, root: Path | None = None) -> None:
         self.root = (root or local_clusters_dir()).resolve()
@@ -63,7 +64,7 @@ class LocalProvider(Provider):
 
     def launch(self, cluster_name: str, spec: ClusterSpec, run_id: str) -> Cluster:
         if spec.accelerator:
-            raise InvalidRequestError(f"cluster.accelerator: the local provider has no {spec.accelerator} GPUs: "
+            raise InvalidRequestError(f"cluster.accelerator: the {self.name} provider has no {spec.accelerator} GPUs: "
                                       "remove cluster.accelerator or use a cloud provider")
         started = time.monotonic()
         base = self._dir(cluster_name)
@@ -73,18 +74,23 @@ class LocalProvider(Provider):
             for sub in ("data", "ckpt", "logs"):
                 (workdir / sub).mkdir(parents=True, exist_ok=True)
             (workdir / NODE_MARKER).write_text(f"{cluster_name}\n")
-            nodes.append(Node(name=f"{cluster_name}-node-{rank}", rank=rank, address="127.0.0.1",
+            nodes.append(Node(name=f"{cluster_name}-node-{rank}", rank=rank,
+                              address=self._node_address(cluster_name, rank),
                               workdir=str(workdir), data_dir=str(workdir / "data"), ckpt_dir=str(workdir / "ckpt"),
                               python=sys.executable))
         # This machine is the only candidate and costs nothing extra; the record keeps the summary's shape.
-        attempt = Attempt(candidate="local", instance_type=LOCAL_TYPE, region=socket.gethostname(), zone=None,
+        attempt = Attempt(candidate=self.name, instance_type=self.instance_type, region=socket.gethostname(), zone=None,
                           market="on-demand", outcome="launched", error=None,
                           seconds=round(time.monotonic() - started, 3))
         cluster = Cluster(name=cluster_name, provider=self.name, run_id=run_id, nodes=tuple(nodes),
-                          created_at=time.time(), owner=_owner(), instance_type=LOCAL_TYPE,
+                          created_at=time.time(), owner=_owner(), instance_type=self.instance_type,
                           attempts=(attempt.to_dict(),))
         (base / RECORD).write_text(cluster.to_json())
         return cluster
+
+    def _node_address(self, cluster_name: str, rank: int) -> str:
+        """Where the other nodes reach node `rank`: a provider built on this one (netns) gives each node its own."""
+        return "127.0.0.1"
 
     def describe(self, cluster_name: str) -> Cluster | None:
         record = self._dir(cluster_name) / RECORD
@@ -124,8 +130,11 @@ class LocalProvider(Provider):
         return records
 
     def runner(self, cluster: Cluster, node: Node) -> Runner:
-        tags = {CLUSTER_TAG: str(self._dir(cluster.name)), NODE_TAG: node.name}
-        return LocalRunner(node.name, Path(node.workdir), tags)
+        return LocalRunner(node.name, Path(node.workdir), self._tags(cluster, node))
+
+    def _tags(self, cluster: Cluster, node: Node) -> dict[str, str]:
+        """What every process of the node carries in its environment (terminate and the sweeper find it by them)."""
+        return {CLUSTER_TAG: str(self._dir(cluster.name)), NODE_TAG: node.name}
 
     def preemption_notices(self, cluster: Cluster) -> list[PreemptionNotice]:
         # Local nodes are never reclaimed by anyone but us: the chaos injector raises notices on purpose.
