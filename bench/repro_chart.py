@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import io
 import textwrap
 
-import matplotlib
-
-matplotlib.use("Agg")  # no display where benchmarks run; must precede pyplot
-import matplotlib.pyplot as plt
-
 from bench.repro import ReproReport
+from tasks.charts import figure_png, plt
 
 TERM_COLOURS = {"T_compute": "tab:blue", "T_network": "tab:orange", "T_io": "tab:green", "staging": "tab:gray"}
 
@@ -37,9 +32,6 @@ def repro_chart_png(report: ReproReport) -> bytes:
                               textcoords="offset points", xytext=(0, 3))
         axes.set(title="job time per configuration (staging + training steps)", ylabel="seconds")
         axes.legend(loc="upper right", fontsize="small")
-        figure.tight_layout()
-        buffer = io.BytesIO()
-        figure.savefig(buffer, format="png")
-        return buffer.getvalue()
+        return figure_png(figure)
     finally:
         plt.close(figure)

@@ -38,6 +38,9 @@ class StepBreakdown:
     read_latency_s: float = 0.0  # median time of a 1-byte read from the data source, probed at start
     world_size: int = 1
     nodes: int = 1
+    # One step's gradient buckets in launch order: (launch s after the first launch, service s, bytes), means over
+    # the steps; the predictor replays them at other bandwidths (trainer.step_timing says how they are measured).
+    comm_buckets: tuple[tuple[float, float, float], ...] = ()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepBreakdown:

@@ -7,9 +7,14 @@ Throughputs are per node; a node's ranks share its store link, disk and memory (
 
     compute    T_compute / compute_speedup. Compute is assumed as measured (speedup 1) unless the user says how much
                faster the target computes: a CPU run says nothing about a GPU's step.
-    gradients  total' = comm_total × measured.network_gbps / target.network_gbps
-               hidden = (comm_total − comm_exposed) / compute_speedup (overlap needs backward compute to hide behind)
-               exposed' = max(0, total' − hidden): without overlap 2× bandwidth halves it; with overlap it can reach 0.
+    gradients  total' = comm_total × measured.network_gbps / target.network_gbps (= the network ratio r)
+               exposed', with the trainer's bucket profile (comm_buckets: launch offset, service time, bytes per
+                 bucket): replay the buckets through one link, service times × r, launch offsets / compute_speedup;
+                 exposed per step = when the last finishes − when the last was launched, plus the residual that
+                 the replay at r = 1 leaves against the measurement (kept as measured). Without a profile:
+                 hidden = (comm_total − comm_exposed) / compute_speedup (overlap needs backward compute to hide
+                 behind), exposed' = max(0, total' − hidden).
+               Either way, without overlap 2× bandwidth halves the exposed term; with overlap it can reach 0.
     sync wait  unchanged: tiny all-reduces cost latency and waiting for peers, not bandwidth.
     data       remote → remote: latency part L = min(data_wait, requests × read_latency) stays (scaled by the
                  latency ratio when the target gives a request latency); bandwidth part (data_wait − L) × store ratio.
@@ -177,6 +182,30 @@ def _data_time(b: StepBreakdown, measured: Hardware, target: Hardware, source: s
     return b.read_requests * latency + b.read_bytes * ranks_per_node(b) / (target.store_gbps * GBIT)
 
 
+def replay_buckets(buckets: Sequence[Sequence[float]], network_ratio: float, compute_speedup: float) -> float:
+    """One step's exposed all-reduce when its buckets' service times scale by network_ratio and backward by
+    1 / compute_speedup: the buckets go over the link one after another, and what is left after the last one is
+    launched (all gradients computed) is exposed."""
+    finished = 0.0
+    for launched, service, _ in buckets:
+        finished = max(launched / compute_speedup, finished) + service * network_ratio
+    return max(finished - buckets[-1][0] / compute_speedup, 0.0)
+
+
+def _exposed_comm(b: StepBreakdown, network_ratio: float, compute_speedup: float) -> float:
+    """Exposed gradient all-reduce over the measured steps on the target.
+
+    With the step's bucket profile: the buckets replayed at the target's bandwidth, plus what the replay of the
+    measurement leaves unexplained (the tail after the last all-reduce: waking the training thread, copying the
+    averaged buckets back), kept as measured. Without one: the overlapped part stays as capacity to hide behind,
+    exposed' = max(0, total × ratio − hidden)."""
+    if b.comm_buckets:
+        residual = b.comm_exposed_s / b.steps - replay_buckets(b.comm_buckets, 1.0, 1.0)
+        return b.steps * max(replay_buckets(b.comm_buckets, network_ratio, compute_speedup) + residual, 0.0)
+    hidden = (b.comm_total_s - b.comm_exposed_s) / compute_speedup
+    return max(0.0, b.comm_total_s * network_ratio - hidden)
+
+
 def _checkpoint_time(b: StepBreakdown, measured: Hardware, target: Hardware, mode: str) -> tuple[float, float]:
     """(training blocked on checkpoints, the part of it waiting on the store) over the measured steps."""
     if mode != b.ckpt_mode:  # only ever to async: the staged scenario
@@ -206,9 +235,9 @@ def predict(breakdown: StepBreakdown, measured: Hardware, target: Target, job: J
         notes.append("no local NVMe: reads every batch from the store")
     mode = "async" if target.staged else b.ckpt_mode
 
-    comm_total = b.comm_total_s * measured.network_gbps / hw.network_gbps
-    hidden = (b.comm_total_s - b.comm_exposed_s) / hw.compute_speedup
-    exposed = max(0.0, comm_total - hidden)
+    network_ratio = measured.network_gbps / hw.network_gbps
+    comm_total = b.comm_total_s * network_ratio
+    exposed = _exposed_comm(b, network_ratio, hw.compute_speedup)
     data = _data_time(b, measured, hw, source)
     block, upload = _checkpoint_time(b, measured, hw, mode)
     compute = b.t_compute / hw.compute_speedup

@@ -10,6 +10,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # no display on servers and workers; must precede pyplot
 import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
 
 def run_chart_png(curve: Sequence[tuple[int, float]], phases: Mapping[str, float],
@@ -27,12 +28,16 @@ def run_chart_png(curve: Sequence[tuple[int, float]], phases: Mapping[str, float
         time_axes.barh(names, [phases[name] for name in names], color="tab:orange")
         time_axes.invert_yaxis()
         time_axes.set(title="time per phase", xlabel="seconds")
-        figure.tight_layout()
-        buffer = io.BytesIO()
-        figure.savefig(buffer, format="png")
-        return buffer.getvalue()
+        return figure_png(figure)
     finally:
         plt.close(figure)
+
+
+def figure_png(figure: Figure) -> bytes:
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    return buffer.getvalue()
 
 
 def markdown_image(png: bytes, alt: str) -> str:

@@ -235,3 +235,24 @@ def test_cli_without_a_breakdown_exits_2_with_one_line(tmp_path: Path, stored: d
     assert result.exit_code == 2
     assert result.stderr.startswith(f"error: {path}: {line}")
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+# Two buckets as DDP makes them for a 6.9 MB model at 100 Mbit/s: a small first bucket (launched when the last
+# layers' gradients are ready) and the rest 35 ms later, when backward has computed everything.
+BUCKETS = ((0.0, 0.089, 1e6), (0.035, 0.525, 5.9e6))
+
+
+@pytest.mark.parametrize(("factor", "speedup", "residual", "exposed_per_step"), [
+    (1, 1.0, 0.0, 0.579),    # as measured: 0.089 + 0.525 − 0.035
+    (10, 1.0, 0.0, 0.0525),  # the first bucket now ends before the second is launched: only the second is exposed
+    (2, 1.0, 0.0, 0.272),    # the first bucket (44.5 ms) still delays the second: 0.0445 + 0.2625 − 0.035
+    (10, 1.0, 0.004, 0.0565),  # the tail the replay does not explain is kept as measured
+    (1, 5.0, 0.0, 0.607),    # 5× faster backward: the second bucket is launched at 7 ms, 0.614 − 0.007
+])
+def test_a_bucket_profile_is_replayed_at_the_target_bandwidth(factor: float, speedup: float, residual: float,
+                                                             exposed_per_step: float) -> None:
+    b = breakdown(comm_buckets=BUCKETS, comm_exposed_s=100 * (0.579 + residual), comm_total_s=100 * 0.614,
+                  wall_s=50.0 + 100 * (0.579 + residual) - 20.0)
+    p = on(b, network_gbps=MEASURED.network_gbps * factor, compute_speedup=speedup)
+    assert p.step.comm_exposed_s / 100 == pytest.approx(exposed_per_step, abs=1e-9)
+    assert p.step.comm_total_s == pytest.approx(100 * 0.614 / factor)

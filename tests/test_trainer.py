@@ -111,16 +111,22 @@ def test_windows_stay_inside_one_shard(tmp_path: Path) -> None:
     assert set(rows[:, 0].tolist()) == {1, 2}  # the 5-token shard is too short for a 9-token window
 
 
-def test_dataset_errors_name_the_file(tmp_path: Path) -> None:
-    data_dir = write_dataset(tmp_path, [np.zeros(100)], vocab_size=8)
+@pytest.mark.parametrize("remote", [False, True], ids=["staged dir", "store url"])
+def test_dataset_errors_name_the_file_and_the_fix(tmp_path: Path, remote: bool) -> None:
+    data_dir = write_dataset(tmp_path / "data", [np.zeros(100)], vocab_size=8)
+    source: Path | str = f"file://{data_dir}" if remote else data_dir
+    fix = "re-upload" if remote else "re-stage"
     with pytest.raises(DataError, match=r"manifest.json: dataset vocab_size 8 != model vocab_size 16"):
-        TokenWindows(data_dir, seq_len=8, vocab_size=16)
+        TokenWindows(source, seq_len=8, vocab_size=16)
     (data_dir / "shard-00000.bin").write_bytes(b"\0" * 10)
-    with pytest.raises(DataError, match=r"shard-00000.bin: 10 bytes but the manifest says 200"):
-        TokenWindows(data_dir, seq_len=8, vocab_size=8)
+    with pytest.raises(DataError, match=rf"{source}/shard-00000.bin: 10 bytes but the manifest says 200: {fix}"):
+        TokenWindows(source, seq_len=8, vocab_size=8)
     (data_dir / "shard-00000.bin").unlink()
-    with pytest.raises(DataError, match=r"shard-00000.bin: shard listed in the manifest is missing"):
-        TokenWindows(data_dir, seq_len=8, vocab_size=8)
+    with pytest.raises(DataError, match=rf"{source}/shard-00000.bin: shard listed in the manifest is missing"):
+        TokenWindows(source, seq_len=8, vocab_size=8)
+    if remote:
+        with pytest.raises(DataError, match=rf"file://{tmp_path}/nowhere/manifest.json: no dataset manifest"):
+            TokenWindows(f"file://{tmp_path}/nowhere", seq_len=8, vocab_size=8)
 
 
 def test_lr_warms_up_then_decays_to_a_tenth() -> None:

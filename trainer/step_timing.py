@@ -20,6 +20,11 @@ What each figure means (seconds, summed over the steps this process ran; every i
     ckpt_upload_wait_s the wait until the node's syncer has uploaded the step (a part of ckpt_block_s).
     allreduce_bytes    gradient bytes this rank handed to all-reduce (the buckets' sizes); the loss all-reduce's
                        8 bytes are not counted, they are latency, not bandwidth.
+    comm_buckets       the shape of one step's gradient communication, for the what-if predictor: per bucket, in
+                       launch order, [launch time after the first bucket's launch, service time, bytes], averaged
+                       over the steps since DDP last changed its buckets. Service time is what the bucket's
+                       all-reduce took once the one before it had finished (buckets share the link, one after
+                       another), so replaying the buckets with scaled service times predicts the exposed part.
 
 Everything else in the step (forward, backward's own computation, gradient clipping, the optimizer) is compute:
 StepBreakdown.t_compute = wall − (comm_exposed + sync_wait) − (data_wait + ckpt_block).
@@ -141,6 +146,29 @@ class _Bucket:
     done: Any = None
 
 
+class BucketProfile:
+    """Running means of each bucket's [launch offset, service time, bytes] over the steps with the same buckets."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self._sums: list[list[float]] = []
+
+    def add(self, intervals: list[tuple[float, float]], sizes: list[int]) -> None:
+        """intervals: (launched, done) per bucket in launch order, on one clock."""
+        if len(intervals) != len(self._sums):  # DDP rebuilds its buckets after the first step: start over
+            self.steps, self._sums = 0, [[0.0, 0.0, 0.0] for _ in intervals]
+        first, previous_done = intervals[0][0], float("-inf")
+        for sums, (launched, done), size in zip(self._sums, intervals, sizes, strict=True):
+            sums[0] += launched - first
+            sums[1] += max(done - max(launched, previous_done), 0.0)
+            sums[2] += size
+            previous_done = max(previous_done, done)
+        self.steps += 1
+
+    def means(self) -> list[list[float]]:
+        return [[round(total / self.steps, 7) for total in sums] for sums in self._sums] if self.steps else []
+
+
 def covered_s(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of [start, end] intervals: time during which at least one was open."""
     total, reach = 0.0, float("-inf")
@@ -160,6 +188,7 @@ class StepTimer:
         self._step_started = 0.0
         self._buckets: list[_Bucket] = []
         self.totals = StepSplit()
+        self.profile = BucketProfile()
 
     def attach(self, ddp_model: DistributedDataParallel) -> None:
         """Registers the timing comm hook; DDP takes one hook, before its first forward."""
@@ -201,10 +230,12 @@ class StepTimer:
         self._clock.sync()
         # DDP's backward returns only once every bucket's future (and so its callback) has completed.
         seconds = self._clock.seconds
-        intervals = [(seconds(b.launched), seconds(b.done)) for b in self._buckets]
+        intervals = sorted((seconds(b.launched), seconds(b.done), b.bytes) for b in self._buckets)
         if intervals:
-            self._step.comm_total_s += covered_s(intervals)
-            self._step.comm_exposed_s += max(0.0, seconds(ended) - max(start for start, _ in intervals))
+            spans = [(launched, done) for launched, done, _ in intervals]
+            self._step.comm_total_s += covered_s(spans)
+            self._step.comm_exposed_s += max(0.0, seconds(ended) - spans[-1][0])
+            self.profile.add(spans, [size for _, _, size in intervals])
         self._step.allreduce_bytes += sum(b.bytes for b in self._buckets)
 
     def end_step(self) -> StepSplit:
@@ -240,4 +271,5 @@ class StepTimer:
             ckpt_mode=ckpt_mode,
             world_size=world_size,
             nodes=nodes,
+            comm_buckets=tuple(tuple(bucket) for bucket in self.profile.means()),
         )

@@ -31,7 +31,7 @@ def repro(
     slow_mbit: Annotated[float, typer.Option(min=1, help="link rate of configuration (a), Mbit/s")] = 100.0,
     fast_mbit: Annotated[float, typer.Option(min=1, help="link rate of configurations (b) and (c), Mbit/s")] = 1000.0,
     steps: Annotated[int, typer.Option(min=10, help="training steps per configuration")] = 60,
-    every: Annotated[int, typer.Option(min=1, help="checkpoint every this many steps")] = 10,
+    every: Annotated[int, typer.Option(min=1, help="checkpoint every this many steps")] = 20,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the table as JSON here")] = None,
     chart: Annotated[Path | None, typer.Option(help="write the chart (PNG) here")] = Path("repro.png"),
     workdir: Annotated[Path | None, typer.Option(help="scratch dir for the store (default: system temp)")] = None,
