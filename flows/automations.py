@@ -27,7 +27,9 @@ def teardown_automations(sweep_deployment_id: UUID, silence_s: int) -> list[Auto
         description=f"A retrain run that sent no heartbeat for {silence_s}s lost its process: mark it Crashed.",
         trigger=EventTrigger(
             posture=Posture.Proactive, match=FLOW_RUNS, match_related=OF_RETRAIN, for_each={"prefect.resource.id"},
-            after={"prefect.flow-run.heartbeat"}, expect={"prefect.flow-run.heartbeat", *FINAL_EVENTS},
+            # After Running too: a process killed before its first heartbeat reached the server goes silent as well.
+            after={"prefect.flow-run.Running", "prefect.flow-run.heartbeat"},
+            expect={"prefect.flow-run.heartbeat", *FINAL_EVENTS},
             threshold=1, within=timedelta(seconds=silence_s)),
         actions=[ChangeFlowRunState(state=StateType.CRASHED,
                                     message=f"no heartbeat for {silence_s}s: its process is gone")],

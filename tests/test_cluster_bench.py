@@ -21,8 +21,8 @@ from infra.catalog import shipped_catalog
 from infra.clusterbench import AllReduceFigure, ClusterMeasurement, DiskFigure, LinkFigure, compare, link_batches
 from infra.node import diskbench
 from infra.plan import cluster_candidates
-from infra.providers import Cluster, get_provider
-from infra.spec import ClusterSpec, parse_job
+from infra.providers import Cluster, Provider, get_provider
+from infra.spec import ClusterSpec, JobSpec, parse_job
 
 QUICK = {"tcp_seconds": 1, "tcp_streams": 2, "allreduce_sizes_mb": [1, 4], "disk_bytes_mb": 16}
 IMPOSSIBLE_GBPS = 100000
@@ -35,6 +35,18 @@ def bench_config(tmp: Path, **cluster: Any) -> dict[str, Any]:
 
 
 # -- the measurements and the task's error path, on 2 local nodes --------------------------------------------
+
+
+def bench_task_failure(job: JobSpec, provider: Provider, cluster: Cluster,
+                       monkeypatch: pytest.MonkeyPatch) -> tasks.verify.ClusterBenchError:
+    """The verify task's bench on a launched cluster, which must fail; the cluster is torn down either way."""
+    monkeypatch.setattr(tasks.verify, "get_run_logger", lambda: logging.getLogger("test.verify"))
+    try:
+        with pytest.raises(tasks.verify.ClusterBenchError) as caught:
+            tasks.verify.bench_cluster.fn(job, cluster)
+    finally:
+        provider.terminate(cluster.name)
+    return caught.value
 
 
 def test_bench_fail_with_an_unreachable_floor_names_each_missed_figure(
@@ -51,12 +63,7 @@ def test_bench_fail_with_an_unreachable_floor_names_each_missed_figure(
         return results[-1]
 
     monkeypatch.setattr(clusterbench, "bench_cluster", keep)
-    monkeypatch.setattr(tasks.verify, "get_run_logger", lambda: logging.getLogger("test.verify"))
-    try:
-        with pytest.raises(tasks.verify.ClusterBenchError) as caught:
-            tasks.verify.bench_cluster.fn(job, cluster)
-    finally:
-        provider.terminate(cluster.name)
+    error = bench_task_failure(job, provider, cluster, monkeypatch)
 
     measured = results[0].measurement
     [link] = measured.links
@@ -69,7 +76,7 @@ def test_bench_fail_with_an_unreachable_floor_names_each_missed_figure(
     assert [d.node for d in measured.disks] == ["node-0", "node-1"]
     assert all(d.write_mb_per_s > 0 and d.read_mb_per_s > 0 and d.bytes == 16 * 2**20 for d in measured.disks)
 
-    lines = str(caught.value).splitlines()
+    lines = str(error).splitlines()
     assert len(lines) == 3, lines  # the heading, the one missed figure (the only link), the way to train anyway
     assert lines[1].startswith(f"tcp node-0 → node-1: {link.gbps:.4g} Gbit/s measured vs 1e+05 Gbit/s expected "
                                "(job floor cluster.min_network_gbps): below 80% of it: pick another instance type")

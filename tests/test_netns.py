@@ -9,7 +9,6 @@ would hide a broken provider.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import signal
@@ -22,9 +21,9 @@ from typing import Any
 import pytest
 from conftest import REPO, TRAINPIPE
 from jobs import job_config, make_dataset, write_config
+from test_cluster_bench import bench_task_failure
 from test_pipeline_e2e import tagged_processes
 
-import tasks.verify
 from infra import clusterbench, netns
 from infra.checkpoints import CheckpointStore
 from infra.dataset.synth import synthesize
@@ -192,14 +191,7 @@ def test_verify_fails_below_the_floor_naming_measured_and_expected(
                              verify={**QUICK_VERIFY, "bench": "fail"})
     job = parse_job(config)
     cluster = provider.launch("tp-netns-floor", job.cluster, "netns-floor")
-    monkeypatch.setattr(tasks.verify, "get_run_logger", lambda: logging.getLogger("test.verify"))
-    try:
-        with pytest.raises(tasks.verify.ClusterBenchError) as caught:
-            tasks.verify.bench_cluster.fn(job, cluster)
-    finally:
-        provider.terminate(cluster.name)
-
-    line = str(caught.value).splitlines()[1]
+    line = str(bench_task_failure(job, provider, cluster, monkeypatch)).splitlines()[1]
     found = re.match(r"tcp node-0 → node-1: ([\d.]+) Gbit/s measured vs 1 Gbit/s expected \(job floor "
                      r"cluster\.min_network_gbps\): below 80% of it", line)
     assert found, line
