@@ -195,8 +195,9 @@ def test_a_job_preempted_twice_finishes_like_an_uninterrupted_one(prefect_server
     from flows.retrain import retrain
 
     dataset = make_dataset(tmp_path / "dataset")
-    # Steps of tens of ms, so a commit lands within a few steps of its save, as it does for any real model.
-    training = {"steps": 300, "batch_size": 64}
+    # Steps of ~50 ms (not the ~13 ms a batch of 64 takes here), so a checkpoint interval of 40 steps is ~2 s and a
+    # commit (~0.5-1 s from the save) lands well within it, as it does for any real model.
+    training = {"steps": 300, "batch_size": 256}
     plain = retrain(parse_job(job_config(tmp_path / "plain", dataset, **training)), "plain-run")
 
     config = job_config(tmp_path / "chaos", dataset, **training)
