@@ -30,7 +30,10 @@ def repro_chart_png(report: ReproReport) -> bytes:
             if result.speedup is not None:
                 axes.annotate(f"{result.speedup:.1f}×", (label, top), ha="center", va="bottom",
                               textcoords="offset points", xytext=(0, 3))
-        axes.set(title="job time per configuration (staging + training steps)", ylabel="seconds")
+        tallest = max([*bottoms, *(seconds for _, seconds in predicted)])
+        # Room above the tallest bar for its speedup label.
+        axes.set(title="job time per configuration (staging + training steps)", ylabel="seconds",
+                 ylim=(0, tallest * 1.15))
         axes.legend(loc="upper right", fontsize="small")
         return figure_png(figure)
     finally:
