@@ -33,8 +33,8 @@ from infra.providers.aws import TAG_HOST_KEY, AwsProvider, user_data
 from infra.providers.base import Cluster, InvalidRequestError, LaunchError, Node
 from infra.providers.cloud import HOST_KEYS, MOUNT, CloudProvider, boot_script
 from infra.providers.gcp import META_HOST_KEY, GcpProvider, startup_script
+from infra.providers.hosts import HostUnreachableError
 from infra.providers.local import CLUSTER_TAG, NODE_TAG
-from infra.providers.ssh import HostUnreachableError
 from infra.ssh import HostKeyError, SshRunner, close_connections
 
 # The simulated clouds of the provider tests, with their fixtures (module-scoped servers start once here too).

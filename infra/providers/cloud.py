@@ -32,11 +32,11 @@ from infra.failover import launch_with_failover
 from infra.hostkeys import SSH_DIR, HostKey, generate_host_key, install_script
 from infra.optimizer import Candidate, NoCandidateError, candidates
 from infra.providers.base import Attempt, Cluster, InvalidRequestError, LaunchError, Node, Provider
-from infra.providers.local import CLUSTER_TAG, NODE_TAG
 
 # The ssh provider's helpers: run every node at once, and turn an SSH failure into the LaunchError saying whether
 # trying again can help.
-from infra.providers.ssh import in_parallel, launch_error
+from infra.providers.hosts import in_parallel, launch_error
+from infra.providers.local import CLUSTER_TAG, NODE_TAG
 from infra.remote import RemoteError
 from infra.spec import ClusterSpec
 from infra.ssh import HostKeyError, SshConnectError, SshRunner, wait_for_ssh

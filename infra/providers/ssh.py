@@ -18,11 +18,9 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import psutil
 
@@ -38,10 +36,11 @@ from infra.providers.base import (
     PreemptionNotice,
     Provider,
 )
+from infra.providers.hosts import in_parallel, launch_error
 from infra.providers.local import CLUSTER_TAG, NODE_TAG
 from infra.remote import RemoteError, Runner
 from infra.spec import ClusterSpec, SshHostSpec
-from infra.ssh import HostKeyError, SshAuthError, SshConnectError, SshRunner
+from infra.ssh import SshRunner
 from infra.workspace import workspace_dir
 
 log = logging.getLogger(__name__)
@@ -52,7 +51,6 @@ ADMIN_TIMEOUT_S = 120.0
 TEARDOWN_GRACE_S = 5.0
 LAUNCH_CONNECT_S = 60.0  # a machine that is rebooting gets this long to answer
 TEARDOWN_CONNECT_S = 20.0  # terminate (and nodes_alive, which teardown asks) gives up on a host after this long
-T = TypeVar("T")
 
 # Runs with the host's python, stdlib only: argv = mode, cluster tag, [grace, cluster dir, reservation, cluster name,
 # record]. "count" prints how many processes carry the tag; "teardown" ends them (SIGTERM, SIGKILL after grace),
@@ -121,12 +119,6 @@ class HostReservedError(LaunchError):
     """Another live cluster holds the host: wait for it, or tear it down."""
 
 
-class HostUnreachableError(LaunchError):
-    """The host did not answer over SSH; it may later (a reboot)."""
-
-    transient = True
-
-
 @dataclass(frozen=True)
 class _Host:
     """One node of a cluster: its place in the cluster and how to reach its machine."""
@@ -160,30 +152,6 @@ def _owner_alive(owner: dict[str, Any]) -> bool:
         return abs(process.create_time() - float(owner["create_time"])) < 1.0
     except (psutil.NoSuchProcess, KeyError, ValueError, TypeError):
         return False
-
-
-def launch_error(exc: BaseException) -> LaunchError:
-    """The failure of one host as the LaunchError that says whether trying again can help."""
-    if isinstance(exc, LaunchError):
-        return exc
-    if isinstance(exc, HostKeyError | SshAuthError):
-        return InvalidRequestError(str(exc))
-    if isinstance(exc, SshConnectError):
-        return HostUnreachableError(str(exc))
-    return LaunchError(str(exc))
-
-
-def in_parallel(items: list[T], work: Callable[[T], Any]) -> list[tuple[T, Any, BaseException | None]]:
-    """work(item) for every item at once (hosts are independent); (item, result, error) in item order."""
-    if not items:
-        return []
-    with ThreadPoolExecutor(max_workers=min(16, len(items)), thread_name_prefix="ssh-host") as pool:
-        futures = [pool.submit(work, item) for item in items]
-    results = []
-    for item, future in zip(items, futures, strict=True):
-        error = future.exception()
-        results.append((item, None if error else future.result(), error))
-    return results
 
 
 class SshProvider(Provider):
