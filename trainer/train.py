@@ -165,6 +165,9 @@ class SaveLog:
         self.slowest_s = 0.0
         self.count = 0
         self.bytes = 0  # this node's files, summed over the saves reported
+        # A background save that failed on this rank before any SIGTERM here: a peer's SIGTERM ends its writer
+        # process, which fails this rank's save too, so the next stop agreement decides whether it is an error.
+        self.failed: CheckpointError | None = None
 
     def report(self, records: list[SaveRecord]) -> None:
         for record in records:
@@ -181,18 +184,22 @@ def _extra(step: int, args: argparse.Namespace, metrics: TrainingMetrics) -> dic
 
 
 def _report_finished_saves(checkpointer: Checkpointer, saves: SaveLog, stop: StopSignal) -> None:
-    """Reports finished saves; a failure after SIGTERM is left to the stop path instead of ending this rank.
+    """Reports finished saves; a failure is left to the next step boundary instead of ending this rank.
 
     torchrun signals the worker's whole process group, so the SIGTERM that stops training also ends the writer
-    process mid-save. Raising here would make this rank exit while its peers wait in the collective that agrees
-    on stopping; the stop path (next step boundary) reports the lost save and decides on a last one.
+    process mid-save, and with it the save on every other rank (their writers share a collective). Raising here
+    would make this rank exit while its peers wait in the collective that agrees on stopping; the stop path
+    (next step boundary) reports the lost save and decides on a last one. Without any stop, the failure is raised
+    there.
     """
     try:
         saves.report(checkpointer.finished())
     except CheckpointError as exc:
         if stop.received_at is None:
-            raise
-        print(f"trainer (rank {os.environ.get('RANK', '?')}): after SIGTERM: {exc}", file=sys.stderr, flush=True)
+            # Raised at the next step boundary unless the ranks then agree to stop (a peer was signalled).
+            saves.failed = exc
+        when = "after SIGTERM" if stop.received_at is not None else "a peer may be stopping"
+        print(f"trainer (rank {os.environ.get('RANK', '?')}): {when}: {exc}", file=sys.stderr, flush=True)
 
 
 def _wait_for_upload(step: int, args: argparse.Namespace, node_rank: int, is_node_leader: bool,
@@ -333,6 +340,8 @@ def train(args: argparse.Namespace) -> None:
                 checkpointer.prepare(ddp_model, optimizer)
             with timer.phase("sync"):
                 mean_loss, stopping = _mean_loss_and_stop(loss, stop.received_at is not None)
+            if saves.failed is not None and not stopping:
+                raise saves.failed
             if not math.isfinite(mean_loss):
                 raise TrainError(f"loss became {mean_loss} at step {step}: lower --lr or raise --warmup-steps")
             metrics.record(step, mean_loss, lr)
@@ -347,6 +356,8 @@ def train(args: argparse.Namespace) -> None:
                         with timer.phase("upload"):
                             _wait_for_upload(step, args, node_rank, local_rank == 0, device)
             metrics.end_step(step, timer.end_step(), tokens_per_step)
+        if saves.failed is not None:
+            raise saves.failed
         try:
             saves.report(checkpointer.wait())
         except CheckpointError as exc:
