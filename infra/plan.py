@@ -13,6 +13,7 @@ from infra.optimizer import Candidate, NoCandidateError, candidates, render_cand
 from infra.providers import get_provider
 from infra.spec import JobSpec
 from infra.storage import StorageError, open_store
+from infra.workload.plan import WorkloadError, WorkloadPlan, plan_workload
 
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -35,6 +36,7 @@ class Plan:
     loss_floor: float
     checkpoint_url: str
     resume_step: int | None
+    workload: WorkloadPlan
     candidates: tuple[Candidate, ...] = ()  # cloud providers: where to launch, in the order failover tries
 
     def render(self) -> str:
@@ -45,6 +47,8 @@ class Plan:
             f"  dataset: {self.dataset_url} — {self.dataset_shards} shards, {self.dataset_tokens:,} tokens, "
             f"{self.dataset_bytes / 1e6:.1f} MB, loss floor {self.loss_floor:.4f} nats",
             f"  checkpoints: {self.checkpoint_url} — {resume}",
+            self.workload.render(),
+            *(f"  warning: {warning}" for warning in self.workload.warnings),
             *self._render_candidates(),
         ])
 
@@ -87,11 +91,14 @@ def plan_job(job: JobSpec, run_id: str) -> Plan:
         manifest = load_manifest(dataset)
     except (DatasetError, StorageError) as exc:
         raise PlanError(str(exc)) from None
-    report = validate_dataset(dataset, deep=job.dataset.validation == "full",
-                              expected_vocab=job.training.model.vocab_size)
+    report = validate_dataset(dataset, deep=job.dataset.validation == "full")
     if not report.ok:
         raise PlanError(f"dataset {job.dataset.url} is not usable: " + "; ".join(report.problems))
 
+    try:
+        workload = plan_workload(job.training.code, job.training.setup, job.training.command)
+    except WorkloadError as exc:
+        raise PlanError(str(exc)) from None
     checkpoint_url = checkpoint_url_for(job, run_id)
     try:
         checkpoints = open_store(checkpoint_url)
@@ -104,5 +111,6 @@ def plan_job(job: JobSpec, run_id: str) -> Plan:
         nodes=job.cluster.nodes, world_size=job.cluster.nodes * job.cluster.procs_per_node,
         dataset_url=job.dataset.url, dataset_bytes=sum(s.bytes for s in manifest.shards),
         dataset_shards=len(manifest.shards), dataset_tokens=manifest.total_tokens, loss_floor=manifest.loss_floor,
-        checkpoint_url=checkpoint_url, resume_step=latest.step if latest else None, candidates=found,
+        checkpoint_url=checkpoint_url, resume_step=latest.step if latest else None, workload=workload,
+        candidates=found,
     )
