@@ -45,8 +45,9 @@ TRAILING_NUMBER = re.compile(r"(\d+)\D*$")
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors", ".bin")
 # How deep checkpoints may sit below the checkpoint dir (torchtitan: <dump>/checkpoint/step-N).
 MAX_DEPTH = 4
-# Names a framework writes while saving and renames (or deletes) when done: never part of a checkpoint.
-_TEMPORARY = re.compile(r"(^\.|\.tmp$|\.tmp[-.]|\.part$|\.partial$|~$)")
+# Names a framework writes while saving and renames (or deletes) when done: never part of a checkpoint. (Other
+# hidden files are: DCP's index is `.metadata`.)
+_TEMPORARY = re.compile(r"(^\.tmp|^\..*\.tmp|\.tmp$|\.tmp[-.]|\.part$|\.partial$|~$)")
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,8 @@ class Detector:
             return
         names = {entry.name for entry in entries}
         for entry in entries:
-            if is_temporary(entry.name) or entry.name.endswith(MARKER_SUFFIX):
+            # Hidden entries of the checkpoint dir itself are not checkpoints (a writer's scratch dir, state files).
+            if entry.name.startswith(".") or is_temporary(entry.name) or entry.name.endswith(MARKER_SUFFIX):
                 continue
             path = Path(entry.path)
             rel = path.relative_to(self.ckpt_dir).as_posix()
@@ -241,11 +243,33 @@ def part_files(root: Path) -> list[str]:
     return files
 
 
-def expected_part_files(fmt: str, global_ranks: Iterable[int], world_size: int) -> list[str]:
-    """Files a node's own ranks must have written into a checkpoint folder before its part is complete."""
-    if fmt == "hf" and world_size > 1:
-        return [f"rng_state_{rank}.pth" for rank in global_ranks]
-    return []
+_DCP_FILE = re.compile(rb"__(\d+)_\d+\.distcp")
+_RANK_FILE = re.compile(r"^(?:__(\d+)_\d+\.distcp|rng_state_(\d+)\.pth)$")
+
+
+def required_files(folder: Path, world_size: int) -> list[str]:
+    """Files every node's ranks must have contributed before the checkpoint in this (coordinator's) folder is whole:
+    the data files DCP's `.metadata` indexes (their names appear in it as plain strings), and with several ranks the
+    per-rank RNG states the HF Trainer writes beside its own."""
+    required: set[str] = set()
+    metadata = folder / DCP_METADATA
+    if metadata.is_file():
+        required |= {match.group(0).decode() for match in _DCP_FILE.finditer(metadata.read_bytes())}
+    if world_size > 1 and (folder / "rng_state_0.pth").is_file():
+        required |= {f"rng_state_{rank}.pth" for rank in range(world_size)}
+    return sorted(required)
+
+
+def rank_of(name: str) -> int | None:
+    """The global rank a per-rank checkpoint file belongs to (DCP's __<rank>_<n>.distcp, HF's rng_state_<rank>)."""
+    match = _RANK_FILE.match(Path(name).name)
+    return int(match.group(1) or match.group(2)) if match else None
+
+
+def own_required(required: Iterable[str], ranks: Iterable[int]) -> list[str]:
+    """Of a checkpoint's required files, the ones this node's ranks write."""
+    mine = set(ranks)
+    return [name for name in required if rank_of(name) in mine]
 
 
 def part_settled(ckpt_dir: Path, name: str, fmt: str, expected: Iterable[str]) -> bool:

@@ -144,6 +144,7 @@ class Announcement(StrictModel):
     checkpoint: CheckpointRef
     attempt: str
     nodes: list[int] = Field(min_length=1)
+    required: list[str] = Field(default_factory=list)  # files the union must hold (DCP's data files, RNG states)
     announced_at: float
 
 
@@ -301,6 +302,10 @@ class CheckpointStore:
     def announce(self, announcement: Announcement) -> None:
         self.store.put_bytes(announcement_key(announcement.step), announcement.model_dump_json().encode())
 
+    def withdraw(self, step: int) -> None:
+        """A checkpoint that will never be committed: the nodes stop waiting to ship it."""
+        self.store.delete(announcement_key(step))
+
     def announcements(self, attempt: str) -> list[Announcement]:
         """This attempt's announcements still waiting for their commit, oldest step first."""
         found = []
@@ -364,9 +369,11 @@ class CheckpointStore:
         return [rank for rank in ranks if self._current_record(step, rank, attempt) is None]
 
     def try_commit(self, step: int, nodes: int | Sequence[int], world_size: int, config_hash: str,
-                   attempt: str = "", checkpoint: CheckpointRef | None = None) -> CheckpointManifest | None:
+                   attempt: str = "", checkpoint: CheckpointRef | None = None,
+                   required: Sequence[str] = ()) -> CheckpointManifest | None:
         """Write the manifest once the records of `nodes` (a count, or the ranks) from this attempt all exist (None
-        until then); idempotent after a crash."""
+        until then); idempotent after a crash. CheckpointError when the parts lack a required file: such a
+        checkpoint could not be loaded, so it is never committed."""
         existing = self._load_manifest(step)
         if existing is not None:
             self._advance_latest(existing)
@@ -378,12 +385,20 @@ class CheckpointStore:
             if record is None:
                 return None
             records.append(record)
+        files = self._union(step, records)
+        missing = sorted(set(required) - {entry.path for entry in files})
+        if missing:
+            raise CheckpointError(
+                f"{self.store.url_for(step_name(step))}: the nodes' parts lack {', '.join(missing[:5])}"
+                f"{' …' if len(missing) > 5 else ''}: a node lost its part (deleted locally?): step {step} is not "
+                "committed"
+            )
         manifest = CheckpointManifest(
             step=step,
             world_size=world_size,
             nodes=len(ranks),
             config_hash=config_hash,
-            files=self._union(step, records),
+            files=files,
             committed_at=datetime.now(UTC).isoformat(timespec="seconds"),
             checkpoint=checkpoint or CheckpointRef(name=step_name(step)),
             attempt=attempt,

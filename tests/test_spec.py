@@ -67,7 +67,8 @@ def test_bad_values_name_field_and_fix(path: tuple[str, ...], value: object, exp
 
 
 def test_missing_and_unknown_fields() -> None:
-    assert error_for({"dataset": {"url": "x"}}) == "job.yaml: checkpoints: missing: add 'checkpoints:' to the config"
+    assert error_for({"dataset": {"url": "x"}, "training": {"command": ["t.py"]}}) == (
+        "job.yaml: checkpoints: missing: add 'checkpoints:' to the config")
     config = base() | {"clutser": {}}
     assert "clutser: unknown field: remove it or check its spelling" in error_for(config)
 

@@ -32,10 +32,11 @@ from infra.checkpoint_formats import (
     FORMATS,
     Detector,
     Found,
-    expected_part_files,
     files_open_for_writing,
+    own_required,
     part_files,
     part_settled,
+    required_files,
 )
 from infra.checkpoints import (
     UPLOAD_LEASE,
@@ -285,8 +286,10 @@ class Syncer:
             ref = CheckpointRef(name=found.name, kind=found.kind, format=found.format)
             # Folders are written by every node; a file checkpoint by global rank 0 alone.
             nodes = list(range(self.config.nodes)) if found.kind == "dir" else [0]
+            required = required_files(found.path(self.config.ckpt_dir), self.config.world_size) \
+                if found.kind == "dir" else []
             announcement = Announcement(step=step, checkpoint=ref, attempt=self.config.attempt, nodes=nodes,
-                                        announced_at=time.time())
+                                        required=required, announced_at=time.time())
             call_with_retries(lambda a=announcement: self.checkpoints.announce(a),
                               f"announcement of step {step}", STEP_RETRY)
             self.state.newest_step = max(step, self.state.newest_step or step)
@@ -303,12 +306,19 @@ class Syncer:
             newest = self.state.newest_committed
             if newest is not None and step <= newest:
                 continue  # superseded by a newer commit: retention removes it
-            manifest = call_with_retries(
-                lambda a=announcement: self.checkpoints.try_commit(a.step, a.nodes, config.world_size,
-                                                                   config.config_hash, a.attempt, a.checkpoint),
-                f"commit of {self.checkpoints.store.url_for(step_name(step))}",
-                STEP_RETRY,
-            )
+            try:
+                manifest = call_with_retries(
+                    lambda a=announcement: self.checkpoints.try_commit(a.step, a.nodes, config.world_size,
+                                                                       config.config_hash, a.attempt, a.checkpoint,
+                                                                       a.required),
+                    f"commit of {self.checkpoints.store.url_for(step_name(step))}",
+                    STEP_RETRY,
+                )
+            except CheckpointError as exc:
+                log.warning("%s", exc)
+                emit("abandoned", step=step, reason=str(exc))
+                self.checkpoints.withdraw(step)
+                continue
             if manifest is None:
                 waiting.append(step)
                 continue
@@ -334,10 +344,12 @@ class Syncer:
             if config.node_rank not in announcement.nodes or self.state.has_step(step):
                 continue
             first_seen = self.first_seen.setdefault(step, time.monotonic())
-            if (config.ckpt_dir / ref.name).exists():
-                must_have = expected_part_files(ref.format, config.own_ranks, config.world_size)
+            must_have = own_required(announcement.required, config.own_ranks)
+            if (config.ckpt_dir / ref.name).exists() or must_have:
+                # A part whose files are gone (deleted locally) never settles: that step is not committed.
                 ready = part_settled(config.ckpt_dir, ref.name, ref.format, must_have)
             else:
+                # Nothing of it here and nothing owed: this node's ranks wrote no file of this checkpoint.
                 ready = time.monotonic() - first_seen >= EMPTY_PART_GRACE_S
             if not ready:
                 pending.append(step)
