@@ -26,6 +26,7 @@ from infra.workspace import run_dir
 from tasks.capacity import nodes_held
 from tasks.checkpoint import latest_committed_step, verify_committed_checkpoint
 from tasks.cluster import provision_cluster, teardown_cluster
+from tasks.node_output import start_loss_curve
 from tasks.plan import plan_run
 from tasks.preemption import Preempted
 from tasks.report import (
@@ -66,6 +67,7 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
     cluster_name = cluster_name_for(run_id)
     summary = RunSummary(run_id=run_id, job=job.name, provider=job.cluster.provider, nodes=job.cluster.nodes)
     recoveries = Recoveries(job.recovery)
+    start_loss_curve(run_id)
     try:
         with summary.phase("plan"):
             plan: Plan = plan_run(job, run_id)

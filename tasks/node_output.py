@@ -51,15 +51,14 @@ class TrainingProgress:
     """Follows the script's progress on the head node (global rank 0): its metrics file, else its framework's own
     log lines; moves a Prefect progress artifact and records the run's loss curve.
 
-    The curve goes to `<run dir>/loss.csv` beside summary.json (every attempt of the run adds to it), where the
+    The curve goes to `<run dir>/loss.csv` beside summary.json (every attempt of the flow run adds to it), where the
     report draws it from. Facts (metrics records without a step) and checkpoint events are kept for the summary.
     """
 
     def __init__(self, run_id: str) -> None:
         self.curve_path = run_dir(run_id) / LOSS_CURVE
-        self.curve_path.parent.mkdir(parents=True, exist_ok=True)
         if not self.curve_path.is_file():
-            self.curve_path.write_text("step,loss\n")
+            start_loss_curve(run_id)
         self._throttle = Throttle(PROGRESS_ARTIFACT_INTERVAL_S)
         # Created here, on the task's thread, so the artifact belongs to the run; lines arrive on other threads.
         self.artifact_id = create_progress_artifact(0.0, description="training: starting")
@@ -110,6 +109,13 @@ class TrainingProgress:
                                      description=f"training: {point.step}/{self.total_steps} steps{loss}")
         else:
             update_progress_artifact(self.artifact_id, 0.0, description=f"training: step {point.step}{loss}")
+
+
+def start_loss_curve(run_id: str) -> None:
+    """A new flow run of this run id starts its curve afresh (its recoveries add to it)."""
+    path = run_dir(run_id) / LOSS_CURVE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("step,loss\n")
 
 
 def read_loss_curve(directory: Path) -> list[tuple[int, float]]:
