@@ -152,4 +152,7 @@ def test_hugging_face_and_lightning_log_lines_are_recognised() -> None:
     point = lightning.feed(line)
     assert point is not None and (point.step, point.loss) == (245, 2.34)
     assert lightning.feed("Epoch 0:  10%|█         | 10/100 [00:00<00:02, 30.1it/s, v_num=0]") is None
+    rich = "Epoch 2/-2 ━━━━━━━━━━━━━━━━━ 12/12 0:00:00 •        215.85it/s train_loss: 0.040"
+    point = LogRecognizer().feed(rich)
+    assert point is not None and (point.step, point.loss) == (36, 0.04)
     assert LogRecognizer().feed("{'loss': 1.0}") is None, "no step seen yet"

@@ -7,7 +7,8 @@ Two sources, one shape (Point):
   reaches, drawn on the loss curve) and "breakdown" (trainer.step_timing's split of the step time); an "event":
   "checkpoint" line (trainer.checkpoint's saves) goes into the checkpoints table.
 - the log lines of frameworks that print their progress: Hugging Face Trainer (its tqdm bar `12/100 [` and the
-  dicts it logs, `{'loss': '2.31', ...}`) and Lightning (`Epoch 1: 45%|...| 45/100 [..., train_loss=2.31]`), so an
+  dicts it logs, `{'loss': '2.31', ...}`) and Lightning (its tqdm bar `Epoch 1: 45%|...| 45/100 [..., train_loss=2.31]`,
+  or the rich one, drawn once an epoch off a terminal: `Epoch 1/... ━━━ 100/100 ... train_loss: 2.31`), so an
   unchanged script still shows progress. The metrics file wins where both speak.
 """
 
@@ -23,8 +24,10 @@ from typing import Any
 _TRAINING_BAR = re.compile(r"^\s*\d+%\|[^|]*\|\s*(\d+)/(\d+) \[")  # HF's bar has no label
 _HF_LOG = re.compile(r"^\s*(\{'.*\})\s*$")
 _LIGHTNING_BAR = re.compile(r"^Epoch (\d+):\s+\d+%\|[^|]*\|\s*(\d+)/(\d+) \[([^\]]*)\]")
+# Lightning's RichProgressBar (the default where `rich` is installed) draws once per epoch off a terminal.
+_LIGHTNING_RICH = re.compile(r"^Epoch (\d+)/\S+ \S* ?(\d+)/(\d+) (.*)$")
 _ANY_BAR = re.compile(r"^[^|]{0,80}\d+%\|")
-_LIGHTNING_LOSS = re.compile(r"(?:^|[ ,])(?:train_)?loss(?:_step)?=([0-9.eE+-]+|nan)")
+_LIGHTNING_LOSS = re.compile(r"(?:^|[ ,])(?:train_)?loss(?:_step)?(?:=|: )([0-9.eE+-]+|nan)")
 TOTAL_KEYS = ("total_steps", "max_steps")
 
 
@@ -93,7 +96,7 @@ class LogRecognizer:
         logged = _HF_LOG.match(line)
         if logged:
             return self._hf_log(logged.group(1))
-        epoch = _LIGHTNING_BAR.match(line)
+        epoch = _LIGHTNING_BAR.match(line) or _LIGHTNING_RICH.match(line)
         if epoch:
             return self._lightning(epoch)
         return None
