@@ -123,10 +123,12 @@ def _fd_flags(fdinfo: Path) -> int:
 
 
 def file_is_whole(path: Path) -> bool:
-    """False for a file in a known container format that is cut short (a writer killed mid-save)."""
+    """False for an empty file, or one in a known container format that is cut short (a writer killed mid-save)."""
     try:
         with open(path, "rb") as handle:
             head = handle.read(8)
+            if not head:
+                return False  # truncated for a rewrite that has not begun writing: never a checkpoint
             if head[:4] == b"PK\x03\x04":  # torch.save's default (zip) format
                 try:
                     with zipfile.ZipFile(handle) as archive:
@@ -140,6 +142,15 @@ def file_is_whole(path: Path) -> bool:
                 ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
                 return path.stat().st_size == 8 + header_len + max(ends, default=0)
     except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return False
+    return True
+
+
+def _valid_json(path: Path) -> bool:
+    """The Trainer writes trainer_state.json in place: a writer killed mid-write leaves it there, cut short."""
+    try:
+        json.loads(path.read_bytes())
+    except (OSError, ValueError):
         return False
     return True
 
@@ -203,7 +214,7 @@ class Detector:
     def _folder(self, path: Path, rel: str, marked: bool) -> Found | None:
         if marked and self._wants("marker"):
             return self._found(rel, "dir", "marker", Path(str(path) + MARKER_SUFFIX))
-        if self._wants("hf") and HF_FOLDER.match(path.name) and (path / HF_STATE).is_file():
+        if self._wants("hf") and HF_FOLDER.match(path.name) and _valid_json(path / HF_STATE):
             return self._found(rel, "dir", "hf", path / HF_STATE, int(HF_FOLDER.match(path.name).group(1)))
         if self._wants("dcp") and (path / DCP_METADATA).is_file():
             return self._found(rel, "dir", "dcp", path / DCP_METADATA)

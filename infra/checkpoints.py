@@ -333,18 +333,21 @@ class CheckpointStore:
 
     # ---- writing ------------------------------------------------------------------------------------------
 
-    def upload_node_part(self, local_root: Path, step: int, node_rank: int, files: Sequence[str],
-                         attempt: str = "") -> NodeRecord:
-        """Upload this node's files of a checkpoint (paths relative to local_root), then its record: the record is
-        what the committer waits for."""
+    def upload_files(self, local_root: Path, step: int, files: Sequence[str]) -> list[FileEntry]:
+        """Upload a node's files of a checkpoint (paths relative to local_root); no record yet."""
         result = upload(Path(local_root), list(files), self.store.child(f"{step_name(step)}/{FILES_PREFIX}"))
-        record = NodeRecord(
-            node_rank=node_rank,
-            attempt=attempt,
-            files=[FileEntry(path=item.key, bytes=item.size, sha256=item.sha256) for item in result.files],
-        )
+        return [FileEntry(path=item.key, bytes=item.size, sha256=item.sha256) for item in result.files]
+
+    def write_record(self, step: int, node_rank: int, files: list[FileEntry], attempt: str = "") -> NodeRecord:
+        """The node's part is in the store: the record is what the committer waits for."""
+        record = NodeRecord(node_rank=node_rank, attempt=attempt, files=files)
         self.store.put_bytes(node_record_key(step, node_rank), record.model_dump_json().encode())
         return record
+
+    def upload_node_part(self, local_root: Path, step: int, node_rank: int, files: Sequence[str],
+                         attempt: str = "") -> NodeRecord:
+        """Upload this node's files of a checkpoint, then its record."""
+        return self.write_record(step, node_rank, self.upload_files(local_root, step, files), attempt)
 
     def _load_record(self, step: int, node_rank: int) -> NodeRecord | None:
         key = node_record_key(step, node_rank)

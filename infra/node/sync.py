@@ -32,6 +32,7 @@ from infra.checkpoint_formats import (
     FORMATS,
     Detector,
     Found,
+    file_is_whole,
     files_open_for_writing,
     own_required,
     part_files,
@@ -44,13 +45,14 @@ from infra.checkpoints import (
     CheckpointError,
     CheckpointRef,
     CheckpointStore,
+    FileEntry,
     clear_lease,
     step_name,
     write_lease,
 )
 from infra.node.events import emit, fail
 from infra.storage import StorageError, open_store
-from infra.storage.transfer import RetryPolicy, call_with_retries
+from infra.storage.transfer import RetryPolicy, call_with_retries, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -225,33 +227,43 @@ class Syncer:
 
     # ---- shipping a part ----------------------------------------------------------------------------------
 
-    def _ship(self, step: int, ref: CheckpointRef, version: int, own_files: bool) -> bool:
-        """Upload this node's part of a checkpoint and its record; False when it vanished locally first."""
+    def _listing(self, ref: CheckpointRef) -> tuple[Path, dict[str, tuple[int, int]]]:
+        """Where a checkpoint's files are relative to, and each file's size and mtime_ns as they are now."""
+        local = self.config.ckpt_dir / ref.name
+        root, names = (local, part_files(local)) if ref.kind == "dir" else (local.parent, [local.name])
+        listing = {}
+        for name in names:
+            try:
+                stat = (root / name).stat()
+            except FileNotFoundError:
+                continue
+            listing[name] = (stat.st_size, stat.st_mtime_ns)
+        return root, listing
+
+    def _ship(self, step: int, ref: CheckpointRef, version: int, own_part_required: bool) -> bool:
+        """Upload this node's part of a checkpoint and its record; False when it changed or vanished locally
+        meanwhile (the script's own retention, or a rewrite), which ships nothing."""
         config = self.config
-        local = config.ckpt_dir / ref.name
-        if ref.kind == "dir":
-            root, files = local, part_files(local)
-        else:
-            root, files = local.parent, ([local.name] if own_files and local.is_file() else [])
+        root, before = self._listing(ref)
+        if own_part_required and not before:
+            return self._gone(step, ref, version)
         started = time.monotonic()
         write_lease(config.sync_dir, UPLOAD_LEASE, step)
         try:
-            record = call_with_retries(
-                lambda: self.checkpoints.upload_node_part(root, step, config.node_rank, files, config.attempt),
-                f"upload of {local}",
-                STEP_RETRY,
-            )
+            files = call_with_retries(lambda: self.checkpoints.upload_files(root, step, sorted(before)),
+                                      f"upload of {config.ckpt_dir / ref.name}", STEP_RETRY)
         except (StorageError, OSError):
-            # The script's own retention (save_total_limit, keep_local) may delete a checkpoint that a newer one
-            # replaced while it was being uploaded: that one is simply not shipped.
-            if files and not local.exists():
-                log.warning("%s: deleted locally before it was uploaded: skipping step %d", local, step)
-                self.gone.add((ref.name, version))
-                emit("skipped", step=step, name=ref.name, reason="deleted locally before upload")
-                return False
+            if self._listing(ref)[1] != before:
+                return self._gone(step, ref, version)
             raise
         finally:
             clear_lease(config.sync_dir, UPLOAD_LEASE)
+        # Files deleted while they were listed or uploaded would leave the part short: only an unchanged part counts.
+        if self._listing(ref)[1] != before or (ref.kind == "file" and not self._still_as_uploaded(root, files)):
+            return self._gone(step, ref, version)
+        record = call_with_retries(lambda: self.checkpoints.write_record(step, config.node_rank, files,
+                                                                         config.attempt),
+                                   f"upload record of step {step}", STEP_RETRY)
         seconds = time.monotonic() - started
         size = sum(entry.bytes for entry in record.files)
         self.state.shipped.append(Shipped(step=step, name=ref.name, version=version))
@@ -259,6 +271,38 @@ class Syncer:
         emit("uploaded", step=step, name=ref.name, node_rank=config.node_rank, files=len(record.files), bytes=size,
              seconds=round(seconds, 3), mb_per_s=round(size / 1e6 / seconds, 1) if seconds > 0 and size else None)
         return True
+
+    @staticmethod
+    def _still_as_uploaded(root: Path, files: list[FileEntry]) -> bool:
+        """A file rewritten in place may be read mid-rewrite within one mtime tick: its bytes now, closed and whole,
+        must be the bytes that were uploaded."""
+        for entry in files:
+            path = root / entry.path
+            writing = files_open_for_writing(root) or set()
+            if path.resolve() in writing or not file_is_whole(path) or sha256_file(path) != entry.sha256:
+                return False
+        return True
+
+    def _gone(self, step: int, ref: CheckpointRef, version: int) -> bool:
+        log.warning("%s: deleted or rewritten locally before it was uploaded: skipping step %d",
+                    self.config.ckpt_dir / ref.name, step)
+        self.gone.add((ref.name, version))
+        emit("skipped", step=step, name=ref.name, reason="deleted or rewritten locally before upload")
+        if self.is_coordinator:
+            self._withdraw(step)  # its own part will never come: nobody waits for it
+        return False
+
+    def _withdraw(self, step: int) -> None:
+        call_with_retries(lambda: self.checkpoints.withdraw(step), f"withdrawing step {step}", STEP_RETRY)
+
+    def withdraw_unshipped(self) -> None:
+        """On a (re)start, the coordinator's announcements it never shipped its part of came from an incarnation
+        that died first: withdrawn, so no node waits for them. What is still complete is found and announced again."""
+        for announcement in self.checkpoints.announcements(self.config.attempt):
+            if not self.state.has_step(announcement.step):
+                log.info("withdrawing step %d (%s): announced before a restart, never shipped", announcement.step,
+                         announcement.checkpoint.name)
+                self._withdraw(announcement.step)
 
     # ---- the coordinator: find, number, announce, ship, commit --------------------------------------------
 
@@ -294,7 +338,7 @@ class Syncer:
                               f"announcement of step {step}", STEP_RETRY)
             self.state.newest_step = max(step, self.state.newest_step or step)
             emit("announced", step=step, name=found.name, format=found.format, nodes=nodes)
-            self._ship(step, ref, found.version, own_files=True)
+            self._ship(step, ref, found.version, own_part_required=True)
 
     def commit_pending(self) -> list[int | str]:
         """Commit every announced step all of whose parts are in; returns the steps still waiting."""
@@ -317,7 +361,7 @@ class Syncer:
             except CheckpointError as exc:
                 log.warning("%s", exc)
                 emit("abandoned", step=step, reason=str(exc))
-                self.checkpoints.withdraw(step)
+                self._withdraw(step)
                 continue
             if manifest is None:
                 waiting.append(step)
@@ -341,7 +385,9 @@ class Syncer:
         for announcement in call_with_retries(lambda: self.checkpoints.announcements(config.attempt),
                                               "listing announcements", STEP_RETRY):
             ref, step = announcement.checkpoint, announcement.step
-            if config.node_rank not in announcement.nodes or self.state.has_step(step):
+            version = int(announcement.announced_at * 1e9)
+            if config.node_rank not in announcement.nodes or self.state.has_step(step) or (ref.name, version) in \
+                    self.gone:
                 continue
             first_seen = self.first_seen.setdefault(step, time.monotonic())
             must_have = own_required(announcement.required, config.own_ranks)
@@ -354,7 +400,7 @@ class Syncer:
             if not ready:
                 pending.append(step)
                 continue
-            self._ship(step, ref, version=int(announcement.announced_at * 1e9), own_files=True)
+            self._ship(step, ref, version, own_part_required=bool(must_have))
         return pending
 
     # ---- the loop -----------------------------------------------------------------------------------------
@@ -389,6 +435,8 @@ class Syncer:
         final_announced = False
         emit("started", node_rank=config.node_rank, url=config.url, coordinator=self.is_coordinator,
              attempt=config.attempt, format=config.format)
+        if self.is_coordinator:
+            self.withdraw_unshipped()
         while True:
             # Read before scanning: every checkpoint complete when the stop was asked for is shipped first.
             stopping = self._should_stop()
