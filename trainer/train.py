@@ -76,7 +76,7 @@ def _env_path(name: str) -> Path | None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m trainer.train", description=__doc__)
-    parser.add_argument("--data-dir", type=Path, default=_env_path("TRAINPIPE_DATA_DIR"),
+    parser.add_argument("--data-dir", type=Path,
                         help="node-local dataset dir (manifest.json): the staged copy (default: $TRAINPIPE_DATA_DIR)")
     parser.add_argument("--data-url", help="dataset root in an object store (file://, s3://, gs://), read in place "
                         "with one ranged GET per sequence instead of a staged copy (dataset.access remote)")
@@ -115,12 +115,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})")
     if args.d_model % args.n_heads:
         parser.error(f"--n-heads {args.n_heads} must divide --d-model {args.d_model}")
+    if args.data_dir is not None and args.data_url is not None:
+        parser.error("give one of --data-dir (a staged copy) and --data-url (read in place), not both")
+    if args.data_url is None and args.data_dir is None:
+        args.data_dir = _env_path("TRAINPIPE_DATA_DIR")
     for flag, value in (("--data-dir or --data-url", args.data_dir or args.data_url), ("--ckpt-dir", args.ckpt_dir),
                         ("--metrics-file", args.metrics_file)):
         if not value:
             parser.error(f"{flag} is required (trainpipe sets it through TRAINPIPE_* variables)")
-    if args.data_url is not None:
-        args.data_dir = None  # read in place: the staged copy (if any) is not used
     return args
 
 
