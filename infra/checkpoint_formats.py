@@ -295,3 +295,48 @@ def part_settled(ckpt_dir: Path, name: str, fmt: str, expected: Iterable[str]) -
     if writing is not None and any(p.is_relative_to(root.resolve()) for p in writing):
         return False
     return all(file_is_whole(root / rel) for rel in part_files(root) if rel.endswith((".pt", ".pth", ".ckpt")))
+
+
+# -- loading what was committed ---------------------------------------------------------------------------------
+
+
+def check_loadable(path: Path) -> dict[str, int | str]:
+    """Open a restored checkpoint the way its framework would, without running the script: DCP's index read and every
+    file it names present and long enough, trainer_state.json parsed, every torch/safetensors file whole.
+
+    Returns what was found (format, files, tensors, elements, global_step); ValueError names what cannot load."""
+    files = [path] if path.is_file() else [p for p in sorted(path.rglob("*")) if p.is_file()]
+    report: dict[str, int | str] = {"files": len(files)}
+    for file in files:
+        if file.suffix in (*CHECKPOINT_SUFFIXES, ".pth") and not file_is_whole(file):
+            raise ValueError(f"{file}: cut short or not a checkpoint file: restore an older step")
+    if path.is_dir() and (path / DCP_METADATA).is_file():
+        report.update(format="dcp", **_dcp_report(path))
+    if path.is_dir() and (path / HF_STATE).is_file():
+        try:
+            report.update(format="hf", global_step=int(json.loads((path / HF_STATE).read_text())["global_step"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path / HF_STATE}: unreadable ({exc}): restore an older step") from None
+    return report
+
+
+def _dcp_report(folder: Path) -> dict[str, int]:
+    # Imported here: only checking a DCP checkpoint needs torch.
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = dcp.FileSystemReader(folder).read_metadata()
+    except Exception as exc:
+        raise ValueError(f"{folder / DCP_METADATA}: unreadable ({type(exc).__name__}: {exc}): restore an older "
+                         "step") from None
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        actual = (folder / name).stat().st_size if (folder / name).is_file() else -1
+        if actual < size:
+            raise ValueError(f"{folder / name}: {'missing' if actual < 0 else 'truncated'} (DCP's index needs "
+                             f"{size} bytes): restore an older step")
+    tensors = [entry for entry in metadata.state_dict_metadata.values() if isinstance(entry, TensorStorageMetadata)]
+    return {"tensors": len(tensors), "elements": sum(entry.size.numel() for entry in tensors)}

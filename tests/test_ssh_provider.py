@@ -316,8 +316,7 @@ def test_retrain_flow_on_two_ssh_hosts(prefect_server: None, workspace: Path, se
     from flows.retrain import retrain
 
     key, found = servers
-    config = job_config(tmp_path, make_dataset(tmp_path / "dataset", tokens=200_000), steps=40)
-    config["checkpoints"]["every_steps"] = 20
+    config = job_config(tmp_path, make_dataset(tmp_path / "dataset", tokens=200_000), steps=40, ckpt_every=20)
     config["cluster"] = {"provider": "ssh", "nodes": 2, "procs_per_node": 1, "ssh": {
         "hosts": [host_config(server, key, workdir) for server, workdir in zip(found, workdirs, strict=True)]}}
     job = parse_job(config)

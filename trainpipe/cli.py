@@ -16,6 +16,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
+from infra.checkpoint_formats import check_loadable
 from infra.checkpoints import CheckpointError, CheckpointStore
 from infra.dataset.manifest import DatasetError
 from infra.plan import PlanError, cluster_name_for, plan_job
@@ -207,14 +208,16 @@ def ckpt_verify(
     url: Annotated[str, typer.Argument(help="a run's checkpoint root URL")],
     step: Annotated[int | None, typer.Argument(help="default: the latest committed step")] = None,
 ) -> None:
-    """Check every file against the manifest, then load the checkpoint."""
-    from trainer.checkpoint import inspect_checkpoint
-
+    """Check every file against the manifest, then open the checkpoint as its framework would."""
     checkpoints = CheckpointStore(open_store(url))
     manifest = checkpoints.verify(step, deep=True)
     with tempfile.TemporaryDirectory(prefix="trainpipe-verify-") as scratch:
-        loaded = inspect_checkpoint(checkpoints.restore(Path(scratch), manifest.step))
-    typer.echo(json.dumps({"step": manifest.step, "files": len(manifest.files), "loaded": loaded}))
+        try:
+            loaded = check_loadable(checkpoints.restore(Path(scratch), manifest.step))
+        except ValueError as exc:
+            raise CheckpointError(f"step {manifest.step}: {exc}") from None
+    typer.echo(json.dumps({"step": manifest.step, "name": manifest.ref.name, "files": len(manifest.files),
+                           "loaded": loaded}))
 
 
 app.command("serve")(serve_command.serve)
