@@ -88,7 +88,7 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
                 job = _avoiding(job, plan, recoveries, summary.attempts)
                 resume_step = latest_committed_step(plan.checkpoint_url)
         with summary.phase("sync"):
-            verified = verify_committed_checkpoint(cluster, plan.checkpoint_url)
+            verified = verify_committed_checkpoint(cluster, plan.checkpoint_url, job.checkpoints.format)
         record_training(summary, staged, outcome, verified, plan.checkpoint_url)
         summary.status = "completed"
     except BaseException as exc:

@@ -25,8 +25,8 @@ TRAINER_EXIT_GRACE_S = 10.0
 METRICS_POLL_S = 1.0
 FAILURE_LINES = 12  # of the failed command's output, in the error that ends the run
 # torchrun's own report of a failed worker follows the worker's traceback: the script's lines are the ones above it.
-_TORCHRUN_REPORT = ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError", "Root Cause (first observed",
-                    "torch.distributed.elastic.multiprocessing.api:failed")
+_TORCHRUN_REPORT = ("] failed (exitcode:", "torch.distributed.elastic.multiprocessing.errors.ChildFailedError",
+                    "Root Cause (first observed")
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,9 @@ def torchrun_argv(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunc
         "--nnodes", str(len(cluster.nodes)), "--nproc-per-node", str(job.cluster.procs_per_node),
         "--node-rank", str(node.rank), "--master-addr", cluster.head.address,
         "--master-port", str(launch.rendezvous_port), "--max-restarts", "0",
-        *render_command(job.training.command, node_context(job, cluster, node, launch)),
+        # Everything after `--` is the script's: its own options never reach torchrun's parser (where `--run` would
+        # be taken for an abbreviation of torchrun's --run-path).
+        "--", *render_command(job.training.command, node_context(job, cluster, node, launch)),
     ]
 
 
