@@ -160,7 +160,7 @@ def job_for(scenario: Scenario, config: ReproConfig, link_mbit: float) -> JobSpe
         "cluster": {"provider": "netns", "nodes": config.nodes, "netns": {"link_mbit": link_mbit},
                     # Only (a)'s disk figure is used (the predictor's local-disk term); the rest is reported.
                     "verify": {"bench": "warn", "tcp_seconds": 1, "allreduce_sizes_mb": [4], "disk_bytes_mb": 64}},
-        "dataset": {"url": f"s3://{DATA_BUCKET}/markov", "validation": "manifest", "access": scenario.access},
+        "dataset": {"url": f"s3://{DATA_BUCKET}/markov", "validation": "sample", "access": scenario.access},
         "checkpoints": {"url": f"s3://{CKPT_BUCKET}/repro", "every_steps": config.ckpt_every, "keep": 2,
                         "mode": scenario.ckpt_mode},
         "training": {"steps": config.steps, "batch_size": config.batch_size, "warmup_steps": 5, "lr": 3e-3,

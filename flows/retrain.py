@@ -59,7 +59,7 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
     try:
         with summary.phase("plan"):
             plan: Plan = plan_run(job, run_id)
-        summary.loss_floor = plan.loss_floor
+        summary.dataset = plan.dataset.summary()
         resume_step, recovery = plan.resume_step, None
         while True:
             try:
@@ -98,13 +98,14 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, summary: RunSummary, cluster_na
     # Remote access reads every batch from the store: nothing is staged, so nodes need no room for the dataset.
     staging = job.dataset.access == "staged"
     with summary.phase("verify"), _timed(recovery, "verify"):
-        need_bytes = plan.dataset_bytes if staging else 0
-        probes = verify_node.map(unmapped(cluster), cluster.nodes, unmapped(need_bytes)).result()
+        # Each node needs room for what it will hold (split: its share), not the whole dataset.
+        need_bytes = [plan.dataset.node_bytes[node.rank] if staging else 0 for node in cluster.nodes]
+        probes = verify_node.map(unmapped(cluster), cluster.nodes, need_bytes).result()
         summary.cluster_bench = bench_cluster(job, cluster)
     with summary.phase("stage"):
         with _timed(recovery, "stage"):
-            staged = (stage_dataset.map(unmapped(cluster), cluster.nodes, unmapped(plan.dataset_url)).result()
-                      if staging else [])
+            staged = (stage_dataset.map(unmapped(cluster), cluster.nodes, unmapped(plan.dataset.snapshot_url),
+                                        unmapped(plan.dataset.shard)).result() if staging else [])
         with _timed(recovery, "restore"):
             restored = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.checkpoint_url)).result()
                         if resume_step is not None else [])
