@@ -86,8 +86,8 @@ def cluster_candidates(job: JobSpec) -> tuple[Candidate, ...]:
         raise PlanError(str(exc)) from None
 
 
-def _gb(count: int) -> str:
-    return f"{count / 1e9:,.2f} GB"
+def _size(count: int) -> str:
+    return f"{count / 1e9:,.2f} GB" if count >= 1e9 else f"{count / 1e6:,.1f} MB"
 
 
 def _local_disk(held: tuple[int, ...]) -> None:
@@ -97,9 +97,9 @@ def _local_disk(held: tuple[int, ...]) -> None:
     existing = next(p for p in (root, *root.parents) if p.exists())
     free = shutil.disk_usage(existing).free + cached_bytes(root.parent / CACHE_DIR)
     if sum(held) > free:
-        raise PlanError(f"dataset: the {len(held)} local nodes would hold {_gb(sum(held))} ({_gb(max(held))} on the "
-                        f"largest) but {existing} has {_gb(free)} free: free space, use dataset.shard: split, or a "
-                        "smaller selection (dataset.include/exclude)")
+        raise PlanError(f"dataset: the {len(held)} local nodes would hold {_size(sum(held))} ({_size(max(held))} on "
+                        f"the largest) but {existing} has {_size(free)} free: free space, use dataset.shard: split, "
+                        "or a smaller selection (dataset.include/exclude)")
 
 
 def fit_on_disks(job: JobSpec, held: tuple[int, ...], found: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
@@ -112,8 +112,8 @@ def fit_on_disks(job: JobSpec, held: tuple[int, ...], found: tuple[Candidate, ..
         fitting = tuple(c for c in found if not c.local_nvme_bytes or c.local_nvme_bytes >= need)
         if not fitting:
             largest = max(found, key=lambda c: c.local_nvme_bytes)
-            raise PlanError(f"dataset: a node would hold {_gb(need)} but the largest local NVMe among the "
-                            f"{len(found)} candidates ({largest.instance_type}) is {_gb(largest.local_nvme_bytes)}: "
+            raise PlanError(f"dataset: a node would hold {_size(need)} but the largest local NVMe among the "
+                            f"{len(found)} candidates ({largest.instance_type}) is {_size(largest.local_nvme_bytes)}: "
                             "use dataset.shard: split, more nodes, or instance types with more NVMe")
         return fitting
     if job.cluster.provider in ("local", "netns"):

@@ -160,12 +160,15 @@ def read_rows(store: ObjectStore, key: str, size: int, fmt: str, rows: int | Non
         import pyarrow.parquet as pq
 
         raw = RangedFile(store, key, size)
-        with pq.ParquetFile(io.BufferedReader(raw, buffer_size=1 << 20)) as parquet:
+        with pq.ParquetFile(raw) as parquet:  # pyarrow asks for exactly the ranges it needs
             if rows is None:
                 table = parquet.read()
-            else:
-                batch = next(parquet.iter_batches(batch_size=rows), None)
-                table = batch if batch is not None else parquet.schema_arrow.empty_table()
+            else:  # the first row groups that hold the rows asked for: their column chunks and nothing else
+                groups, held = [], 0
+                while held < rows and len(groups) < parquet.metadata.num_row_groups:
+                    held += parquet.metadata.row_group(len(groups)).num_rows
+                    groups.append(len(groups))
+                table = parquet.read_row_groups(groups).slice(0, rows) if groups else parquet.schema_arrow.empty_table()
         return Read(_gx_friendly(table.to_pandas()), raw.bytes_read)
     if fmt == "tokens":
         length = size if rows is None else min(size, 2 * rows)
@@ -195,7 +198,7 @@ def describe(store: ObjectStore, key: str, size: int, fmt: str) -> tuple[int, di
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
-        with pq.ParquetFile(io.BufferedReader(RangedFile(store, key, size), buffer_size=1 << 16)) as parquet:
+        with pq.ParquetFile(RangedFile(store, key, size)) as parquet:
             schema = parquet.schema_arrow
             return parquet.metadata.num_rows, {name: str(schema.field(name).type) for name in schema.names}
     if fmt == "tokens":

@@ -184,14 +184,17 @@ class _Gate:
         self._group_rows = 0
 
     def _check(self, expectations: list[DatasetExpectation], loaded: list[_Loaded]) -> None:
+        """One GX run of these expectations over the files' rows; row-wise ones see which file each row is from."""
         if not expectations:
             return
         frame = loaded[0].frame if len(loaded) == 1 else pd.concat([i.frame for i in loaded], ignore_index=True)
         keys = [item.key for item in loaded]
-        # Categorical: one small code per row, whatever the key's length.
-        codes = np.repeat(np.arange(len(loaded), dtype=np.int32), [len(item.frame) for item in loaded])
-        frame = frame.assign(**{FILE_COLUMN: pd.Categorical.from_codes(codes, categories=keys)})
-        result_format = {**_RESULT, "unexpected_index_column_names": [FILE_COLUMN]}
+        result_format = dict(_RESULT)
+        if expectations[0].per_row:  # (a file's own checks never see the extra column: it would change its schema)
+            # Categorical: one small code per row, whatever the key's length.
+            codes = np.repeat(np.arange(len(loaded), dtype=np.int32), [len(item.frame) for item in loaded])
+            frame = frame.assign(**{FILE_COLUMN: pd.Categorical.from_codes(codes, categories=keys)})
+            result_format["unexpected_index_column_names"] = [FILE_COLUMN]
         with gx.suite_of(gx.dataframe_batch("dataset"), _copies(expectations)) as definition:
             outcome = gx.run(definition, frame, result_format)
         for result in outcome.results:
