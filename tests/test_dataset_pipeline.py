@@ -21,13 +21,12 @@ import pandas as pd
 import pytest
 from conftest import REPO, TRAINPIPE
 from jobs import job_config, write_config
-from typer.testing import CliRunner, Result
+from test_cli import error_line, invoke
 
 from infra.dataset.snapshot import SNAPSHOT_KEY
 from infra.dataset.synth import synthesize
 from infra.spec import parse_job
 from infra.storage import ObjectStore, open_store
-from trainpipe.cli import app
 
 ROWS = 2000
 SUITE: list[dict[str, Any]] = [
@@ -72,17 +71,6 @@ def config_for(tmp_path: Path, dataset_url: str, **dataset: Any) -> dict[str, An
     config["checkpoints"]["every_steps"] = 15
     config["dataset"].update({"expectations": SUITE, **dataset})
     return config
-
-
-def invoke(*args: str) -> Result:
-    return CliRunner().invoke(app, list(args))
-
-
-def error_line(stderr: str) -> str:
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, f"expected one stderr line, got: {stderr!r}"
-    assert lines[0].startswith("error: "), lines[0]
-    return lines[0]
 
 
 def nothing_launched(workspace: Path) -> bool:
