@@ -10,6 +10,7 @@ from pathlib import Path
 from infra.catalog import CatalogError, load_catalog
 from infra.checkpoints import CheckpointStore
 from infra.dataset.docs import write_data_docs
+from infra.dataset.gate import DatasetValidation
 from infra.dataset.manifest import DatasetError
 from infra.dataset.planning import DatasetPlan, ExpectationsFailed, plan_dataset
 from infra.dataset.stagecache import CACHE_DIR, cached_bytes
@@ -29,9 +30,12 @@ class PlanError(ValueError):
 class DatasetCheckFailed(PlanError):
     """The dataset's expectation suite failed; validation holds every expectation's result for the report."""
 
-    def __init__(self, message: str, failed: ExpectationsFailed) -> None:
+    def __init__(self, message: str, validation: DatasetValidation) -> None:
         super().__init__(message)
-        self.validation = failed.validation
+        self.validation = validation
+
+    def __reduce__(self) -> tuple[type, tuple[str, DatasetValidation]]:  # Prefect pickles a task's exception
+        return type(self), (str(self), self.validation)
 
 
 @dataclass(frozen=True)
@@ -126,7 +130,7 @@ def _dataset(job: JobSpec, checkpoint_url: str, run_id: str) -> DatasetPlan:
         return plan_dataset(job.dataset, job.cluster.nodes, checkpoint_url, run_id)
     except ExpectationsFailed as failed:
         docs = write_data_docs(failed.validation, run_dir(run_id), run_id)
-        raise DatasetCheckFailed(f"{failed} (Data Docs: {_shown(docs)})", failed) from None
+        raise DatasetCheckFailed(f"{failed} (Data Docs: {_shown(docs)})", failed.validation) from None
     except (DatasetError, StorageError) as exc:
         raise PlanError(str(exc)) from None
 

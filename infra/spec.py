@@ -61,7 +61,8 @@ class SshHostSpec(StrictModel):
     user: str = Field(min_length=1, description="User to log in as (key authentication only).")
     key_file: str = Field(description="Private key that logs in as that user (no passphrase; ssh-agent is not used).")
     workdir: str = Field(description="Absolute path on the machine's local NVMe: each cluster gets "
-                         "<workdir>/<cluster>/{data,ckpt,logs} and the machine's reservation lives here.")
+                         "<workdir>/<cluster>/{data,ckpt,logs}; the machine's reservation and its dataset cache "
+                         "(<workdir>/dataset-cache, kept across runs) live here.")
     python: str = Field("python3", min_length=1, description="Python interpreter on the machine that has (or gets) "
                         "trainpipe and torch installed, e.g. /opt/venv/bin/python.")
     host_key: str | None = Field(None, description="Pinned SHA256 fingerprint of the machine's host key "

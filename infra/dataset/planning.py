@@ -35,6 +35,9 @@ class ExpectationsFailed(DatasetError):
         super().__init__(message)
         self.validation = validation
 
+    def __reduce__(self) -> tuple[type, tuple[str, DatasetValidation]]:  # Prefect pickles a task's exception
+        return type(self), (str(self), self.validation)
+
 
 @dataclass(frozen=True)
 class DatasetPlan:
