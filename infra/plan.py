@@ -18,6 +18,7 @@ from infra.optimizer import Candidate, NoCandidateError, candidates, render_cand
 from infra.providers import get_provider
 from infra.spec import JobSpec
 from infra.storage import StorageError, open_store
+from infra.workload.plan import WorkloadError, WorkloadPlan, plan_workload
 from infra.workspace import local_clusters_dir, run_dir
 
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -49,6 +50,7 @@ class Plan:
     dataset: DatasetPlan
     checkpoint_url: str
     resume_step: int | None
+    workload: WorkloadPlan
     candidates: tuple[Candidate, ...] = ()  # cloud providers: where to launch, in the order failover tries
 
     def render(self) -> str:
@@ -58,6 +60,8 @@ class Plan:
             f"(cluster {self.cluster_name})",
             *self.dataset.render_lines(),
             f"  checkpoints: {self.checkpoint_url} — {resume}",
+            self.workload.render(),
+            *(f"  warning: {warning}" for warning in self.workload.warnings),
             *self._render_candidates(),
         ])
 
@@ -147,6 +151,10 @@ def plan_job(job: JobSpec, run_id: str) -> Plan:
         raise PlanError(f"run id '{run_id}': use letters, digits, '.', '_' or '-' (at most 64)")
     get_provider(job.cluster.provider)
     found = cluster_candidates(job)
+    try:
+        workload = plan_workload(job.training.code, job.training.setup, job.training.command)
+    except WorkloadError as exc:
+        raise PlanError(str(exc)) from None
     checkpoint_url = checkpoint_url_for(job, run_id)
     try:
         checkpoints = open_store(checkpoint_url)
@@ -162,5 +170,6 @@ def plan_job(job: JobSpec, run_id: str) -> Plan:
         run_id=run_id, cluster_name=cluster_name_for(run_id), provider=job.cluster.provider,
         nodes=job.cluster.nodes, world_size=job.cluster.nodes * job.cluster.procs_per_node,
         dataset_url=job.dataset.url, dataset=dataset,
-        checkpoint_url=checkpoint_url, resume_step=latest.step if latest else None, candidates=found,
+        checkpoint_url=checkpoint_url, resume_step=latest.step if latest else None, workload=workload,
+        candidates=found,
     )

@@ -6,8 +6,6 @@ are what a user reads in the UI form.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
 from pathlib import Path
@@ -16,8 +14,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from infra.checkpoint_formats import CheckpointFormat
 from infra.models import StrictModel
 from infra.recovery_spec import ChaosSpec, RecoverySpec
+from infra.workload.code import ARCHIVE_SUFFIXES
+from infra.workload.contract import check_command
 
 KNOWN_PROVIDERS = ("local", "aws", "gcp", "ssh", "netns")
 KNOWN_SCHEMES = ("file", "s3", "gs")
@@ -261,18 +262,18 @@ class DatasetSpec(StrictModel):
 
 class CheckpointSpec(StrictModel):
     url: str = Field(description="Where committed checkpoints live; each run writes under <url>/<run-id>/.")
-    every_steps: int = Field(50, ge=1, description="Save a checkpoint every this many steps (and at the end).")
+    format: CheckpointFormat = Field(
+        "auto", description="How a complete checkpoint is recognised in TRAINPIPE_CHECKPOINT_DIR: dcp and torchtitan "
+        "(a folder with .metadata), hf (checkpoint-N/ with trainer_state.json), lightning (a closed .ckpt), marker "
+        "(X next to X.complete), file (one file overwritten in place), auto (whichever appears).")
     keep: int = Field(3, ge=1, description="Committed checkpoints kept in the store (the newest is never deleted).")
-    keep_local: int = Field(2, ge=1, description="Checkpoints kept on each node's local disk.")
-    mode: Literal["async", "sync", "direct"] = Field(
-        "async", description="async: training continues while the checkpoint is written; sync: it waits for the "
-        "local write; direct: it also waits until the node's part is uploaded to the store, as writing straight to "
-        "network storage does (for comparisons)."
-    )
     flush_deadline_s: float = Field(
         # torchrun's agent SIGKILLs its workers 30 s after forwarding SIGTERM to them.
-        20.0, gt=0, le=25, description="On SIGTERM (spot notice, cancel): seconds for a last save and its upload."
+        20.0, gt=0, le=25, description="On SIGTERM (spot notice, cancel): seconds the script has to finish a last "
+        "save; whatever checkpoint is complete by then is committed."
     )
+    sync_poll_s: float = Field(0.5, gt=0, le=10, description="How often each node's syncer looks for new "
+                               "checkpoints (lower it for a script that waits for its uploads).")
 
     @field_validator("url")
     @classmethod
@@ -280,29 +281,48 @@ class CheckpointSpec(StrictModel):
         return _to_url(value)
 
 
-class ModelSpec(StrictModel):
-    vocab_size: int = Field(256, ge=2, le=65536, description="Must equal the dataset's vocab_size.")
-    d_model: int = Field(64, ge=8, description="Width of the transformer.")
-    n_layers: int = Field(2, ge=1, description="Transformer blocks.")
-    n_heads: int = Field(4, ge=1, description="Attention heads; must divide d_model.")
-    seq_len: int = Field(64, ge=2, description="Context length in tokens.")
-
-    @model_validator(mode="after")
-    def _heads_divide_width(self) -> ModelSpec:
-        if self.d_model % self.n_heads:
-            raise ValueError(f"n_heads ({self.n_heads}) must divide d_model ({self.d_model})")
-        return self
-
-
 class TrainingSpec(StrictModel):
-    steps: int = Field(300, ge=1, description="Optimizer steps to run in total (a resumed run counts from 0).")
-    batch_size: int = Field(16, ge=1, description="Sequences per process per step.")
-    lr: float = Field(3e-3, gt=0, description="Peak learning rate (AdamW, cosine decay).")
-    warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
-    seed: int = Field(0, description="Seeds the model init and the data order.")
-    model: ModelSpec = Field(default_factory=ModelSpec)
-    threads_per_proc: int = Field(1, ge=1, description="CPU threads per training process (torch + OpenMP).")
+    code: str | None = Field(None, description="The training code, shipped to every node: a local dir, or an "
+                             "s3://, gs:// or file:// URL of a .tar.gz. None: the command runs from the nodes' "
+                             "environment (a module installed there, like the bundled trainer.train).")
+    setup: tuple[str, ...] = Field((), description="Shell commands run once per node in the code dir before "
+                                   "training, e.g. 'pip install -r requirements.txt'.")
+    command: tuple[str, ...] = Field(min_length=1, description="What torchrun starts on every node, in the code "
+                                     "dir: a .py of the code and its arguments, or [-m, module, ...]. Placeholders "
+                                     "{data_dir} {checkpoint_dir} {resume_from} {run_id} ... stand for the values "
+                                     "of the TRAINPIPE_* variables.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for setup and training.")
+    threads_per_proc: int = Field(1, ge=1, description="CPU threads per training process (OMP_NUM_THREADS).")
     timeout_s: float = Field(3600, gt=0, description="Fail training that runs longer than this.")
+
+    @field_validator("code")
+    @classmethod
+    def _code_source(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if "://" in value:
+            url = _to_url(value)
+            if not url.endswith(ARCHIVE_SUFFIXES):
+                raise ValueError(f"code URL {url} is not a .tar.gz: pack the code (tar czf code.tar.gz -C dir .) "
+                                 "or give a local dir")
+            return url
+        return str(Path(value).expanduser().resolve())
+
+    @field_validator("command")
+    @classmethod
+    def _known_placeholders(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        check_command(value)
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _shell_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name):
+                raise ValueError(f"env name {name!r} is not a valid environment variable name")
+            if name.startswith("TRAINPIPE_"):
+                raise ValueError(f"env {name}: TRAINPIPE_* variables are set by trainpipe: use another name")
+        return value
 
 
 class JobSpec(StrictModel):
@@ -310,7 +330,7 @@ class JobSpec(StrictModel):
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
     dataset: DatasetSpec
     checkpoints: CheckpointSpec
-    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    training: TrainingSpec
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
     chaos: ChaosSpec | None = Field(None, description="Preemptions to inject (local and ssh providers): for tests.")
 
@@ -325,11 +345,6 @@ class JobSpec(StrictModel):
             if event.node >= self.cluster.nodes:
                 raise ValueError(f"chaos.preempt node {event.node}: the cluster has nodes 0-{self.cluster.nodes - 1}")
         return self
-
-    def config_hash(self) -> str:
-        """Identifies the training setup a checkpoint came from (the cluster shape may differ on resume)."""
-        payload = json.dumps(self.training.model_dump(mode="json"), sort_keys=True).encode()
-        return hashlib.sha256(payload).hexdigest()[:16]
 
 
 def _describe(error: dict[str, Any]) -> str:

@@ -59,10 +59,13 @@ def stage_dataset(cluster: Cluster, node: Node, snapshot_url: str, shard: str,
 
 
 @task(name="restore-checkpoint", **TRANSIENT_RETRIES)
-def restore_checkpoint(cluster: Cluster, node: Node, checkpoint_url: str, timeout_s: float = 3600) -> dict[str, Any]:
-    """Download the latest committed checkpoint onto the node; returns its step and local path."""
+def restore_checkpoint(cluster: Cluster, node: Node, checkpoint_url: str, checkpoint_format: str,
+                       timeout_s: float = 3600) -> dict[str, Any]:
+    """Download the latest committed checkpoint into the node's checkpoint dir (the whole union of every node's
+    files, under the name the script saved it as); returns its step and local path (TRAINPIPE_RESUME_FROM)."""
     runner = get_provider(cluster.provider).runner(cluster, node)
     sink = node_line_sink(get_run_logger(), node.name)
-    result = runner.run([node.python, "-m", "infra.node", "restore", "--url", checkpoint_url,
-                         "--dest", node.path("restore")], timeout=timeout_s, on_line=sink)
+    result = runner.run([node.python, "-m", "infra.node", "restore", "--url", checkpoint_url, "--dest", node.ckpt_dir,
+                         "--sync-dir", node.sync_dir, "--format", checkpoint_format], timeout=timeout_s,
+                        on_line=sink)
     return last_event(result.output, "restored")

@@ -67,8 +67,7 @@ def make_dataset(url: str, bad: bool = False) -> dict[str, bytes]:
 
 
 def config_for(tmp_path: Path, dataset_url: str, **dataset: Any) -> dict[str, Any]:
-    config = job_config(tmp_path, dataset_url, steps=30)
-    config["checkpoints"]["every_steps"] = 15
+    config = job_config(tmp_path, dataset_url, steps=30, ckpt_every=15)
     config["dataset"].update({"expectations": SUITE, **dataset})
     return config
 
