@@ -52,7 +52,8 @@ def test_gcs_keeps_checksums_and_a_gcs_snapshot_stages_exactly(gs_url: str, tmp_
 
 def _aws_job(nodes: int = 2) -> object:
     return parse_job({"cluster": {"provider": "aws", "nodes": nodes, "local_nvme": True},
-                      "dataset": {"url": "s3://bucket/data"}, "checkpoints": {"url": "s3://bucket/ckpt"}})
+                      "dataset": {"url": "s3://bucket/data"}, "checkpoints": {"url": "s3://bucket/ckpt"},
+                      "training": {"command": ["-m", "trainer.train"]}})
 
 
 def test_the_catalogs_nvme_bounds_what_a_node_may_hold_at_plan() -> None:
