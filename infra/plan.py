@@ -10,9 +10,8 @@ from pathlib import Path
 from infra.catalog import CatalogError, load_catalog
 from infra.checkpoints import CheckpointStore
 from infra.dataset.docs import write_data_docs
-from infra.dataset.gate import DatasetValidation
 from infra.dataset.manifest import DatasetError
-from infra.dataset.planning import DatasetPlan, ExpectationsFailed, plan_dataset
+from infra.dataset.planning import CarriesValidation, DatasetPlan, ExpectationsFailed, plan_dataset
 from infra.dataset.stagecache import CACHE_DIR, cached_bytes
 from infra.optimizer import Candidate, NoCandidateError, candidates, render_candidates
 from infra.providers import get_provider
@@ -28,15 +27,8 @@ class PlanError(ValueError):
     """The job cannot run as configured; one line naming the thing and the fix."""
 
 
-class DatasetCheckFailed(PlanError):
-    """The dataset's expectation suite failed; validation holds every expectation's result for the report."""
-
-    def __init__(self, message: str, validation: DatasetValidation) -> None:
-        super().__init__(message)
-        self.validation = validation
-
-    def __reduce__(self) -> tuple[type, tuple[str, DatasetValidation]]:  # Prefect pickles a task's exception
-        return type(self), (str(self), self.validation)
+class DatasetCheckFailed(CarriesValidation, PlanError):
+    """The dataset's expectation suite failed: the plan's one line, and every expectation's result."""
 
 
 @dataclass(frozen=True)

@@ -152,7 +152,7 @@ def _parse_text(fmt: str, data: bytes) -> pd.DataFrame:
     if fmt == "csv":
         return pd.read_csv(io.BytesIO(data))
     # Values as written: a string column that looks like dates stays strings for the expectations to judge.
-    return pd.read_json(io.BytesIO(data), lines=True, convert_dates=False, keep_default_dates=False)
+    return pd.read_json(io.BytesIO(data), lines=True, dtype=False)
 
 
 def read_rows(store: ObjectStore, key: str, size: int, fmt: str, rows: int | None) -> Read:

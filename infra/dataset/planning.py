@@ -28,8 +28,8 @@ from infra.spec import DatasetSpec
 from infra.storage import open_store
 
 
-class ExpectationsFailed(DatasetError):
-    """The suite found bad data; the message is the first failure, validation holds every expectation's result."""
+class CarriesValidation(Exception):
+    """An error that holds every expectation's result beside its one-line message (for the report)."""
 
     def __init__(self, message: str, validation: DatasetValidation) -> None:
         super().__init__(message)
@@ -37,6 +37,10 @@ class ExpectationsFailed(DatasetError):
 
     def __reduce__(self) -> tuple[type, tuple[str, DatasetValidation]]:  # Prefect pickles a task's exception
         return type(self), (str(self), self.validation)
+
+
+class ExpectationsFailed(CarriesValidation, DatasetError):
+    """The suite found bad data; the message is the first failure."""
 
 
 @dataclass(frozen=True)
