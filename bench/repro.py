@@ -160,7 +160,7 @@ def job_for(scenario: Scenario, config: ReproConfig, link_mbit: float) -> JobSpe
         "cluster": {"provider": "netns", "nodes": config.nodes, "netns": {"link_mbit": link_mbit},
                     # Only (a)'s disk figure is used (the predictor's local-disk term); the rest is reported.
                     "verify": {"bench": "warn", "tcp_seconds": 1, "allreduce_sizes_mb": [4], "disk_bytes_mb": 64}},
-        "dataset": {"url": f"s3://{DATA_BUCKET}/markov", "validation": "manifest", "access": scenario.access},
+        "dataset": {"url": f"s3://{DATA_BUCKET}/markov", "validation": "sample", "access": scenario.access},
         # direct waits for each upload, so the syncer looks often; the others keep the default.
         "checkpoints": {"url": f"s3://{CKPT_BUCKET}/repro", "keep": 2, "format": "marker",
                         "sync_poll_s": 0.05 if scenario.ckpt_mode == "direct" else 0.5},

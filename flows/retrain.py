@@ -72,6 +72,7 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
         with summary.phase("plan"):
             plan: Plan = plan_run(job, run_id)
             code_url = publish_code(job, plan)
+        summary.dataset = plan.dataset.summary()
         resume_step, recovery = plan.resume_step, None
         while True:
             try:
@@ -113,8 +114,9 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: 
     # Remote access reads every batch from the store: nothing is staged, so nodes need no room for the dataset.
     staging = job.dataset.access == "staged"
     with summary.phase("verify"), _timed(recovery, "verify"):
-        need_bytes = plan.dataset_bytes if staging else 0
-        probes = verify_node.map(unmapped(cluster), cluster.nodes, unmapped(need_bytes)).result()
+        # Each node needs room for what it will hold (split: its share), not the whole dataset.
+        need_bytes = [plan.dataset.node_bytes[node.rank] if staging else 0 for node in cluster.nodes]
+        probes = verify_node.map(unmapped(cluster), cluster.nodes, need_bytes).result()
         summary.cluster_bench = bench_cluster(job, cluster)
     attempt = recovery.number if recovery is not None else 0
     launch = TrainLaunch(plan.checkpoint_url, plan.dataset_url, probes[0]["free_port"], plan.workload.config_hash,
@@ -124,8 +126,8 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: 
         preparing = prepare_node.map(unmapped(job), unmapped(cluster), cluster.nodes, unmapped(code_url),
                                      unmapped(plan.workload.code_sha256), unmapped(launch))
         with _timed(recovery, "stage"):
-            staged = (stage_dataset.map(unmapped(cluster), cluster.nodes, unmapped(plan.dataset_url)).result()
-                      if staging else [])
+            staged = (stage_dataset.map(unmapped(cluster), cluster.nodes, unmapped(plan.dataset.snapshot_url),
+                                        unmapped(plan.dataset.shard)).result() if staging else [])
         with _timed(recovery, "restore"):
             restored = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.checkpoint_url),
                                                unmapped(job.checkpoints.format)).result()

@@ -62,7 +62,8 @@ class SshHostSpec(StrictModel):
     user: str = Field(min_length=1, description="User to log in as (key authentication only).")
     key_file: str = Field(description="Private key that logs in as that user (no passphrase; ssh-agent is not used).")
     workdir: str = Field(description="Absolute path on the machine's local NVMe: each cluster gets "
-                         "<workdir>/<cluster>/{data,ckpt,logs} and the machine's reservation lives here.")
+                         "<workdir>/<cluster>/{data,ckpt,logs}; the machine's reservation and its dataset cache "
+                         "(<workdir>/dataset-cache, kept across runs) live here.")
     python: str = Field("python3", min_length=1, description="Python interpreter on the machine that has (or gets) "
                         "trainpipe and torch installed, e.g. /opt/venv/bin/python.")
     host_key: str | None = Field(None, description="Pinned SHA256 fingerprint of the machine's host key "
@@ -211,10 +212,23 @@ class ClusterSpec(StrictModel):
 
 
 class DatasetSpec(StrictModel):
-    url: str = Field(description="Dataset root holding manifest.json and the shards: file://, s3://, gs:// or a path.")
-    validation: str = Field("full", description="'full' checks every shard before launch; 'manifest' checks sizes.")
+    url: str = Field(description="The dataset: any prefix of objects in any format (file://, s3://, gs:// or a path). "
+                     "At plan its listing is frozen as the run's snapshot; every node stages exactly those objects.")
+    include: tuple[str, ...] = Field((), description="Globs (relative to url; * also matches '/') selecting the files "
+                                     "to use; empty = every object under url.")
+    exclude: tuple[str, ...] = Field((), description="Globs of files to leave out, applied after include.")
+    shard: Literal["replicate", "split"] = Field(
+        "replicate", description="replicate: every node stages every file; split: each node stages a disjoint set of "
+        "files, balanced by bytes (listed in TRAINPIPE_DATA_SHARDS), as WebDataset and MDS readers expect per rank.")
+    expectations: str | list[dict[str, Any]] | None = Field(
+        None, description="Great Expectations checks of the tabular files (Parquet, CSV, JSONL, trainpipe tokens), "
+        "run before anything is launched: the path of an ExpectationSuite JSON file, or a list of expectations "
+        "({type: expect_..., column: ..., ...; optional files: glob}).")
+    validation: str = Field("full", description="full: expectations read every row; sample: sample_rows rows per file, "
+                            "read with ranged GETs.")
+    sample_rows: int = Field(1000, ge=1, description="Rows per file that validation: sample reads.")
     access: Literal["staged", "remote"] = Field(
-        "staged", description="staged: every node copies the shards to its local disk before training (fast); "
+        "staged", description="staged: every node copies the dataset to its local disk before training (fast); "
         "remote: the trainer reads each batch from the store with ranged GETs, as a mounted object store does "
         "(for comparisons: every step then waits on the store).")
 
@@ -226,8 +240,23 @@ class DatasetSpec(StrictModel):
     @field_validator("validation")
     @classmethod
     def _known_validation(cls, value: str) -> str:
-        if value not in ("full", "manifest"):
-            raise ValueError(f"unknown validation '{value}': use 'full' or 'manifest'")
+        if value not in ("full", "sample"):
+            raise ValueError(f"unknown validation '{value}': use 'full' or 'sample'")
+        return value
+
+    @field_validator("include", "exclude")
+    @classmethod
+    def _non_empty_globs(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not glob.strip() for glob in value):
+            raise ValueError("an empty glob selects nothing: remove it")
+        return value
+
+    @field_validator("expectations")
+    @classmethod
+    def _suite_file_readable(cls, value: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        if isinstance(value, str):
+            return _readable_file(value, "expectation suite", "give the path of an ExpectationSuite JSON file, or "
+                                  "list the expectations inline")
         return value
 
 

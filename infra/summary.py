@@ -45,6 +45,7 @@ class RunSummary:
     checkpoint_step: int | None = None
     nodes_left: int | None = None
     stage: dict[str, Any] = field(default_factory=dict)
+    dataset: dict[str, Any] = field(default_factory=dict)  # infra.dataset.planning.DatasetPlan.summary()
     checkpoints: list[dict[str, Any]] = field(default_factory=list)  # per step: stall, write, upload, commit
     resumed_from_step: int | None = None  # the committed step this run restored (None: started fresh)
     warnings: list[str] = field(default_factory=list)  # e.g. a damaged checkpoint skipped on resume

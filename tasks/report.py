@@ -10,6 +10,8 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from infra.breakdown import StepBreakdown
+from infra.dataset.gate import DatasetValidation
+from infra.dataset.reporting import dataset_fact, expectation_rows
 from infra.failover import attempts_of
 from infra.plan import Plan
 from infra.predict import what_if
@@ -82,6 +84,20 @@ def record_failure(summary: RunSummary, exc: BaseException) -> None:
     summary.status, summary.error = "failed", f"{type(exc).__name__}: {exc or 'no message'}"
     if not summary.attempts:
         summary.attempts = attempts_of(exc)
+    record_dataset_failure(summary, exc)
+
+
+# -- the dataset section (issue 13) ---------------------------------------------------------------------------
+
+
+def record_dataset_failure(summary: RunSummary, exc: BaseException) -> None:
+    """A plan stopped by the dataset's expectations still reports every expectation's result."""
+    validation = getattr(exc, "validation", None)
+    if isinstance(validation, DatasetValidation) and not summary.dataset:
+        summary.dataset = {"validation": validation.to_dict()}
+
+
+# -------------------------------------------------------------------------------------------------------------
 
 
 def record_resume(summary: RunSummary, restored: list[dict[str, Any]],
@@ -210,6 +226,9 @@ def _markdown_table(rows: list[dict[str, Any]]) -> str:
 def _markdown(summary: RunSummary, curve: list[tuple[int, float]]) -> str:
     """What ran where, how long each phase took, how fast data moved, how far the loss fell, what was committed."""
     facts = [f"job **{summary.job}** on **{summary.provider}**, {summary.nodes} nodes"]
+    dataset = dataset_fact(summary.dataset)
+    if dataset:
+        facts.append(dataset)
     if summary.workload:
         code = summary.workload.get("code_sha256")
         facts.append(f"command `{' '.join(summary.workload['command'])}`; code "
@@ -233,7 +252,8 @@ def _markdown(summary: RunSummary, curve: list[tuple[int, float]]) -> str:
     checkpoint = f"[{summary.checkpoint}]({summary.checkpoint})" if summary.checkpoint else "none"
     facts += [f"committed checkpoint: {checkpoint}", f"nodes left running after teardown: {summary.nodes_left}"]
     chart = markdown_image(run_chart_png(curve, summary.phases, summary.loss_floor), "loss curve and time per phase")
-    sections = {"Phases": _phase_rows(summary), "Step time": _breakdown_rows(summary),
+    sections = {"Phases": _phase_rows(summary), "Dataset expectations": expectation_rows(summary.dataset),
+                "Step time": _breakdown_rows(summary),
                 "What if (predicted from this run; `trainpipe predict` adds the catalog)": _what_if_rows(summary),
                 "Checkpoints": _checkpoint_rows(summary),
                 "Launch attempts": _attempt_rows(summary), "Recoveries from preemption": _recovery_rows(summary)}
@@ -253,7 +273,9 @@ def publish_summary(summary: RunSummary, directory: Path) -> Path:
                              description=f"run {summary.run_id}")
     create_table_artifact(_phase_rows(summary), key=f"{artifact_key}-phases",
                           description=f"run {summary.run_id}: seconds per phase")
-    tables = {"step-time": (_breakdown_rows(summary), "T_compute, T_network, T_io of the training steps"),
+    tables = {"dataset-expectations": (expectation_rows(summary.dataset), "per expectation of dataset.expectations: "
+                                       "success, rows, unexpected count and values, failed files"),
+              "step-time": (_breakdown_rows(summary), "T_compute, T_network, T_io of the training steps"),
               "launch-attempts": (_attempt_rows(summary), "every launch attempt, in order"),
               "checkpoints": (_checkpoint_rows(summary), "per checkpoint: training stall, write, upload, commit"),
               "recoveries": (_recovery_rows(summary), "per preemption: steps redone, time to resume and its split")}

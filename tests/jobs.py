@@ -29,6 +29,12 @@ def make_dataset(root: Path, tokens: int = 400_000, shard_tokens: int = 100_000,
     return url
 
 
+def token_suite(vocab_size: int) -> list[dict[str, Any]]:
+    """The bundled example's checks of its token shards: every token id inside the model's vocab."""
+    return [{"type": "expect_column_values_to_be_between", "column": "token", "min_value": 0,
+             "max_value": vocab_size - 1}]
+
+
 def gpt_command(**options: Any) -> list[str]:
     """`-m trainer.train` with its options as arguments; it resumes from TRAINPIPE_RESUME_FROM by itself."""
     merged = {**GPT_DEFAULTS, **options}
@@ -43,7 +49,7 @@ def job_config(tmp: Path, dataset_url: str, **options: Any) -> dict[str, Any]:
         "name": "e2e",
         # The verify-stage bench has its own tests (test_cluster_bench); here it would only add seconds per run.
         "cluster": {"provider": "local", "nodes": 2, "procs_per_node": 1, "verify": {"bench": "off"}},
-        "dataset": {"url": dataset_url},
+        "dataset": {"url": dataset_url, "expectations": token_suite(256)},
         "checkpoints": {"url": f"file://{tmp}/store/ckpt", "keep": 2},
         "training": {"command": gpt_command(**options), **training},
     }

@@ -145,7 +145,9 @@ def test_plan_prints_the_plan_and_launches_nothing(workspace: Path, tmp_path: Pa
     assert result.exit_code == 0, result.output
     out = result.stdout
     assert "run plan-run on local: 2 nodes × 1 processes (cluster tp-plan-run)" in out
-    assert f"dataset: {dataset_url} — 2 shards, 200,000 tokens, 0.4 MB, loss floor 1.0889 nats" in out
+    assert f"dataset: {dataset_url} — 3 files, 0.4 MB (tokens 2, json 1); every node holds 0.4 MB" in out
+    assert f"snapshot: file://{tmp_path}/store/ckpt/plan-run/_dataset/snapshot.json (taken now)" in out
+    assert "expectations: 1 on 2 tabular files (every row; 200,000 rows, 0.4 of 0.4 MB read in" in out
     assert f"checkpoints: file://{tmp_path}/store/ckpt/plan-run — start at step 0" in out
     assert not (workspace / "clusters").exists() or not any((workspace / "clusters").iterdir()), "plan launched"
 

@@ -29,7 +29,7 @@ from infra.workspace import runs_dir
 from trainpipe import bench_command, catalog_command, cp_command, predict_command, serve_command
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
-dataset_app = typer.Typer(no_args_is_help=True, help="Create and check token datasets.")
+dataset_app = typer.Typer(no_args_is_help=True, help="Inspect any dataset prefix; create and check token datasets.")
 ckpt_app = typer.Typer(no_args_is_help=True, help="List and verify committed checkpoints.")
 app.add_typer(dataset_app, name="dataset")
 app.add_typer(ckpt_app, name="ckpt")
@@ -184,6 +184,31 @@ def dataset_validate(
     report = validate_dataset(open_store(url), deep=not shallow, expected_vocab=vocab_size)
     typer.echo(report.summary())
     if not report.ok:
+        raise typer.Exit(1)
+
+
+@dataset_app.command("inspect")
+@user_errors_exit_2
+def dataset_inspect(
+    url: Annotated[str, typer.Argument(help="dataset prefix URL or path (any format)")],
+    expectations: Annotated[str | None, typer.Option(help="an ExpectationSuite JSON file to run on the tabular "
+                                                     "files")] = None,
+    include: Annotated[list[str] | None, typer.Option(help="glob of files to look at (repeatable)")] = None,
+    exclude: Annotated[list[str] | None, typer.Option(help="glob of files to leave out (repeatable)")] = None,
+    validation: Annotated[str, typer.Option(help="full: every row; sample: --sample-rows rows per file")] = "full",
+    sample_rows: Annotated[int, typer.Option(help="rows per file that --validation sample reads")] = 1000,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object, for scripts")] = False,
+) -> None:
+    """Files, bytes and formats under a prefix; row counts and schemas of its Parquet, CSV, JSONL and token files;
+    the expectation suite's result (exit 1 when an expectation fails)."""
+    from infra.dataset.inspect import inspect_dataset, render
+
+    if validation not in ("full", "sample"):
+        raise DatasetError(f"--validation {validation}: use full or sample")
+    report = inspect_dataset(url, include=include or (), exclude=exclude or (), expectations=expectations,
+                             validation=validation, sample_rows=sample_rows)
+    typer.echo(json.dumps(report, indent=2, default=str) if as_json else render(report))
+    if report["validation"] is not None and not all(r["success"] for r in report["validation"]["results"]):
         raise typer.Exit(1)
 
 
