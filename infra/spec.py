@@ -146,6 +146,9 @@ class VerifySpec(StrictModel):
         "that is compared.")
     disk_bytes_mb: int = Field(256, ge=1, description="Size of the file each node writes and reads back with direct "
                                "I/O on its data dir, in MB.")
+    measure: Literal["needed", "all"] = Field(
+        "needed", description="needed: only the figures something holds the cluster to (a floor, the catalog's "
+        "figure for the instance type), so a run pays no seconds for figures reported only; all: every figure.")
 
     @field_validator("allreduce_sizes_mb")
     @classmethod

@@ -54,7 +54,8 @@ def test_flow_trains_commits_and_tears_down(prefect_server: None, workspace: Pat
 
     config = job_config(tmp_path, dataset_url)
     # The verify stage's bench, kept short: its figures land in the summary (its own tests check the figures).
-    config["cluster"]["verify"] = {"bench": "warn", "tcp_seconds": 0.5, "allreduce_sizes_mb": [1], "disk_bytes_mb": 8}
+    config["cluster"]["verify"] = {"bench": "warn", "tcp_seconds": 0.5, "allreduce_sizes_mb": [1], "disk_bytes_mb": 8,
+                                   "measure": "all"}
     job = parse_job(config)
     summary = retrain(job, "e2e-run")
 
