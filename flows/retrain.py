@@ -6,6 +6,8 @@ from the latest committed checkpoint, at most recovery.max_recoveries times with
 
 from __future__ import annotations
 
+import os
+import time
 import uuid
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
@@ -21,7 +23,7 @@ from infra.plan import Plan, cluster_name_for
 from infra.providers import Cluster
 from infra.recovery import Recoveries, RecoveryRecord, narrowed
 from infra.spec import JobSpec
-from infra.summary import RunSummary
+from infra.summary import LAUNCHED_AT_VAR, RunSummary
 from infra.workspace import run_dir
 from tasks.capacity import nodes_held
 from tasks.checkpoint import latest_committed_step, verify_committed_checkpoint
@@ -65,7 +67,8 @@ def retrain(job: JobSpec, run_id: str | None = None) -> dict[str, Any]:
 
 def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
     cluster_name = cluster_name_for(run_id)
-    summary = RunSummary(run_id=run_id, job=job.name, provider=job.cluster.provider, nodes=job.cluster.nodes)
+    summary = RunSummary(run_id=run_id, job=job.name, provider=job.cluster.provider, nodes=job.cluster.nodes,
+                         started_at=launched_at())
     recoveries = Recoveries(job.recovery)
     start_loss_curve(run_id)
     try:
@@ -78,8 +81,10 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
             try:
                 cluster, staged, outcome = train_on_a_cluster(job, plan, code_url, summary, cluster_name,
                                                               resume_step, recovery)
+                _trained(summary, recovery, outcome.first_step_at, outcome.steps_s)
                 break
             except Preempted as preempted:
+                _trained(summary, recovery, preempted.first_step_at, preempted.steps_s)
                 # The nodes are gone or going: tear down what is left, launch again, resume from the last commit.
                 recovery = recoveries.begin(preempted.node, preempted.reason, preempted.with_notice,
                                             preempted.step_reached, preempted.detected_at)
@@ -143,6 +148,24 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: 
         resume_from = {node.name: r["path"] for node, r in zip(cluster.nodes, restored, strict=False)}
         outcome = run_training(job, cluster, replace(launch, resume_from=resume_from))
     return cluster, staged, outcome
+
+
+def launched_at() -> float:
+    """When the command that launched this run started (it says so in TRAINPIPE_LAUNCHED_AT), else now: the run's
+    overhead counts the command's own start and the Prefect server's too."""
+    value = os.environ.get(LAUNCHED_AT_VAR)
+    now = time.time()
+    try:
+        return min(now, float(value)) if value else now
+    except ValueError:
+        return now
+
+
+def _trained(summary: RunSummary, recovery: RecoveryRecord | None, first_step_at: float | None,
+             steps_s: float) -> None:
+    summary.trained(first_step_at, steps_s)
+    if recovery is not None:
+        recovery.first_step(first_step_at)
 
 
 def _timed(recovery: RecoveryRecord | None, phase: str) -> AbstractContextManager[None]:

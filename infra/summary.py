@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+LAUNCHED_AT_VAR = "TRAINPIPE_LAUNCHED_AT"  # set by `trainpipe run`: when the command started, unix seconds
 PHASES = ("plan", "provision", "verify", "stage", "train", "sync", "teardown")
 # The cluster is paid for from the start of provisioning to the end of teardown: every phase but plan.
 BILLED_PHASES = PHASES[1:]
@@ -61,8 +62,11 @@ class RunSummary:
     # time went (T_compute / T_network / T_io)
     workload: dict[str, Any] = field(default_factory=dict)  # code, its sha256, command, config hash, setup_s
     metrics: dict[str, Any] = field(default_factory=dict)  # what the script reported about the whole run
-    started_at: float = field(default_factory=time.time)
+    started_at: float = field(default_factory=time.time)  # the command's start where a command launched the run
     finished_at: float | None = None
+    time_to_first_step_s: float | None = None  # from started_at to the end of the first training step
+    steps_s: float = 0.0  # the training steps' own time, every attempt's
+    overhead_s: float | None = None  # the run's wall time minus the steps' own time: what orchestration cost
 
     def phase(self, name: str) -> AbstractContextManager[None]:
         """Times a phase; the time is recorded even when the phase fails."""
@@ -73,9 +77,16 @@ class RunSummary:
         self.instance_type, self.market, self.price_per_hour = instance_type, market, price_per_hour
         self.attempts.extend(attempts)  # a recovery launches again: its attempts follow the first launch's
 
+    def trained(self, first_step_at: float | None, steps_s: float) -> None:
+        """An attempt's training steps: when its first ended, and how long they took."""
+        if first_step_at is not None and self.time_to_first_step_s is None:
+            self.time_to_first_step_s = round(first_step_at - self.started_at, 3)
+        self.steps_s = round(self.steps_s + steps_s, 3)
+
     def finish(self) -> None:
-        """Stamps the end and prices the run (the price is known only once a launch succeeded)."""
+        """Stamps the end, the overhead and prices the run (the price is known only once a launch succeeded)."""
         self.finished_at = time.time()
+        self.overhead_s = round(self.finished_at - self.started_at - self.steps_s, 3)
         if self.price_per_hour is not None:
             billed_s = sum(self.phases.get(name, 0.0) for name in BILLED_PHASES)
             self.cost_usd = round(self.price_per_hour * billed_s / 3600, 4)
@@ -109,6 +120,12 @@ class RunSummary:
             floor = f" (floor {self.loss_floor:.3f})" if self.loss_floor is not None else ""
             lines.append(f"  loss: {self.initial_loss:.3f} at step {self.start_step} → {self.final_loss:.3f} "
                          f"at step {self.steps}{floor}")
+        if self.overhead_s is not None and self.finished_at is not None:
+            wall = self.finished_at - self.started_at
+            first = (f", first step after {self.time_to_first_step_s:.1f}s" if self.time_to_first_step_s is not None
+                     else "")
+            lines.append(f"  overhead: {self.overhead_s:.1f}s of {wall:.1f}s ({self.overhead_s / wall:.0%}) outside "
+                         f"the training steps' {self.steps_s:.1f}s{first}")
         if self.breakdown:
             shares = self.breakdown["shares"]
             lines.append(f"  step time: compute {shares['T_compute']:.0%}, network {shares['T_network']:.0%}, "

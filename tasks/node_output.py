@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from infra.node.events import Throttle, parse
 from infra.remote import Runner
-from infra.workload.progress import LogRecognizer, MetricsFile, Point, is_progress_bar, point_from_record
+from infra.workload.progress import LogRecognizer, MetricsFile, Point, StepClock, is_progress_bar, point_from_record
 from infra.workspace import run_dir
 
 PROGRESS_LOG_INTERVAL_S = 5.0
@@ -71,6 +72,7 @@ class TrainingProgress:
         self.checkpoint_events: list[dict[str, Any]] = []
         self.total_steps: int | None = None
         self.last_step = 0  # the newest step rank 0 reported: how far training got when a node was lost
+        self.clock = StepClock()
 
     def follow(self, line: str) -> None:
         """A line the head node's script printed."""
@@ -96,6 +98,7 @@ class TrainingProgress:
     def _add(self, point: Point) -> None:
         with self._lock:
             self.points.append(point)
+            self.clock.add(point, time.time())
             self.last_step = max(self.last_step, point.step)
             self.total_steps = point.total_steps or self.total_steps
             if point.loss is not None:

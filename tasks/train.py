@@ -49,6 +49,8 @@ class TrainOutcome:
     checkpoint_events: list[dict[str, Any]]  # the script's (trainer.checkpoint's) saves
     sync_events: list[dict[str, Any]]  # the syncers' uploads and commits
     seconds: float
+    first_step_at: float | None  # unix time the first step ended
+    steps_s: float  # the training steps' own time
 
 
 def node_context(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch) -> NodeContext:
@@ -202,4 +204,5 @@ def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOu
     _stop_syncers(runners, syncers, cluster.nodes)
     metrics(force=True)
     return TrainOutcome(points=progress.points, facts=progress.facts, checkpoint_events=progress.checkpoint_events,
-                        sync_events=sync_events, seconds=time.monotonic() - started)
+                        sync_events=sync_events, seconds=time.monotonic() - started,
+                        first_step_at=progress.clock.first_step_at, steps_s=progress.clock.steps_s())

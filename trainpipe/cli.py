@@ -14,6 +14,7 @@ from functools import wraps
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
+import psutil
 import typer
 
 from infra.checkpoint_formats import check_loadable
@@ -23,10 +24,11 @@ from infra.plan import PlanError, cluster_name_for, plan_job
 from infra.providers import ClusterRecord, LaunchError, all_providers, get_provider
 from infra.spec import ConfigError, JobSpec, load_job
 from infra.storage import StorageError, open_store
-from infra.summary import RunSummary, load_summary
+from infra.summary import LAUNCHED_AT_VAR, RunSummary, load_summary
 from infra.sweep import sweep_clusters
 from infra.workspace import runs_dir
 from trainpipe import bench_command, catalog_command, cp_command, predict_command, serve_command
+from trainpipe.prefect_server import BackgroundServer
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 dataset_app = typer.Typer(no_args_is_help=True, help="Inspect any dataset prefix; create and check token datasets.")
@@ -71,12 +73,21 @@ def plan(config: ConfigArg, run_id: RunIdOpt = None) -> None:
 @user_errors_exit_2
 def run(config: ConfigArg, run_id: RunIdOpt = None) -> None:
     """Run the whole pipeline as a Prefect flow and print its summary."""
+    # The run's overhead counts from this command's start (the interpreter and its imports included).
+    os.environ.setdefault(LAUNCHED_AT_VAR, str(psutil.Process().create_time()))
+    # Prefect's 20 s default for starting its temporary server is too short on a busy 2-core machine.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     job = load_job(config)
     run_id = run_id or new_run_id(job)
-    # Fail on bad input before Prefect starts, so the user sees one line rather than a flow traceback.
-    plan_job(job, run_id)
-    # Prefect's 20 s default for starting its in-process server is too short on a busy 2-core machine.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    server = BackgroundServer().start()
+    try:
+        # Fail on bad input before the flow starts, so the user sees one line rather than a flow traceback.
+        plan_job(job, run_id)
+    except USER_ERRORS as exc:
+        typer.echo(f"error: {exc}", err=True)
+        server.stop()  # after the line: the user need not wait for it
+        raise typer.Exit(2) from None
+    server.wait()
     from flows.retrain import retrain
 
     # Prefect turns SIGTERM into a graceful flow shutdown, then re-sends it to the handler it found. Python's

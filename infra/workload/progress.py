@@ -42,6 +42,35 @@ class Point:
     loss: float | None = None
     total_steps: int | None = None
     values: dict[str, Any] = field(default_factory=dict)
+    at: float | None = None  # when the step ended (the record's own "time" where it has one), unix seconds
+
+
+@dataclass
+class StepClock:
+    """When training's steps ran, from the points as they come: the time to the first step and the steps' own time.
+
+    A point's time is the record's own `time` where the script writes one, else when it was read (the metrics file
+    is read every second, a framework's log line at once)."""
+
+    first: tuple[int, float] | None = None  # (step, time) of the first point
+    last: tuple[int, float] | None = None
+
+    def add(self, point: Point, arrived_at: float) -> None:
+        at = point.at if point.at is not None else arrived_at
+        if self.first is None:
+            self.first = (point.step, at)
+        self.last = (point.step, at)
+
+    @property
+    def first_step_at(self) -> float | None:
+        return self.first[1] if self.first is not None else None
+
+    def steps_s(self) -> float:
+        """From the first logged step's end to the last one's, plus one step's worth for the first step itself."""
+        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
+            return 0.0
+        span = self.last[1] - self.first[1]
+        return span * (self.last[0] - self.first[0] + 1) / (self.last[0] - self.first[0])
 
 
 def _number(value: Any) -> float | None:
@@ -57,7 +86,7 @@ def point_from_record(record: dict[str, Any]) -> Point | None:
     if not isinstance(step, int) or isinstance(step, bool):
         return None
     total = next((int(record[k]) for k in TOTAL_KEYS if isinstance(record.get(k), int)), None)
-    return Point(step, _number(record.get("loss")), total, record)
+    return Point(step, _number(record.get("loss")), total, record, _number(record.get("time")))
 
 
 class MetricsFile:
