@@ -64,6 +64,7 @@ class RunSummary:
     metrics: dict[str, Any] = field(default_factory=dict)  # what the script reported about the whole run
     started_at: float = field(default_factory=time.time)  # the command's start where a command launched the run
     finished_at: float | None = None
+    flow_started_s: float | None = None  # from started_at to the flow's own start (command, Prefect server, plan)
     time_to_first_step_s: float | None = None  # from started_at to the end of the first training step
     steps_s: float = 0.0  # the training steps' own time, every attempt's
     overhead_s: float | None = None  # the run's wall time minus the steps' own time: what orchestration cost
@@ -76,6 +77,10 @@ class RunSummary:
                       attempts: list[dict[str, Any]]) -> None:
         self.instance_type, self.market, self.price_per_hour = instance_type, market, price_per_hour
         self.attempts.extend(attempts)  # a recovery launches again: its attempts follow the first launch's
+
+    def __post_init__(self) -> None:
+        if self.flow_started_s is None:
+            self.flow_started_s = round(time.time() - self.started_at, 3)
 
     def trained(self, first_step_at: float | None, steps_s: float) -> None:
         """An attempt's training steps: when its first ended, and how long they took."""

@@ -67,6 +67,9 @@ def test_flow_trains_commits_and_tears_down(prefect_server: None, workspace: Pat
     assert summary["loss_floor"] == pytest.approx(1.0889, abs=1e-3), "the trainer reports its data's floor"
     assert summary["workload"]["command"][:2] == ["-m", "trainer.train"] and summary["workload"]["code"] is None
     assert summary["final_eval_loss"] is not None and summary["breakdown"]["steps"] > 0
+    wall = summary["finished_at"] - summary["started_at"]
+    assert 0 < summary["steps_s"] < wall and 0 < summary["time_to_first_step_s"] < wall
+    assert summary["overhead_s"] == pytest.approx(wall - summary["steps_s"], abs=0.01)
     assert summary["checkpoint"].endswith("/e2e-run/step-00000120")
     assert summary["nodes_left"] == 0
     assert [(a["instance_type"], a["outcome"]) for a in summary["attempts"]] == [("local-process", "launched")]

@@ -37,5 +37,6 @@ from trainpipe import (  # noqa: E402, F401
     bench_ckpt_command,
     bench_cluster_command,
     bench_dataset_command,
+    bench_overhead_command,
     bench_repro_command,
 )
