@@ -13,7 +13,6 @@ a crash); trainpipe itself lists manifests.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -24,10 +23,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from infra.models import SHA256_HEX, StrictModel
 from infra.storage.base import ChecksumMismatch, ObjectNotFound, ObjectStore
+from infra.storage.checksum import SHA256, TAGGED_CHECKSUM, Checksum, checksum_of_ranges
 from infra.storage.transfer import FileSpec, download, upload
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,21 @@ def node_record_key(step: int, node_rank: int) -> str:
 class FileEntry(StrictModel):
     path: str
     bytes: int = Field(ge=0)
-    sha256: str = Field(pattern=SHA256_HEX)
+    sha256: str | None = Field(default=None, pattern=SHA256_HEX)  # manifests written before the CRCs
+    crc: str | None = Field(default=None, pattern=TAGGED_CHECKSUM)  # "crc64nvme:<base64>" (infra.storage.checksum)
+
+    @model_validator(mode="after")
+    def _has_checksum(self) -> FileEntry:
+        if self.sha256 is None and self.crc is None:
+            raise ValueError(f"{self.path}: no checksum: a file entry needs its crc (or a legacy sha256)")
+        return self
+
+    @property
+    def checksum(self) -> Checksum:
+        if self.crc is not None:
+            return Checksum.parse(self.crc)
+        assert self.sha256 is not None, "the validator requires one of them"
+        return Checksum(SHA256, self.sha256)
 
 
 class NodeRecord(StrictModel):
@@ -261,7 +275,7 @@ class CheckpointStore:
         result = upload(Path(local_step_dir), list(files), self.store.child(step_name(step)))
         record = NodeRecord(
             node_rank=node_rank,
-            files=[FileEntry(path=item.key, bytes=item.size, sha256=item.sha256) for item in result.files],
+            files=[FileEntry(path=item.key, bytes=item.size, crc=item.crc) for item in result.files],
         )
         self.store.put_bytes(node_record_key(step, node_rank), record.model_dump_json().encode())
         return record
@@ -351,7 +365,7 @@ class CheckpointStore:
     # ---- verifying and restoring --------------------------------------------------------------------------
 
     def verify(self, step: int | None = None, deep: bool = True) -> CheckpointManifest:
-        """Check every file of a committed step exists with its size (and, deep, its sha256)."""
+        """Check every file of a committed step exists with its size (and, deep, its checksum)."""
         manifest = self.manifest(step)
         prefix = step_name(manifest.step)
         for entry in manifest.files:
@@ -367,18 +381,18 @@ class CheckpointStore:
                     f"{self.store.url_for(key)}: {info.size} bytes, manifest says {entry.bytes}: "
                     "the checkpoint is damaged; restore an older step"
                 )
-            if deep and self._sha256(key, entry.bytes) != entry.sha256:
+            expected = entry.checksum
+            if deep and self._checksum(key, entry.bytes, expected.algorithm) != expected:
                 raise CheckpointError(
-                    f"{self.store.url_for(key)}: sha256 differs from the manifest: "
+                    f"{self.store.url_for(key)}: {expected.algorithm} differs from the manifest: "
                     "the checkpoint is damaged; restore an older step"
                 )
         return manifest
 
-    def _sha256(self, key: str, size: int) -> str:
-        digest = hashlib.sha256()
-        for start in range(0, size, VERIFY_CHUNK):
-            digest.update(self.store.get_range(key, start, min(VERIFY_CHUNK, size - start)))
-        return digest.hexdigest()
+    def _checksum(self, key: str, size: int, algorithm: str) -> Checksum:
+        chunks = (self.store.get_range(key, start, min(VERIFY_CHUNK, size - start))
+                  for start in range(0, size, VERIFY_CHUNK))
+        return checksum_of_ranges(chunks, algorithm)
 
     def restore(self, dest_dir: Path, step: int | None = None) -> Path:
         """Download a committed step into dest_dir/step-XXXXXXXX/, verified; valid files already there stay."""
@@ -387,7 +401,7 @@ class CheckpointStore:
 
     def _download(self, manifest: CheckpointManifest, dest_dir: Path) -> Path:
         step_dir = dest_dir / step_name(manifest.step)
-        specs = [FileSpec(entry.path, entry.bytes, entry.sha256) for entry in manifest.files]
+        specs = [FileSpec(entry.path, entry.bytes, entry.sha256, entry.crc) for entry in manifest.files]
         result = download(self.store.child(step_name(manifest.step)), specs, step_dir)
         log.info(
             "restored step %d into %s: %d files, %d skipped, %.1f MB/s",

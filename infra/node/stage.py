@@ -11,9 +11,10 @@ from pathlib import Path
 from infra.dataset.manifest import DatasetError, load_manifest
 from infra.node.events import Throttle, emit, fail
 from infra.storage import StorageError, open_store
-from infra.storage.transfer import FileSpec, Progress, download
+from infra.storage.transfer import DEFAULT_CONFIG, FileSpec, Progress, download
 
 MANIFEST = "manifest.json"
+VERIFIED_STATE = ".trainpipe-verified"  # beside the data dir, in the node's workdir: not among the staged files
 
 
 def main(argv: list[str]) -> int:
@@ -36,7 +37,8 @@ def main(argv: list[str]) -> int:
         store = open_store(args.dataset)
         manifest = load_manifest(store)
         shards = [FileSpec(shard.name, shard.bytes, shard.sha256) for shard in manifest.shards]
-        result = download(store, shards, args.dest, workers=args.workers, progress=report)
+        result = download(store, shards, args.dest, DEFAULT_CONFIG.but(workers=args.workers), progress=report,
+                          state_dir=args.dest.parent / VERIFIED_STATE)
         # The manifest goes last, so a dest dir holding a manifest holds every shard it lists.
         (args.dest / MANIFEST).write_text(manifest.model_dump_json(indent=2))
     except (DatasetError, StorageError) as exc:
