@@ -92,19 +92,22 @@ def test_wrong_credentials_are_one_line(s3_url: str, tmp_path: Path, monkeypatch
 
 
 def test_bench_transfer_smoke(tmp_path: Path) -> None:
-    """The benchmark end to end at a tiny size: trainpipe and s5cmd on S3, trainpipe and transfer_manager on GCS."""
+    """The benchmark end to end at a tiny size: both engines and s5cmd on S3, both engines and transfer_manager on
+    GCS (where the emulator's missing XML multipart is said in the row)."""
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(app, ["bench", "transfer", "--size-gb", "0.02", "--repeats", "1", "--gcs-size-gb",
                                       "0.005", "--clients", "trainpipe,s5cmd", "--json", str(out), "--workdir",
                                       str(tmp_path)])
     assert result.exit_code == 0, result.output
-    rows = {(r["store"], r["direction"], r["client"]): r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {("s3", d, c) for d in ("download", "upload") for c in ("trainpipe", "s5cmd")} | {
-        ("s3", "download", "local cp")} | {("gcs", d, c) for d in ("download", "upload")
-                                           for c in ("trainpipe", "transfer_manager")}
+    rows = {(r["store"], r["direction"], r["client"], r["engine"]): r for r in json.loads(out.read_text())["rows"]}
+    trainpipe = {("trainpipe", "native"), ("trainpipe", "python")}
+    assert set(rows) == {("s3", d, c, e) for d in ("download", "upload") for c, e in {*trainpipe, ("s5cmd", "")}} | {
+        ("s3", "download", "local cp", "")} | {("gcs", d, c, e) for d in ("download", "upload")
+                                              for c, e in {*trainpipe, ("transfer_manager", "")}}
     for row in rows.values():
         assert len(row["mb_per_s"]) == 1 and row["mb_per_s"][0] > 0 and not row["note"].startswith("failed"), row
         assert row["client_cpu_s_per_gb"] > 0, row
         assert (row["server_cpu_s_per_gb"] > 0) == (row["client"] != "local cp"), row
-    assert rows[("s3", "download", "s5cmd")]["vs_s5cmd"] == 1.0
-    assert "trainpipe" in result.output and "of ceil" in result.output
+    assert rows[("s3", "download", "s5cmd", "")]["vs_s5cmd"] == 1.0
+    assert "no XML multipart" in rows[("gcs", "upload", "trainpipe", "native")]["note"]
+    assert "trainpipe" in result.output and "engine" in result.output and "of ceil" in result.output

@@ -124,8 +124,7 @@ def test_cut_connections_still_yield_verified_copies(
         assert {f.key: f.crc for f in sent.files} == crcs
         cuts_up = proxy.cuts
         # Fresh clients, so the download opens fresh connections: the next ones that carry a body are cut.
-        s3._clients.clear()
-        s3._crt_clients.clear()
+        s3._connections.clear()
         store = open_store(url)
         specs = [FileSpec(rel, size, crc=crcs[rel]) for rel, size in sizes.items()]
         proxy.arm(CUTS_PER_PHASE)

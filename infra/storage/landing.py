@@ -40,11 +40,13 @@ class Landing:
             os.ftruncate(fd, self.size)
         return fd
 
-    def finish(self, expected: Checksum | None, actual: Checksum | None, fd: int = -1) -> FileResult:
+    def finish(
+        self, expected: Checksum | None, actual: Checksum | None, fd: int = -1, *, direct_io: bool = False
+    ) -> FileResult:
         """Check the complete .part, make it durable and give it its final name; fd (when given) is closed.
 
         actual is the checksum the bytes were verified with while they arrived; None means nothing checked them
-        yet, so the file is read once to compute it (in expected's algorithm).
+        yet, so the file is read once to compute it (in expected's algorithm; with O_DIRECT when it was written so).
         """
         with os_errors_named(str(self.part_path), "finish"):
             if fd < 0:
@@ -64,7 +66,8 @@ class Landing:
                     "the object changed, or the manifest is wrong: fix it and run again"
                 )
             if actual is None:
-                actual = checksum_file(self.part_path, expected.algorithm if expected else DEFAULT_ALGORITHM)
+                algorithm = expected.algorithm if expected else DEFAULT_ALGORITHM
+                actual = checksum_file(self.part_path, algorithm, direct=direct_io)
             if expected is not None:
                 check(actual, expected, self.url)
             os.replace(self.part_path, self.dest)

@@ -83,7 +83,7 @@ class NativeFetch:
             verified = self.store.fetch_file(
                 landing.key, landing.part_path, landing.size, self.expected, self.config, pool.add_bytes, pool.cancel
             )
-        landing.finish(self.expected, verified)
+        landing.finish(self.expected, verified, direct_io=self.config.direct_io)
         pool.file_done()
 
     def discard(self) -> None:

@@ -51,13 +51,17 @@ class FileSpec:
     """One object to move; its expected size and checksum when known (e.g. from a manifest).
 
     crc is a tagged checksum (infra.storage.checksum: "crc64nvme:<base64>" or "crc32c:<base64>"); sha256 (hex)
-    is what manifests written before the CRCs carry. A CRC is checked when both are given.
+    is what manifests written before the CRCs carry. A CRC is checked when both are given. Without a size the
+    engine asks the store for it (HEAD), and for the object's checksum and version (etag) with it; with a size
+    (a listing's) and no checksum, the bytes are held to the checksum the store returns with them (native engine)
+    and a local copy is trusted by the etag the listing gave.
     """
 
     key: str
     size: int | None = None
     sha256: str | None = None
     crc: str | None = None
+    etag: str | None = None
 
     def __post_init__(self) -> None:
         if self.crc is not None:

@@ -14,11 +14,12 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import boto3
 import botocore.exceptions
+import botocore.session
 import urllib3.exceptions
 from awscrt.exceptions import AwsCrtError
 from botocore.config import Config
@@ -56,10 +57,10 @@ _CONNECTION_ERRORS = (
     TimeoutError,
 )
 
-_clients: dict[tuple[Any, ...], Any] = {}
-# Credentials come from the standard chain; these variables change which credentials it finds.
-_CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
-_clients_lock = threading.Lock()
+# Which endpoint, region and credentials the standard chain finds: a change of any of these is another connection.
+_ENVIRONMENT = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE",
+                "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE",
+                "AWS_SHARED_CREDENTIALS_FILE")
 # Endpoints whose reply to CreateMultipartUpload the CRT cannot read (rclone): large files go part by part there.
 _crt_multipart_refused: set[str | None] = set()
 # The full-object checksums a HEAD may report that the engine can check (a multipart object's COMPOSITE ones,
@@ -67,25 +68,45 @@ _crt_multipart_refused: set[str | None] = set()
 _HEAD_CHECKSUMS = {"ChecksumCRC64NVME": CRC64NVME, "ChecksumCRC32C": CRC32C}
 
 
+@dataclass
+class _Connection:
+    """One endpoint, region and set of credentials, with the clients made for it (each made once, when first
+    needed: a botocore session alone costs tens of milliseconds)."""
+
+    session: Any
+    endpoint: str | None
+    region: str
+    boto: Any = None
+    crt: dict[tuple[Any, ...], Any] = field(default_factory=dict)  # by the tuning the CRT client was made with
+
+
+_connections: dict[tuple[str | None, ...], _Connection] = {}
+_connections_lock = threading.Lock()
+
+
 def _endpoint() -> str | None:
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
-def _connection() -> tuple[Any, str | None, str, tuple[Any, ...]]:
-    """(boto3 session, endpoint, region, what identifies them) from the environment, as the standard chain sees it."""
-    endpoint = _endpoint()
-    session = boto3.session.Session()
-    # A custom endpoint (rclone, MinIO, ...) has no region of its own, but v4 signatures need one.
-    region = session.region_name or "us-east-1"
-    return session, endpoint, region, (endpoint, region, *(os.environ.get(name) for name in _CREDENTIAL_VARIABLES))
+def _connection() -> _Connection:
+    key = tuple(os.environ.get(name) for name in _ENVIRONMENT)
+    with _connections_lock:
+        connection = _connections.get(key)
+        if connection is None:
+            # botocore's session (what boto3 wraps): the same credential chain and config, without importing
+            # s3transfer, which boto3 does on import and which no path here uses.
+            session = botocore.session.Session()
+            # A custom endpoint (rclone, MinIO, ...) has no region of its own, but v4 signatures need one.
+            connection = _Connection(session, _endpoint(), session.get_config_variable("region") or "us-east-1")
+            _connections[key] = connection
+        return connection
 
 
 def s3_client() -> Any:
     """One thread-safe client per endpoint, region and credentials, shared by every store in the process."""
-    session, endpoint, region, cache_key = _connection()
-    with _clients_lock:
-        client = _clients.get(cache_key)
-        if client is None:
+    connection = _connection()
+    with _connections_lock:
+        if connection.boto is None:
             config = Config(
                 max_pool_connections=MAX_POOL_CONNECTIONS,
                 retries={"total_max_attempts": 1, "mode": "standard"},
@@ -95,11 +116,12 @@ def s3_client() -> Any:
                 # would checksum every byte a second time and not every S3-compatible server accepts them.
                 request_checksum_calculation="when_required",
                 response_checksum_validation="when_required",
-                s3={"addressing_style": "path"} if endpoint else {},
+                s3={"addressing_style": "path"} if connection.endpoint else {},
             )
-            client = session.client("s3", endpoint_url=endpoint, region_name=region, config=config)
-            _clients[cache_key] = client
-        return client
+            connection.boto = connection.session.create_client(
+                "s3", endpoint_url=connection.endpoint, region_name=connection.region, config=config
+            )
+        return connection.boto
 
 
 def _code(exc: botocore.exceptions.ClientError) -> tuple[str, int]:
@@ -299,17 +321,17 @@ class S3Store(ObjectStore):
 
     def _native(self, config: TransferConfig) -> tuple[Any, s3_native.Endpoint]:
         """The CRT client for this endpoint, credentials and tuning (one per process), and the endpoint."""
-        session, endpoint, region, identity = _connection()
-        cache_key = (*identity, config.throughput_target_gbps, config.memory_limit, config.part_size, config.retry)
-        with _clients_lock:
-            client = _crt_clients.get(cache_key)
+        connection = _connection()
+        endpoint = s3_native.Endpoint(connection.endpoint, connection.region)
+        tuning = (config.throughput_target_gbps, config.memory_limit, config.part_size, config.retry)
+        with _connections_lock:
+            client = connection.crt.get(tuning)
             if client is None:
-                credentials = session.get_credentials()
+                credentials = connection.session.get_credentials()
                 if credentials is None:
                     raise StorageError(f"{self.url}: {_NO_CREDENTIALS}")
-                client = s3_native.new_client(s3_native.Endpoint(endpoint, region), credentials, config)
-                _crt_clients[cache_key] = client
-        return client, s3_native.Endpoint(endpoint, region)
+                client = connection.crt[tuning] = s3_native.new_client(endpoint, credentials, config)
+        return client, endpoint
 
     def _crt_error(self, exc: AwsCrtError, key: str, action: str, expected: Checksum | None = None) -> StorageError:
         url = self.url_for(key)
@@ -337,10 +359,9 @@ class S3Store(ObjectStore):
         client, endpoint = self._native(config)
         request = s3_native.get_request(endpoint, self.bucket, self.keys.name(key))
         try:
-            s3_native.fetch(client, request, path, expected, config, on_bytes, cancel)
+            return s3_native.fetch(client, request, path, expected, config, on_bytes, cancel)
         except AwsCrtError as exc:
             raise self._crt_error(exc, key, "read", expected) from None
-        return expected
 
     def send_file(
         self,
@@ -356,20 +377,27 @@ class S3Store(ObjectStore):
         if size > max(config.multipart_threshold, MIN_PART_SIZE) and endpoint.url in _crt_multipart_refused:
             return self._send_parts(client, endpoint, path, key, size, config, on_bytes, cancel)
         try:
-            echoed = s3_native.send(client, s3_native.put_request(endpoint, self.bucket, name, size), path, config,
-                                    on_bytes, cancel)
+            try:
+                echoed = s3_native.send(client, s3_native.put_request(endpoint, self.bucket, name, size), path,
+                                        config, on_bytes, cancel)
+            except AwsCrtError as exc:
+                if exc.name != "AWS_ERROR_S3_MISSING_UPLOAD_ID":
+                    raise
+                if endpoint.url not in _crt_multipart_refused:
+                    _crt_multipart_refused.add(endpoint.url)
+                    log.warning("%s answers CreateMultipartUpload in a form the CRT cannot read (rclone does): files "
+                                "over %d MiB go up part by part", endpoint.url, config.multipart_threshold >> 20)
+                return self._send_parts(client, endpoint, path, key, size, config, on_bytes, cancel)
+            kept = None
+            if echoed is None:  # the store did not say what it checked: ask what it keeps
+                stored_size, kept = s3_native.stored(client, endpoint, self.bucket, name, cancel)
+                if stored_size != size:
+                    raise StorageError(
+                        f"{self.url_for(key)}: stored {stored_size} bytes of {path}'s {size}: upload it again"
+                    )
         except AwsCrtError as exc:
-            if exc.name != "AWS_ERROR_S3_MISSING_UPLOAD_ID":
-                raise self._crt_error(exc, key, "write") from None
-            if endpoint.url not in _crt_multipart_refused:
-                _crt_multipart_refused.add(endpoint.url)
-                log.warning("%s answers CreateMultipartUpload in a form the CRT cannot read (rclone does): files over "
-                            "%d MiB go up part by part", endpoint.url, config.multipart_threshold >> 20)
-            return self._send_parts(client, endpoint, path, key, size, config, on_bytes, cancel)
-        stored = None if echoed is not None else self.head(key)
-        if stored is not None and stored.size != size:
-            raise StorageError(f"{self.url_for(key)}: stored {stored.size} bytes of {path}'s {size}: upload it again")
-        return s3_native.checksum_after_put(echoed, stored.checksum if stored else None, path)
+            raise self._crt_error(exc, key, "write") from None
+        return s3_native.checksum_after_put(echoed, kept, path)
 
     def _send_parts(
         self,
@@ -401,8 +429,6 @@ class S3Store(ObjectStore):
             raise StorageError(f"{self.url_for(key)}: stored {info.size} bytes of {path}'s {size}: upload it again")
         return crc
 
-
-_crt_clients: dict[tuple[Any, ...], Any] = {}
 
 
 def _read_body(reply: dict[str, Any], url: str) -> bytes:

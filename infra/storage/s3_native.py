@@ -218,15 +218,26 @@ def fetch(
     config: TransferConfig,
     on_bytes: Callable[[int], None],
     cancel: threading.Event,
-) -> None:
-    """GET the object into path; with expected, the CRT checks the whole body against it as it arrives."""
-    checksum_config = None
+) -> Checksum | None:
+    """GET the object into path, its bytes checked by the CRT as they arrive: against expected, or else against
+    the full-object checksum the store keeps (returned when the CRT found one it could check)."""
     if expected is not None:
         checksum_config = s3.S3ChecksumConfig(
             expected_checksum=expected.b64,
             expected_checksum_algorithm=_ALGORITHMS[expected.algorithm],
             response_validation_mode=s3.S3ChecksumValidationMode.FULL_OBJECT,
         )
+    else:
+        checksum_config = s3.S3ChecksumConfig(
+            validate_response=True, response_validation_mode=s3.S3ChecksumValidationMode.FULL_OBJECT
+        )
+    headers = Headers()
+    validated: list[s3.S3ChecksumAlgorithm | None] = []
+
+    def done(*, did_validate_checksum: bool = False, checksum_validation_algorithm: Any = None, **kwargs: Any
+             ) -> None:
+        validated.append(checksum_validation_algorithm if did_validate_checksum else None)
+
     crt_request = client.make_request(
         type=s3.S3RequestType.GET_OBJECT,
         request=request,
@@ -235,8 +246,14 @@ def fetch(
         part_size=max(config.part_size, MIN_PART_SIZE),
         fio_options=s3.S3FileIoOptions(direct_io=True) if config.direct_io else None,
         on_progress=on_bytes,
+        on_headers=headers,
+        on_done=done,
     )
     wait(crt_request, cancel)
+    if expected is not None:
+        return expected
+    algorithm = next((name for name, value in _ALGORITHMS.items() if validated and value == validated[0]), None)
+    return headers.checksum(algorithm) if algorithm is not None else None
 
 
 def put_request(endpoint: Endpoint, bucket: str, name: str, size: int, query: str = "",
@@ -367,11 +384,24 @@ def send_parts(
     return etags, crcs.total(size)
 
 
-def checksum_after_put(echoed: Checksum | None, stored: str | None, path: Path) -> Checksum:
+def stored(client: s3.S3Client, endpoint: Endpoint, bucket: str, name: str, cancel: threading.Event
+           ) -> tuple[int, Checksum | None]:
+    """(size, full-object CRC64NVME or None) the store keeps for an object: a HEAD through the CRT, a callback's
+    worth of Python instead of a botocore call's (this runs once per file uploaded)."""
+    headers = Headers()
+    request = http.HttpRequest("HEAD", endpoint.path(bucket, name), http.HttpHeaders(
+        [("Host", endpoint.host(bucket)), ("x-amz-checksum-mode", "ENABLED")]))
+    wait(client.make_request(type=s3.S3RequestType.DEFAULT, operation_name="HeadObject", request=request,
+                             on_headers=headers), cancel)
+    full_object = headers.values.get("x-amz-checksum-type", "FULL_OBJECT") == "FULL_OBJECT"
+    return int(headers.values.get("content-length", -1)), headers.checksum(CRC64NVME) if full_object else None
+
+
+def checksum_after_put(echoed: Checksum | None, kept: Checksum | None, path: Path) -> Checksum:
     """The object's CRC64NVME: as the store echoed or keeps it, else computed from the file that was sent."""
     if echoed is not None:
         return echoed
-    if stored is not None and stored.startswith(f"{CRC64NVME}:"):
-        return Checksum.parse(stored)
+    if kept is not None:
+        return kept
     log.debug("%s: the store keeps no CRC64NVME for it: computing it from the file", path)
     return checksum_file(path, CRC64NVME)

@@ -110,14 +110,13 @@ def _plan_fetch(
 ) -> FileResult | Fetch:
     """Skip the object when dest already holds it, else say how to fetch it."""
     url = store.url_for(spec.key)
-    size, etag, expected = spec.size, None, spec.expected
-    # With no expected checksum, the store's own (and the etag, the object's version) is what a copy is held to.
-    if size is None or expected is None:
+    size, etag, expected = spec.size, spec.etag, spec.expected
+    # A spec without a size asks the store (a listing gave size and etag already). With no expected checksum the
+    # store's own is what a copy is held to: from this HEAD, or else the one the native engine meets in the GET.
+    if size is None:
         info = call_with_retries(lambda: store.head(spec.key), f"HEAD {url}", config.retry, pool.cancel)
         if info is None:
             raise ObjectNotFound(f"{url}: no such object: check the key, or the manifest that lists it")
-        if size is not None and info.size != size:
-            raise StorageError(f"{url}: {info.size} bytes where {size} are expected: fix the manifest or the object")
         size, etag = info.size, info.etag
         expected = checksum_or_none(info.checksum)
     landing = Landing(url, spec.key, dest_dir / spec.key, size, etag, verified)

@@ -47,6 +47,7 @@ class VerifiedFiles:
         name = hashlib.sha256(str(self.destination).encode()).hexdigest()[:32]
         self.path = (state_dir or default_state_dir()) / f"{name}.json"
         self._entries = self._load()
+        self._confirmed: set[str] = set()  # entries whose file this run saw or wrote: no need to look again
         self._changed = False
         self._lock = threading.Lock()
 
@@ -68,11 +69,14 @@ class VerifiedFiles:
             entry = self._entries.get(rel)
         if entry is None or entry.size != st.st_size or entry.mtime_ns != st.st_mtime_ns:
             return None
+        with self._lock:
+            self._confirmed.add(rel)
         return entry
 
     def record(self, rel: str, st: os.stat_result, checksum: str | None, etag: str | None) -> None:
         with self._lock:
             self._entries[rel] = Verified(st.st_size, st.st_mtime_ns, checksum, etag)
+            self._confirmed.add(rel)
             self._changed = True
 
     def save(self) -> None:
@@ -81,7 +85,9 @@ class VerifiedFiles:
             if not self._changed:
                 return
             entries = {rel: asdict(entry) for rel, entry in sorted(self._entries.items())}
+            confirmed = set(self._confirmed)
             self._changed = False
-        entries = {rel: fields for rel, fields in entries.items() if (self.destination / rel).is_file()}
+        entries = {rel: fields for rel, fields in entries.items()
+                   if rel in confirmed or os.path.isfile(os.path.join(self.destination, rel))}
         payload = json.dumps({"version": _VERSION, "destination": str(self.destination), "files": entries}).encode()
         write_atomically(self.path, lambda fd: write_all(fd, payload))
