@@ -185,7 +185,7 @@ def cp(
     src: Annotated[str, typer.Argument(help="local path, file://, s3://bucket/key or gs://bucket/key")],
     dst: Annotated[str, typer.Argument(help="where to copy to; ending in '/' means 'into this directory/prefix'")],
     recursive: Annotated[bool, typer.Option("--recursive", "-r", help="copy every object under SRC")] = False,
-    workers: Annotated[int, typer.Option(min=1, help="files (native) or parts (python) in flight")] = (
+    workers: Annotated[int, typer.Option(min=1, help="parts in flight (python engine)")] = (
         DEFAULT_CONFIG.workers
     ),
     part_size_mb: Annotated[int, typer.Option(min=1, help="bytes per ranged GET / multipart part, in MiB")] = (
@@ -204,6 +204,9 @@ def cp(
     source, target = Location(src), Location(dst)
     root, files = _sources(source, recursive)
     dst_root, dst_keys = _targets(target, recursive, files)
+    # What is loaded by now (the store's client among it) lives as long as the copy: keep the garbage collector from
+    # walking it again and again while the transfer allocates (several percent of the client's CPU per GB).
+    gc.freeze()
     console = Console(stderr=True)
     with Bar(f"{src} → {dst}", console).shown() as bar:
         result = _copy(root, files, dst_root, dst_keys, target.is_local, config, bar)
@@ -215,9 +218,6 @@ def cp(
 
 def main() -> None:
     """`python -m trainpipe.cp_command SRC DST`: cp without importing the rest of the CLI (starts ~1 s sooner)."""
-    # Everything imported so far lives as long as the process: keep the garbage collector from walking it again and
-    # again while the transfer allocates (it showed as several percent of the client's CPU per GB).
-    gc.freeze()
     try:
         typer.run(cp)
     except StorageError as exc:

@@ -68,8 +68,8 @@ class NativeFetch:
         self.store, self.landing, self.expected, self.config = store, landing, expected, config
 
     def schedule(self, pool: Pool) -> None:
-        # Counted as one part in flight: the store's engine bounds its own memory (config.memory_limit).
-        pool.submit(min(self.landing.size, self.config.part_size), lambda: self._run(pool))
+        # No bytes of it are held here: the store's engine bounds its own memory (config.memory_limit).
+        pool.submit(0, lambda: self._run(pool))
 
     def _run(self, pool: Pool) -> None:
         landing = self.landing
@@ -98,7 +98,7 @@ class NativePut:
         self.result: FileResult | None = None
 
     def schedule(self, pool: Pool) -> None:
-        pool.submit(min(self.size, self.config.part_size), lambda: self._run(pool))
+        pool.submit(0, lambda: self._run(pool))
 
     def _run(self, pool: Pool) -> None:
         checksum = self.store.send_file(self.path, self.key, self.size, self.config, pool.add_bytes, pool.cancel)

@@ -21,7 +21,8 @@ class TransferConfig:
     by `trainpipe bench transfer` on a 2-core machine against `rclone serve s3` (README: Storage).
     """
 
-    workers: int = 16  # files in flight (native) or parts in flight (python)
+    workers: int = 16  # python engine: parts in flight
+    files_in_flight: int = 64  # native engine: files handed to the store's engine at once (it bounds its own memory)
     part_size: int = 8 * MIB  # bytes per ranged GET / multipart part
     max_inflight_bytes: int = 256 * MIB  # python engine: part bytes held in memory at once
     retry: RetryPolicy = field(default=DEFAULT_RETRY)
@@ -32,7 +33,8 @@ class TransferConfig:
     direct_io: bool = True  # native S3 downloads: O_DIRECT writes (the fsync before rename then costs no writeback)
 
     def __post_init__(self) -> None:
-        for name in ("workers", "part_size", "max_inflight_bytes", "multipart_threshold", "memory_limit"):
+        for name in ("workers", "files_in_flight", "part_size", "max_inflight_bytes", "multipart_threshold",
+                     "memory_limit"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
         if self.engine not in ENGINES:

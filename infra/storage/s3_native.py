@@ -31,6 +31,7 @@ from typing import Any
 from urllib.parse import quote
 
 from awscrt import auth, http, s3
+from awscrt import io as awscrt_io
 from awscrt.exceptions import AwsCrtError
 
 from infra.storage.base import ChecksumMismatch, StorageError
@@ -127,6 +128,23 @@ def _credentials_provider(credentials: Any) -> auth.AwsCredentialsProvider:
     return auth.AwsCredentialsProvider.new_delegate(current)
 
 
+_bootstrap_lock = threading.Lock()
+_bootstrap: awscrt_io.ClientBootstrap | None = None
+
+
+def _client_bootstrap() -> awscrt_io.ClientBootstrap:
+    """One event loop per CPU this process may run on, shared by every client. The CRT's static default put all
+    of a client's connections and file writes on one loop thread here (measured: one thread at ~1 core, the others
+    idle), so the transfer could never use more than a core however many were free."""
+    global _bootstrap
+    with _bootstrap_lock:
+        if _bootstrap is None:
+            threads = max(2, len(os.sched_getaffinity(0)))
+            _bootstrap = awscrt_io.ClientBootstrap(awscrt_io.EventLoopGroup(threads),
+                                                   awscrt_io.DefaultHostResolver(awscrt_io.EventLoopGroup(1)))
+        return _bootstrap
+
+
 def new_client(endpoint: Endpoint, credentials: Any, config: TransferConfig) -> s3.S3Client:
     _bridge_crt_log()
     signing = s3.create_default_s3_signing_config(
@@ -139,6 +157,7 @@ def new_client(endpoint: Endpoint, credentials: Any, config: TransferConfig) -> 
         max_backoff_secs=max(1, round(policy.max_s)),
     )
     return s3.S3Client(
+        bootstrap=_client_bootstrap(),
         region=endpoint.region,
         signing_config=signing,
         tls_mode=s3.S3RequestTlsMode.ENABLED if endpoint.tls else s3.S3RequestTlsMode.DISABLED,

@@ -69,6 +69,10 @@ def _checked_keys(keys: Sequence[str], where: str) -> None:
         seen.add(key)
 
 
+def _pool_size(store: ObjectStore, config: TransferConfig) -> int:
+    return config.files_in_flight if uses_native(store, config) else config.workers
+
+
 def _all_finished(results: Sequence[FileResult | None]) -> list[FileResult]:
     finished = [result for result in results if result is not None]
     if len(finished) != len(results):
@@ -159,7 +163,7 @@ def download(
     with os_errors_named(str(dest_dir), "create"):
         dest_dir.mkdir(parents=True, exist_ok=True)
     verified = VerifiedFiles(dest_dir, state_dir)
-    pool = Pool(config.workers, config.max_inflight_bytes, progress, started)
+    pool = Pool(_pool_size(store, config), config.max_inflight_bytes, progress, started)
     fetches: list[Fetch] = []
     try:
         plans = [pool.submit(0, partial(_plan_fetch, store, spec, dest_dir, verified, config, pool)) for spec in files]
@@ -234,7 +238,7 @@ def upload(
             puts.append(NativePut(store, path, key, size, config))
         else:
             puts.append(PartPut(store, path, key, size, config))
-    pool = Pool(config.workers, config.max_inflight_bytes, progress, started)
+    pool = Pool(_pool_size(store, config), config.max_inflight_bytes, progress, started)
     pool.set_totals(sum(put.size for put in puts), len(puts))
     try:
         for put in puts:
