@@ -35,7 +35,7 @@ from infra.storage.base import ChecksumMismatch, ObjectInfo, ObjectNotFound, Obj
 from infra.storage.checksum import CRC32C, Checksum, check, checksum_file
 from infra.storage.cloud import BucketKeys, TransientStorageError, nothing_to_read, split_bucket_url
 from infra.storage.local import os_errors_named
-from infra.storage.records import TransferConfig
+from infra.storage.records import FileJob
 from infra.storage.retry import call_with_retries
 
 log = logging.getLogger(__name__)
@@ -249,17 +249,8 @@ class GcsStore(ObjectStore):
 
     # -- whole files through transfer_manager (infra.storage.native.NativeTransfers) ------------------------
 
-    def fetch_file(
-        self,
-        key: str,
-        path: Path,
-        size: int,
-        expected: Checksum | None,
-        config: TransferConfig,
-        on_bytes: Callable[[int], None],
-        cancel: threading.Event,
-    ) -> Checksum | None:
-        url = self.url_for(key)
+    def fetch_file(self, key: str, path: Path, size: int, expected: Checksum | None, job: FileJob) -> Checksum | None:
+        url, config = self.url_for(key), job.config
         if size <= config.part_size:
             blob = self._blob(key)
             # One request; the library checks the bytes against the crc32c the response carries.
@@ -274,8 +265,8 @@ class GcsStore(ObjectStore):
             fetch = partial(transfer_manager.download_chunks_concurrently, blob, str(path),
                             chunk_size=config.part_size, worker_type=transfer_manager.THREAD,
                             max_workers=config.workers, crc32c_checksum=True, download_kwargs={"raw_download": True})
-        call_with_retries(lambda: self._call(key, "read", fetch), f"GET {url}", config.retry, cancel)
-        on_bytes(size)
+        call_with_retries(lambda: self._call(key, "read", fetch), f"GET {url}", config.retry, job.cancel)
+        job.on_bytes(size)
         stored = Checksum(CRC32C, blob.crc32c) if blob.crc32c else None
         if expected is None or stored is None:
             return stored
@@ -284,16 +275,8 @@ class GcsStore(ObjectStore):
         check(stored, expected, url)
         return expected
 
-    def send_file(
-        self,
-        path: Path,
-        key: str,
-        size: int,
-        config: TransferConfig,
-        on_bytes: Callable[[int], None],
-        cancel: threading.Event,
-    ) -> Checksum:
-        url = self.url_for(key)
+    def send_file(self, path: Path, key: str, size: int, job: FileJob) -> Checksum:
+        url, config = self.url_for(key), job.config
         emulator = os.environ.get("STORAGE_EMULATOR_HOST") or None
         if size > config.multipart_threshold and emulator not in _xml_multipart_refused:
             blob = self._blob(key)
@@ -302,7 +285,7 @@ class GcsStore(ObjectStore):
                            worker_type=transfer_manager.THREAD, max_workers=config.workers, checksum="crc32c",
                            retry=None)
             try:
-                call_with_retries(lambda: self._call(key, "write", send), f"PUT {url}", config.retry, cancel)
+                call_with_retries(lambda: self._call(key, "write", send), f"PUT {url}", config.retry, job.cancel)
                 with self._calling(key, "stat"):
                     blob.reload(retry=None)
             except _XmlMultipartMissing:
@@ -313,13 +296,13 @@ class GcsStore(ObjectStore):
                     log.warning("%s has no XML multipart upload (the GCS emulator has none): files over %d MiB go "
                                 "up as resumable uploads", emulator or "the GCS endpoint",
                                 config.multipart_threshold >> 20)
-                return self.send_file(path, key, size, config, on_bytes, cancel)
+                return self.send_file(path, key, size, job)
         else:
             blob = self.bucket.blob(self.keys.name(key), chunk_size=UPLOAD_CHUNK_SIZE)
             send = partial(blob.upload_from_filename, str(path), content_type="application/octet-stream",
                            checksum="crc32c", retry=None)
-            call_with_retries(lambda: self._call(key, "write", send), f"PUT {url}", config.retry, cancel)
-        on_bytes(size)
+            call_with_retries(lambda: self._call(key, "write", send), f"PUT {url}", config.retry, job.cancel)
+        job.on_bytes(size)
         if blob.size is not None and int(blob.size) != size:
             raise StorageError(f"{url}: stored {blob.size} bytes of {path}'s {size}: upload it again")
         return Checksum(CRC32C, blob.crc32c) if blob.crc32c else checksum_file(path, CRC32C)

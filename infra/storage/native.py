@@ -7,8 +7,6 @@ landing of each download (verified before it gets its final name) and the verifi
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -17,23 +15,14 @@ from infra.storage.checksum import Checksum
 from infra.storage.landing import Landing
 from infra.storage.local import os_errors_named
 from infra.storage.pool import Pool
-from infra.storage.records import FileResult, TransferConfig
+from infra.storage.records import FileJob, FileResult, TransferConfig
 
 
 @runtime_checkable
 class NativeTransfers(Protocol):
     """A store with an engine of its own for whole files."""
 
-    def fetch_file(
-        self,
-        key: str,
-        path: Path,
-        size: int,
-        expected: Checksum | None,
-        config: TransferConfig,
-        on_bytes: Callable[[int], None],
-        cancel: threading.Event,
-    ) -> Checksum | None:
+    def fetch_file(self, key: str, path: Path, size: int, expected: Checksum | None, job: FileJob) -> Checksum | None:
         """Write the object (of size > 0) into path, created or truncated.
 
         With expected, the bytes are checked against it as they arrive (ChecksumMismatch naming the object when
@@ -42,15 +31,7 @@ class NativeTransfers(Protocol):
         """
         ...
 
-    def send_file(
-        self,
-        path: Path,
-        key: str,
-        size: int,
-        config: TransferConfig,
-        on_bytes: Callable[[int], None],
-        cancel: threading.Event,
-    ) -> Checksum:
+    def send_file(self, path: Path, key: str, size: int, job: FileJob) -> Checksum:
         """Upload path as key, its checksum sent along so the store checks it; returns that checksum."""
         ...
 
@@ -80,9 +61,8 @@ class NativeFetch:
                 landing.part_path.write_bytes(b"")
             verified = None
         else:
-            verified = self.store.fetch_file(
-                landing.key, landing.part_path, landing.size, self.expected, self.config, pool.add_bytes, pool.cancel
-            )
+            job = FileJob(self.config, pool.add_bytes, pool.cancel)
+            verified = self.store.fetch_file(landing.key, landing.part_path, landing.size, self.expected, job)
         landing.finish(self.expected, verified, direct_io=self.config.direct_io)
         pool.file_done()
 
@@ -101,7 +81,8 @@ class NativePut:
         pool.submit(0, lambda: self._run(pool))
 
     def _run(self, pool: Pool) -> None:
-        checksum = self.store.send_file(self.path, self.key, self.size, self.config, pool.add_bytes, pool.cancel)
+        job = FileJob(self.config, pool.add_bytes, pool.cancel)
+        checksum = self.store.send_file(self.path, self.key, self.size, job)
         check_unchanged(self.path, self.size)
         self.result = FileResult.of(self.key, self.size, checksum, skipped=False)
         pool.file_done()

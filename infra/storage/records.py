@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from infra.storage.checksum import SHA256, Checksum
@@ -46,6 +48,16 @@ class TransferConfig:
 
 
 DEFAULT_CONFIG = TransferConfig()
+
+
+@dataclass(frozen=True)
+class FileJob:
+    """What a store's native engine gets with each file: the tuning, where to count the bytes it moves, and the
+    event that says the transfer failed elsewhere (stop and raise)."""
+
+    config: TransferConfig
+    on_bytes: Callable[[int], None]
+    cancel: threading.Event
 
 
 @dataclass(frozen=True)

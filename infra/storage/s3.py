@@ -12,9 +12,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from infra.storage.base import ChecksumMismatch, ObjectInfo, ObjectNotFound, Obj
 from infra.storage.checksum import CRC32C, CRC64NVME, Checksum
 from infra.storage.cloud import BucketKeys, TransientStorageError, nothing_to_read, split_bucket_url
 from infra.storage.local import os_errors_named, write_all, write_atomically
-from infra.storage.records import TransferConfig
+from infra.storage.records import FileJob, TransferConfig
 
 log = logging.getLogger(__name__)
 
@@ -346,51 +347,34 @@ class S3Store(ObjectStore):
             )
         return error
 
-    def fetch_file(
-        self,
-        key: str,
-        path: Path,
-        size: int,
-        expected: Checksum | None,
-        config: TransferConfig,
-        on_bytes: Callable[[int], None],
-        cancel: threading.Event,
-    ) -> Checksum | None:
-        client, endpoint = self._native(config)
+    def fetch_file(self, key: str, path: Path, size: int, expected: Checksum | None, job: FileJob) -> Checksum | None:
+        client, endpoint = self._native(job.config)
         request = s3_native.get_request(endpoint, self.bucket, self.keys.name(key))
         try:
-            return s3_native.fetch(client, request, path, expected, config, on_bytes, cancel)
+            return s3_native.fetch(client, request, path, expected, job)
         except AwsCrtError as exc:
             raise self._crt_error(exc, key, "read", expected) from None
 
-    def send_file(
-        self,
-        path: Path,
-        key: str,
-        size: int,
-        config: TransferConfig,
-        on_bytes: Callable[[int], None],
-        cancel: threading.Event,
-    ) -> Checksum:
-        client, endpoint = self._native(config)
+    def send_file(self, path: Path, key: str, size: int, job: FileJob) -> Checksum:
+        client, endpoint = self._native(job.config)
         name = self.keys.name(key)
-        if size > max(config.multipart_threshold, MIN_PART_SIZE) and endpoint.url in _crt_multipart_refused:
-            return self._send_parts(client, endpoint, path, key, size, config, on_bytes, cancel)
+        parts = partial(self._send_parts, client, endpoint, path, key, size, job)
+        if size > max(job.config.multipart_threshold, MIN_PART_SIZE) and endpoint.url in _crt_multipart_refused:
+            return parts()
         try:
             try:
-                echoed = s3_native.send(client, s3_native.put_request(endpoint, self.bucket, name, size), path,
-                                        config, on_bytes, cancel)
+                echoed = s3_native.send(client, s3_native.put_request(endpoint, self.bucket, name, size), path, job)
             except AwsCrtError as exc:
                 if exc.name != "AWS_ERROR_S3_MISSING_UPLOAD_ID":
                     raise
                 if endpoint.url not in _crt_multipart_refused:
                     _crt_multipart_refused.add(endpoint.url)
                     log.warning("%s answers CreateMultipartUpload in a form the CRT cannot read (rclone does): files "
-                                "over %d MiB go up part by part", endpoint.url, config.multipart_threshold >> 20)
-                return self._send_parts(client, endpoint, path, key, size, config, on_bytes, cancel)
+                                "over %d MiB go up part by part", endpoint.url, job.config.multipart_threshold >> 20)
+                return parts()
             kept = None
             if echoed is None:  # the store did not say what it checked: ask what it keeps
-                stored_size, kept = s3_native.stored(client, endpoint, self.bucket, name, cancel)
+                stored_size, kept = s3_native.stored(client, endpoint, self.bucket, name, job.cancel)
                 if stored_size != size:
                     raise StorageError(
                         f"{self.url_for(key)}: stored {stored_size} bytes of {path}'s {size}: upload it again"
@@ -400,21 +384,13 @@ class S3Store(ObjectStore):
         return s3_native.checksum_after_put(echoed, kept, path)
 
     def _send_parts(
-        self,
-        client: Any,
-        endpoint: s3_native.Endpoint,
-        path: Path,
-        key: str,
-        size: int,
-        config: TransferConfig,
-        on_bytes: Callable[[int], None],
-        cancel: threading.Event,
+        self, client: Any, endpoint: s3_native.Endpoint, path: Path, key: str, size: int, job: FileJob
     ) -> Checksum:
         upload_id = self.start_multipart(key, full_object_crc=True)
         try:
             try:
                 etags, crc = s3_native.send_parts(client, endpoint, self.bucket, self.keys.name(key), path, size,
-                                                  upload_id, config, on_bytes, cancel)
+                                                  upload_id, job)
             except AwsCrtError as exc:
                 raise self._crt_error(exc, key, "write") from None
             info = self.finish_multipart(key, upload_id, etags, crc=crc)

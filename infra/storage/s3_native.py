@@ -24,7 +24,6 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ from infra.storage.base import ChecksumMismatch, StorageError
 from infra.storage.checksum import CRC32C, CRC64NVME, SHA256, Checksum, Crc, PartCrcs, checksum_file
 from infra.storage.cloud import TransientStorageError
 from infra.storage.pool import TICK_S
-from infra.storage.records import TransferConfig
+from infra.storage.records import FileJob, TransferConfig
 from infra.storage.retry import Cancelled
 
 log = logging.getLogger(__name__)
@@ -229,15 +228,8 @@ def get_request(endpoint: Endpoint, bucket: str, name: str) -> http.HttpRequest:
     return http.HttpRequest("GET", endpoint.path(bucket, name), http.HttpHeaders([("Host", endpoint.host(bucket))]))
 
 
-def fetch(
-    client: s3.S3Client,
-    request: http.HttpRequest,
-    path: Path,
-    expected: Checksum | None,
-    config: TransferConfig,
-    on_bytes: Callable[[int], None],
-    cancel: threading.Event,
-) -> Checksum | None:
+def fetch(client: s3.S3Client, request: http.HttpRequest, path: Path, expected: Checksum | None, job: FileJob
+          ) -> Checksum | None:
     """GET the object into path, its bytes checked by the CRT as they arrive: against expected, or else against
     the full-object checksum the store keeps (returned when the CRT found one it could check)."""
     if expected is not None:
@@ -262,13 +254,13 @@ def fetch(
         request=request,
         recv_filepath=str(path),
         checksum_config=checksum_config,
-        part_size=max(config.part_size, MIN_PART_SIZE),
-        fio_options=s3.S3FileIoOptions(direct_io=True) if config.direct_io else None,
-        on_progress=on_bytes,
+        part_size=max(job.config.part_size, MIN_PART_SIZE),
+        fio_options=s3.S3FileIoOptions(direct_io=True) if job.config.direct_io else None,
+        on_progress=job.on_bytes,
         on_headers=headers,
         on_done=done,
     )
-    wait(crt_request, cancel)
+    wait(crt_request, job.cancel)
     if expected is not None:
         return expected
     algorithm = next((name for name, value in _ALGORITHMS.items() if validated and value == validated[0]), None)
@@ -282,14 +274,7 @@ def put_request(endpoint: Endpoint, bucket: str, name: str, size: int, query: st
     return http.HttpRequest("PUT", endpoint.path(bucket, name) + query, headers, body)
 
 
-def send(
-    client: s3.S3Client,
-    request: http.HttpRequest,
-    path: Path,
-    config: TransferConfig,
-    on_bytes: Callable[[int], None],
-    cancel: threading.Event,
-) -> Checksum | None:
+def send(client: s3.S3Client, request: http.HttpRequest, path: Path, job: FileJob) -> Checksum | None:
     """PUT the file with its CRC64NVME in a header (the CRT computes it from the bytes it sends; the store checks
     it). Returns the CRC when the store echoed it (AWS does; rclone and moto do not)."""
     headers = Headers()
@@ -299,12 +284,12 @@ def send(
         send_filepath=str(path),
         checksum_config=s3.S3ChecksumConfig(algorithm=s3.S3ChecksumAlgorithm.CRC64NVME,
                                             location=s3.S3ChecksumLocation.HEADER),
-        part_size=max(config.part_size, MIN_PART_SIZE),
-        multipart_upload_threshold=max(config.multipart_threshold, MIN_PART_SIZE),
-        on_progress=on_bytes,
+        part_size=max(job.config.part_size, MIN_PART_SIZE),
+        multipart_upload_threshold=max(job.config.multipart_threshold, MIN_PART_SIZE),
+        on_progress=job.on_bytes,
         on_headers=headers,
     )
-    wait(crt_request, cancel)
+    wait(crt_request, job.cancel)
     return headers.checksum(CRC64NVME)
 
 
@@ -356,15 +341,13 @@ def send_parts(
     path: Path,
     size: int,
     upload_id: str,
-    config: TransferConfig,
-    on_bytes: Callable[[int], None],
-    cancel: threading.Event,
+    job: FileJob,
 ) -> tuple[list[str], Checksum]:
     """Every part of the file as its own CRT UploadPart request (all in flight at once; the CRT schedules them).
 
     Returns the parts' ETags in order and the object's CRC64NVME, joined from the CRCs of the bytes sent.
     """
-    part_size = max(config.part_size, MIN_PART_SIZE, -(-size // MAX_PARTS))
+    part_size = max(job.config.part_size, MIN_PART_SIZE, -(-size // MAX_PARTS))
     crcs = PartCrcs(CRC64NVME)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     requests: list[tuple[s3.S3Request, Headers, FileRange]] = []
@@ -377,7 +360,7 @@ def send_parts(
 
             def done(*, error: BaseException | None = None, length: int = length, **kwargs: Any) -> None:
                 if error is None:
-                    on_bytes(length)
+                    job.on_bytes(length)
 
             request = client.make_request(
                 type=s3.S3RequestType.DEFAULT,
@@ -388,7 +371,7 @@ def send_parts(
             )
             requests.append((request, headers, body))
         for request, _, _ in requests:
-            wait(request, cancel)
+            wait(request, job.cancel)
     except BaseException:
         for request, _, _ in requests:
             request.cancel()
