@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -197,8 +198,9 @@ def crt_failure(exc: AwsCrtError, url: str, action: str) -> StorageError:
 # -- requests ---------------------------------------------------------------------------------------
 
 
-def wait(request: s3.S3Request, cancel: threading.Event) -> None:
-    """Block until the request finishes; cancelling it (and raising Cancelled) once cancel is set."""
+def wait(request: s3.S3Request, cancel: threading.Event, tick: Callable[[], None] | None = None) -> None:
+    """Block until the request finishes, calling tick every TICK_S meanwhile; cancelling the request (and raising
+    Cancelled) once cancel is set."""
     while True:
         try:
             request.finished_future.result(timeout=TICK_S)
@@ -208,6 +210,28 @@ def wait(request: s3.S3Request, cancel: threading.Event) -> None:
                 request.cancel()
                 concurrent.futures.wait([request.finished_future])
                 raise Cancelled() from None
+            if tick is not None:
+                tick()
+
+
+class FileGrowth:
+    """Progress of a GET into a file, from the file's size: the CRT reports a GET's progress only once it is done
+    (one call for a 250 MB object), and the file grows part by part, in order."""
+
+    def __init__(self, path: Path, on_bytes: Callable[[int], None]) -> None:
+        self.path, self.on_bytes, self.reported = path, on_bytes, 0
+
+    def __call__(self) -> None:
+        try:
+            size = os.stat(self.path).st_size
+        except FileNotFoundError:
+            return  # not created yet
+        self.report(size)
+
+    def report(self, size: int) -> None:
+        if size > self.reported:
+            self.on_bytes(size - self.reported)
+            self.reported = size
 
 
 class Headers:
@@ -256,11 +280,12 @@ def fetch(client: s3.S3Client, request: http.HttpRequest, path: Path, expected: 
         checksum_config=checksum_config,
         part_size=max(job.config.part_size, MIN_PART_SIZE),
         fio_options=s3.S3FileIoOptions(direct_io=True) if job.config.direct_io else None,
-        on_progress=job.on_bytes,
         on_headers=headers,
         on_done=done,
     )
-    wait(crt_request, job.cancel)
+    growth = FileGrowth(path, job.on_bytes)
+    wait(crt_request, job.cancel, growth)
+    growth()
     if expected is not None:
         return expected
     algorithm = next((name for name, value in _ALGORITHMS.items() if validated and value == validated[0]), None)
