@@ -45,6 +45,7 @@ class RunSummary:
     checkpoint_step: int | None = None
     nodes_left: int | None = None
     stage: dict[str, Any] = field(default_factory=dict)
+    dataset: dict[str, Any] = field(default_factory=dict)  # infra.dataset.planning.DatasetPlan.summary()
     checkpoints: list[dict[str, Any]] = field(default_factory=list)  # per step: stall, write, upload, commit
     resumed_from_step: int | None = None  # the committed step this run restored (None: started fresh)
     warnings: list[str] = field(default_factory=list)  # e.g. a damaged checkpoint skipped on resume
@@ -58,6 +59,8 @@ class RunSummary:
     cluster_bench: dict[str, Any] = field(default_factory=dict)  # the verify stage's figures and verdict
     breakdown: dict[str, Any] = field(default_factory=dict)  # infra.breakdown.StepBreakdown.summary(): where step
     # time went (T_compute / T_network / T_io)
+    workload: dict[str, Any] = field(default_factory=dict)  # code, its sha256, command, config hash, setup_s
+    metrics: dict[str, Any] = field(default_factory=dict)  # what the script reported about the whole run
     started_at: float = field(default_factory=time.time)
     finished_at: float | None = None
 
@@ -97,6 +100,11 @@ class RunSummary:
             lines.append(f"  staged: {self.stage.get('bytes', 0) / 1e6:.1f} MB per node at "
                          f"{self.stage.get('mb_per_s', 0):.0f} MB/s (slowest node), "
                          f"{self.stage.get('skipped_bytes', 0) / 1e6:.1f} MB already there")
+        if self.workload:
+            code = self.workload.get("code_sha256")
+            lines.append(f"  workload: {' '.join(self.workload['command'])}"
+                         + (f" (code sha256 {code[:12]}…" if code else " (no code shipped")
+                         + f", setup {self.workload['setup_s']:.1f}s)")
         if self.initial_loss is not None and self.final_loss is not None:
             floor = f" (floor {self.loss_floor:.3f})" if self.loss_floor is not None else ""
             lines.append(f"  loss: {self.initial_loss:.3f} at step {self.start_step} → {self.final_loss:.3f} "

@@ -5,10 +5,10 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 
 from infra.lease import LEASE_FILE, LeaseKeeper
+from infra.node.sync import STOP_FILE
 from infra.providers import Cluster, Provider, get_provider
 from infra.spec import JobSpec
 from tasks.policy import NO_RETRIES, TRANSIENT_RETRIES
-from tasks.train import STOP_SYNC
 
 # Renewed several times per TTL, so one slow or failed renewal never expires a healthy node's lease.
 RENEWALS_PER_TTL = 6
@@ -22,7 +22,7 @@ def _start_lease(provider: Provider, cluster: Cluster, ttl_s: float) -> None:
         provider.runner(cluster, node).start(
             [node.python, "-m", "infra.node", "watch", "--lease", node.path(LEASE_FILE), "--ttl", str(ttl_s),
              "--notice-source", provider.notice_source, "--workdir", node.workdir,
-             "--stop-sync-file", node.path("ckpt", STOP_SYNC)],
+             "--stop-sync-file", f"{node.sync_dir}/{STOP_FILE}"],
             log_path=node.path("logs", "watch.log"))
 
 

@@ -40,4 +40,9 @@ def transfer(
 
 
 # Each registers its `bench` subcommand on bench_app.
-from trainpipe import bench_ckpt_command, bench_cluster_command, bench_repro_command  # noqa: E402, F401
+from trainpipe import (  # noqa: E402, F401
+    bench_ckpt_command,
+    bench_cluster_command,
+    bench_dataset_command,
+    bench_repro_command,
+)

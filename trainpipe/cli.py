@@ -16,6 +16,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
+from infra.checkpoint_formats import check_loadable
 from infra.checkpoints import CheckpointError, CheckpointStore
 from infra.dataset.manifest import DatasetError
 from infra.plan import PlanError, cluster_name_for, plan_job
@@ -28,7 +29,7 @@ from infra.workspace import runs_dir
 from trainpipe import bench_command, catalog_command, cp_command, predict_command, serve_command
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
-dataset_app = typer.Typer(no_args_is_help=True, help="Create and check token datasets.")
+dataset_app = typer.Typer(no_args_is_help=True, help="Inspect any dataset prefix; create and check token datasets.")
 ckpt_app = typer.Typer(no_args_is_help=True, help="List and verify committed checkpoints.")
 app.add_typer(dataset_app, name="dataset")
 app.add_typer(ckpt_app, name="ckpt")
@@ -186,6 +187,31 @@ def dataset_validate(
         raise typer.Exit(1)
 
 
+@dataset_app.command("inspect")
+@user_errors_exit_2
+def dataset_inspect(
+    url: Annotated[str, typer.Argument(help="dataset prefix URL or path (any format)")],
+    expectations: Annotated[str | None, typer.Option(help="an ExpectationSuite JSON file to run on the tabular "
+                                                     "files")] = None,
+    include: Annotated[list[str] | None, typer.Option(help="glob of files to look at (repeatable)")] = None,
+    exclude: Annotated[list[str] | None, typer.Option(help="glob of files to leave out (repeatable)")] = None,
+    validation: Annotated[str, typer.Option(help="full: every row; sample: --sample-rows rows per file")] = "full",
+    sample_rows: Annotated[int, typer.Option(help="rows per file that --validation sample reads")] = 1000,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object, for scripts")] = False,
+) -> None:
+    """Files, bytes and formats under a prefix; row counts and schemas of its Parquet, CSV, JSONL and token files;
+    the expectation suite's result (exit 1 when an expectation fails)."""
+    from infra.dataset.inspect import inspect_dataset, render
+
+    if validation not in ("full", "sample"):
+        raise DatasetError(f"--validation {validation}: use full or sample")
+    report = inspect_dataset(url, include=include or (), exclude=exclude or (), expectations=expectations,
+                             validation=validation, sample_rows=sample_rows)
+    typer.echo(json.dumps(report, indent=2, default=str) if as_json else render(report))
+    if report["validation"] is not None and not all(r["success"] for r in report["validation"]["results"]):
+        raise typer.Exit(1)
+
+
 @ckpt_app.command("ls")
 @user_errors_exit_2
 def ckpt_ls(url: Annotated[str, typer.Argument(help="a run's checkpoint root URL")]) -> None:
@@ -207,14 +233,16 @@ def ckpt_verify(
     url: Annotated[str, typer.Argument(help="a run's checkpoint root URL")],
     step: Annotated[int | None, typer.Argument(help="default: the latest committed step")] = None,
 ) -> None:
-    """Check every file against the manifest, then load the checkpoint."""
-    from trainer.checkpoint import inspect_checkpoint
-
+    """Check every file against the manifest, then open the checkpoint as its framework would."""
     checkpoints = CheckpointStore(open_store(url))
     manifest = checkpoints.verify(step, deep=True)
     with tempfile.TemporaryDirectory(prefix="trainpipe-verify-") as scratch:
-        loaded = inspect_checkpoint(checkpoints.restore(Path(scratch), manifest.step))
-    typer.echo(json.dumps({"step": manifest.step, "files": len(manifest.files), "loaded": loaded}))
+        try:
+            loaded = check_loadable(checkpoints.restore(Path(scratch), manifest.step))
+        except ValueError as exc:
+            raise CheckpointError(f"step {manifest.step}: {exc}") from None
+    typer.echo(json.dumps({"step": manifest.step, "name": manifest.ref.name, "files": len(manifest.files),
+                           "loaded": loaded}))
 
 
 app.command("serve")(serve_command.serve)

@@ -33,6 +33,7 @@ from infra.storage.verified import VerifiedFiles
 
 __all__ = [
     "DEFAULT_CONFIG",
+    "DEFAULT_PART_SIZE",
     "DEFAULT_RETRY",
     "PART_SUFFIX",
     "TICK_S",
@@ -52,6 +53,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+DEFAULT_PART_SIZE = DEFAULT_CONFIG.part_size
 
 Fetch = NativeFetch | PartFetch
 Put = NativePut | PartPut
