@@ -29,6 +29,7 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import psutil
 
@@ -326,9 +327,11 @@ def _record(row: Row, index: int, runs: int, run_once: Callable[[int], Timing], 
 
 def _alternating(rows: list[tuple[Row, Callable[[int], Timing]]], runs: int, nbytes: int,
                  echo: Callable[[str], None]) -> None:
-    """Every row's client once per round, rounds repeated: a passing load falls on all of them alike."""
+    """Every row's client once per round, rounds repeated, each round starting one client later: a passing load
+    (and whatever the previous run left to the disk) falls on all of them alike."""
     for index in range(runs):
-        for row, run_once in rows:
+        for offset in range(len(rows)):
+            row, run_once = rows[(index + offset) % len(rows)]
             _record(row, index, runs, run_once, nbytes, echo)
 
 
@@ -372,9 +375,13 @@ def bench_s3(config: BenchConfig, scratch: Path, servers: ModuleType, echo: Call
         server.make_bucket("upload")
         dest = scratch / "download"
         downloads = []
-        for client, engine in clients:
-            argv = download_argv(client, engine, "bench", "data/", dest, server.endpoint)
-            rows.append(row := Row("s3", "download", client, engine))
+        sources = [(client, engine, "bench", "") for client, engine in clients]
+        if "native" in config.engines:
+            _seed_with_crcs(meter, data, server)
+            sources.append(("trainpipe", "native", CRC_BUCKET, STORED_CRC_NOTE))
+        for client, engine, bucket, note in sources:
+            argv = download_argv(client, engine, bucket, "data/", dest, server.endpoint)
+            rows.append(row := Row("s3", "download", client, engine, note=note))
 
             def download_once(_index: int, argv: list[str] = argv) -> Timing:
                 return _checked_download(dest, nbytes, lambda: meter.run(argv))
@@ -403,6 +410,27 @@ def bench_s3(config: BenchConfig, scratch: Path, servers: ModuleType, echo: Call
                  config.repeats, nbytes, echo)
     dataset["load_after"] = _load()
     return Report(dataset, rows)
+
+
+# The same files in a second bucket, uploaded with their CRC64NVME in a header (one request each: rclone keeps the
+# CRC of a single PUT, not of a multipart upload), as S3 keeps a full-object CRC for every object it stores: there the
+# native engine checks the bytes as they arrive instead of reading each file back. The peers check nothing either way.
+CRC_BUCKET = "bench-crc"
+STORED_CRC_NOTE = "(objects keep a CRC64NVME, as on S3: checked as they arrive, no read-back)"
+SEED_WITH_CRCS = """
+import sys
+from pathlib import Path
+from infra.storage import open_store
+from infra.storage.transfer import DEFAULT_CONFIG, upload
+src = Path(sys.argv[1])
+rels = sorted(str(p.relative_to(src)) for p in src.rglob("*") if p.is_file())
+upload(src, rels, open_store(sys.argv[2]), DEFAULT_CONFIG.but(multipart_threshold=1 << 40))
+"""
+
+
+def _seed_with_crcs(meter: Meter, data: Path, server: Any) -> None:
+    server.make_bucket(CRC_BUCKET)
+    meter.run([sys.executable, "-c", SEED_WITH_CRCS, str(data), f"s3://{CRC_BUCKET}/data"])
 
 
 def _load() -> str:

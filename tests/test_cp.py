@@ -99,15 +99,17 @@ def test_bench_transfer_smoke(tmp_path: Path) -> None:
                                       "0.005", "--clients", "trainpipe,s5cmd", "--json", str(out), "--workdir",
                                       str(tmp_path)])
     assert result.exit_code == 0, result.output
-    rows = {(r["store"], r["direction"], r["client"], r["engine"]): r for r in json.loads(out.read_text())["rows"]}
+    rows = {(r["store"], r["direction"], r["client"], r["engine"], "CRC64NVME" in r["note"]): r
+            for r in json.loads(out.read_text())["rows"]}
     trainpipe = {("trainpipe", "native"), ("trainpipe", "python")}
-    assert set(rows) == {("s3", d, c, e) for d in ("download", "upload") for c, e in {*trainpipe, ("s5cmd", "")}} | {
-        ("s3", "download", "local cp", "")} | {("gcs", d, c, e) for d in ("download", "upload")
-                                              for c, e in {*trainpipe, ("transfer_manager", "")}}
+    assert set(rows) == {("s3", d, c, e, False) for d in ("download", "upload")
+                         for c, e in {*trainpipe, ("s5cmd", "")}} | {
+        ("s3", "download", "local cp", "", False), ("s3", "download", "trainpipe", "native", True)} | {
+        ("gcs", d, c, e, False) for d in ("download", "upload") for c, e in {*trainpipe, ("transfer_manager", "")}}
     for row in rows.values():
         assert len(row["mb_per_s"]) == 1 and row["mb_per_s"][0] > 0 and not row["note"].startswith("failed"), row
         assert row["client_cpu_s_per_gb"] > 0, row
         assert (row["server_cpu_s_per_gb"] > 0) == (row["client"] != "local cp"), row
-    assert rows[("s3", "download", "s5cmd", "")]["vs_s5cmd"] == 1.0
-    assert "no XML multipart" in rows[("gcs", "upload", "trainpipe", "native")]["note"]
+    assert rows[("s3", "download", "s5cmd", "", False)]["vs_s5cmd"] == 1.0
+    assert "no XML multipart" in rows[("gcs", "upload", "trainpipe", "native", False)]["note"]
     assert "trainpipe" in result.output and "engine" in result.output and "of ceil" in result.output
