@@ -35,7 +35,7 @@ from infra.storage.base import ChecksumMismatch, ObjectInfo, ObjectNotFound, Obj
 from infra.storage.checksum import CRC32C, Checksum, check, checksum_file
 from infra.storage.cloud import BucketKeys, TransientStorageError, nothing_to_read, split_bucket_url
 from infra.storage.local import os_errors_named
-from infra.storage.records import FileJob
+from infra.storage.records import FileJob, TransferConfig
 from infra.storage.retry import call_with_retries
 
 log = logging.getLogger(__name__)
@@ -248,6 +248,12 @@ class GcsStore(ObjectStore):
             return
 
     # -- whole files through transfer_manager (infra.storage.native.NativeTransfers) ------------------------
+
+    def files_in_flight(self, config: TransferConfig) -> int:
+        # transfer_manager's requests run in Python threads under the GIL (each large file on config.workers more of
+        # them): beyond the python engine's parallelism, more files at once only contend (the emulator, 0.5 GB:
+        # 171-201 MB/s with 64 files in flight, 210-217 with 16).
+        return config.workers
 
     def fetch_file(self, key: str, path: Path, size: int, expected: Checksum | None, job: FileJob) -> Checksum | None:
         url, config = self.url_for(key), job.config

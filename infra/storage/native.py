@@ -35,6 +35,10 @@ class NativeTransfers(Protocol):
         """Upload path as key, its checksum sent along so the store checks it; returns that checksum."""
         ...
 
+    def files_in_flight(self, config: TransferConfig) -> int:
+        """How many files its engine moves well at once."""
+        ...
+
 
 def uses_native(store: ObjectStore, config: TransferConfig) -> bool:
     return config.engine == "native" and isinstance(store, NativeTransfers)

@@ -73,7 +73,8 @@ def _checked_keys(keys: Sequence[str], where: str) -> None:
 
 
 def _pool_size(store: ObjectStore, config: TransferConfig) -> int:
-    return config.files_in_flight if uses_native(store, config) else config.workers
+    return store.files_in_flight(config) if isinstance(store, NativeTransfers) and uses_native(store, config) else (
+        config.workers)
 
 
 def _all_finished(results: Sequence[FileResult | None]) -> list[FileResult]:
