@@ -56,19 +56,22 @@ class Checksum:
 
     @classmethod
     def parse(cls, text: str) -> Checksum:
+        """A tagged checksum; a CRC may also be given in hex (as `<algorithm>:<hex>` records write it)."""
         algorithm, _, value = text.partition(":")
         if algorithm in _CRCS:
             width = _CRCS[algorithm][0]
+            if len(value) == 2 * width and _is_hex(value):
+                return cls(algorithm, base64.b64encode(bytes.fromhex(value)).decode())
             try:
                 if len(base64.b64decode(value, validate=True)) == width:
                     return cls(algorithm, value)
             except binascii.Error:
                 pass
-        elif algorithm == SHA256 and len(value) == 64 and all(c in "0123456789abcdef" for c in value):
+        elif algorithm == SHA256 and len(value) == 64 and _is_hex(value):
             return cls(algorithm, value)
         raise ValueError(
-            f"invalid checksum {text!r}: use crc64nvme:<base64 of 8 bytes>, crc32c:<base64 of 4 bytes> "
-            "or sha256:<64 hex digits>"
+            f"invalid checksum {text!r}: use crc64nvme:<base64 of 8 bytes>, crc32c:<base64 of 4 bytes> (or either "
+            "in hex) or sha256:<64 hex digits>"
         )
 
     @classmethod
@@ -84,6 +87,14 @@ class Checksum:
     @property
     def b64(self) -> str:
         return base64.b64encode(self.digest).decode()
+
+    @property
+    def hex(self) -> str:
+        return self.digest.hex()
+
+
+def _is_hex(value: str) -> bool:
+    return all(c in "0123456789abcdef" for c in value)
 
 
 def checksum_or_none(text: str | None) -> Checksum | None:
