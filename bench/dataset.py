@@ -34,7 +34,7 @@ from infra.dataset.stagecache import ObjectCache
 from infra.node.stage import stage
 from infra.spec import DatasetSpec
 from infra.storage import open_store
-from infra.storage.transfer import FileSpec, download, upload
+from infra.storage.transfer import DEFAULT_CONFIG, FileSpec, download, upload
 
 SUITE = [
     {"type": "expect_column_values_to_be_between", "column": "age", "min_value": 0, "max_value": 120},
@@ -104,7 +104,7 @@ def _put(store: Any, scratch: Path, files: dict[str, bytes]) -> None:
     for key, data in files.items():
         (scratch / key).parent.mkdir(parents=True, exist_ok=True)
         (scratch / key).write_bytes(data)
-    upload(scratch, sorted(files), store, workers=32)
+    upload(scratch, sorted(files), store, DEFAULT_CONFIG.but(workers=32))
 
 
 def run_dataset_benchmark(config: DatasetBenchConfig, echo: Callable[[str], None] = print) -> DatasetBenchReport:
@@ -143,7 +143,7 @@ def run_dataset_benchmark(config: DatasetBenchConfig, echo: Callable[[str], None
             f["reused_mb"] = second["skipped_bytes"] / 1e6
             f["reused_fraction"] = second["skipped_bytes"] / snapshot.bytes
             specs = [FileSpec(file.key, file.size) for file in mine]
-            engine = download(store, specs, scratch / "engine", workers=16)
+            engine = download(store, specs, scratch / "engine", DEFAULT_CONFIG.but(workers=16))
             f["engine_mb_per_s"] = engine.bytes_moved / 1e6 / engine.seconds
             echo(f"staging: {f['stage_mb_per_s']:.0f} MB/s (engine {f['engine_mb_per_s']:.0f} MB/s)")
 

@@ -1,9 +1,12 @@
-"""The transfer benchmark: trainpipe against s5cmd, aws s3 cp and boto3 on a local S3 server, and against
-google-cloud-storage's transfer_manager on the GCS emulator, in one run on this machine.
+"""The transfer benchmark: trainpipe (each engine: native, python) against s5cmd, aws s3 cp and boto3 on a local
+S3 server, and against google-cloud-storage's transfer_manager on the GCS emulator, in one run on this machine.
 
 Every client runs as its own process, timed from start to exit, the way a user runs it (startup included),
-over the same dataset: a few large files and many 8 MB ones. The ceiling is the best any client reached;
-a local `cp` of the same bytes gives the disk's limit. Runs from a checkout: it starts the test servers.
+over the same dataset: a few large files and many 8 MB ones. trainpipe verifies every byte it moves (the CRC the
+store keeps, else one computed from the written file); the peers verify nothing beyond what their protocol does.
+Runs of the clients alternate (A B C, A B C, ...), so a load that comes and goes on a shared machine falls on all
+of them alike. The ceiling is the best any client reached; a local `cp` of the same bytes gives the disk's limit.
+Runs from a checkout: it starts the test servers.
 
 CPU seconds per GB are measured for the client (its process tree) and for the server during each run: on a
 machine where both share a few cores, the client's CPU per byte decides its throughput as much as its design.
@@ -26,13 +29,17 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import psutil
+
+from infra.storage.records import DEFAULT_CONFIG
 
 BIG_FILE = 256 << 20
 SMALL_FILE = 8 << 20
 BIN = Path(sys.executable).parent
 S3_CLIENTS = ("trainpipe", "s5cmd", "aws", "boto3")
+ENGINES = ("native", "python")  # trainpipe's, each its own row
 # `trainpipe cp` without the rest of the CLI's imports (pandas, prefect config): the same code, a faster start.
 TRAINPIPE_CP = [sys.executable, "-m", "trainpipe.cp_command"]
 
@@ -57,6 +64,7 @@ class BenchConfig:
     gcs_size_gb: float = 0.5
     clients: list[str] | None = None  # S3 clients to run (default: all); trainpipe always runs
     workdir: Path | None = None
+    engines: tuple[str, ...] = ENGINES
 
 
 @dataclass
@@ -64,6 +72,7 @@ class Row:
     store: str
     direction: str
     client: str
+    engine: str = ""  # trainpipe's engine; "" for the peers
     mb_per_s: list[float] = field(default_factory=list)
     client_cpu_s_per_gb: list[float] = field(default_factory=list)
     server_cpu_s_per_gb: list[float] = field(default_factory=list)
@@ -92,6 +101,8 @@ class Report:
 
     def ratio(self, row: Row, against: str) -> float | None:
         peer = next((r for r in self._rows(row.store, row.direction) if r.client == against and r.mb_per_s), None)
+        if row.note.startswith("failed"):
+            return None
         return row.median / peer.median if peer is not None and peer.median > 0 else None
 
     def summary(self) -> list[dict[str, object]]:
@@ -110,16 +121,17 @@ class Report:
 
     def table(self) -> str:
         lines = [f"dataset: {self.dataset}",
-                 f"{'store':<5} {'dir':<9} {'client':<17} {'median MB/s':>11} {'best':>8} {'vs s5cmd':>8} "
-                 f"{'vs tm':>6} {'of ceil':>7} {'cpu-s/GB':>8} {'server':>6}  runs / note"]
+                 f"{'store':<5} {'dir':<9} {'client':<17} {'engine':<7} {'median MB/s':>11} {'best':>8} "
+                 f"{'vs s5cmd':>8} {'vs tm':>6} {'of ceil':>7} {'cpu-s/GB':>8} {'server':>6}  runs / note"]
         for item in self.summary():
             def show(value: object) -> str:
                 return "-" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value)
 
             note = f" {item['note']}" if item["note"] else ""
             runs = ", ".join(f"{v:.0f}" for v in item["mb_per_s"]) if item["mb_per_s"] else ""  # type: ignore[attr-defined]
-            lines.append(f"{item['store']:<5} {item['direction']:<9} {item['client']:<17} {item['median']:>11.1f} "
-                         f"{item['best']:>8.1f} {show(item['vs_s5cmd']):>8} {show(item['vs_transfer_manager']):>6} "
+            lines.append(f"{item['store']:<5} {item['direction']:<9} {item['client']:<17} {item['engine'] or '-':<7} "
+                         f"{item['median']:>11.1f} {item['best']:>8.1f} {show(item['vs_s5cmd']):>8} "
+                         f"{show(item['vs_transfer_manager']):>6} "
                          f"{show(item['of_ceiling']):>7} {show(item['client_cpu_s_per_gb']):>8} "
                          f"{show(item['server_cpu_s_per_gb']):>6}  {runs}{note}")
         return "\n".join(lines)
@@ -217,20 +229,26 @@ sys.exit(f"{len(errors)} failed: {errors[:1]}" if errors else 0)
 """
 
 
-def download_argv(client: str, bucket: str, prefix: str, dest: Path, endpoint: str) -> list[str]:
+def trainpipe_cp(engine: str, *args: str) -> list[str]:
+    return [*TRAINPIPE_CP, "--engine", engine, "--recursive", *args]
+
+
+def download_argv(client: str, engine: str, bucket: str, prefix: str, dest: Path, endpoint: str) -> list[str]:
     url = f"s3://{bucket}/{prefix}"
+    if client == "trainpipe":
+        return trainpipe_cp(engine, url, str(dest))
     return {
-        "trainpipe": [*TRAINPIPE_CP, "--recursive", url, str(dest)],
         "s5cmd": [str(BIN / "s5cmd"), "--endpoint-url", endpoint, "cp", f"{url}*", f"{dest}/"],
         "aws": [str(BIN / "aws"), "--endpoint-url", endpoint, "s3", "cp", "--recursive", "--quiet", url, str(dest)],
         "boto3": [sys.executable, "-c", BOTO3_DOWNLOAD, bucket, prefix, str(dest)],
     }[client]
 
 
-def upload_argv(client: str, src: Path, bucket: str, prefix: str, endpoint: str) -> list[str]:
+def upload_argv(client: str, engine: str, src: Path, bucket: str, prefix: str, endpoint: str) -> list[str]:
     url = f"s3://{bucket}/{prefix}"
+    if client == "trainpipe":
+        return trainpipe_cp(engine, str(src), url)
     return {
-        "trainpipe": [*TRAINPIPE_CP, "--recursive", str(src), url],
         "s5cmd": [str(BIN / "s5cmd"), "--endpoint-url", endpoint, "cp", f"{src}/*", url],
         "aws": [str(BIN / "aws"), "--endpoint-url", endpoint, "s3", "cp", "--recursive", "--quiet", str(src), url],
         "boto3": [sys.executable, "-c", BOTO3_UPLOAD, str(src), bucket, prefix],
@@ -284,19 +302,37 @@ def _port(url: str) -> int:
     return int(url.rstrip("/").rsplit(":", 1)[1])
 
 
-def _measure(row: Row, runs: int, run_once: Callable[[int], Timing], nbytes: int, echo: Callable[[str], None]) -> None:
+# Said on the rows it concerns: the path users take on GCS itself is not the one the emulator allows.
+EMULATOR_NOTE = "(emulator has no XML multipart: files over {mib} MiB go as resumable uploads, not in parallel parts)"
+
+
+def _record(row: Row, index: int, runs: int, run_once: Callable[[int], Timing], nbytes: int,
+            echo: Callable[[str], None]) -> None:
+    """One run of a row's client (none once it has failed), its figures appended to the row."""
+    if row.note.startswith("failed"):
+        return
+    try:
+        timing = run_once(index)
+    except (RuntimeError, OSError) as exc:
+        row.note = f"failed: {' '.join(str(exc).split())[:200]}"
+        echo(f"  {row.store} {row.direction} {row.client} {row.engine}: {row.note}")
+        return
+    row.mb_per_s.append(nbytes / 1e6 / timing.seconds)
+    row.client_cpu_s_per_gb.append(timing.client_cpu_s / (nbytes / 1e9))
+    row.server_cpu_s_per_gb.append(timing.server_cpu_s / (nbytes / 1e9))
+    echo(f"  {row.store} {row.direction} {row.client} {row.engine} run {index + 1}/{runs}: "
+         f"{row.mb_per_s[-1]:.0f} MB/s, client {row.client_cpu_s_per_gb[-1]:.2f} cpu-s/GB, "
+         f"server {row.server_cpu_s_per_gb[-1]:.2f}")
+
+
+def _alternating(rows: list[tuple[Row, Callable[[int], Timing]]], runs: int, nbytes: int,
+                 echo: Callable[[str], None]) -> None:
+    """Every row's client once per round, rounds repeated, each round starting one client later: a passing load
+    (and whatever the previous run left to the disk) falls on all of them alike."""
     for index in range(runs):
-        try:
-            timing = run_once(index)
-        except (RuntimeError, OSError) as exc:
-            row.note = f"failed: {' '.join(str(exc).split())[:200]}"
-            echo(f"  {row.store} {row.direction} {row.client}: {row.note}")
-            return
-        row.mb_per_s.append(nbytes / 1e6 / timing.seconds)
-        row.client_cpu_s_per_gb.append(timing.client_cpu_s / (nbytes / 1e9))
-        row.server_cpu_s_per_gb.append(timing.server_cpu_s / (nbytes / 1e9))
-        echo(f"  {row.store} {row.direction} {row.client} run {index + 1}/{runs}: {row.mb_per_s[-1]:.0f} MB/s, "
-             f"client {row.client_cpu_s_per_gb[-1]:.2f} cpu-s/GB, server {row.server_cpu_s_per_gb[-1]:.2f}")
+        for offset in range(len(rows)):
+            row, run_once = rows[(index + offset) % len(rows)]
+            _record(row, index, runs, run_once, nbytes, echo)
 
 
 def _fresh(path: Path) -> Path:
@@ -306,7 +342,7 @@ def _fresh(path: Path) -> Path:
 
 
 def _checked_download(dest: Path, nbytes: int, run: Callable[[], Timing]) -> Timing:
-    """One timed download into an empty dest, which must then hold every byte."""
+    """One timed download into an empty dest, which must then hold every byte (and nothing else)."""
     _fresh(dest)
     timing = run()
     if (got := _bytes_under(dest)) != nbytes:
@@ -318,8 +354,13 @@ def _checked_download(dest: Path, nbytes: int, run: Callable[[], Timing]) -> Tim
 # -- the runs -------------------------------------------------------------------------------------------
 
 
+def _s3_clients(config: BenchConfig) -> list[tuple[str, str]]:
+    chosen = [c for c in S3_CLIENTS if c == "trainpipe" or config.clients is None or c in config.clients]
+    return [(c, engine) for c in chosen for engine in (config.engines if c == "trainpipe" else ("",))]
+
+
 def bench_s3(config: BenchConfig, scratch: Path, servers: ModuleType, echo: Callable[[str], None]) -> Report:
-    clients = [c for c in S3_CLIENTS if c == "trainpipe" or config.clients is None or c in config.clients]
+    clients = _s3_clients(config)
     sizes = dataset_sizes(int(config.size_gb * 1e9))
     nbytes = sum(sizes.values())
     root = scratch / "s3root"
@@ -327,41 +368,74 @@ def bench_s3(config: BenchConfig, scratch: Path, servers: ModuleType, echo: Call
     echo(f"writing {nbytes / 1e9:.2f} GB: {len(sizes)} files under {data}")
     write_dataset(data, sizes)
     dataset = {"bytes": nbytes, "files": len(sizes), "big_files": sum(1 for k in sizes if k.startswith("big/")),
-               "big_file_bytes": max(sizes.values()), "repeats": config.repeats}
+               "big_file_bytes": max(sizes.values()), "repeats": config.repeats, "load_before": _load()}
     rows: list[Row] = []
     with servers.rclone_s3(root, etag_hash="") as server:
         meter = Meter({**os.environ, **server.env()}, _port(server.endpoint))
         server.make_bucket("upload")
         dest = scratch / "download"
-        for client in clients:
-            row = Row("s3", "download", client)
-            rows.append(row)
-            argv = download_argv(client, "bench", "data/", dest, server.endpoint)
+        downloads = []
+        sources = [(client, engine, "bench", "") for client, engine in clients]
+        if "native" in config.engines:
+            _seed_with_crcs(meter, data, server)
+            sources.append(("trainpipe", "native", CRC_BUCKET, STORED_CRC_NOTE))
+        for client, engine, bucket, note in sources:
+            argv = download_argv(client, engine, bucket, "data/", dest, server.endpoint)
+            rows.append(row := Row("s3", "download", client, engine, note=note))
 
             def download_once(_index: int, argv: list[str] = argv) -> Timing:
                 return _checked_download(dest, nbytes, lambda: meter.run(argv))
 
-            _measure(row, config.repeats, download_once, nbytes, echo)
-        for client in clients:
-            row = Row("s3", "upload", client)
-            rows.append(row)
+            downloads.append((row, download_once))
+        _alternating(downloads, config.repeats, nbytes, echo)
+        uploads = []
+        for client, engine in clients:
+            rows.append(row := Row("s3", "upload", client, engine))
 
-            def upload_once(index: int, client: str = client) -> Timing:
-                prefix = f"{client}-{index}/"
-                timing = meter.run(upload_argv(client, data, "upload", prefix, server.endpoint))
+            def upload_once(index: int, client: str = client, engine: str = engine) -> Timing:
+                prefix = f"{client}-{engine}-{index}/"
+                timing = meter.run(upload_argv(client, engine, data, "upload", prefix, server.endpoint))
                 if (got := _bytes_under(root / "upload" / prefix)) != nbytes:
                     raise RuntimeError(f"uploaded {got} of {nbytes} bytes")
                 shutil.rmtree(root / "upload" / prefix)
                 return timing
 
-            _measure(row, config.repeats, upload_once, nbytes, echo)
+            uploads.append((row, upload_once))
+        _alternating(uploads, config.repeats, nbytes, echo)
     disk = Row("s3", "download", "local cp", note="(disk: cp -r of the same files)")
     rows.append(disk)
     local = Meter(dict(os.environ), None)
-    _measure(disk, config.repeats,
-             lambda _i: _checked_download(dest, nbytes, lambda: local.run(["cp", "-r", f"{data}/.", str(dest)])),
-             nbytes, echo)
+    _alternating([(disk, lambda _i: _checked_download(dest, nbytes, lambda: local.run(["cp", "-r", f"{data}/.",
+                                                                                       str(dest)])))],
+                 config.repeats, nbytes, echo)
+    dataset["load_after"] = _load()
     return Report(dataset, rows)
+
+
+# The same files in a second bucket, uploaded with their CRC64NVME in a header (one request each: rclone keeps the
+# CRC of a single PUT, not of a multipart upload), as S3 keeps a full-object CRC for every object it stores: there the
+# native engine checks the bytes as they arrive instead of reading each file back. The peers check nothing either way.
+CRC_BUCKET = "bench-crc"
+STORED_CRC_NOTE = "(objects keep a CRC64NVME, as on S3: checked as they arrive, no read-back)"
+SEED_WITH_CRCS = """
+import sys
+from pathlib import Path
+from infra.storage import open_store
+from infra.storage.transfer import DEFAULT_CONFIG, upload
+src = Path(sys.argv[1])
+rels = sorted(str(p.relative_to(src)) for p in src.rglob("*") if p.is_file())
+upload(src, rels, open_store(sys.argv[2]), DEFAULT_CONFIG.but(multipart_threshold=1 << 40))
+"""
+
+
+def _seed_with_crcs(meter: Meter, data: Path, server: Any) -> None:
+    server.make_bucket(CRC_BUCKET)
+    meter.run([sys.executable, "-c", SEED_WITH_CRCS, str(data), f"s3://{CRC_BUCKET}/data"])
+
+
+def _load() -> str:
+    """The machine's load average (1, 5, 15 min): other work on a shared machine moves every figure."""
+    return " ".join(f"{value:.2f}" for value in os.getloadavg())
 
 
 def bench_gcs(config: BenchConfig, scratch: Path, servers: ModuleType, echo: Callable[[str], None]) -> list[Row]:
@@ -370,26 +444,31 @@ def bench_gcs(config: BenchConfig, scratch: Path, servers: ModuleType, echo: Cal
     src = scratch / "gcs-src"
     write_dataset(src, sizes)
     echo(f"GCS emulator: {nbytes / 1e9:.2f} GB in {len(sizes)} files")
-    rows = {key: Row("gcs", key[0], key[1]) for key in
-            [("upload", "trainpipe"), ("upload", "transfer_manager"), ("download", "trainpipe"),
-             ("download", "transfer_manager")]}
+    rows: dict[tuple[str, str, str], Row] = {}
     with servers.gcs_emulator(scratch / "gcs") as server:
         meter = Meter({**os.environ, **server.env()}, _port(f"http://{server.host}"))
         bucket = servers.create_gcs_bucket(server, "bench").removeprefix("gs://")
-        uploads = {
-            "trainpipe": lambda i: [*TRAINPIPE_CP, "-r", str(src), f"gs://{bucket}/tp-{i}/"],
-            "transfer_manager": lambda i: [sys.executable, "-c", TM_UPLOAD, str(src), bucket, f"tm-{i}/"],
-        }
-        for client, argv in uploads.items():
-            _measure(rows[("upload", client)], config.repeats, lambda i, argv=argv: meter.run(argv(i)), nbytes, echo)
+        uploads: list[tuple[Row, Callable[[int], Timing]]] = []
+        for engine in config.engines:
+            rows[("upload", "trainpipe", engine)] = row = Row("gcs", "upload", "trainpipe", engine)
+            if engine == "native":
+                row.note = EMULATOR_NOTE.format(mib=DEFAULT_CONFIG.multipart_threshold >> 20)
+            uploads.append((row, lambda i, engine=engine: meter.run(trainpipe_cp(engine, str(src),
+                                                                                  f"gs://{bucket}/tp-{engine}-{i}/"))))
+        rows[("upload", "transfer_manager", "")] = row = Row("gcs", "upload", "transfer_manager")
+        uploads.append((row, lambda i: meter.run([sys.executable, "-c", TM_UPLOAD, str(src), bucket, f"tm-{i}/"])))
+        _alternating(uploads, config.repeats, nbytes, echo)
         dest = scratch / "gcs-download"
-        downloads = {
-            "trainpipe": [*TRAINPIPE_CP, "-r", f"gs://{bucket}/tp-0/", str(dest)],
-            "transfer_manager": [sys.executable, "-c", TM_DOWNLOAD, bucket, "tp-0/", str(dest)],
-        }
-        for client, argv in downloads.items():
-            _measure(rows[("download", client)], config.repeats,
-                     lambda _i, argv=argv: _checked_download(dest, nbytes, lambda: meter.run(argv)), nbytes, echo)
+        source = f"tp-{config.engines[0]}-0/"
+        downloads: list[tuple[Row, Callable[[int], Timing]]] = []
+        for engine in config.engines:
+            rows[("download", "trainpipe", engine)] = row = Row("gcs", "download", "trainpipe", engine)
+            argv = trainpipe_cp(engine, f"gs://{bucket}/{source}", str(dest))
+            downloads.append((row, lambda _i, argv=argv: _checked_download(dest, nbytes, lambda: meter.run(argv))))
+        rows[("download", "transfer_manager", "")] = row = Row("gcs", "download", "transfer_manager")
+        argv = [sys.executable, "-c", TM_DOWNLOAD, bucket, source, str(dest)]
+        downloads.append((row, lambda _i: _checked_download(dest, nbytes, lambda: meter.run(argv))))
+        _alternating(downloads, config.repeats, nbytes, echo)
     return list(rows.values())
 
 

@@ -18,7 +18,6 @@ before named checkpoints existed keep their files directly under `step-N/` and r
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -29,10 +28,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from infra.models import SHA256_HEX, StrictModel
 from infra.storage.base import ChecksumMismatch, ObjectNotFound, ObjectStore
+from infra.storage.checksum import SHA256, TAGGED_CHECKSUM, Checksum, checksum_of_ranges, sha256_file
 from infra.storage.transfer import FileSpec, download, upload
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,22 @@ def final_key(attempt: str) -> str:
 class FileEntry(StrictModel):
     path: str
     bytes: int = Field(ge=0)
-    sha256: str = Field(pattern=SHA256_HEX)
+    sha256: str | None = Field(default=None, pattern=SHA256_HEX)
+    crc: str | None = Field(default=None, pattern=TAGGED_CHECKSUM)  # "crc64nvme:<base64>" (infra.storage.checksum)
+
+    @model_validator(mode="after")
+    def _has_checksum(self) -> FileEntry:
+        if self.sha256 is None and self.crc is None:
+            raise ValueError(f"{self.path}: no checksum: a file entry needs its crc (or, written before, its sha256)")
+        return self
+
+    @property
+    def checksum(self) -> Checksum:
+        """What the file is verified by: its CRC, or the sha256 of a manifest written before the CRCs."""
+        if self.crc is not None:
+            return Checksum.parse(self.crc)
+        assert self.sha256 is not None, "the validator requires one of them"
+        return Checksum(SHA256, self.sha256)
 
 
 class NodeRecord(StrictModel):
@@ -335,8 +350,13 @@ class CheckpointStore:
 
     def upload_files(self, local_root: Path, step: int, files: Sequence[str]) -> list[FileEntry]:
         """Upload a node's files of a checkpoint (paths relative to local_root); no record yet."""
+        # The syncer's check of a file rewritten in place still compares sha256 (infra/node/sync.py
+        # `_still_as_uploaded`): taken before the upload, so a file that changes during it cannot match afterwards.
+        # Drop it once that check compares `entry.checksum`, the CRC of the bytes the store received.
+        sha256 = {rel: sha256_file(Path(local_root) / rel) for rel in files}
         result = upload(Path(local_root), list(files), self.store.child(f"{step_name(step)}/{FILES_PREFIX}"))
-        return [FileEntry(path=item.key, bytes=item.size, sha256=item.sha256) for item in result.files]
+        return [FileEntry(path=item.key, bytes=item.size, crc=item.crc, sha256=sha256[item.key])
+                for item in result.files]
 
     def write_record(self, step: int, node_rank: int, files: list[FileEntry], attempt: str = "") -> NodeRecord:
         """The node's part is in the store: the record is what the committer waits for."""
@@ -459,7 +479,7 @@ class CheckpointStore:
     # ---- verifying and restoring --------------------------------------------------------------------------
 
     def verify(self, step: int | None = None, deep: bool = True) -> CheckpointManifest:
-        """Check every file of a committed step exists with its size (and, deep, its sha256)."""
+        """Check every file of a committed step exists with its size (and, deep, its checksum)."""
         manifest = self.manifest(step)
         for entry in manifest.files:
             key = manifest.file_key(entry)
@@ -474,18 +494,18 @@ class CheckpointStore:
                     f"{self.store.url_for(key)}: {info.size} bytes, manifest says {entry.bytes}: "
                     "the checkpoint is damaged; restore an older step"
                 )
-            if deep and self._sha256(key, entry.bytes) != entry.sha256:
+            expected = entry.checksum
+            if deep and self._checksum(key, entry.bytes, expected.algorithm) != expected:
                 raise CheckpointError(
-                    f"{self.store.url_for(key)}: sha256 differs from the manifest: "
+                    f"{self.store.url_for(key)}: {expected.algorithm} differs from the manifest: "
                     "the checkpoint is damaged; restore an older step"
                 )
         return manifest
 
-    def _sha256(self, key: str, size: int) -> str:
-        digest = hashlib.sha256()
-        for start in range(0, size, VERIFY_CHUNK):
-            digest.update(self.store.get_range(key, start, min(VERIFY_CHUNK, size - start)))
-        return digest.hexdigest()
+    def _checksum(self, key: str, size: int, algorithm: str) -> Checksum:
+        chunks = (self.store.get_range(key, start, min(VERIFY_CHUNK, size - start))
+                  for start in range(0, size, VERIFY_CHUNK))
+        return checksum_of_ranges(chunks, algorithm)
 
     def restore(self, dest_dir: Path, step: int | None = None) -> Path:
         """Download a committed step into dest_dir/<its name>, verified; valid files already there stay.
@@ -499,7 +519,7 @@ class CheckpointStore:
         target = dest_dir / ref.name
         # A file checkpoint's one file sits beside its siblings: download into its folder, under its own name.
         folder = target if ref.kind == "dir" else target.parent
-        specs = [FileSpec(entry.path, entry.bytes, entry.sha256) for entry in manifest.files]
+        specs = [FileSpec(entry.path, entry.bytes, entry.sha256, entry.crc) for entry in manifest.files]
         source = self.store.child(f"{step_name(manifest.step)}/{manifest.files_prefix}".rstrip("/"))
         result = download(source, specs, folder)
         log.info(

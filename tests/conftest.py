@@ -19,6 +19,15 @@ REPO = Path(__file__).resolve().parent.parent
 TRAINPIPE = str(Path(sys.executable).with_name("trainpipe"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def user_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The transfer engine's verified state (and any other user cache) goes to a temp dir, not ~/.cache."""
+    cache = tmp_path_factory.mktemp("xdg-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(cache))
+        yield cache
+
+
 @pytest.fixture(scope="session")
 def prefect_server() -> Iterator[None]:
     from prefect.testing.utilities import prefect_test_harness

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from test_storage_file import ODD_KEYS
 
 from infra.storage import ObjectNotFound, ObjectStore
-from infra.storage.checksum import CACHE_NAME
-from infra.storage.transfer import FileSpec, RetryPolicy, download, upload
+from infra.storage.checksum import Checksum, checksum_bytes, checksum_file
+from infra.storage.transfer import FileSpec, RetryPolicy, TransferConfig, download, upload
 
 FAST_RETRY = RetryPolicy(attempts=4, base_s=0.01, max_s=0.05)
 
@@ -45,43 +45,65 @@ def check_object_contract(store: ObjectStore) -> None:
 
 
 def engine_files(part: int) -> dict[str, int]:
-    """Sizes that exercise the engine: empty, tiny, odd keys, several parts with a tail, an exact multiple."""
-    sizes = {"empty.bin": 0, "a/b/c/tiny": 1, "big/several parts+tail.bin": 3 * part + 1234, "big/exact.bin": 2 * part}
+    """Sizes that exercise the engine: empty, tiny, odd keys, nested prefixes, several parts with a tail, an exact
+    multiple of the part size, and a file of many parts."""
+    sizes = {"empty.bin": 0, "a/b/c/tiny": 1, "big/several parts+tail.bin": 3 * part + 1234, "big/exact.bin": 2 * part,
+             "big/many parts.bin": 9 * part + 1}
     sizes |= {key: 100 + len(key) for key in ODD_KEYS}
     return sizes
 
 
 def write_tree(root: Path, sizes: dict[str, int]) -> dict[str, str]:
-    """Random files under root; returns each one's sha256."""
-    digests = {}
+    """Random files under root; returns each one's CRC64NVME (tagged)."""
+    crcs = {}
     for rel, size in sizes.items():
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         data = os.urandom(size)
         path.write_bytes(data)
-        digests[rel] = hashlib.sha256(data).hexdigest()
-    return digests
+        crcs[rel] = str(checksum_bytes(data))
+    return crcs
 
 
-def check_engine_round_trip(store: ObjectStore, tmp_path: Path, part: int) -> None:
-    """Upload a tree in parts, download it verified, then repair a partially written local copy."""
-    sizes = engine_files(part)
-    digests = write_tree(tmp_path / "src", sizes)
-    sent = upload(tmp_path / "src", sorted(sizes), store, workers=4, part_size=part, retry=FAST_RETRY)
-    assert {f.key: f.sha256 for f in sent.files} == digests
-    assert {i.key: i.size for i in store.list()} == sizes
+def tree(root: Path) -> dict[str, bytes]:
+    """Every file under root, by its path relative to root."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
-    specs = [FileSpec(key, sizes[key], digests[key]) for key in sorted(sizes)]
-    got = download(store, specs, tmp_path / "dest", workers=4, part_size=part, retry=FAST_RETRY)
+
+def check_engine_round_trip(
+    store: ObjectStore, tmp_path: Path, config: TransferConfig, add_prefix_marker: Callable[[str], None] | None = None
+) -> None:
+    """Upload a tree, download it (by listing, and by manifest) verified, then repair a partially written copy.
+
+    add_prefix_marker(name) puts a 0-byte "directory" object (a key ending in '/') the way consoles do: it is no
+    file, and the copy must not have it.
+    """
+    sizes = engine_files(config.part_size)
+    write_tree(tmp_path / "src", sizes)
+    sent = upload(tmp_path / "src", sorted(sizes), store, config)
+    assert sent.engine == config.engine
+    uploaded = {f.key: f.crc or "" for f in sent.files}
+    for key, crc in uploaded.items():  # the CRC of each file's own bytes (CRC64NVME; CRC32C for GCS's own engine)
+        assert Checksum.parse(crc) == checksum_file(tmp_path / "src" / key, Checksum.parse(crc).algorithm), key
+    if add_prefix_marker is not None:
+        add_prefix_marker("a/b/")
+    listed = list(store.list())
+    assert {i.key: i.size for i in listed} == sizes
+
+    # As `cp -r` does: keys and sizes from the listing, the checksum from the store (or computed).
+    by_listing = download(store, [FileSpec(i.key, i.size) for i in listed], tmp_path / "listed", config)
+    assert by_listing.bytes_moved == sum(sizes.values()) and by_listing.engine == config.engine
+    assert tree(tmp_path / "listed") == tree(tmp_path / "src")
+
+    specs = [FileSpec(key, sizes[key], crc=uploaded[key]) for key in sorted(sizes)]
+    got = download(store, specs, tmp_path / "dest", config)
     assert got.bytes_moved == sum(sizes.values())
-    for rel in sizes:
-        assert (tmp_path / "dest" / rel).read_bytes() == (tmp_path / "src" / rel).read_bytes()
+    assert tree(tmp_path / "dest") == tree(tmp_path / "src")
 
     # A partially written local file (a crash mid-copy) is fetched again; the intact ones are skipped.
     broken = tmp_path / "dest" / "big/several parts+tail.bin"
     with open(broken, "r+b") as file:
-        file.truncate(part)
-    again = download(store, specs, tmp_path / "dest", workers=4, part_size=part, retry=FAST_RETRY)
+        file.truncate(config.part_size)
+    again = download(store, specs, tmp_path / "dest", config)
     assert [f.key for f in again.files if not f.skipped] == ["big/several parts+tail.bin"]
-    assert broken.read_bytes() == (tmp_path / "src" / "big/several parts+tail.bin").read_bytes()
-    assert sorted(p.name for p in (tmp_path / "dest").iterdir() if p.is_file()) == [CACHE_NAME, "empty.bin"]
+    assert tree(tmp_path / "dest") == tree(tmp_path / "src")

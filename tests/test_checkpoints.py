@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -173,7 +174,7 @@ def test_verify_names_a_corrupted_and_a_missing_file(tmp_path: Path, checkpoints
     checkpoints.store.put_bytes(key, bytes(data))
 
     assert checkpoints.verify(100, deep=False).step == 100  # same size: only the checksum can tell
-    with pytest.raises(CheckpointError, match=f"{checkpoints.store.url_for(key)}: sha256 differs"):
+    with pytest.raises(CheckpointError, match=f"{checkpoints.store.url_for(key)}: crc64nvme differs"):
         checkpoints.verify(100)
 
     checkpoints.store.delete(key)
@@ -181,6 +182,26 @@ def test_verify_names_a_corrupted_and_a_missing_file(tmp_path: Path, checkpoints
         checkpoints.verify(100, deep=False)
     with pytest.raises(CheckpointError, match="step 300 is not committed"):
         checkpoints.verify(300)
+
+
+def test_a_sha256_manifest_still_verifies_and_restores(tmp_path: Path, checkpoints: CheckpointStore) -> None:
+    commit_step(checkpoints, node_dirs(tmp_path), 100)
+    committed = checkpoints.manifest(100)
+    assert all(entry.crc and entry.crc.startswith("crc64nvme:") for entry in committed.files)
+    manifest = json.loads(checkpoints.store.get_bytes(manifest_key(100)))
+    for entry in manifest["files"]:  # as trainpipe wrote them before the CRCs
+        del entry["crc"]
+        key = f"{step_name(100)}/{committed.files_prefix}{entry['path']}"
+        entry["sha256"] = hashlib.sha256(checkpoints.store.get_bytes(key)).hexdigest()
+    checkpoints.store.put_bytes(manifest_key(100), json.dumps(manifest).encode())
+    assert checkpoints.verify(100).files[0].crc is None
+    step_dir = checkpoints.restore(tmp_path / "dest", 100)
+    assert sorted(str(p.relative_to(step_dir)) for p in step_dir.rglob("*") if p.is_file()) == sorted(
+        entry["path"] for entry in manifest["files"])
+    key = committed.file_key(committed.files[-1])
+    checkpoints.store.put_bytes(key, bytes(len(checkpoints.store.get_bytes(key))))
+    with pytest.raises(CheckpointError, match=f"{checkpoints.store.url_for(key)}: sha256 differs"):
+        checkpoints.verify(100)
 
 
 def test_restore_downloads_verified_files_and_skips_them_the_second_time(

@@ -20,7 +20,7 @@ from infra.dataset.snapshot import DatasetSnapshot, save_snapshot, take_snapshot
 from infra.dataset.stagecache import ObjectCache
 from infra.node.events import parse
 from infra.storage import ObjectStore, open_store
-from infra.storage.transfer import upload
+from infra.storage.transfer import TransferConfig, upload
 
 MB = 1 << 20
 
@@ -34,7 +34,7 @@ def write_tree(root: Path, files: dict[str, bytes]) -> None:
 def put_dataset(store: ObjectStore, source: Path, files: dict[str, bytes]) -> None:
     """Upload the files with the transfer engine: anything over 5 MB goes up as a multipart upload."""
     write_tree(source, files)
-    upload(source, sorted(files), store, workers=32, part_size=5 * MB)
+    upload(source, sorted(files), store, TransferConfig(workers=32, part_size=5 * MB))
 
 
 def freeze(store: ObjectStore, checkpoints: str, snapshot: DatasetSnapshot | None = None) -> str:

@@ -7,23 +7,32 @@ from pathlib import Path
 import pytest
 from google.api_core import exceptions as api_exceptions
 from google.resumable_media.common import DataCorruption
-from store_checks import check_engine_round_trip, check_object_contract
+from store_checks import FAST_RETRY, check_engine_round_trip, check_object_contract
 
 from infra.errors import is_transient
 from infra.storage import ChecksumMismatch, StorageError, open_store
 from infra.storage.gcs import UPLOAD_CHUNK_SIZE, GcsStore, translate
+from infra.storage.transfer import NativeTransfers, TransferConfig
 
 PART = 1 << 20
+CONFIG = TransferConfig(workers=4, part_size=PART, multipart_threshold=PART, retry=FAST_RETRY)
 
 
 def test_object_contract(gs_url: str) -> None:
     store = open_store(f"{gs_url}/root/prefix")
-    assert isinstance(store, GcsStore)
+    assert isinstance(store, GcsStore) and isinstance(store, NativeTransfers)
     check_object_contract(store)
 
 
-def test_engine_round_trip_in_parts(gs_url: str, tmp_path: Path) -> None:
-    check_engine_round_trip(open_store(gs_url), tmp_path, PART)
+@pytest.mark.parametrize("engine", ["native", "python"])
+def test_engine_round_trip(gs_url: str, tmp_path: Path, engine: str) -> None:
+    store = open_store(f"{gs_url}/data")
+    assert isinstance(store, GcsStore)
+
+    def add_prefix_marker(name: str) -> None:
+        store.bucket.blob(store.keys.name(name)).upload_from_string(b"")
+
+    check_engine_round_trip(store, tmp_path, CONFIG.but(engine=engine), add_prefix_marker)
 
 
 def test_large_file_goes_up_in_resumable_chunks(gs_url: str, tmp_path: Path) -> None:

@@ -2,25 +2,63 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from store_checks import check_engine_round_trip, check_object_contract
+from servers import S3Server, _serving, free_port
+from store_checks import FAST_RETRY, check_engine_round_trip, check_object_contract, tree, write_tree
 
 from infra.errors import is_transient
-from infra.storage import StorageError, open_store
-from infra.storage.s3 import MIN_PART_SIZE, S3Store, translate
-from infra.storage.transfer import MultipartUploads, download
+from infra.storage import StorageError, open_store, s3
+from infra.storage.checksum import checksum_bytes, checksum_file
+from infra.storage.s3 import MIN_PART_SIZE, S3Store, s3_client, translate
+from infra.storage.transfer import FileSpec, MultipartUploads, NativeTransfers, TransferConfig, download, upload
+
+# Parts of S3's smallest size, and uploads past one part go multipart: every path runs on a few MB.
+CONFIG = TransferConfig(workers=4, part_size=MIN_PART_SIZE, multipart_threshold=MIN_PART_SIZE, retry=FAST_RETRY)
 
 
 def test_object_contract(s3_url: str) -> None:
     store = open_store(f"{s3_url}/root/prefix")
-    assert isinstance(store, S3Store) and isinstance(store, MultipartUploads)
+    assert isinstance(store, S3Store) and isinstance(store, MultipartUploads) and isinstance(store, NativeTransfers)
     check_object_contract(store)
 
 
-def test_engine_round_trip_in_parts(s3_url: str, tmp_path: Path) -> None:
-    check_engine_round_trip(open_store(s3_url), tmp_path, MIN_PART_SIZE)
+@pytest.fixture(scope="module")
+def moto_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real `moto_server` process: an S3 that answers CreateMultipartUpload as AWS does, so the CRT's own
+    multipart upload (which rclone's reply defeats) runs here. Mocked S3, used for that path only."""
+    port = free_port()
+    moto = str(Path(sys.executable).with_name("moto_server"))
+    with _serving([moto, "-H", "127.0.0.1", "-p", str(port)], port, tmp_path_factory.mktemp("moto") / "moto.log"):
+        yield f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("engine", ["native", "python"])
+def test_engine_round_trip(s3_url: str, tmp_path: Path, engine: str) -> None:
+    # rclone over a directory cannot hold a 0-byte "prefix/" marker as S3 does (it becomes a file): moto's does.
+    check_engine_round_trip(open_store(f"{s3_url}/data"), tmp_path, CONFIG.but(engine=engine))
+
+
+def test_crt_multipart_upload_against_moto(moto_s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in {"AWS_ENDPOINT_URL": moto_s3, "AWS_ACCESS_KEY_ID": "AKIAIOSFODNN7EXAMPLE",
+                        "AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(name, value)
+    s3_client().create_bucket(Bucket="crt-multipart")
+    store = open_store("s3://crt-multipart/data")
+    assert isinstance(store, S3Store)
+
+    def add_prefix_marker(name: str) -> None:
+        s3_client().put_object(Bucket=store.bucket, Key=store.keys.name(name), Body=b"")
+
+    check_engine_round_trip(store, tmp_path, CONFIG, add_prefix_marker)
+    assert moto_s3 not in s3._crt_multipart_refused  # the CRT's own multipart upload did the large files
+    # The CRT sent each file's CRC64NVME (multipart: the full-object one) and the store kept it.
+    head = store.head("big/many parts.bin")
+    assert head is not None and head.checksum == str(checksum_file(tmp_path / "src/big/many parts.bin"))
 
 
 def test_missing_bucket_is_one_clear_line(s3_url: str, tmp_path: Path) -> None:
@@ -63,7 +101,36 @@ def test_throttling_and_cut_connections_are_transient() -> None:
 
 
 def test_download_of_missing_object_names_it(s3_url: str, tmp_path: Path) -> None:
-    from infra.storage.transfer import FileSpec
-
     with pytest.raises(StorageError, match=f"{s3_url}/nope: no such object"):
         download(open_store(s3_url), [FileSpec("nope")], tmp_path / "dest")
+
+
+def test_native_uploads_are_byte_exact_and_keep_their_crc(s3_url: str, s3_server: S3Server, tmp_path: Path) -> None:
+    """Decides where the CRC goes: rclone keeps a CRC sent in a header (and returns it on GET and HEAD) but not one
+    sent as an aws-chunked trailer, so the native engine sends it in a header; the bytes stored are the file's."""
+    sizes = {"one part.bin": 3 << 20, "several parts.bin": 3 * MIN_PART_SIZE + 5}
+    write_tree(tmp_path / "src", sizes)
+    sent = upload(tmp_path / "src", sorted(sizes), open_store(f"{s3_url}/up"), CONFIG)
+    on_disk = s3_server.root / s3_url.removeprefix("s3://") / "up"
+    assert tree(on_disk) == tree(tmp_path / "src")
+    crcs = {f.key: f.crc for f in sent.files}
+    assert crcs == {key: str(checksum_file(tmp_path / "src" / key)) for key in sizes}
+    head = open_store(f"{s3_url}/up").head("one part.bin")
+    assert head is not None and head.checksum == crcs["one part.bin"]
+
+
+def test_native_path_errors_are_one_clear_line(s3_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # With size and CRC known (a manifest) nothing asks boto3 first: the CRT's own requests meet the errors.
+    spec = FileSpec("k.bin", 10, crc=str(checksum_bytes(b"0123456789")))
+    with pytest.raises(StorageError, match=r"^s3://no-such-bucket-here/k.bin: bucket 'no-such-bucket-here' does not "
+                                           r"exist: create it or fix the URL$"):
+        download(open_store("s3://no-such-bucket-here"), [spec], tmp_path / "a", CONFIG)
+    open_store(s3_url).put_bytes("k.bin", b"0123456789")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not/the/right/secret/key/0123456789abcdef")
+    (tmp_path / "up.bin").write_bytes(b"1")
+    for call in (lambda: download(open_store(s3_url), [spec], tmp_path / "b", CONFIG),
+                 lambda: upload(tmp_path, ["up.bin"], open_store(s3_url), CONFIG)):
+        with pytest.raises(StorageError, match=r"denied \(SignatureDoesNotMatch\): check the credentials") as err:
+            call()
+        assert "\n" not in str(err.value) and not is_transient(err.value)
+    assert list((tmp_path / "b").rglob("*.part")) == []

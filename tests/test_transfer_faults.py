@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import logging
 import os
 import shutil
 import socket
@@ -18,14 +18,15 @@ from store_checks import FAST_RETRY
 from typer.testing import CliRunner
 
 from infra.storage import ChecksumMismatch, open_store, s3
-from infra.storage.checksum import CACHE_NAME
+from infra.storage.checksum import checksum_bytes
 from infra.storage.s3 import MIN_PART_SIZE
-from infra.storage.transfer import FileSpec, RetryPolicy, download, upload
+from infra.storage.transfer import FileSpec, RetryPolicy, TransferConfig, download, upload
 from trainpipe.cli import app
 
 CUTS_PER_PHASE = 3  # connections cut in each direction's phase ...
 CUT_AFTER_BYTES = (600 << 10) + 12345  # ... once one has carried this much: inside its first part (1 or 5 MiB)
 RETRY = RetryPolicy(attempts=8, base_s=0.01, max_s=0.05)
+CONFIG = TransferConfig(workers=4, part_size=MIN_PART_SIZE, multipart_threshold=MIN_PART_SIZE, retry=RETRY)
 
 
 class CuttingProxy:
@@ -102,49 +103,76 @@ def cut_url(s3_url: str, s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -
     proxy.close()
 
 
-def test_cut_connections_still_yield_verified_copies(cut_url: tuple[str, CuttingProxy], tmp_path: Path) -> None:
+@pytest.mark.parametrize("engine", ["native", "python"])
+def test_cut_connections_still_yield_verified_copies(
+    cut_url: tuple[str, CuttingProxy], tmp_path: Path, engine: str, caplog: pytest.LogCaptureFixture
+) -> None:
     url, proxy = cut_url
+    config = CONFIG.but(engine=engine)
     store = open_store(url)
     sizes = {"big.bin": 4 * MIN_PART_SIZE + 777, "mid.bin": MIN_PART_SIZE + 1, **{f"s/{i}": 300_000 for i in range(8)}}
     src = tmp_path / "src"
-    digests = {}
+    crcs = {}
     for rel, size in sizes.items():
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
         data = os.urandom(size)
         (src / rel).write_bytes(data)
-        digests[rel] = hashlib.sha256(data).hexdigest()
+        crcs[rel] = str(checksum_bytes(data))
     proxy.arm(CUTS_PER_PHASE)
-    sent = upload(src, sorted(sizes), store, workers=4, part_size=MIN_PART_SIZE, retry=RETRY)
-    assert {f.key: f.sha256 for f in sent.files} == digests
-    cuts_up = proxy.cuts
-    # A fresh client, so the download opens fresh connections: the next ones that carry a body are cut.
-    s3._clients.clear()
-    store = open_store(url)
-    specs = [FileSpec(rel, size, digests[rel]) for rel, size in sizes.items()]
-    proxy.arm(CUTS_PER_PHASE)
-    download(store, specs, tmp_path / "dest", workers=4, part_size=1 << 20, retry=RETRY)
+    with caplog.at_level(logging.WARNING):
+        sent = upload(src, sorted(sizes), store, config)
+        assert {f.key: f.crc for f in sent.files} == crcs
+        cuts_up = proxy.cuts
+        # Fresh clients, so the download opens fresh connections: the next ones that carry a body are cut.
+        s3._connections.clear()
+        store = open_store(url)
+        specs = [FileSpec(rel, size, crc=crcs[rel]) for rel, size in sizes.items()]
+        proxy.arm(CUTS_PER_PHASE)
+        download(store, specs, tmp_path / "dest", config.but(part_size=1 << 20))
     for rel in sizes:
         assert (tmp_path / "dest" / rel).read_bytes() == (src / rel).read_bytes()
     assert cuts_up >= 2 and proxy.cuts - cuts_up >= 2  # both directions were really cut, several times
+    # Every retry is logged: by the engine (python) or, for the part requests the CRT retries, by its log bridge.
+    retries = [r.getMessage() for r in caplog.records if r.name in ("infra.storage.retry", "infra.storage.s3_native")
+               and r.levelno == logging.WARNING and "retr" in r.getMessage()]
+    assert len(retries) >= proxy.cuts, retries
 
 
+@pytest.mark.parametrize("engine", ["native", "python"])
 def test_corrupt_object_raises_naming_it_and_leaves_nothing_valid(
-    s3_url: str, s3_server: S3Server, tmp_path: Path
+    s3_url: str, s3_server: S3Server, tmp_path: Path, engine: str
 ) -> None:
     store = open_store(s3_url)
-    good = os.urandom(3 << 20)
-    store.put_bytes("data/shard-0.bin", good)
-    spec = FileSpec("data/shard-0.bin", len(good), hashlib.sha256(good).hexdigest())
+    good = os.urandom(4 << 20)
+    (tmp_path / "good.bin").write_bytes(good)
+    # One part: the native path sends its CRC in a header, which rclone keeps (and returns on GET and HEAD).
+    sent = upload(tmp_path, ["good.bin"], store.child("data"), CONFIG)
+    spec = FileSpec("data/good.bin", len(good), crc=sent.files[0].crc)
     # The bytes on the server rot (same size, one byte flipped): only the checksum can tell.
-    on_disk = s3_server.root / s3_url.removeprefix("s3://") / "data/shard-0.bin"
+    on_disk = s3_server.root / s3_url.removeprefix("s3://") / "data/good.bin"
     with open(on_disk, "r+b") as file:
         file.seek(len(good) // 2)
         file.write(bytes([good[len(good) // 2] ^ 0xFF]))
-    dest = tmp_path / "dest"
-    for _ in range(2):  # a rerun must not trust anything the failed run left behind
-        with pytest.raises(ChecksumMismatch, match=rf"^{s3_url}/data/shard-0.bin: sha256 \w+ does not match"):
-            download(store, [spec], dest, workers=2, part_size=1 << 20, retry=FAST_RETRY)
-        assert [p.name for p in dest.rglob("*") if p.is_file() and p.name != CACHE_NAME] == []
+    config = CONFIG.but(engine=engine, part_size=1 << 20, retry=FAST_RETRY)
+    not_matching = rf"^{s3_url}/data/good.bin: .*crc64nvme .*does not match the expected {spec.crc[10:]}: .*corrupt"
+    for dest in (tmp_path / "dest", tmp_path / "dest"):  # a rerun must not trust anything the failed run left
+        with pytest.raises(ChecksumMismatch, match=not_matching.replace("+", r"\+")):
+            download(store, [spec], dest, config)
+        assert [p.name for p in dest.rglob("*") if p.is_file()] == []
+
+
+@pytest.mark.parametrize("engine", ["native", "python"])
+def test_bytes_that_differ_from_the_stores_own_checksum_are_refused(s3_url: str, tmp_path: Path, engine: str) -> None:
+    """Without a manifest (as `cp` runs) the object is held to the CRC64NVME the store keeps for it."""
+    store = open_store(s3_url)
+    assert isinstance(store, s3.S3Store)
+    good = os.urandom(3 << 20)
+    claimed = checksum_bytes(good + b"!")  # what a faulty writer (or rotted metadata) says the bytes are
+    store.client.put_object(Bucket=store.bucket, Key="shard.bin", Body=good, ChecksumCRC64NVME=claimed.b64)
+    assert store.head("shard.bin").checksum == str(claimed)  # type: ignore[union-attr]
+    with pytest.raises(ChecksumMismatch, match=rf"^{s3_url}/shard.bin: .*does not match the expected"):
+        download(store, [FileSpec("shard.bin")], tmp_path / "dest", CONFIG.but(engine=engine, retry=FAST_RETRY))
+    assert [p.name for p in (tmp_path / "dest").rglob("*") if p.is_file()] == []
 
 
 def test_destination_without_space_is_one_clear_line(tmp_path: Path) -> None:

@@ -18,14 +18,21 @@ def transfer(
     clients: Annotated[
         str | None, typer.Option(help="comma-separated subset of: trainpipe,s5cmd,aws,boto3 (default: all)")
     ] = None,
+    engines: Annotated[str, typer.Option(help="comma-separated trainpipe engines to run: native,python")] = (
+        "native,python"
+    ),
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the table as JSON here")] = None,
     workdir: Annotated[Path | None, typer.Option(help="where the temp dataset goes (default: the system temp)")] = None,
 ) -> None:
-    """Download and upload MB/s of trainpipe vs s5cmd, aws s3 cp, boto3 and the disk, on a local S3 server."""
-    from bench.transfer import BenchConfig, run_benchmark
+    """Download and upload MB/s and client/server CPU per GB of trainpipe's engines vs s5cmd, aws s3 cp, boto3 and
+    the disk on a local S3 server, and vs transfer_manager on the GCS emulator."""
+    from bench.transfer import ENGINES, BenchConfig, run_benchmark
 
     chosen = [name.strip() for name in clients.split(",")] if clients else None
-    report = run_benchmark(BenchConfig(size_gb, repeats, gcs_size_gb, chosen, workdir), echo=typer.echo)
+    engine_list = tuple(name.strip() for name in engines.split(","))
+    if not engine_list or any(name not in ENGINES for name in engine_list):
+        raise typer.BadParameter(f"{engines!r}: use one or more of {','.join(ENGINES)}", param_hint="--engines")
+    report = run_benchmark(BenchConfig(size_gb, repeats, gcs_size_gb, chosen, workdir, engine_list), echo=typer.echo)
     typer.echo(report.table())
     if json_out is not None:
         json_out.write_text(report.to_json())

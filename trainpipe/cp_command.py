@@ -1,12 +1,14 @@
 """`trainpipe cp SRC DST [--recursive]`: copy between local paths, file://, s3:// and gs:// with the transfer engine.
 
 Like `aws s3 cp`: a DST ending in '/' (or an existing local directory) receives SRC under its own name;
-with --recursive every object under SRC lands under DST at the same relative key. Between two object stores
-the bytes pass through a temporary directory on this machine.
+with --recursive every object under SRC lands under DST at the same relative key, and DST then holds exactly
+those files (what was verified is remembered in the user's cache dir, not in DST). Between two object stores the
+bytes pass through a temporary directory on this machine.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 import time
@@ -28,17 +30,17 @@ from rich.progress import (
 from rich.progress import Progress as ProgressBar
 
 from infra.storage import ObjectStore, StorageError, open_store
+from infra.storage.records import ENGINES
 from infra.storage.transfer import (
-    DEFAULT_PART_SIZE,
+    DEFAULT_CONFIG,
     FileSpec,
     Progress,
+    TransferConfig,
     TransferResult,
     call_with_retries,
     download,
     upload,
 )
-
-DEFAULT_WORKERS = 16
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ class Files:
 
     rels: list[str]
     sizes: list[int]
+    etags: list[str | None] | None = None  # objects' versions, from a listing
 
 
 class Bar:
@@ -110,7 +113,7 @@ class Bar:
 
 def _list(store: ObjectStore) -> Files:
     objects = call_with_retries(lambda: list(store.list()), f"list {store.url}")
-    return Files([info.key for info in objects], [info.size for info in objects])
+    return Files([info.key for info in objects], [info.size for info in objects], [info.etag for info in objects])
 
 
 def _walk(root: Path) -> Files:
@@ -147,49 +150,66 @@ def _targets(dst: Location, recursive: bool, files: Files) -> tuple[str, list[st
     return parent, [name]
 
 
+def _fetch(root: str, files: Files, dest: Path, config: TransferConfig, progress: Callable[[Progress], None],
+           state_dir: Path | None = None) -> TransferResult:
+    etags = files.etags or [None] * len(files.rels)
+    specs = [FileSpec(rel, size, etag=etag) for rel, size, etag in zip(files.rels, files.sizes, etags, strict=True)]
+    return download(open_store(root), specs, dest, config, progress=progress, state_dir=state_dir)
+
+
 def _copy(
-    root: str, files: Files, dst_root: str, dst_keys: list[str], local_dst: bool, engine: dict[str, int],
+    root: str, files: Files, dst_root: str, dst_keys: list[str], local_dst: bool, config: TransferConfig,
     progress: Callable[[Progress], None],
 ) -> TransferResult:
     if local_dst:
         if dst_keys == files.rels:
-            specs = [FileSpec(rel, size) for rel, size in zip(files.rels, files.sizes, strict=True)]
-            return download(open_store(root), specs, Path(dst_root), progress=progress, **engine)
+            return _fetch(root, files, Path(dst_root), config, progress)
         # One file under another name: fetched beside its target (same filesystem), then renamed over it.
         target = Path(dst_root) / dst_keys[0]
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".trainpipe-cp-", dir=target.parent) as scratch:
-            result = download(open_store(root), [FileSpec(files.rels[0], files.sizes[0])], Path(scratch),
-                              progress=progress, **engine)
-            os.replace(Path(scratch) / files.rels[0], target)
+            result = _fetch(root, files, Path(scratch) / "data", config, progress, Path(scratch) / "state")
+            os.replace(Path(scratch) / "data" / files.rels[0], target)
         return result
     if root.startswith("/"):
-        return upload(Path(root), files.rels, open_store(dst_root), keys=dst_keys, progress=progress, **engine)
+        return upload(Path(root), files.rels, open_store(dst_root), config, keys=dst_keys, progress=progress)
     # Store to store: through a local scratch directory, one engine pass each way.
     with tempfile.TemporaryDirectory(prefix="trainpipe-cp-") as scratch:
-        fetched = _copy(root, files, scratch, list(files.rels), True, engine, progress)
-        sent = upload(Path(scratch), files.rels, open_store(dst_root), keys=dst_keys, progress=progress, **engine)
-    return TransferResult(sent.files, fetched.seconds + sent.seconds)
+        fetched = _fetch(root, files, Path(scratch) / "data", config, progress, Path(scratch) / "state")
+        sent = upload(Path(scratch) / "data", files.rels, open_store(dst_root), config, keys=dst_keys,
+                      progress=progress)
+    return TransferResult(sent.files, fetched.seconds + sent.seconds, sent.engine)
 
 
 def cp(
     src: Annotated[str, typer.Argument(help="local path, file://, s3://bucket/key or gs://bucket/key")],
     dst: Annotated[str, typer.Argument(help="where to copy to; ending in '/' means 'into this directory/prefix'")],
     recursive: Annotated[bool, typer.Option("--recursive", "-r", help="copy every object under SRC")] = False,
-    workers: Annotated[int, typer.Option(min=1, help="parallel requests")] = DEFAULT_WORKERS,
+    workers: Annotated[int, typer.Option(min=1, help="parts in flight (python engine)")] = (
+        DEFAULT_CONFIG.workers
+    ),
     part_size_mb: Annotated[int, typer.Option(min=1, help="bytes per ranged GET / multipart part, in MiB")] = (
-        DEFAULT_PART_SIZE >> 20
+        DEFAULT_CONFIG.part_size >> 20
+    ),
+    engine: Annotated[str, typer.Option(help=f"{' or '.join(ENGINES)}: the store's own engine (awscrt, "
+                                             "transfer_manager) or ranged parts through Python")] = (
+        DEFAULT_CONFIG.engine
     ),
 ) -> None:
     """Copy files and objects (like `aws s3 cp`), parallel, ranged, verified; prints bytes, seconds and MB/s."""
     started = time.monotonic()
+    if engine not in ENGINES:
+        raise StorageError(f"--engine {engine!r}: use {' or '.join(ENGINES)}")
+    config = DEFAULT_CONFIG.but(workers=workers, part_size=part_size_mb << 20, engine=engine)
     source, target = Location(src), Location(dst)
     root, files = _sources(source, recursive)
     dst_root, dst_keys = _targets(target, recursive, files)
+    # What is loaded by now (the store's client among it) lives as long as the copy: keep the garbage collector from
+    # walking it again and again while the transfer allocates (several percent of the client's CPU per GB).
+    gc.freeze()
     console = Console(stderr=True)
-    engine = {"workers": workers, "part_size": part_size_mb << 20}
     with Bar(f"{src} → {dst}", console).shown() as bar:
-        result = _copy(root, files, dst_root, dst_keys, target.is_local, engine, bar)
+        result = _copy(root, files, dst_root, dst_keys, target.is_local, config, bar)
     seconds = time.monotonic() - started
     skipped = f" ({result.files_skipped} already there and valid)" if result.files_skipped else ""
     typer.echo(f"copied {len(result.files)} files{skipped}, {result.bytes_moved:,} bytes in {seconds:.2f} s: "

@@ -26,6 +26,7 @@ from infra.dataset.stagecache import CacheBusy, ObjectCache, link_into
 from infra.node.events import Throttle, emit, fail
 from infra.storage import StorageError, open_store
 from infra.storage.base import ChecksumMismatch, ObjectStore
+from infra.storage.records import DEFAULT_CONFIG
 from infra.storage.transfer import DEFAULT_PART_SIZE, TICK_S, FileSpec, Progress, call_with_retries, download
 
 log = logging.getLogger(__name__)
@@ -154,8 +155,8 @@ def stage(snapshot: DatasetSnapshot, mine: list[SnapshotFile], data_dir: Path, c
     _fetch_small(store, snapshot, [f for f in fetch if f.size <= DEFAULT_PART_SIZE], cache, workers, fetched)
     large = [f for f in fetch if f.size > DEFAULT_PART_SIZE]
     try:
-        download(store, [_spec(file) for file in large], cache.incoming, workers=workers,
-                 progress=lambda p: fetched.report(p.bytes_done, p.files_done))
+        download(store, [_spec(file) for file in large], cache.incoming, DEFAULT_CONFIG.but(workers=workers),
+                 progress=lambda p: fetched.report(p.bytes_done, p.files_done), state_dir=cache.root / "transfers")
     except ChecksumMismatch as exc:
         raise DatasetError(f"{exc}: the object changed after the run was planned: restore it, or start a new run "
                            "(a new run id)") from None

@@ -30,6 +30,7 @@ class ObjectInfo:
     size: int
     etag: str | None = None
     mtime: float | None = None
+    checksum: str | None = None  # tagged (infra.storage.checksum): the full-object checksum the store keeps, if any
 
 
 class ObjectStore(ABC):

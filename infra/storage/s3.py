@@ -1,4 +1,6 @@
-"""The s3:// object store on boto3: any S3-compatible server (AWS_ENDPOINT_URL), multipart uploads, ranged GETs.
+"""The s3:// object store: any S3-compatible server (AWS_ENDPOINT_URL). Whole files move through awscrt's S3
+client (s3_native.py, the transfer engine's native path); listing, HEAD, small objects and control calls, and
+the python engine's ranged GETs and multipart parts, go through boto3.
 
 botocore's own retries are off: the transfer engine retries each request (each part on its own) with logged
 backoff, so every failure here is either marked transient (throttling, 5xx, dropped connections) or is a
@@ -7,25 +9,34 @@ one-line StorageError naming the object and the fix.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-import boto3
 import botocore.exceptions
+import botocore.session
 import urllib3.exceptions
+from awscrt.exceptions import AwsCrtError
 from botocore.config import Config
 
-from infra.storage.base import ObjectInfo, ObjectNotFound, ObjectStore, StorageError
+from infra.storage import s3_native
+from infra.storage.base import ChecksumMismatch, ObjectInfo, ObjectNotFound, ObjectStore, StorageError
+from infra.storage.checksum import CRC32C, CRC64NVME, Checksum
 from infra.storage.cloud import BucketKeys, TransientStorageError, nothing_to_read, split_bucket_url
 from infra.storage.local import os_errors_named, write_all, write_atomically
+from infra.storage.records import FileJob, TransferConfig
+
+log = logging.getLogger(__name__)
 
 # Enough for the engine's widest pool (connections are opened only when used, so a large pool costs nothing).
 MAX_POOL_CONNECTIONS = 128
-MIN_PART_SIZE = 5 << 20  # S3's smallest part (except the last)
+MIN_PART_SIZE = s3_native.MIN_PART_SIZE
 MAX_PUT_SIZE = 5 << 30  # S3's largest single PUT
 _READ_CHUNK = 8 << 20
 
@@ -47,40 +58,71 @@ _CONNECTION_ERRORS = (
     TimeoutError,
 )
 
-_clients: dict[tuple[str | None, ...], Any] = {}
-# Credentials come from the standard chain; these variables change which credentials it finds.
-_CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
-_clients_lock = threading.Lock()
+# Which endpoint, region and credentials the standard chain finds: a change of any of these is another connection.
+_ENVIRONMENT = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE",
+                "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE",
+                "AWS_SHARED_CREDENTIALS_FILE")
+# Endpoints whose reply to CreateMultipartUpload the CRT cannot read (rclone): large files go part by part there.
+_crt_multipart_refused: set[str | None] = set()
+# The full-object checksums a HEAD may report that the engine can check (a multipart object's COMPOSITE ones,
+# "<base64>-<parts>", are not of the whole object).
+_HEAD_CHECKSUMS = {"ChecksumCRC64NVME": CRC64NVME, "ChecksumCRC32C": CRC32C}
+
+
+@dataclass
+class _Connection:
+    """One endpoint, region and set of credentials, with the clients made for it (each made once, when first
+    needed: a botocore session alone costs tens of milliseconds)."""
+
+    session: Any
+    endpoint: str | None
+    region: str
+    boto: Any = None
+    crt: dict[tuple[Any, ...], Any] = field(default_factory=dict)  # by the tuning the CRT client was made with
+
+
+_connections: dict[tuple[str | None, ...], _Connection] = {}
+_connections_lock = threading.Lock()
 
 
 def _endpoint() -> str | None:
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
+def _connection() -> _Connection:
+    key = tuple(os.environ.get(name) for name in _ENVIRONMENT)
+    with _connections_lock:
+        connection = _connections.get(key)
+        if connection is None:
+            # botocore's session (what boto3 wraps): the same credential chain and config, without importing
+            # s3transfer, which boto3 does on import and which no path here uses.
+            session = botocore.session.Session()
+            # A custom endpoint (rclone, MinIO, ...) has no region of its own, but v4 signatures need one.
+            connection = _Connection(session, _endpoint(), session.get_config_variable("region") or "us-east-1")
+            _connections[key] = connection
+        return connection
+
+
 def s3_client() -> Any:
     """One thread-safe client per endpoint, region and credentials, shared by every store in the process."""
-    endpoint = _endpoint()
-    session = boto3.session.Session()
-    # A custom endpoint (rclone, MinIO, ...) has no region of its own, but v4 signatures need one.
-    region = session.region_name or "us-east-1"
-    cache_key = (endpoint, region, *(os.environ.get(name) for name in _CREDENTIAL_VARIABLES))
-    with _clients_lock:
-        client = _clients.get(cache_key)
-        if client is None:
+    connection = _connection()
+    with _connections_lock:
+        if connection.boto is None:
             config = Config(
                 max_pool_connections=MAX_POOL_CONNECTIONS,
                 retries={"total_max_attempts": 1, "mode": "standard"},
                 connect_timeout=10,
                 read_timeout=60,
-                # Integrity is end to end (sha256 from the manifest, computed while streaming); per-request CRCs
-                # would hash every byte a second time and not every S3-compatible server accepts them.
+                # Integrity is end to end (the engine's CRCs, computed from the bytes it moves); botocore's own
+                # would checksum every byte a second time and not every S3-compatible server accepts them.
                 request_checksum_calculation="when_required",
                 response_checksum_validation="when_required",
-                s3={"addressing_style": "path"} if endpoint else {},
+                s3={"addressing_style": "path"} if connection.endpoint else {},
             )
-            client = session.client("s3", endpoint_url=endpoint, region_name=region, config=config)
-            _clients[cache_key] = client
-        return client
+            connection.boto = connection.session.create_client(
+                "s3", endpoint_url=connection.endpoint, region_name=connection.region, config=config
+            )
+        return connection.boto
 
 
 def _code(exc: botocore.exceptions.ClientError) -> tuple[str, int]:
@@ -89,27 +131,32 @@ def _code(exc: botocore.exceptions.ClientError) -> tuple[str, int]:
     return str(error.get("Code") or status), status
 
 
+def _from_code(code: str, status: int, message: str, url: str, bucket: str, action: str) -> StorageError:
+    """The one-line StorageError for an S3 error response, whichever client received it."""
+    if code == "NoSuchBucket":
+        return StorageError(f"{url}: bucket '{bucket}' does not exist: create it or fix the URL")
+    if code in _DENIED or status == 403:
+        return StorageError(
+            f"{url}: cannot {action}: access denied ({code}): check the credentials "
+            "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and the bucket's permissions"
+        )
+    if code in ("NoSuchKey", "404") or status == 404:
+        return ObjectNotFound(f"{url}: no such object: check the key, or upload it first")
+    if code in _THROTTLED or status == 429 or status >= 500:
+        return TransientStorageError(f"{url}: cannot {action}: {code} (HTTP {status}): {message or code}")
+    return StorageError(f"{url}: cannot {action}: {code}: {message or code}")
+
+
+_NO_CREDENTIALS = "no AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or a role"
+
+
 def translate(exc: Exception, url: str, bucket: str, action: str) -> StorageError:
     """The one-line StorageError for a boto failure; transient ones are marked so the engine retries them."""
     if isinstance(exc, botocore.exceptions.ClientError):
         code, status = _code(exc)
-        message = exc.response.get("Error", {}).get("Message") or code
-        if code == "NoSuchBucket":
-            return StorageError(f"{url}: bucket '{bucket}' does not exist: create it or fix the URL")
-        if code in _DENIED or status == 403:
-            return StorageError(
-                f"{url}: cannot {action}: access denied ({code}): check the credentials "
-                "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE) and the bucket's permissions"
-            )
-        if code in ("NoSuchKey", "404") or status == 404:
-            return ObjectNotFound(f"{url}: no such object: check the key, or upload it first")
-        if code in _THROTTLED or status == 429 or status >= 500:
-            return TransientStorageError(f"{url}: cannot {action}: {code} (HTTP {status}): {message}")
-        return StorageError(f"{url}: cannot {action}: {code}: {message}")
+        return _from_code(code, status, exc.response.get("Error", {}).get("Message") or "", url, bucket, action)
     if isinstance(exc, botocore.exceptions.NoCredentialsError | botocore.exceptions.PartialCredentialsError):
-        return StorageError(
-            f"{url}: no AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or a role"
-        )
+        return StorageError(f"{url}: {_NO_CREDENTIALS}")
     if isinstance(exc, _CONNECTION_ERRORS):
         return TransientStorageError(f"{url}: cannot {action}: {type(exc).__name__}: {' '.join(str(exc).split())}")
     return StorageError(f"{url}: cannot {action}: {type(exc).__name__}: {' '.join(str(exc).split())}")
@@ -136,8 +183,10 @@ class S3Store(ObjectStore):
         except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, *_CONNECTION_ERRORS) as exc:
             raise translate(exc, self.url_for(key), self.bucket, action) from exc
 
-    def _info(self, key: str, size: int, etag: str | None, modified: Any = None) -> ObjectInfo:
-        return ObjectInfo(key, size, etag.strip('"') if etag else None, modified.timestamp() if modified else None)
+    def _info(self, key: str, size: int, etag: str | None, modified: Any = None, checksum: str | None = None
+              ) -> ObjectInfo:
+        return ObjectInfo(key, size, etag.strip('"') if etag else None, modified.timestamp() if modified else None,
+                          checksum)
 
     # -- reads -------------------------------------------------------------------------------------
 
@@ -162,10 +211,14 @@ class S3Store(ObjectStore):
     def head(self, key: str) -> ObjectInfo | None:
         try:
             with self._calling(key, "stat"):
-                reply = self.client.head_object(Bucket=self.bucket, Key=self.keys.name(key))
+                reply = self.client.head_object(Bucket=self.bucket, Key=self.keys.name(key), ChecksumMode="ENABLED")
         except ObjectNotFound:
             return None
-        return self._info(key, reply["ContentLength"], reply.get("ETag"), reply.get("LastModified"))
+        checksum = None
+        if reply.get("ChecksumType") != "COMPOSITE":
+            checksum = next((f"{algorithm}:{reply[field]}" for field, algorithm in _HEAD_CHECKSUMS.items()
+                             if reply.get(field)), None)
+        return self._info(key, reply["ContentLength"], reply.get("ETag"), reply.get("LastModified"), checksum)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         if nothing_to_read(self.url_for(key), start, length):
@@ -229,9 +282,10 @@ class S3Store(ObjectStore):
 
     # -- multipart (infra.storage.transfer.MultipartUploads) ---------------------------------------
 
-    def start_multipart(self, key: str) -> str:
+    def start_multipart(self, key: str, *, full_object_crc: bool = False) -> str:
+        extra = {"ChecksumAlgorithm": "CRC64NVME", "ChecksumType": "FULL_OBJECT"} if full_object_crc else {}
         with self._calling(key, "start a multipart upload"):
-            reply = self.client.create_multipart_upload(Bucket=self.bucket, Key=self.keys.name(key))
+            reply = self.client.create_multipart_upload(Bucket=self.bucket, Key=self.keys.name(key), **extra)
         return str(reply["UploadId"])
 
     def put_part(self, key: str, upload_id: str, number: int, offset: int, data: bytes) -> str:
@@ -241,11 +295,15 @@ class S3Store(ObjectStore):
             )
         return str(reply["ETag"])
 
-    def finish_multipart(self, key: str, upload_id: str, tags: list[str]) -> ObjectInfo:
+    def finish_multipart(self, key: str, upload_id: str, tags: list[str], *, crc: Checksum | None = None
+                         ) -> ObjectInfo:
         parts = [{"ETag": tag, "PartNumber": number} for number, tag in enumerate(tags, start=1)]
+        # The object's CRC64NVME, so the store checks the assembled object against the bytes that were sent.
+        extra = {"ChecksumCRC64NVME": crc.b64, "ChecksumType": "FULL_OBJECT"} if crc is not None else {}
         with self._calling(key, "complete a multipart upload"):
             self.client.complete_multipart_upload(
-                Bucket=self.bucket, Key=self.keys.name(key), UploadId=upload_id, MultipartUpload={"Parts": parts}
+                Bucket=self.bucket, Key=self.keys.name(key), UploadId=upload_id, MultipartUpload={"Parts": parts},
+                **extra,
             )
         info = self.head(key)
         if info is None:
@@ -258,6 +316,98 @@ class S3Store(ObjectStore):
                 self.client.abort_multipart_upload(Bucket=self.bucket, Key=self.keys.name(key), UploadId=upload_id)
         except ObjectNotFound:
             return  # NoSuchUpload: already aborted or completed
+
+
+    # -- whole files through awscrt (infra.storage.native.NativeTransfers) ------------------------------
+
+    def _native(self, config: TransferConfig) -> tuple[Any, s3_native.Endpoint]:
+        """The CRT client for this endpoint, credentials and tuning (one per process), and the endpoint."""
+        connection = _connection()
+        endpoint = s3_native.Endpoint(connection.endpoint, connection.region)
+        tuning = (config.throughput_target_gbps, config.memory_limit, config.part_size, config.retry)
+        with _connections_lock:
+            client = connection.crt.get(tuning)
+            if client is None:
+                credentials = connection.session.get_credentials()
+                if credentials is None:
+                    raise StorageError(f"{self.url}: {_NO_CREDENTIALS}")
+                client = connection.crt[tuning] = s3_native.new_client(endpoint, credentials, config)
+        return client, endpoint
+
+    def _crt_error(self, exc: AwsCrtError, key: str, action: str, expected: Checksum | None = None) -> StorageError:
+        url = self.url_for(key)
+        response = s3_native.error_code(exc)
+        if response is not None:
+            return _from_code(*response, url, self.bucket, action)
+        error = s3_native.crt_failure(exc, url, action)
+        if isinstance(error, ChecksumMismatch) and expected is not None:
+            return ChecksumMismatch(
+                f"{url}: the {expected.algorithm} of the bytes received does not match the expected {expected.value}: "
+                "the object or its manifest is corrupt: re-upload the object or fix the manifest"
+            )
+        return error
+
+    def files_in_flight(self, config: TransferConfig) -> int:
+        return config.files_in_flight  # the CRT schedules their parts over its own connections, outside the GIL
+
+    def fetch_file(self, key: str, path: Path, size: int, expected: Checksum | None, job: FileJob) -> Checksum | None:
+        client, endpoint = self._native(job.config)
+        request = s3_native.get_request(endpoint, self.bucket, self.keys.name(key))
+        try:
+            return s3_native.fetch(client, request, path, expected, job)
+        except AwsCrtError as exc:
+            raise self._crt_error(exc, key, "read", expected) from None
+
+    def send_file(self, path: Path, key: str, size: int, job: FileJob) -> Checksum:
+        client, endpoint = self._native(job.config)
+        name = self.keys.name(key)
+        parts = partial(self._send_parts, client, endpoint, path, key, size, job)
+        if size > max(job.config.multipart_threshold, MIN_PART_SIZE) and endpoint.url in _crt_multipart_refused:
+            return parts()
+        try:
+            try:
+                echoed = s3_native.send(client, s3_native.put_request(endpoint, self.bucket, name, size), path, job)
+            except AwsCrtError as exc:
+                if exc.name != "AWS_ERROR_S3_MISSING_UPLOAD_ID":
+                    raise
+                if endpoint.url not in _crt_multipart_refused:
+                    _crt_multipart_refused.add(endpoint.url)
+                    log.warning("%s answers CreateMultipartUpload in a form the CRT cannot read (rclone does): files "
+                                "over %d MiB go up part by part", endpoint.url, job.config.multipart_threshold >> 20)
+                return parts()
+            kept = None
+            if echoed is None:  # the store did not say what it checked: ask what it keeps
+                stored_size, kept = s3_native.stored(client, endpoint, self.bucket, name, job.cancel)
+                if stored_size != size:
+                    raise StorageError(
+                        f"{self.url_for(key)}: stored {stored_size} bytes of {path}'s {size}: upload it again"
+                    )
+        except AwsCrtError as exc:
+            raise self._crt_error(exc, key, "write") from None
+        return s3_native.checksum_after_put(echoed, kept, path)
+
+    def _send_parts(
+        self, client: Any, endpoint: s3_native.Endpoint, path: Path, key: str, size: int, job: FileJob
+    ) -> Checksum:
+        upload_id = self.start_multipart(key, full_object_crc=True)
+        try:
+            try:
+                etags, crc = s3_native.send_parts(client, endpoint, self.bucket, self.keys.name(key), path, size,
+                                                  upload_id, job)
+            except AwsCrtError as exc:
+                raise self._crt_error(exc, key, "write") from None
+            info = self.finish_multipart(key, upload_id, etags, crc=crc)
+        except BaseException:
+            try:
+                self.abort_multipart(key, upload_id)
+            except StorageError as exc:  # the upload's own error is the one to raise
+                log.error("%s: could not abort multipart upload %s (%s): abort it with the store's tools",
+                          self.url_for(key), upload_id, exc)
+            raise
+        if info.size != size:
+            raise StorageError(f"{self.url_for(key)}: stored {info.size} bytes of {path}'s {size}: upload it again")
+        return crc
+
 
 
 def _read_body(reply: dict[str, Any], url: str) -> bytes:

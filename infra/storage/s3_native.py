@@ -1,0 +1,434 @@
+"""S3's native engine: awscrt's S3 client (the C client under Mountpoint for S3) moves whole files.
+
+GETs write straight into the landing file (`recv_filepath`, O_DIRECT) and are checked in C against the expected
+CRC64NVME (or CRC32C / sha256) as they arrive; PUTs read straight from the file (`send_filepath`) and carry their
+CRC64NVME in a header, so the store checks it. No byte passes through Python. boto3 stays for listing, HEAD and
+control calls; both clients get their credentials from botocore's standard chain.
+
+A custom endpoint (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL: rclone, MinIO, moto) is reached through the Host header
+with path-style keys, TLS off for http://; the CRT keeps connections per host name (not per port), so there is one
+client per endpoint. The CRT's own multipart upload needs `<InitiateMultipartUploadResult>` in the reply to
+CreateMultipartUpload; a server that answers otherwise (rclone: `<InitiateMultipartUpload>`) gets its large files
+part by part instead: boto3 starts and completes the upload, each part is one CRT request reading its range of
+the file, and the part CRCs join into the object's CRC64NVME, sent with the completion.
+
+Retries of failed part requests are the CRT's (its standard strategy, bounded by the engine's RetryPolicy); each
+one is logged through Python logging by the bridge below, like the engine's own retries.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import logging
+import os
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from awscrt import auth, http, s3
+from awscrt import io as awscrt_io
+from awscrt.exceptions import AwsCrtError
+
+from infra.storage.base import ChecksumMismatch, StorageError
+from infra.storage.checksum import CRC32C, CRC64NVME, SHA256, Checksum, Crc, PartCrcs, checksum_file
+from infra.storage.cloud import TransientStorageError
+from infra.storage.pool import TICK_S
+from infra.storage.records import FileJob, TransferConfig
+from infra.storage.retry import Cancelled
+
+log = logging.getLogger(__name__)
+
+MIN_PART_SIZE = 5 << 20  # S3's smallest part (except the last)
+MAX_PARTS = 10_000
+_ALGORITHMS = {CRC64NVME: s3.S3ChecksumAlgorithm.CRC64NVME, CRC32C: s3.S3ChecksumAlgorithm.CRC32C,
+               SHA256: s3.S3ChecksumAlgorithm.SHA256}
+# CRT errors of the connection or the server's health: the CRT already retried them; the engine reports them as
+# transient so a caller's own retry loop (the checkpoint syncer's) tries again later.
+_TRANSIENT_CRT = re.compile(r"SOCKET|CONNECTION|TIMEOUT|TIMED_OUT|SLOW_DOWN|INTERNAL_ERROR|HTTP_SERVER_CLOSED|"
+                            r"CONNECTION_CLOSED|STREAM_RESET|DNS|RETRY")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where requests go: the Host header, path-style or virtual-hosted keys, TLS or not."""
+
+    url: str | None  # a custom endpoint (AWS_ENDPOINT_URL...), None for AWS itself
+    region: str
+
+    def host(self, bucket: str) -> str:
+        if self.url is None:
+            return f"{bucket}.s3.{self.region}.amazonaws.com"
+        return self.url.split("://", 1)[1].rstrip("/")
+
+    def path(self, bucket: str, name: str) -> str:
+        encoded = quote(name, safe="/~")
+        return f"/{bucket}/{encoded}" if self.url is not None else f"/{encoded}"
+
+    @property
+    def tls(self) -> bool:
+        return self.url is None or self.url.startswith("https://")
+
+
+# -- the CRT's log, through Python logging --------------------------------------------------------------
+
+_RETRY_LINE = re.compile(r"Request failed from error \d+ \((?P<reason>[^)]*)\)\.? \(request=[^,]*, response "
+                         r"status=(?P<status>\d+)\)\. Try to setup a retry")
+
+
+class _CrtLog(logging.Handler):
+    """The CRT logs each part request it retries (at its Error level): that becomes one warning here. Its other
+    errors are raised to the caller as exceptions anyway, and stay at debug."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        retry = _RETRY_LINE.search(message)
+        if retry is not None:
+            log.warning("S3 request failed (%s, HTTP %s): the CRT retries it with backoff",
+                        retry["reason"].rstrip("."), retry["status"])
+        else:
+            log.debug("awscrt: %s", message)
+
+
+_log_bridge_lock = threading.Lock()
+_log_bridge_on = False
+
+
+def _bridge_crt_log() -> None:
+    global _log_bridge_on
+    with _log_bridge_lock:
+        if _log_bridge_on:
+            return
+        import awscrt.logging
+
+        crt_logger = logging.getLogger("awscrt")
+        crt_logger.propagate = False
+        crt_logger.addHandler(_CrtLog())
+        try:
+            awscrt.logging.init_logging(logging.ERROR)
+        except RuntimeError as exc:  # the host program set CRT logging up itself: its choice stands
+            log.debug("CRT logging already initialised (%s): its retries are logged where it says", exc)
+        _log_bridge_on = True
+
+
+# -- clients ----------------------------------------------------------------------------------------
+
+
+def _credentials_provider(credentials: Any) -> auth.AwsCredentialsProvider:
+    """botocore's resolved credentials (refreshed by botocore when they expire) as a CRT provider."""
+
+    def current() -> auth.AwsCredentials:
+        frozen = credentials.get_frozen_credentials()
+        return auth.AwsCredentials(frozen.access_key, frozen.secret_key, frozen.token)
+
+    return auth.AwsCredentialsProvider.new_delegate(current)
+
+
+_bootstrap_lock = threading.Lock()
+_bootstrap: awscrt_io.ClientBootstrap | None = None
+
+
+def _client_bootstrap() -> awscrt_io.ClientBootstrap:
+    """One event loop per CPU this process may run on, shared by every client. The CRT's static default put all
+    of a client's connections and file writes on one loop thread here (measured: one thread at ~1 core, the others
+    idle), so the transfer could never use more than a core however many were free."""
+    global _bootstrap
+    with _bootstrap_lock:
+        if _bootstrap is None:
+            threads = max(2, len(os.sched_getaffinity(0)))
+            _bootstrap = awscrt_io.ClientBootstrap(awscrt_io.EventLoopGroup(threads),
+                                                   awscrt_io.DefaultHostResolver(awscrt_io.EventLoopGroup(1)))
+        return _bootstrap
+
+
+def new_client(endpoint: Endpoint, credentials: Any, config: TransferConfig) -> s3.S3Client:
+    _bridge_crt_log()
+    signing = s3.create_default_s3_signing_config(
+        region=endpoint.region, credential_provider=_credentials_provider(credentials)
+    )
+    policy = config.retry
+    retry = s3.S3RetryConfig(
+        max_retries=max(1, policy.attempts - 1),
+        backoff_scale_factor_ms=max(1, round(policy.base_s * 1000)),
+        max_backoff_secs=max(1, round(policy.max_s)),
+    )
+    return s3.S3Client(
+        bootstrap=_client_bootstrap(),
+        region=endpoint.region,
+        signing_config=signing,
+        tls_mode=s3.S3RequestTlsMode.ENABLED if endpoint.tls else s3.S3RequestTlsMode.DISABLED,
+        part_size=max(config.part_size, MIN_PART_SIZE),
+        throughput_target_gbps=config.throughput_target_gbps,
+        memory_limit=config.memory_limit,
+        retry_config=retry,
+    )
+
+
+# -- errors -----------------------------------------------------------------------------------------
+
+_CODE = re.compile(rb"<Code>([^<]+)</Code>")
+_MESSAGE = re.compile(rb"<Message>([^<]+)</Message>")
+
+
+def error_code(exc: BaseException) -> tuple[str, int, str] | None:
+    """(S3 error code, HTTP status, message) of a CRT failure that came from a server response."""
+    if not isinstance(exc, s3.S3ResponseError) or not exc.status_code:
+        return None
+    body = exc.body or b""
+    code = _CODE.search(body)
+    message = _MESSAGE.search(body)
+    status = int(exc.status_code)
+    return (code[1].decode() if code else str(status)), status, (message[1].decode() if message else "")
+
+
+def crt_failure(exc: AwsCrtError, url: str, action: str) -> StorageError:
+    """A CRT failure that is not a server's error response, as one line."""
+    detail = f"{exc.name}: {exc.message}"
+    if exc.name == "AWS_ERROR_S3_RESPONSE_CHECKSUM_MISMATCH":
+        return ChecksumMismatch(url)  # the caller names the checksum
+    if _TRANSIENT_CRT.search(exc.name):
+        return TransientStorageError(f"{url}: cannot {action}: {detail}: check the network and the store, run again")
+    return StorageError(f"{url}: cannot {action}: {detail}")
+
+
+# -- requests ---------------------------------------------------------------------------------------
+
+
+def wait(request: s3.S3Request, cancel: threading.Event, tick: Callable[[], None] | None = None) -> None:
+    """Block until the request finishes, calling tick every TICK_S meanwhile; cancelling the request (and raising
+    Cancelled) once cancel is set."""
+    while True:
+        try:
+            request.finished_future.result(timeout=TICK_S)
+            return
+        except concurrent.futures.TimeoutError:
+            if cancel.is_set():
+                request.cancel()
+                concurrent.futures.wait([request.finished_future])
+                raise Cancelled() from None
+            if tick is not None:
+                tick()
+
+
+class FileGrowth:
+    """Progress of a GET into a file, from the file's size: the CRT reports a GET's progress only once it is done
+    (one call for a 250 MB object), and the file grows part by part, in order."""
+
+    def __init__(self, path: Path, on_bytes: Callable[[int], None]) -> None:
+        self.path, self.on_bytes, self.reported = path, on_bytes, 0
+
+    def __call__(self) -> None:
+        try:
+            size = os.stat(self.path).st_size
+        except FileNotFoundError:
+            return  # not created yet
+        self.report(size)
+
+    def report(self, size: int) -> None:
+        if size > self.reported:
+            self.on_bytes(size - self.reported)
+            self.reported = size
+
+
+class Headers:
+    """Response headers a request reports (on_headers), by lowercase name."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+
+    def __call__(self, status_code: int, headers: list[tuple[str, str]], **kwargs: Any) -> None:
+        self.values.update((name.lower(), value) for name, value in headers)
+
+    def checksum(self, algorithm: str) -> Checksum | None:
+        value = self.values.get(f"x-amz-checksum-{algorithm}")
+        return Checksum(algorithm, value) if value else None
+
+
+def get_request(endpoint: Endpoint, bucket: str, name: str) -> http.HttpRequest:
+    return http.HttpRequest("GET", endpoint.path(bucket, name), http.HttpHeaders([("Host", endpoint.host(bucket))]))
+
+
+def fetch(client: s3.S3Client, request: http.HttpRequest, path: Path, expected: Checksum | None, job: FileJob
+          ) -> Checksum | None:
+    """GET the object into path, its bytes checked by the CRT as they arrive: against expected, or else against
+    the full-object checksum the store keeps (returned when the CRT found one it could check)."""
+    if expected is not None:
+        checksum_config = s3.S3ChecksumConfig(
+            expected_checksum=expected.b64,
+            expected_checksum_algorithm=_ALGORITHMS[expected.algorithm],
+            response_validation_mode=s3.S3ChecksumValidationMode.FULL_OBJECT,
+        )
+    else:
+        checksum_config = s3.S3ChecksumConfig(
+            validate_response=True, response_validation_mode=s3.S3ChecksumValidationMode.FULL_OBJECT
+        )
+    headers = Headers()
+    validated: list[s3.S3ChecksumAlgorithm | None] = []
+
+    def done(*, did_validate_checksum: bool = False, checksum_validation_algorithm: Any = None, **kwargs: Any
+             ) -> None:
+        validated.append(checksum_validation_algorithm if did_validate_checksum else None)
+
+    crt_request = client.make_request(
+        type=s3.S3RequestType.GET_OBJECT,
+        request=request,
+        recv_filepath=str(path),
+        checksum_config=checksum_config,
+        part_size=max(job.config.part_size, MIN_PART_SIZE),
+        fio_options=s3.S3FileIoOptions(direct_io=True) if job.config.direct_io else None,
+        on_headers=headers,
+        on_done=done,
+    )
+    growth = FileGrowth(path, job.on_bytes)
+    wait(crt_request, job.cancel, growth)
+    growth()
+    if expected is not None:
+        return expected
+    algorithm = next((name for name, value in _ALGORITHMS.items() if validated and value == validated[0]), None)
+    return headers.checksum(algorithm) if algorithm is not None else None
+
+
+def put_request(endpoint: Endpoint, bucket: str, name: str, size: int, query: str = "",
+                body: io.RawIOBase | None = None) -> http.HttpRequest:
+    headers = http.HttpHeaders([("Host", endpoint.host(bucket)), ("Content-Length", str(size)),
+                                ("Content-Type", "application/octet-stream")])
+    return http.HttpRequest("PUT", endpoint.path(bucket, name) + query, headers, body)
+
+
+def send(client: s3.S3Client, request: http.HttpRequest, path: Path, job: FileJob) -> Checksum | None:
+    """PUT the file with its CRC64NVME in a header (the CRT computes it from the bytes it sends; the store checks
+    it). Returns the CRC when the store echoed it (AWS does; rclone and moto do not)."""
+    headers = Headers()
+    crt_request = client.make_request(
+        type=s3.S3RequestType.PUT_OBJECT,
+        request=request,
+        send_filepath=str(path),
+        checksum_config=s3.S3ChecksumConfig(algorithm=s3.S3ChecksumAlgorithm.CRC64NVME,
+                                            location=s3.S3ChecksumLocation.HEADER),
+        part_size=max(job.config.part_size, MIN_PART_SIZE),
+        multipart_upload_threshold=max(job.config.multipart_threshold, MIN_PART_SIZE),
+        on_progress=job.on_bytes,
+        on_headers=headers,
+    )
+    wait(crt_request, job.cancel)
+    return headers.checksum(CRC64NVME)
+
+
+class FileRange(io.RawIOBase):
+    """Bytes [offset, offset + length) of an open file, as a request body the CRT reads straight into its own
+    buffer (os.preadv); the CRC of what was read is kept, and starts over when the CRT rewinds for a retry."""
+
+    def __init__(self, fd: int, offset: int, length: int) -> None:
+        super().__init__()
+        self.fd, self.offset, self.length = fd, offset, length
+        self.position = 0
+        self.crc = Crc(CRC64NVME)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
+        if base + offset != 0 and base + offset != self.position:
+            raise OSError(f"part body seek to {base + offset}: only a rewind to 0 is supported")
+        if base + offset == 0:
+            self.position, self.crc = 0, Crc(CRC64NVME)
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def readinto(self, buffer: Any) -> int:
+        want = min(len(buffer), self.length - self.position)
+        if want <= 0:
+            return 0
+        view = memoryview(buffer)[:want]
+        count = os.preadv(self.fd, [view], self.offset + self.position)
+        if count == 0:
+            raise OSError(f"the file ended {self.length - self.position} bytes early in a part: it changed size")
+        self.crc.update(view[:count])
+        self.position += count
+        return count
+
+
+def send_parts(
+    client: s3.S3Client,
+    endpoint: Endpoint,
+    bucket: str,
+    name: str,
+    path: Path,
+    size: int,
+    upload_id: str,
+    job: FileJob,
+) -> tuple[list[str], Checksum]:
+    """Every part of the file as its own CRT UploadPart request (all in flight at once; the CRT schedules them).
+
+    Returns the parts' ETags in order and the object's CRC64NVME, joined from the CRCs of the bytes sent.
+    """
+    part_size = max(job.config.part_size, MIN_PART_SIZE, -(-size // MAX_PARTS))
+    crcs = PartCrcs(CRC64NVME)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    requests: list[tuple[s3.S3Request, Headers, FileRange]] = []
+    try:
+        for number, offset in enumerate(range(0, size, part_size), start=1):
+            length = min(part_size, size - offset)
+            body = FileRange(fd, offset, length)
+            headers = Headers()
+            query = f"?partNumber={number}&uploadId={quote(upload_id, safe='')}"
+
+            def done(*, error: BaseException | None = None, length: int = length, **kwargs: Any) -> None:
+                if error is None:
+                    job.on_bytes(length)
+
+            request = client.make_request(
+                type=s3.S3RequestType.DEFAULT,
+                operation_name="UploadPart",
+                request=put_request(endpoint, bucket, name, length, query, body),
+                on_headers=headers,
+                on_done=done,
+            )
+            requests.append((request, headers, body))
+        for request, _, _ in requests:
+            wait(request, job.cancel)
+    except BaseException:
+        for request, _, _ in requests:
+            request.cancel()
+        concurrent.futures.wait([request.finished_future for request, _, _ in requests])
+        raise
+    finally:
+        os.close(fd)
+    etags = []
+    for _request, headers, body in requests:
+        etags.append(headers.values.get("etag", ""))
+        crcs.add_crc(body.offset, body.length, body.crc.value)
+    return etags, crcs.total(size)
+
+
+def stored(client: s3.S3Client, endpoint: Endpoint, bucket: str, name: str, cancel: threading.Event
+           ) -> tuple[int, Checksum | None]:
+    """(size, full-object CRC64NVME or None) the store keeps for an object: a HEAD through the CRT, a callback's
+    worth of Python instead of a botocore call's (this runs once per file uploaded)."""
+    headers = Headers()
+    request = http.HttpRequest("HEAD", endpoint.path(bucket, name), http.HttpHeaders(
+        [("Host", endpoint.host(bucket)), ("x-amz-checksum-mode", "ENABLED")]))
+    wait(client.make_request(type=s3.S3RequestType.DEFAULT, operation_name="HeadObject", request=request,
+                             on_headers=headers), cancel)
+    full_object = headers.values.get("x-amz-checksum-type", "FULL_OBJECT") == "FULL_OBJECT"
+    return int(headers.values.get("content-length", -1)), headers.checksum(CRC64NVME) if full_object else None
+
+
+def checksum_after_put(echoed: Checksum | None, kept: Checksum | None, path: Path) -> Checksum:
+    """The object's CRC64NVME: as the store echoed or keeps it, else computed from the file that was sent."""
+    if echoed is not None:
+        return echoed
+    if kept is not None:
+        return kept
+    log.debug("%s: the store keeps no CRC64NVME for it: computing it from the file", path)
+    return checksum_file(path, CRC64NVME)
