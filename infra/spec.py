@@ -145,6 +145,17 @@ class VerifySpec(StrictModel):
     disk_bytes_mb: int = Field(256, ge=1, description="Size of the file each node writes and reads back with direct "
                                "I/O on its data dir, in MB.")
 
+    @field_validator("bench", mode="before")
+    @classmethod
+    def _bench_from_yaml_bool(cls, value: object) -> object:
+        # YAML 1.1 reads a bare off/no/false as False (and on/yes/true as True) before we see the word.
+        if value is False:
+            return "off"
+        if value is True:
+            raise ValueError("bench: on/yes/true reads as a boolean and names no mode: use warn or fail "
+                             "(off, no or false turn the bench off)")
+        return value
+
     @field_validator("allreduce_sizes_mb")
     @classmethod
     def _positive_sizes(cls, value: tuple[int, ...]) -> tuple[int, ...]:

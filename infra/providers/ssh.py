@@ -354,7 +354,12 @@ class SshProvider(Provider):
         injector, which raises a node's notice the way a cloud would."""
         notices = []
         for node in cluster.nodes:
-            notice = parse_notice(self.runner(cluster, node).read_text(node.path(NOTICE_FILE)))
+            try:
+                notice = parse_notice(self.runner(cluster, node).read_text(node.path(NOTICE_FILE)))
+            except (RemoteError, OSError) as exc:
+                # No notice can be read from a host that does not answer; whether it is gone is nodes_alive's call.
+                log.warning("%s: cannot read its preemption notice: %s", node.name, exc)
+                continue
             if notice is not None:
                 notices.append(PreemptionNotice(node=node.name, deadline=notice.deadline, reason=notice.reason))
         return notices
