@@ -60,8 +60,12 @@ def free_port() -> int:
 
 
 def answers(port: int) -> bool:
+    return answers_at("127.0.0.1", port)
+
+
+def answers_at(host: str, port: int) -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+        with socket.create_connection((host, port), timeout=1) as sock:
             sock.settimeout(2)
             return sock.recv(4).startswith(b"SSH-")
     except OSError:
