@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from infra.providers import ClusterRecord, all_providers, get_provider
+from infra.providers import ClusterRecord, Provider, all_providers, get_provider
 
 
 def sweep_clusters(include_alive: bool = False, dry_run: bool = False,
-                   on_cluster: Callable[[ClusterRecord], None] | None = None) -> list[ClusterRecord]:
-    """Clusters torn down (or, with dry_run, that would be); on_cluster hears of each before it is touched."""
+                   on_cluster: Callable[[ClusterRecord], None] | None = None,
+                   providers: list[Provider] | None = None) -> list[ClusterRecord]:
+    """Clusters torn down (or, with dry_run, that would be); on_cluster hears of each before it is touched.
+    providers: where to look (default: every provider)."""
     swept = []
-    for provider in all_providers():
+    for provider in all_providers() if providers is None else providers:
         for record in provider.list_clusters():
             if record.owner_alive and not include_alive:
                 continue
