@@ -21,6 +21,7 @@ import threading
 from pathlib import Path
 
 import psutil
+import pytest
 from conftest import REPO, TRAINPIPE
 from jobs import job_config, write_config
 from servers import S3Server
@@ -191,3 +192,27 @@ def test_the_s3_servers_key_pair_is_not_on_their_command_lines(s3_server: S3Serv
     assert servers, "the session's S3 server is not running"
     assert not [line for line in servers if re.search(re.escape(s3_server.secret_key), line)]
     assert not [line for line in servers if "--auth-key" in line]
+
+
+def test_the_netns_stores_key_pair_is_in_its_environment_not_its_command_line(tmp_path: Path) -> None:
+    from infra import netns
+    from infra.netns_store import STORE_TAG, NetnsStore
+
+    if (why := netns.problem()) is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+    with NetnsStore(tmp_path / "s3") as store:
+        url = store.make_bucket("authenticated")  # the server checks the pair it got from its environment
+        [server] = [p for p in psutil.process_iter() if _has(p, STORE_TAG, store.gid)
+                    and "rclone" in " ".join(p.cmdline())]
+        assert store.secret_key not in " ".join(server.cmdline()) and "--auth-key" not in server.cmdline()
+        assert store.secret_key in server.environ()["RCLONE_AUTH_KEY"]
+    assert url == "s3://authenticated"
+
+
+def _has(process: psutil.Process, tag: str, value: str | None) -> bool:
+    try:
+        return process.environ().get(tag) == value
+    except psutil.Error:
+        return False
