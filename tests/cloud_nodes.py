@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from sshd import PRIVSEP_DIR, answers_at, keygen
+from sshd import PRIVSEP_DIR, answers_at, keygen, sshd_config
 
 PRIVATE_KEY = re.compile(r"-----BEGIN OPENSSH PRIVATE KEY-----\n.*?-----END OPENSSH PRIVATE KEY-----\n", re.DOTALL)
 PUBLIC_KEY = re.compile(r"'(ssh-ed25519 [A-Za-z0-9+/=]+ trainpipe-node)'")
@@ -118,22 +118,9 @@ class Machines:
         shutdown.chmod(0o755)
         path = ":".join([str(node.root / "bin"), str(Path(sys.executable).parent), "/usr/local/sbin", "/usr/local/bin",
                          "/usr/sbin", "/usr/bin", "/sbin", "/bin"])
-        (node.root / "sshd_config").write_text(f"""\
-Port 22
-ListenAddress {instance.address}
-HostKey {host_key}
-PidFile {node.pid_file}
-AuthorizedKeysFile {self.client_key}.pub
-StrictModes no
-UsePAM no
-PermitRootLogin prohibit-password
-PubkeyAuthentication yes
-PasswordAuthentication no
-KbdInteractiveAuthentication no
-Subsystem sftp internal-sftp
-SetEnv PATH={path} HOME={node.root / "home"}
-LogLevel VERBOSE
-""")
+        (node.root / "sshd_config").write_text(sshd_config(
+            22, host_key, self.client_key.with_suffix(".pub"), node.pid_file, listen=instance.address,
+            more=f"SetEnv PATH={path} HOME={node.root / 'home'}\n"))
         (node.root / "run" / BOOT_STATUS).write_text("0\n")
         PRIVSEP_DIR.mkdir(parents=True, exist_ok=True)
         mount = (f"mount --bind {shlex.quote(str(node.root / 'mnt'))} /mnt && "
