@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from infra.providers import ClusterRecord, Provider, all_providers, get_provider
+from infra.providers import ClusterRecord, Provider, all_providers
 
 
 def sweep_clusters(include_alive: bool = False, dry_run: bool = False,
@@ -21,6 +21,6 @@ def sweep_clusters(include_alive: bool = False, dry_run: bool = False,
             if on_cluster is not None:
                 on_cluster(record)
             if not dry_run:
-                get_provider(record.provider).terminate(record.name)
+                provider.terminate(record.name)  # the one that listed it: the same cloud, account and endpoint
             swept.append(record)
     return swept

