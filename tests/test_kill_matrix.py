@@ -2,7 +2,8 @@
 resumes from the last commit.
 
 The orchestrator is the retrain flow, unmodified, in a process and session of its own, as a Prefect worker runs it
-(the last run of each matrix, and the cloud runs, which get cancelled first, are the installed `trainpipe run`). Its
+(forked from a warm interpreter: tests/warm_flows.py; the last run of each matrix, and the cloud run that gets
+cancelled first, are the installed `trainpipe run`). Its
 node processes run in sessions of their own, as on other machines, and outlive it. The phase it is killed in is found
 from what it shows, never from a hook in it: its own output (Prefect's task-run lines), the store (a commit), the
 cluster (a node directory appearing), the simulated clouds (instances appearing or shutting down), and for teardown
@@ -39,6 +40,7 @@ from gce_server import PROJECT, GceServer
 from google.auth.credentials import AnonymousCredentials
 from jobs import job_config, make_dataset, write_config
 from test_cli import invoke
+from warm_flows import WarmFlows, alive, warm_flows
 
 from infra import netns
 from infra.checkpoints import CheckpointStore
@@ -86,6 +88,12 @@ def table(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
+def flows(prefect_server: None) -> Iterator[WarmFlows]:
+    with warm_flows({**os.environ, **prefect_env()}) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
 def dataset_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_dataset(tmp_path_factory.mktemp("kill-dataset"), tokens=200_000)
 
@@ -96,46 +104,49 @@ def prefect_env() -> dict[str, str]:
     return {"PREFECT_API_URL": str(PREFECT_API_URL.value()), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
 
 
-# The retrain flow in a process of its own, as a Prefect worker or `trainpipe serve` runs it (what `trainpipe run`
-# adds in front, a plan of its own to fail early on bad input, would only cost seconds per run here).
-RUN_FLOW = "import sys; from infra.spec import load_job; from flows.retrain import retrain; " \
-           "retrain(load_job(sys.argv[1]), sys.argv[2])"
-
-
-def flow_process(config: Path, run_id: str) -> list[str]:
-    return [sys.executable, "-c", RUN_FLOW, str(config), run_id]
-
-
 def trainpipe_run(config: Path, run_id: str) -> list[str]:
     return [TRAINPIPE, "run", str(config), "--run-id", run_id]
 
 
 class Orchestrator:
-    """An orchestrator (argv) in a session of its own; its output in a file."""
+    """An orchestrator in a session of its own, its output in a file: the retrain flow forked from the warm server
+    (tests/warm_flows.py: a process as a Prefect worker runs it), or a command."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
-        self.log = log
-        self.process = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+    def __init__(self, log: Path, pid: int, popen: subprocess.Popen[bytes] | None = None) -> None:
+        self.log, self.pid, self.popen = log, pid, popen
+
+    @classmethod
+    def flow(cls, flows: WarmFlows, config: Path, run_id: str, env: dict[str, str], log: Path) -> Orchestrator:
+        return cls(log, flows.start("retrain", config, run_id, log, env))
+
+    @classmethod
+    def command(cls, argv: list[str], env: dict[str, str], log: Path) -> Orchestrator:
+        popen = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        return cls(log, popen.pid, popen)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def ended(self) -> bool:
+        return self.popen.poll() is not None if self.popen is not None else not alive(self.pid)
+
     def running(self) -> bool:
-        assert self.process.poll() is None, f"the run ended (exit {self.process.returncode}) before the kill:\n" + \
-            self.output()[-4000:]
+        assert not self.ended(), "the run ended before the kill:\n" + self.output()[-4000:]
         return True
 
     def signal(self, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, sig)
+            os.killpg(self.pid, sig)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, sig)  # a fork that has not made its own session yet
 
     def kill(self) -> None:
         self.signal(signal.SIGKILL)
-        self.process.wait()
+        wait_for(self.ended, 30, "the killed orchestrator going", interval=0.02)
 
-    def wait_for(self, check: Callable[[], bool], what: str, timeout: float = 240) -> None:
-        wait_for(lambda: self.running() and check(), timeout, what, interval=0.02)
+    def wait_for(self, check: Callable[[], bool], what: str, timeout: float = 240, interval: float = 0.02) -> None:
+        wait_for(lambda: self.running() and check(), timeout, what, interval=interval)
 
 
 def phase_at(output: str) -> str:
@@ -182,7 +193,7 @@ def start_slow_stopper(provider: Provider, run_id: str, flag: Path) -> subproces
 
 @pytest.mark.parametrize("provider_name", ["local", "netns"])
 def test_sigkill_in_every_phase_leaves_nothing_after_the_sweep_and_reruns_resume(
-        provider_name: str, prefect_server: None, workspace: Path, tmp_path: Path, dataset_url: str) -> None:
+        provider_name: str, flows: WarmFlows, workspace: Path, tmp_path: Path, dataset_url: str) -> None:
     if provider_name == "netns" and (why := netns.problem()) is not None:
         if os.environ.get("CI") == "true":
             pytest.fail(why)
@@ -199,13 +210,17 @@ def test_sigkill_in_every_phase_leaves_nothing_after_the_sweep_and_reruns_resume
     expected_resume: int | None = None
 
     for phase in PHASES:
-        orchestrator = Orchestrator(flow_process(config_path, run_id), env, tmp_path / f"{phase}.log")
+        orchestrator = Orchestrator.flow(flows, config_path, run_id, env, tmp_path / f"{phase}.log")
         slow_stopper = None
         try:
             if phase in ("plan", "verify", "stage", "sync"):
                 orchestrator.wait_for(lambda o=orchestrator, p=phase: bool(BEGINS[p].search(o.output())), phase)
             elif phase == "provision":
-                orchestrator.wait_for(base.exists, "the cluster's directory")
+                # The launch's first mark: a netns cluster's network state (its namespaces come next, in seconds),
+                # a local cluster's directory (its record in it; the nodes' dirs and processes come next).
+                first = netns.STATE_DIR / f"{provider.group(cluster_name_for(run_id))}.json" \
+                    if provider_name == "netns" else base  # type: ignore[attr-defined]
+                orchestrator.wait_for(first.exists, "the launch beginning", interval=0.005)
             elif phase == "train":
                 orchestrator.wait_for(lambda: checkpoints.latest() is not None, "the first commit")
             else:
@@ -275,7 +290,7 @@ def gce() -> Iterator[GceServer]:
 
 @pytest.mark.parametrize("provider_name", ["aws", "gcp"])
 def test_sigkill_while_provisioning_and_while_tearing_down_on_the_clouds(
-        provider_name: str, prefect_server: None, workspace: Path, tmp_path: Path, dataset_url: str, ec2: Ec2Server,
+        provider_name: str, flows: WarmFlows, workspace: Path, tmp_path: Path, dataset_url: str, ec2: Ec2Server,
         gce: GceServer, monkeypatch: pytest.MonkeyPatch) -> None:
     key = tmp_path / "id_ed25519"
     key.write_text("read at launch; no node ever answers here\n")
@@ -330,8 +345,9 @@ def test_sigkill_while_provisioning_and_while_tearing_down_on_the_clouds(
         run_id = f"kill-{provider_name}-{phase}"
         cluster = cluster_name_for(run_id)
         # To be cancelled, `trainpipe run`: it turns a SIGTERM into the run's own teardown.
-        argv = trainpipe_run(config_path, run_id) if phase == "teardown" else flow_process(config_path, run_id)
-        orchestrator = Orchestrator(argv, env, tmp_path / f"{phase}.log")
+        log = tmp_path / f"{phase}.log"
+        orchestrator = (Orchestrator.command(trainpipe_run(config_path, run_id), env, log) if phase == "teardown"
+                        else Orchestrator.flow(flows, config_path, run_id, env, log))
         try:
             orchestrator.wait_for(lambda c=cluster: launched(c), "instances launching")
             if phase == "teardown":
