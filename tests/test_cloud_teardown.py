@@ -44,6 +44,7 @@ from infra.plan import cluster_name_for
 from infra.providers.aws import TAG_HEARTBEAT, AwsProvider
 from infra.providers.cloud import lease_alive
 from infra.providers.gcp import LABEL_HEARTBEAT, GcpProvider
+from infra.providers.local import LocalProvider
 from infra.spec import ClusterSpec
 
 AWS_PREFIX, GCP_PREFIX = "127.77.1.", "127.77.2."
@@ -240,3 +241,27 @@ def test_lease_alive_reads_the_newest_heartbeat_any_node_carries() -> None:
     # Stamped before heartbeats existed: from its creation, with the default TTL (120 s).
     assert lease_alive([], None, created_at=now - 100, now=now)
     assert not lease_alive([None], None, created_at=now - 130, now=now)
+
+
+def test_a_node_that_cannot_power_off_still_ends_its_processes(tmp_path: Path) -> None:
+    """The watchdog's `shutdown` refused (here a stand-in that fails as a non-root user's would): the node's processes
+    end anyway, the failure is an event and the exit status, and the sweeper ends the machine."""
+    provider = LocalProvider(tmp_path / "clusters")
+    cluster = provider.launch("tp-no-power-off", ClusterSpec(nodes=1), "no-power-off")
+    node = cluster.head
+    refuses = tmp_path / "bin" / "shutdown"
+    refuses.parent.mkdir()
+    refuses.write_text("#!/bin/sh\necho 'shutdown: Failed to talk to init daemon: access denied' >&2\nexit 1\n")
+    refuses.chmod(0o755)
+    runner = provider.runner(cluster, node)
+    try:
+        workload = runner.start(["sleep", "600"])
+        watchdog = runner.start([node.python, "-m", "infra.node", "watch", "--lease", node.path("lease"), "--ttl", "1",
+                                 "--poll", "0.2", "--on-expire", "shutdown"],
+                                env={"PATH": f"{refuses.parent}:{os.environ['PATH']}"})
+        assert watchdog.wait(timeout=30) == 1
+        assert workload.wait(timeout=10) is not None
+        events = [e["event"] for e in map(parse, watchdog.tail(50).splitlines()) if e]
+        assert events[-3:] == ["lease-expired", "power-off-failed", "node-down"], events
+    finally:
+        provider.terminate(cluster.name)
