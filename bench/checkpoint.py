@@ -131,7 +131,7 @@ def _run_mode(mode: str, config: BenchConfig, data_dir: Path, work: Path) -> Mod
     node = work / mode
     ckpt_dir, store_url, stop_file = node / "ckpt", f"file://{work / 'store' / mode}", node / "stop-sync"
     ckpt_dir.mkdir(parents=True)
-    env = _repo_env(config.threads)
+    env = {**_repo_env(config.threads), "TRAINPIPE_SYNC_DIR": str(node / "sync")}
     trainer = [
         _python(), "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1", "--node-rank", "0",
         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "--max-restarts", "0",
@@ -142,9 +142,10 @@ def _run_mode(mode: str, config: BenchConfig, data_dir: Path, work: Path) -> Mod
         "--eval-batches", "1", *config.trainer_model_args(),
     ]
     syncer = [
-        _python(), "-m", "infra.node", "sync", "--ckpt-dir", str(ckpt_dir), "--url", store_url, "--node-rank", "0",
-        "--nodes", "1", "--world-size", "1", "--config-hash", f"bench-{mode}", "--keep", "2",
-        "--stop-file", str(stop_file), "--poll", "0.2",
+        _python(), "-m", "infra.node", "sync", "--ckpt-dir", str(ckpt_dir), "--sync-dir", str(node / "sync"),
+        "--url", store_url, "--node-rank", "0", "--nodes", "1", "--attempt", f"bench-{mode}",
+        "--config-hash", f"bench-{mode}", "--keep", "2", "--format", "marker", "--stop-file", str(stop_file),
+        "--poll", "0.2",
     ]
     started = time.monotonic()
     with open(node / "sync.out", "w") as sync_out, open(node / "sync.err", "w") as sync_err:

@@ -66,7 +66,7 @@ class Scenario:
     title: str
     fast_links: bool
     access: str  # DatasetSpec.access
-    ckpt_mode: str  # CheckpointSpec.mode
+    ckpt_mode: str  # the bundled trainer's --ckpt-mode
 
 
 SCENARIOS = (
@@ -160,12 +160,17 @@ def job_for(scenario: Scenario, config: ReproConfig, link_mbit: float) -> JobSpe
         "cluster": {"provider": "netns", "nodes": config.nodes, "netns": {"link_mbit": link_mbit},
                     # Only (a)'s disk figure is used (the predictor's local-disk term); the rest is reported.
                     "verify": {"bench": "warn", "tcp_seconds": 1, "allreduce_sizes_mb": [4], "disk_bytes_mb": 64}},
-        "dataset": {"url": f"s3://{DATA_BUCKET}/markov", "validation": "manifest", "access": scenario.access},
-        "checkpoints": {"url": f"s3://{CKPT_BUCKET}/repro", "every_steps": config.ckpt_every, "keep": 2,
-                        "mode": scenario.ckpt_mode},
-        "training": {"steps": config.steps, "batch_size": config.batch_size, "warmup_steps": 5, "lr": 3e-3,
-                     "model": {"vocab_size": 256, "d_model": config.d_model, "n_layers": config.n_layers,
-                               "n_heads": config.n_heads, "seq_len": config.seq_len}},
+        "dataset": {"url": f"s3://{DATA_BUCKET}/markov", "validation": "sample", "access": scenario.access},
+        # direct waits for each upload, so the syncer looks often; the others keep the default.
+        "checkpoints": {"url": f"s3://{CKPT_BUCKET}/repro", "keep": 2, "format": "marker",
+                        "sync_poll_s": 0.05 if scenario.ckpt_mode == "direct" else 0.5},
+        "training": {"command": [
+            "-m", "trainer.train", "--steps", str(config.steps), "--ckpt-every", str(config.ckpt_every),
+            "--ckpt-mode", scenario.ckpt_mode, "--batch-size", str(config.batch_size), "--warmup-steps", "5",
+            "--lr", "3e-3", "--vocab-size", "256", "--d-model", str(config.d_model), "--n-layers",
+            str(config.n_layers), "--n-heads", str(config.n_heads), "--seq-len", str(config.seq_len),
+            # remote access reads every batch from the store; staged reads TRAINPIPE_DATA_DIR by default.
+            *(("--data-url", "{data_url}") if scenario.access == "remote" else ())]},
     })
 
 

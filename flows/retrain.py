@@ -6,7 +6,11 @@ from the latest committed checkpoint, at most recovery.max_recoveries times with
 
 from __future__ import annotations
 
+import os
+import time
+import uuid
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from typing import Any
 
 from prefect import flow, unmapped
@@ -19,17 +23,26 @@ from infra.plan import Plan, cluster_name_for
 from infra.providers import Cluster
 from infra.recovery import Recoveries, RecoveryRecord, narrowed
 from infra.spec import JobSpec
-from infra.summary import RunSummary
+from infra.summary import LAUNCHED_AT_VAR, RunSummary
 from infra.workspace import run_dir
 from tasks.capacity import nodes_held
 from tasks.checkpoint import latest_committed_step, verify_committed_checkpoint
 from tasks.cluster import provision_cluster, teardown_cluster
+from tasks.node_output import start_loss_curve
 from tasks.plan import plan_run
 from tasks.preemption import Preempted
-from tasks.report import publish_summary, record_failure, record_launch, record_resume, record_training
+from tasks.report import (
+    publish_summary,
+    record_failure,
+    record_launch,
+    record_resume,
+    record_training,
+    record_workload,
+)
 from tasks.stage import restore_checkpoint, stage_dataset
 from tasks.train import TrainLaunch, TrainOutcome, run_training
 from tasks.verify import bench_cluster, verify_node
+from tasks.workload import agreed_code_hash, prepare_node, publish_code
 
 
 def default_run_id(job_name: str, flow_run_id: str) -> str:
@@ -54,18 +67,24 @@ def retrain(job: JobSpec, run_id: str | None = None) -> dict[str, Any]:
 
 def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
     cluster_name = cluster_name_for(run_id)
-    summary = RunSummary(run_id=run_id, job=job.name, provider=job.cluster.provider, nodes=job.cluster.nodes)
+    summary = RunSummary(run_id=run_id, job=job.name, provider=job.cluster.provider, nodes=job.cluster.nodes,
+                         started_at=launched_at())
     recoveries = Recoveries(job.recovery)
+    start_loss_curve(run_id)
     try:
         with summary.phase("plan"):
             plan: Plan = plan_run(job, run_id)
-        summary.loss_floor = plan.loss_floor
+            code_url = publish_code(job, plan)
+        summary.dataset = plan.dataset.summary()
         resume_step, recovery = plan.resume_step, None
         while True:
             try:
-                cluster, staged, outcome = train_on_a_cluster(job, plan, summary, cluster_name, resume_step, recovery)
+                cluster, staged, outcome = train_on_a_cluster(job, plan, code_url, summary, cluster_name,
+                                                              resume_step, recovery)
+                _trained(summary, recovery, outcome.first_step_at, outcome.steps_s)
                 break
             except Preempted as preempted:
+                _trained(summary, recovery, preempted.first_step_at, preempted.steps_s)
                 # The nodes are gone or going: tear down what is left, launch again, resume from the last commit.
                 recovery = recoveries.begin(preempted.node, preempted.reason, preempted.with_notice,
                                             preempted.step_reached, preempted.detected_at)
@@ -75,7 +94,7 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
                 job = _avoiding(job, plan, recoveries, summary.attempts)
                 resume_step = latest_committed_step(plan.checkpoint_url)
         with summary.phase("sync"):
-            verified = verify_committed_checkpoint(cluster, plan.checkpoint_url)
+            verified = verify_committed_checkpoint(cluster, plan.checkpoint_url, job.checkpoints.format)
         record_training(summary, staged, outcome, verified, plan.checkpoint_url)
         summary.status = "completed"
     except BaseException as exc:
@@ -89,36 +108,64 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
     return summary.to_dict()
 
 
-def train_on_a_cluster(job: JobSpec, plan: Plan, summary: RunSummary, cluster_name: str, resume_step: int | None,
-                       recovery: RecoveryRecord | None) -> tuple[Cluster, list[dict[str, Any]], TrainOutcome]:
-    """provision → verify → stage (+ restore) → train, once; a recovery records how long each step took it."""
+def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: RunSummary, cluster_name: str,
+                       resume_step: int | None, recovery: RecoveryRecord | None
+                       ) -> tuple[Cluster, list[dict[str, Any]], TrainOutcome]:
+    """provision → verify → stage (+ code, setup, restore) → train, once; a recovery records how long each step
+    took it."""
     with summary.phase("provision"), _timed(recovery, "provision"):
         cluster = provision_cluster(job, cluster_name, summary.run_id)
     record_launch(summary, cluster)
     # Remote access reads every batch from the store: nothing is staged, so nodes need no room for the dataset.
     staging = job.dataset.access == "staged"
     with summary.phase("verify"), _timed(recovery, "verify"):
-        need_bytes = plan.dataset_bytes if staging else 0
-        probes = verify_node.map(unmapped(cluster), cluster.nodes, unmapped(need_bytes)).result()
+        # Each node needs room for what it will hold (split: its share), not the whole dataset.
+        need_bytes = [plan.dataset.node_bytes[node.rank] if staging else 0 for node in cluster.nodes]
+        probes = verify_node.map(unmapped(cluster), cluster.nodes, need_bytes).result()
         summary.cluster_bench = bench_cluster(job, cluster)
+    attempt = recovery.number if recovery is not None else 0
+    launch = TrainLaunch(plan.checkpoint_url, plan.dataset_url, probes[0]["free_port"], plan.workload.config_hash,
+                         attempt=attempt, attempt_id=f"{attempt}-{uuid.uuid4().hex[:8]}")
     with summary.phase("stage"):
+        # The code and the setup go their own way beside the dataset: neither waits for the other.
+        preparing = prepare_node.map(unmapped(job), unmapped(cluster), cluster.nodes, unmapped(code_url),
+                                     unmapped(plan.workload.code_sha256), unmapped(launch))
         with _timed(recovery, "stage"):
-            staged = (stage_dataset.map(unmapped(cluster), cluster.nodes, unmapped(plan.dataset_url)).result()
-                      if staging else [])
+            staged = (stage_dataset.map(unmapped(cluster), cluster.nodes, unmapped(plan.dataset.snapshot_url),
+                                        unmapped(plan.dataset.shard)).result() if staging else [])
         with _timed(recovery, "restore"):
-            restored = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.checkpoint_url)).result()
+            restored = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.checkpoint_url),
+                                               unmapped(job.checkpoints.format)).result()
                         if resume_step is not None else [])
+        ready = preparing.result()
+    record_workload(summary, plan, ready, agreed_code_hash(ready))
     if restored:
         record_resume(summary, restored, initial=recovery is None)
     if recovery is not None:
         recovery.reused_bytes = sum(s["skipped_bytes"] for s in staged)
         recovery.resumed(restored[0]["step"] if restored else None, cluster.price_per_hour)
     with summary.phase("train"):
-        resume_dirs = {node.name: r["path"] for node, r in zip(cluster.nodes, restored, strict=False)}
-        launch = TrainLaunch(plan.checkpoint_url, probes[0]["free_port"], resume_dirs,
-                             dataset_url=None if staging else plan.dataset_url)
-        outcome = run_training(job, cluster, launch, recovery.number if recovery is not None else 0)
+        resume_from = {node.name: r["path"] for node, r in zip(cluster.nodes, restored, strict=False)}
+        outcome = run_training(job, cluster, replace(launch, resume_from=resume_from))
     return cluster, staged, outcome
+
+
+def launched_at() -> float:
+    """When the command that launched this run started (it says so in TRAINPIPE_LAUNCHED_AT), else now: the run's
+    overhead counts the command's own start and the Prefect server's too."""
+    value = os.environ.get(LAUNCHED_AT_VAR)
+    now = time.time()
+    try:
+        return min(now, float(value)) if value else now
+    except ValueError:
+        return now
+
+
+def _trained(summary: RunSummary, recovery: RecoveryRecord | None, first_step_at: float | None,
+             steps_s: float) -> None:
+    summary.trained(first_step_at, steps_s)
+    if recovery is not None:
+        recovery.first_step(first_step_at)
 
 
 def _timed(recovery: RecoveryRecord | None, phase: str) -> AbstractContextManager[None]:

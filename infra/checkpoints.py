@@ -1,14 +1,19 @@
 """The checkpoint commit protocol in the object store: a step exists for readers only once its manifest does.
 
 Layout under a run's checkpoint root:
-    step-00000100/<file>                   each node's checkpoint files
-    step-00000100/_nodes/node-<r>.json     a node's upload record, written after its files
-    step-00000100/manifest.json            THE COMMIT: written once every node's record exists
+    _pending/step-00000100.json            the coordinator's announcement: which checkpoint (its name in the
+                                           nodes' checkpoint dirs, format, attempt) and whose parts a commit needs
+    _pending/final-<attempt>.json          the coordinator announces nothing more in this attempt (it is stopping)
+    step-00000100/files/<path>             each node's files of the checkpoint
+    step-00000100/_nodes/node-<r>.json     a node's upload record (its attempt, files, sizes, checksums)
+    step-00000100/manifest.json            THE COMMIT: written once every node's record of this attempt exists
     latest                                 {"step": 100, "manifest": "step-00000100/manifest.json"}, after the manifest
 
 Because the manifest is written last and deleted first, a crash at any instant leaves every committed
-checkpoint either whole or invisible. `latest` is a hint for outside readers (it may lag one commit behind after
-a crash); trainpipe itself lists manifests.
+checkpoint either whole or invisible. Records carry the attempt that wrote them and a commit takes only the current
+attempt's, so a step retrained after a resume is never committed with a dead attempt's files. `latest` is a hint for
+outside readers (it may lag one commit behind after a crash); trainpipe itself lists manifests. Checkpoints written
+before named checkpoints existed keep their files directly under `step-N/` and restore as `step-N/`.
 """
 
 from __future__ import annotations
@@ -36,41 +41,41 @@ FORMAT = "trainpipe-ckpt-v1"
 LATEST_KEY = "latest"
 MANIFEST_NAME = "manifest.json"
 NODES_DIR = "_nodes"
+PENDING_DIR = "_pending"
+FILES_PREFIX = "files/"
 VERIFY_CHUNK = 8 * 1024 * 1024
 _STEP_KEY = re.compile(r"^step-(\d{8,})/(.+)$")
 _NODE_RECORD = re.compile(r"^_nodes/node-(\d+)\.json$")
+_ANNOUNCEMENT = re.compile(r"^step-(\d{8,})\.json$")
 
 
-# ---- node-local leases: the trainer and the syncer of one node telling each other what they are doing ----------
-# UPLOAD_LEASE: the syncer names the step it is uploading so the trainer's local retention leaves that step alone;
-# without it a syncer slower than two checkpoint intervals would see every upload deleted under it and never
-# commit. The syncer still tolerates a step vanishing (the race between listing and leasing), so this lease is
-# about progress, not safety.
-# SAVE_LEASE: the trainer names the step it is saving, so a syncer told to stop (SIGTERM) waits for that save,
-# within its flush deadline, instead of leaving the last checkpoint behind.
-# A lease whose process is gone (kill -9) does not count.
-UPLOAD_LEASE = ".uploading"
-SAVE_LEASE = ".saving"
+# ---- the node-local upload lease -------------------------------------------------------------------------------
+# The syncer names the checkpoint it is uploading in its sync dir (TRAINPIPE_SYNC_DIR), so a trainer's local
+# retention that honours it (trainer.checkpoint.prune_local) leaves that step alone; without it a syncer slower than
+# two checkpoint intervals would see every upload deleted under it and never commit. The syncer still tolerates a
+# checkpoint vanishing (a framework's own retention, the race between listing and leasing), so this lease is about
+# progress, not safety. A lease whose process is gone (kill -9) does not count.
+UPLOAD_LEASE = "uploading"
 
 
-def write_lease(ckpt_dir: Path, name: str, step: int) -> None:
-    temp = ckpt_dir / f"{name}.tmp-{os.getpid()}"
+def write_lease(directory: Path, name: str, step: int) -> None:
+    temp = directory / f".{name}.tmp-{os.getpid()}"
     temp.write_text(json.dumps({"step": step, "pid": os.getpid()}))
-    os.replace(temp, ckpt_dir / name)
+    os.replace(temp, directory / name)
 
 
-def clear_lease(ckpt_dir: Path, name: str) -> None:
-    (ckpt_dir / name).unlink(missing_ok=True)
+def clear_lease(directory: Path, name: str) -> None:
+    (directory / name).unlink(missing_ok=True)
 
 
-def leased_step(ckpt_dir: Path, name: str) -> int | None:
-    """The step named by a live process's lease of that name in ckpt_dir, or None."""
+def leased_step(directory: Path, name: str) -> int | None:
+    """The step named by a live process's lease of that name in directory, or None."""
     try:
-        lease = json.loads((ckpt_dir / name).read_text())
+        lease = json.loads((directory / name).read_text())
     except FileNotFoundError:
         return None
     except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{ckpt_dir / name}: corrupt lease ({exc.msg}): delete it") from None
+        raise CheckpointError(f"{directory / name}: corrupt lease ({exc.msg}): delete it") from None
     return int(lease["step"]) if _process_alive(int(lease["pid"])) else None
 
 
@@ -104,6 +109,14 @@ def node_record_key(step: int, node_rank: int) -> str:
     return f"{step_name(step)}/{NODES_DIR}/node-{node_rank}.json"
 
 
+def announcement_key(step: int) -> str:
+    return f"{PENDING_DIR}/{step_name(step)}.json"
+
+
+def final_key(attempt: str) -> str:
+    return f"{PENDING_DIR}/final-{attempt}.json"
+
+
 class FileEntry(StrictModel):
     path: str
     bytes: int = Field(ge=0)
@@ -112,7 +125,27 @@ class FileEntry(StrictModel):
 
 class NodeRecord(StrictModel):
     node_rank: int = Field(ge=0)
+    attempt: str = ""  # records written before attempts were recorded carry none
     files: list[FileEntry]
+
+
+class CheckpointRef(StrictModel):
+    """Which checkpoint in the nodes' checkpoint dirs a step is, and how it restores there."""
+
+    name: str = Field(min_length=1)  # path relative to the checkpoint dir: "checkpoint-500", "snapshot.pt"
+    kind: Literal["dir", "file"] = "dir"
+    format: str = "marker"
+
+
+class Announcement(StrictModel):
+    """The coordinator's word that a complete checkpoint exists: every node in `nodes` ships its part of it."""
+
+    step: int = Field(ge=0)
+    checkpoint: CheckpointRef
+    attempt: str
+    nodes: list[int] = Field(min_length=1)
+    required: list[str] = Field(default_factory=list)  # files the union must hold (DCP's data files, RNG states)
+    announced_at: float
 
 
 class CheckpointManifest(StrictModel):
@@ -123,10 +156,20 @@ class CheckpointManifest(StrictModel):
     config_hash: str
     files: list[FileEntry]
     committed_at: str
+    checkpoint: CheckpointRef | None = None  # None: written before named checkpoints (a `step-N/` dir)
+    attempt: str = ""
+    files_prefix: str = ""  # where the files sit under step-N/ ("files/" since named checkpoints)
 
     @property
     def total_bytes(self) -> int:
         return sum(entry.bytes for entry in self.files)
+
+    @property
+    def ref(self) -> CheckpointRef:
+        return self.checkpoint or CheckpointRef(name=step_name(self.step))
+
+    def file_key(self, entry: FileEntry) -> str:
+        return f"{step_name(self.step)}/{self.files_prefix}{entry.path}"
 
 
 class LatestPointer(StrictModel):
@@ -254,17 +297,57 @@ class CheckpointStore:
             "pick a committed step (trainpipe ckpt ls) or omit the step"
         )
 
+    # ---- announcing (the coordinator) and finding announcements (every other node) ----------------------------
+
+    def announce(self, announcement: Announcement) -> None:
+        self.store.put_bytes(announcement_key(announcement.step), announcement.model_dump_json().encode())
+
+    def withdraw(self, step: int) -> None:
+        """A checkpoint that will never be committed: the nodes stop waiting to ship it."""
+        self.store.delete(announcement_key(step))
+
+    def announcements(self, attempt: str) -> list[Announcement]:
+        """This attempt's announcements still waiting for their commit, oldest step first."""
+        found = []
+        for info in self.store.list(f"{PENDING_DIR}/"):
+            name = info.key.removeprefix(f"{PENDING_DIR}/")
+            if not _ANNOUNCEMENT.match(name):
+                continue
+            try:
+                announcement = Announcement.model_validate_json(self.store.get_bytes(info.key))
+            except ObjectNotFound:
+                continue  # committed (and withdrawn) between the listing and the read
+            except ValidationError as exc:
+                raise CheckpointError(f"{self.store.url_for(info.key)}: corrupt announcement "
+                                      f"({exc.errors()[0]['msg']}): delete it and restart the job") from None
+            if announcement.attempt == attempt:
+                found.append(announcement)
+        return sorted(found, key=lambda a: a.step)
+
+    def announce_final(self, attempt: str) -> None:
+        """The coordinator is stopping: nothing more will be announced in this attempt."""
+        self.store.put_bytes(final_key(attempt), b"{}")
+
+    def is_final(self, attempt: str) -> bool:
+        return self.store.head(final_key(attempt)) is not None
+
     # ---- writing ------------------------------------------------------------------------------------------
 
-    def upload_node_part(self, local_step_dir: Path, step: int, node_rank: int, files: Sequence[str]) -> NodeRecord:
-        """Upload this node's files of a step, then its record (the record is what the committer waits for)."""
-        result = upload(Path(local_step_dir), list(files), self.store.child(step_name(step)))
-        record = NodeRecord(
-            node_rank=node_rank,
-            files=[FileEntry(path=item.key, bytes=item.size, sha256=item.sha256) for item in result.files],
-        )
+    def upload_files(self, local_root: Path, step: int, files: Sequence[str]) -> list[FileEntry]:
+        """Upload a node's files of a checkpoint (paths relative to local_root); no record yet."""
+        result = upload(Path(local_root), list(files), self.store.child(f"{step_name(step)}/{FILES_PREFIX}"))
+        return [FileEntry(path=item.key, bytes=item.size, sha256=item.sha256) for item in result.files]
+
+    def write_record(self, step: int, node_rank: int, files: list[FileEntry], attempt: str = "") -> NodeRecord:
+        """The node's part is in the store: the record is what the committer waits for."""
+        record = NodeRecord(node_rank=node_rank, attempt=attempt, files=files)
         self.store.put_bytes(node_record_key(step, node_rank), record.model_dump_json().encode())
         return record
+
+    def upload_node_part(self, local_root: Path, step: int, node_rank: int, files: Sequence[str],
+                         attempt: str = "") -> NodeRecord:
+        """Upload this node's files of a checkpoint, then its record."""
+        return self.write_record(step, node_rank, self.upload_files(local_root, step, files), attempt)
 
     def _load_record(self, step: int, node_rank: int) -> NodeRecord | None:
         key = node_record_key(step, node_rank)
@@ -278,32 +361,55 @@ class CheckpointStore:
                 f"delete it and restart node {node_rank}'s syncer"
             ) from None
 
-    def missing_records(self, step: int, nodes: int) -> list[int]:
-        """Node ranks whose upload record of this step is not in the store yet."""
-        return [rank for rank in range(nodes) if self.store.head(node_record_key(step, rank)) is None]
+    def _current_record(self, step: int, node_rank: int, attempt: str) -> NodeRecord | None:
+        """The node's record of this step from this attempt; one left by a dead attempt does not count."""
+        record = self._load_record(step, node_rank)
+        return record if record is not None and record.attempt == attempt else None
 
-    def try_commit(self, step: int, nodes: int, world_size: int, config_hash: str) -> CheckpointManifest | None:
-        """Write the manifest once all `nodes` records exist (None until then); idempotent after a crash."""
+    def missing_records(self, step: int, nodes: int | Sequence[int], attempt: str = "") -> list[int]:
+        """Node ranks whose upload record of this step, from this attempt, is not in the store yet."""
+        ranks = range(nodes) if isinstance(nodes, int) else nodes
+        return [rank for rank in ranks if self._current_record(step, rank, attempt) is None]
+
+    def try_commit(self, step: int, nodes: int | Sequence[int], world_size: int, config_hash: str,
+                   attempt: str = "", checkpoint: CheckpointRef | None = None,
+                   required: Sequence[str] = ()) -> CheckpointManifest | None:
+        """Write the manifest once the records of `nodes` (a count, or the ranks) from this attempt all exist (None
+        until then); idempotent after a crash. CheckpointError when the parts lack a required file: such a
+        checkpoint could not be loaded, so it is never committed."""
         existing = self._load_manifest(step)
         if existing is not None:
             self._advance_latest(existing)
             return existing
+        ranks = list(range(nodes) if isinstance(nodes, int) else nodes)
         records = []
-        for rank in range(nodes):
-            record = self._load_record(step, rank)
+        for rank in ranks:
+            record = self._current_record(step, rank, attempt)
             if record is None:
                 return None
             records.append(record)
+        files = self._union(step, records)
+        missing = sorted(set(required) - {entry.path for entry in files})
+        if missing:
+            raise CheckpointError(
+                f"{self.store.url_for(step_name(step))}: the nodes' parts lack {', '.join(missing[:5])}"
+                f"{' …' if len(missing) > 5 else ''}: a node lost its part (deleted locally?): step {step} is not "
+                "committed"
+            )
         manifest = CheckpointManifest(
             step=step,
             world_size=world_size,
-            nodes=nodes,
+            nodes=len(ranks),
             config_hash=config_hash,
-            files=self._union(step, records),
+            files=files,
             committed_at=datetime.now(UTC).isoformat(timespec="seconds"),
+            checkpoint=checkpoint or CheckpointRef(name=step_name(step)),
+            attempt=attempt,
+            files_prefix=FILES_PREFIX,
         )
         self.store.put_bytes(manifest_key(step), manifest.model_dump_json(indent=1).encode())
         self._advance_latest(manifest)
+        self.store.delete(announcement_key(step))
         return manifest
 
     def _union(self, step: int, records: list[NodeRecord]) -> list[FileEntry]:
@@ -313,8 +419,9 @@ class CheckpointStore:
                 other = by_path.setdefault(entry.path, entry)
                 if other != entry:
                     raise CheckpointError(
-                        f"{self.store.url_for(step_name(step) + '/' + entry.path)}: two nodes uploaded different "
-                        "contents: each node must write distinct file names (check the trainer's node ranks)"
+                        f"{self.store.url_for(step_name(step) + '/' + FILES_PREFIX + entry.path)}: two nodes "
+                        "uploaded different contents: each node must write distinct file names (check the "
+                        "script's node ranks)"
                     )
         return sorted(by_path.values(), key=lambda entry: entry.path)
 
@@ -345,6 +452,7 @@ class CheckpointStore:
             # "committed" one with files missing.
             self.store.delete(manifest_key(step))
             self.store.delete_prefix(step_name(step) + "/")
+            self.store.delete(announcement_key(step))
             log.info("retention: deleted %s", self.store.url_for(step_name(step)))
         return doomed
 
@@ -353,9 +461,8 @@ class CheckpointStore:
     def verify(self, step: int | None = None, deep: bool = True) -> CheckpointManifest:
         """Check every file of a committed step exists with its size (and, deep, its sha256)."""
         manifest = self.manifest(step)
-        prefix = step_name(manifest.step)
         for entry in manifest.files:
-            key = f"{prefix}/{entry.path}"
+            key = manifest.file_key(entry)
             info = self.store.head(key)
             if info is None:
                 raise CheckpointError(
@@ -381,28 +488,34 @@ class CheckpointStore:
         return digest.hexdigest()
 
     def restore(self, dest_dir: Path, step: int | None = None) -> Path:
-        """Download a committed step into dest_dir/step-XXXXXXXX/, verified; valid files already there stay."""
+        """Download a committed step into dest_dir/<its name>, verified; valid files already there stay.
+
+        Returns that path: the checkpoint's folder, or its file for a checkpoint that is one file."""
         manifest = self.verify(step, deep=False)
         return self._download(manifest, Path(dest_dir))
 
     def _download(self, manifest: CheckpointManifest, dest_dir: Path) -> Path:
-        step_dir = dest_dir / step_name(manifest.step)
+        ref = manifest.ref
+        target = dest_dir / ref.name
+        # A file checkpoint's one file sits beside its siblings: download into its folder, under its own name.
+        folder = target if ref.kind == "dir" else target.parent
         specs = [FileSpec(entry.path, entry.bytes, entry.sha256) for entry in manifest.files]
-        result = download(self.store.child(step_name(manifest.step)), specs, step_dir)
+        source = self.store.child(f"{step_name(manifest.step)}/{manifest.files_prefix}".rstrip("/"))
+        result = download(source, specs, folder)
         log.info(
             "restored step %d into %s: %d files, %d skipped, %.1f MB/s",
             manifest.step,
-            step_dir,
+            target,
             len(result.files),
             result.files_skipped,
             result.mb_per_s,
         )
-        return step_dir
+        return target
 
     def restore_latest(self, dest_dir: Path) -> tuple[Path, CheckpointManifest, list[str]]:
         """Restore the newest committed step that verifies, falling back to older ones.
 
-        Returns the step dir, its manifest and one warning per newer checkpoint skipped. Only damage to a
+        Returns the restored path, its manifest and one warning per newer checkpoint skipped. Only damage to a
         checkpoint (missing object, bad size/checksum) makes it fall back; other storage or disk errors are
         raised, because an older checkpoint would not fix them and silently losing progress would hide them.
         """

@@ -470,27 +470,72 @@ class BenchResult:
                 "catalog": self.catalog_key}
 
 
+@dataclass(frozen=True)
+class Figures:
+    """Which figures a bench measures: those something holds the cluster to, or all of them when asked."""
+
+    tcp: bool
+    allreduce: bool
+    disk: bool
+
+    @property
+    def any(self) -> bool:
+        return self.tcp or self.allreduce or self.disk
+
+    def skipped(self) -> list[str]:
+        return [name for name, wanted in (("tcp", self.tcp), ("all-reduce", self.allreduce), ("disk", self.disk))
+                if not wanted]
+
+
+ALL_FIGURES = Figures(tcp=True, allreduce=True, disk=True)
+
+
+def figures_to_measure(spec: ClusterSpec, entry: InstanceType | None) -> Figures:
+    """What `compare` would hold to anything (see the module's docstring): a figure reported only is not worth the
+    seconds it takes to measure before every run (cluster.verify.measure: all measures it anyway)."""
+    if spec.verify.measure == "all":
+        return ALL_FIGURES
+    rdma = entry is not None and entry.network_kind in RDMA_KINDS
+    network = bool(_network_expectations(spec, entry, scale=False))
+    return Figures(tcp=network and not rdma, allreduce=network and rdma, disk=spec.local_nvme)
+
+
 def measure_cluster(cluster: Cluster, spec: ClusterSpec, sink_for: SinkFactory = _log_sink,
-                    say: Callable[[str], None] = log.info) -> ClusterMeasurement:
-    """Network first, then the collectives, then the disks: one at a time, so no measurement slows another."""
+                    say: Callable[[str], None] = log.info, figures: Figures = ALL_FIGURES) -> ClusterMeasurement:
+    """The network figures one at a time (TCP, then the collectives), so neither slows the other; the disks meanwhile,
+    which neither uses."""
     started = time.monotonic()
-    say(f"tcp: {sum(len(b) for b in link_batches(len(cluster.nodes)))} links, {spec.verify.tcp_streams} streams, "
-        f"{spec.verify.tcp_seconds:g}s each")
-    links = measure_links(cluster, spec, sink_for)
-    say(f"all-reduce: sizes {', '.join(f'{s} MB' for s in spec.verify.allreduce_sizes_mb)} on "
-        f"{len(cluster.nodes)} nodes × {spec.procs_per_node} processes")
-    allreduce = measure_allreduce(cluster, spec, sink_for)
-    say(f"disk: {spec.verify.disk_bytes_mb} MB written and read back on every node's data dir")
-    disks = measure_disks(cluster, spec, sink_for)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="diskbench") as pool:
+        if figures.disk:
+            say(f"disk: {spec.verify.disk_bytes_mb} MB written and read back on every node's data dir")
+        disks = pool.submit(measure_disks, cluster, spec, sink_for) if figures.disk else None
+        links: tuple[LinkFigure, ...] = ()
+        if figures.tcp:
+            say(f"tcp: {sum(len(b) for b in link_batches(len(cluster.nodes)))} links, {spec.verify.tcp_streams} "
+                f"streams, {spec.verify.tcp_seconds:g}s each")
+            links = measure_links(cluster, spec, sink_for)
+        allreduce: tuple[AllReduceFigure, ...] = ()
+        if figures.allreduce:
+            say(f"all-reduce: sizes {', '.join(f'{s} MB' for s in spec.verify.allreduce_sizes_mb)} on "
+                f"{len(cluster.nodes)} nodes × {spec.procs_per_node} processes")
+            allreduce = measure_allreduce(cluster, spec, sink_for)
+        disk_figures = disks.result() if disks is not None else ()
     return ClusterMeasurement(nodes=len(cluster.nodes), instance_type=cluster.instance_type, links=links,
-                              allreduce=allreduce, disks=disks, seconds=round(time.monotonic() - started, 2))
+                              allreduce=allreduce, disks=disk_figures, seconds=round(time.monotonic() - started, 2))
 
 
 def bench_cluster(cluster: Cluster, spec: ClusterSpec, sink_for: SinkFactory = _log_sink,
-                  say: Callable[[str], None] = log.info) -> BenchResult:
-    """Measure the cluster and hold the figures to the job's floors and the catalog (spec.verify.min_fraction)."""
+                  say: Callable[[str], None] = log.info, everything: bool = False) -> BenchResult:
+    """Measure the cluster and hold the figures to the job's floors and the catalog (spec.verify.min_fraction).
+
+    everything: measure every figure (a bench asked for as such), not only the ones something holds to."""
     entry = lookup_catalog_entry(cluster)
-    measurement = measure_cluster(cluster, spec, sink_for, say)
+    figures = ALL_FIGURES if everything else figures_to_measure(spec, entry)
+    if figures.skipped():
+        say(f"not measured, nothing holds them to a figure: {', '.join(figures.skipped())} "
+            "(cluster.verify.measure: all measures them anyway)")
+    measurement = measure_cluster(cluster, spec, sink_for, say, figures) if figures.any else ClusterMeasurement(
+        nodes=len(cluster.nodes), instance_type=cluster.instance_type, links=(), allreduce=(), disks=())
     verdict = compare(measurement, spec, entry, spec.verify.min_fraction)
     return BenchResult(measurement, verdict, entry.key if entry else None)
 

@@ -366,8 +366,8 @@ class NetnsRunner(LocalRunner):
         self.namespace = namespace
 
     def start(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, on_line: LineSink | None = None,
-              log_path: str | None = None) -> Process:
-        return super().start(exec_argv(self.namespace, argv), env=env, on_line=on_line, log_path=log_path)
+              log_path: str | None = None, cwd: str | None = None) -> Process:
+        return super().start(exec_argv(self.namespace, argv), env=env, on_line=on_line, log_path=log_path, cwd=cwd)
 
 
 def namespace_pids(namespace: str) -> list[int]:

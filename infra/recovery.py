@@ -39,6 +39,7 @@ class RecoveryRecord:
     notice_to_resume_s: float | None = None
     steps_lost: int | None = None
     extra_cost_usd: float | None = None
+    time_to_first_step_s: float | None = None  # from detection to the end of the first step trained after it
 
     def phase(self, name: str) -> AbstractContextManager[None]:
         return timed_into(self.seconds, name)
@@ -50,6 +51,11 @@ class RecoveryRecord:
         # The step training restarts at is step + 1; everything after the commit up to step_reached is redone.
         self.steps_lost = max(0, self.step_reached - (step or 0))
         self.extra_cost_usd = round(price_per_hour * self.notice_to_resume_s / 3600, 4)
+
+    def first_step(self, at: float | None) -> None:
+        """The relaunched training's first step ended at `at` (unix time)."""
+        if at is not None:
+            self.time_to_first_step_s = round(at - self.detected_at, 3)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

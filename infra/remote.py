@@ -58,7 +58,8 @@ class Runner(ABC):
 
     @abstractmethod
     def start(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, on_line: LineSink | None = None,
-              log_path: str | None = None) -> Process: ...
+              log_path: str | None = None, cwd: str | None = None) -> Process:
+        """Start argv on the node (in cwd, default the node's workdir); its output goes to on_line and log_path."""
 
     @abstractmethod
     def write_text(self, path: str, text: str) -> None:
@@ -68,9 +69,14 @@ class Runner(ABC):
     def read_text(self, path: str) -> str | None:
         """A small file's text, or None when it does not exist."""
 
+    @abstractmethod
+    def read_from(self, path: str, offset: int) -> bytes | None:
+        """What a file holds from offset on (b"" when nothing new), or None when it does not exist: how a file
+        another process appends to is followed."""
+
     def run(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float | None = None,
-            on_line: LineSink | None = None, check: bool = True) -> RunResult:
-        process = self.start(argv, env=env, on_line=on_line)
+            on_line: LineSink | None = None, check: bool = True, cwd: str | None = None) -> RunResult:
+        process = self.start(argv, env=env, on_line=on_line, cwd=cwd)
         try:
             code = process.wait(timeout)
         except TimeoutError:
@@ -216,11 +222,11 @@ class LocalRunner(Runner):
         self.tags = dict(tags)
 
     def start(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, on_line: LineSink | None = None,
-              log_path: str | None = None) -> Process:
+              log_path: str | None = None, cwd: str | None = None) -> Process:
         full_env = {**os.environ, **self.tags, **(env or {})}
         try:
             popen = subprocess.Popen(
-                list(argv), cwd=self.workdir, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                list(argv), cwd=cwd or self.workdir, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
             )
         except OSError as exc:
@@ -237,5 +243,13 @@ class LocalRunner(Runner):
     def read_text(self, path: str) -> str | None:
         try:
             return Path(path).read_text()
+        except FileNotFoundError:
+            return None
+
+    def read_from(self, path: str, offset: int) -> bytes | None:
+        try:
+            with open(path, "rb") as handle:
+                handle.seek(offset)
+                return handle.read()
         except FileNotFoundError:
             return None

@@ -6,8 +6,6 @@ are what a user reads in the UI form.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
 from pathlib import Path
@@ -16,8 +14,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from infra.checkpoint_formats import CheckpointFormat
 from infra.models import StrictModel
 from infra.recovery_spec import ChaosSpec, RecoverySpec
+from infra.workload.code import ARCHIVE_SUFFIXES
+from infra.workload.contract import check_command
 
 KNOWN_PROVIDERS = ("local", "aws", "gcp", "ssh", "netns")
 KNOWN_SCHEMES = ("file", "s3", "gs")
@@ -61,7 +62,8 @@ class SshHostSpec(StrictModel):
     user: str = Field(min_length=1, description="User to log in as (key authentication only).")
     key_file: str = Field(description="Private key that logs in as that user (no passphrase; ssh-agent is not used).")
     workdir: str = Field(description="Absolute path on the machine's local NVMe: each cluster gets "
-                         "<workdir>/<cluster>/{data,ckpt,logs} and the machine's reservation lives here.")
+                         "<workdir>/<cluster>/{data,ckpt,logs}; the machine's reservation and its dataset cache "
+                         "(<workdir>/dataset-cache, kept across runs) live here.")
     python: str = Field("python3", min_length=1, description="Python interpreter on the machine that has (or gets) "
                         "trainpipe and torch installed, e.g. /opt/venv/bin/python.")
     host_key: str | None = Field(None, description="Pinned SHA256 fingerprint of the machine's host key "
@@ -144,6 +146,9 @@ class VerifySpec(StrictModel):
         "that is compared.")
     disk_bytes_mb: int = Field(256, ge=1, description="Size of the file each node writes and reads back with direct "
                                "I/O on its data dir, in MB.")
+    measure: Literal["needed", "all"] = Field(
+        "needed", description="needed: only the figures something holds the cluster to (a floor, the catalog's "
+        "figure for the instance type), so a run pays no seconds for figures reported only; all: every figure.")
 
     @field_validator("bench", mode="before")
     @classmethod
@@ -221,10 +226,23 @@ class ClusterSpec(StrictModel):
 
 
 class DatasetSpec(StrictModel):
-    url: str = Field(description="Dataset root holding manifest.json and the shards: file://, s3://, gs:// or a path.")
-    validation: str = Field("full", description="'full' checks every shard before launch; 'manifest' checks sizes.")
+    url: str = Field(description="The dataset: any prefix of objects in any format (file://, s3://, gs:// or a path). "
+                     "At plan its listing is frozen as the run's snapshot; every node stages exactly those objects.")
+    include: tuple[str, ...] = Field((), description="Globs (relative to url; * also matches '/') selecting the files "
+                                     "to use; empty = every object under url.")
+    exclude: tuple[str, ...] = Field((), description="Globs of files to leave out, applied after include.")
+    shard: Literal["replicate", "split"] = Field(
+        "replicate", description="replicate: every node stages every file; split: each node stages a disjoint set of "
+        "files, balanced by bytes (listed in TRAINPIPE_DATA_SHARDS), as WebDataset and MDS readers expect per rank.")
+    expectations: str | list[dict[str, Any]] | None = Field(
+        None, description="Great Expectations checks of the tabular files (Parquet, CSV, JSONL, trainpipe tokens), "
+        "run before anything is launched: the path of an ExpectationSuite JSON file, or a list of expectations "
+        "({type: expect_..., column: ..., ...; optional files: glob}).")
+    validation: str = Field("full", description="full: expectations read every row; sample: sample_rows rows per file, "
+                            "read with ranged GETs.")
+    sample_rows: int = Field(1000, ge=1, description="Rows per file that validation: sample reads.")
     access: Literal["staged", "remote"] = Field(
-        "staged", description="staged: every node copies the shards to its local disk before training (fast); "
+        "staged", description="staged: every node copies the dataset to its local disk before training (fast); "
         "remote: the trainer reads each batch from the store with ranged GETs, as a mounted object store does "
         "(for comparisons: every step then waits on the store).")
 
@@ -236,25 +254,40 @@ class DatasetSpec(StrictModel):
     @field_validator("validation")
     @classmethod
     def _known_validation(cls, value: str) -> str:
-        if value not in ("full", "manifest"):
-            raise ValueError(f"unknown validation '{value}': use 'full' or 'manifest'")
+        if value not in ("full", "sample"):
+            raise ValueError(f"unknown validation '{value}': use 'full' or 'sample'")
+        return value
+
+    @field_validator("include", "exclude")
+    @classmethod
+    def _non_empty_globs(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not glob.strip() for glob in value):
+            raise ValueError("an empty glob selects nothing: remove it")
+        return value
+
+    @field_validator("expectations")
+    @classmethod
+    def _suite_file_readable(cls, value: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        if isinstance(value, str):
+            return _readable_file(value, "expectation suite", "give the path of an ExpectationSuite JSON file, or "
+                                  "list the expectations inline")
         return value
 
 
 class CheckpointSpec(StrictModel):
     url: str = Field(description="Where committed checkpoints live; each run writes under <url>/<run-id>/.")
-    every_steps: int = Field(50, ge=1, description="Save a checkpoint every this many steps (and at the end).")
+    format: CheckpointFormat = Field(
+        "auto", description="How a complete checkpoint is recognised in TRAINPIPE_CHECKPOINT_DIR: dcp and torchtitan "
+        "(a folder with .metadata), hf (checkpoint-N/ with trainer_state.json), lightning (a closed .ckpt), marker "
+        "(X next to X.complete), file (one file overwritten in place), auto (whichever appears).")
     keep: int = Field(3, ge=1, description="Committed checkpoints kept in the store (the newest is never deleted).")
-    keep_local: int = Field(2, ge=1, description="Checkpoints kept on each node's local disk.")
-    mode: Literal["async", "sync", "direct"] = Field(
-        "async", description="async: training continues while the checkpoint is written; sync: it waits for the "
-        "local write; direct: it also waits until the node's part is uploaded to the store, as writing straight to "
-        "network storage does (for comparisons)."
-    )
     flush_deadline_s: float = Field(
         # torchrun's agent SIGKILLs its workers 30 s after forwarding SIGTERM to them.
-        20.0, gt=0, le=25, description="On SIGTERM (spot notice, cancel): seconds for a last save and its upload."
+        20.0, gt=0, le=25, description="On SIGTERM (spot notice, cancel): seconds the script has to finish a last "
+        "save; whatever checkpoint is complete by then is committed."
     )
+    sync_poll_s: float = Field(0.5, gt=0, le=10, description="How often each node's syncer looks for new "
+                               "checkpoints (lower it for a script that waits for its uploads).")
 
     @field_validator("url")
     @classmethod
@@ -262,29 +295,48 @@ class CheckpointSpec(StrictModel):
         return _to_url(value)
 
 
-class ModelSpec(StrictModel):
-    vocab_size: int = Field(256, ge=2, le=65536, description="Must equal the dataset's vocab_size.")
-    d_model: int = Field(64, ge=8, description="Width of the transformer.")
-    n_layers: int = Field(2, ge=1, description="Transformer blocks.")
-    n_heads: int = Field(4, ge=1, description="Attention heads; must divide d_model.")
-    seq_len: int = Field(64, ge=2, description="Context length in tokens.")
-
-    @model_validator(mode="after")
-    def _heads_divide_width(self) -> ModelSpec:
-        if self.d_model % self.n_heads:
-            raise ValueError(f"n_heads ({self.n_heads}) must divide d_model ({self.d_model})")
-        return self
-
-
 class TrainingSpec(StrictModel):
-    steps: int = Field(300, ge=1, description="Optimizer steps to run in total (a resumed run counts from 0).")
-    batch_size: int = Field(16, ge=1, description="Sequences per process per step.")
-    lr: float = Field(3e-3, gt=0, description="Peak learning rate (AdamW, cosine decay).")
-    warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
-    seed: int = Field(0, description="Seeds the model init and the data order.")
-    model: ModelSpec = Field(default_factory=ModelSpec)
-    threads_per_proc: int = Field(1, ge=1, description="CPU threads per training process (torch + OpenMP).")
+    code: str | None = Field(None, description="The training code, shipped to every node: a local dir, or an "
+                             "s3://, gs:// or file:// URL of a .tar.gz. None: the command runs from the nodes' "
+                             "environment (a module installed there, like the bundled trainer.train).")
+    setup: tuple[str, ...] = Field((), description="Shell commands run once per node in the code dir before "
+                                   "training, e.g. 'pip install -r requirements.txt'.")
+    command: tuple[str, ...] = Field(min_length=1, description="What torchrun starts on every node, in the code "
+                                     "dir: a .py of the code and its arguments, or [-m, module, ...]. Placeholders "
+                                     "{data_dir} {checkpoint_dir} {resume_from} {run_id} ... stand for the values "
+                                     "of the TRAINPIPE_* variables.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for setup and training.")
+    threads_per_proc: int = Field(1, ge=1, description="CPU threads per training process (OMP_NUM_THREADS).")
     timeout_s: float = Field(3600, gt=0, description="Fail training that runs longer than this.")
+
+    @field_validator("code")
+    @classmethod
+    def _code_source(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if "://" in value:
+            url = _to_url(value)
+            if not url.endswith(ARCHIVE_SUFFIXES):
+                raise ValueError(f"code URL {url} is not a .tar.gz: pack the code (tar czf code.tar.gz -C dir .) "
+                                 "or give a local dir")
+            return url
+        return str(Path(value).expanduser().resolve())
+
+    @field_validator("command")
+    @classmethod
+    def _known_placeholders(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        check_command(value)
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _shell_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name):
+                raise ValueError(f"env name {name!r} is not a valid environment variable name")
+            if name.startswith("TRAINPIPE_"):
+                raise ValueError(f"env {name}: TRAINPIPE_* variables are set by trainpipe: use another name")
+        return value
 
 
 class JobSpec(StrictModel):
@@ -292,7 +344,7 @@ class JobSpec(StrictModel):
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
     dataset: DatasetSpec
     checkpoints: CheckpointSpec
-    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    training: TrainingSpec
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
     chaos: ChaosSpec | None = Field(None, description="Preemptions to inject (local and ssh providers): for tests.")
 
@@ -307,11 +359,6 @@ class JobSpec(StrictModel):
             if event.node >= self.cluster.nodes:
                 raise ValueError(f"chaos.preempt node {event.node}: the cluster has nodes 0-{self.cluster.nodes - 1}")
         return self
-
-    def config_hash(self) -> str:
-        """Identifies the training setup a checkpoint came from (the cluster shape may differ on resume)."""
-        payload = json.dumps(self.training.model_dump(mode="json"), sort_keys=True).encode()
-        return hashlib.sha256(payload).hexdigest()[:16]
 
 
 def _describe(error: dict[str, Any]) -> str:

@@ -475,7 +475,8 @@ class SshProcess(Process):
         pending = ""
         try:
             while data := self._channel.recv(65536):
-                pending += decoder.decode(data)
+                # Universal newlines, as the local runner reads: progress bars redraw with a bare carriage return.
+                pending += decoder.decode(data).replace("\r\n", "\n").replace("\r", "\n")
                 *lines, pending = pending.split("\n")
                 for line in lines:
                     self._line(line)
@@ -624,8 +625,8 @@ class SshRunner(Runner):
             raise self._name(exc) from None
 
     def start(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, on_line: LineSink | None = None,
-              log_path: str | None = None) -> Process:
-        command = wrapped_command(argv, {**self.tags, **(env or {})}, self.workdir, log_path)
+              log_path: str | None = None, cwd: str | None = None) -> Process:
+        command = wrapped_command(argv, {**self.tags, **(env or {})}, cwd or self.workdir, log_path)
         try:
             channel = self._conn.open_session(self.connect_timeout_s)
         except SshError as exc:
@@ -706,6 +707,14 @@ class SshRunner(Runner):
         try:
             with self._sftp("read", path, missing_passes=True) as sftp, sftp.open(path, "r") as handle:
                 return handle.read().decode()
+        except FileNotFoundError:
+            return None
+
+    def read_from(self, path: str, offset: int) -> bytes | None:
+        try:
+            with self._sftp("read", path, missing_passes=True) as sftp, sftp.open(path, "r") as handle:
+                handle.seek(offset)
+                return handle.read()
         except FileNotFoundError:
             return None
 

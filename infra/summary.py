@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+LAUNCHED_AT_VAR = "TRAINPIPE_LAUNCHED_AT"  # set by `trainpipe run`: when the command started, unix seconds
 PHASES = ("plan", "provision", "verify", "stage", "train", "sync", "teardown")
 # The cluster is paid for from the start of provisioning to the end of teardown: every phase but plan.
 BILLED_PHASES = PHASES[1:]
@@ -45,6 +46,7 @@ class RunSummary:
     checkpoint_step: int | None = None
     nodes_left: int | None = None
     stage: dict[str, Any] = field(default_factory=dict)
+    dataset: dict[str, Any] = field(default_factory=dict)  # infra.dataset.planning.DatasetPlan.summary()
     checkpoints: list[dict[str, Any]] = field(default_factory=list)  # per step: stall, write, upload, commit
     resumed_from_step: int | None = None  # the committed step this run restored (None: started fresh)
     warnings: list[str] = field(default_factory=list)  # e.g. a damaged checkpoint skipped on resume
@@ -58,8 +60,14 @@ class RunSummary:
     cluster_bench: dict[str, Any] = field(default_factory=dict)  # the verify stage's figures and verdict
     breakdown: dict[str, Any] = field(default_factory=dict)  # infra.breakdown.StepBreakdown.summary(): where step
     # time went (T_compute / T_network / T_io)
-    started_at: float = field(default_factory=time.time)
+    workload: dict[str, Any] = field(default_factory=dict)  # code, its sha256, command, config hash, setup_s
+    metrics: dict[str, Any] = field(default_factory=dict)  # what the script reported about the whole run
+    started_at: float = field(default_factory=time.time)  # the command's start where a command launched the run
     finished_at: float | None = None
+    flow_started_s: float | None = None  # from started_at to the flow's own start (command, Prefect server, plan)
+    time_to_first_step_s: float | None = None  # from started_at to the end of the first training step
+    steps_s: float = 0.0  # the training steps' own time, every attempt's
+    overhead_s: float | None = None  # the run's wall time minus the steps' own time: what orchestration cost
 
     def phase(self, name: str) -> AbstractContextManager[None]:
         """Times a phase; the time is recorded even when the phase fails."""
@@ -70,9 +78,20 @@ class RunSummary:
         self.instance_type, self.market, self.price_per_hour = instance_type, market, price_per_hour
         self.attempts.extend(attempts)  # a recovery launches again: its attempts follow the first launch's
 
+    def __post_init__(self) -> None:
+        if self.flow_started_s is None:
+            self.flow_started_s = round(time.time() - self.started_at, 3)
+
+    def trained(self, first_step_at: float | None, steps_s: float) -> None:
+        """An attempt's training steps: when its first ended, and how long they took."""
+        if first_step_at is not None and self.time_to_first_step_s is None:
+            self.time_to_first_step_s = round(first_step_at - self.started_at, 3)
+        self.steps_s = round(self.steps_s + steps_s, 3)
+
     def finish(self) -> None:
-        """Stamps the end and prices the run (the price is known only once a launch succeeded)."""
+        """Stamps the end, the overhead and prices the run (the price is known only once a launch succeeded)."""
         self.finished_at = time.time()
+        self.overhead_s = round(self.finished_at - self.started_at - self.steps_s, 3)
         if self.price_per_hour is not None:
             billed_s = sum(self.phases.get(name, 0.0) for name in BILLED_PHASES)
             self.cost_usd = round(self.price_per_hour * billed_s / 3600, 4)
@@ -97,10 +116,21 @@ class RunSummary:
             lines.append(f"  staged: {self.stage.get('bytes', 0) / 1e6:.1f} MB per node at "
                          f"{self.stage.get('mb_per_s', 0):.0f} MB/s (slowest node), "
                          f"{self.stage.get('skipped_bytes', 0) / 1e6:.1f} MB already there")
+        if self.workload:
+            code = self.workload.get("code_sha256")
+            lines.append(f"  workload: {' '.join(self.workload['command'])}"
+                         + (f" (code sha256 {code[:12]}…" if code else " (no code shipped")
+                         + f", setup {self.workload['setup_s']:.1f}s)")
         if self.initial_loss is not None and self.final_loss is not None:
             floor = f" (floor {self.loss_floor:.3f})" if self.loss_floor is not None else ""
             lines.append(f"  loss: {self.initial_loss:.3f} at step {self.start_step} → {self.final_loss:.3f} "
                          f"at step {self.steps}{floor}")
+        if self.overhead_s is not None and self.finished_at is not None:
+            wall = self.finished_at - self.started_at
+            first = (f", first step after {self.time_to_first_step_s:.1f}s" if self.time_to_first_step_s is not None
+                     else "")
+            lines.append(f"  overhead: {self.overhead_s:.1f}s of {wall:.1f}s ({self.overhead_s / wall:.0%}) outside "
+                         f"the training steps' {self.steps_s:.1f}s{first}")
         if self.breakdown:
             shares = self.breakdown["shares"]
             lines.append(f"  step time: compute {shares['T_compute']:.0%}, network {shares['T_network']:.0%}, "

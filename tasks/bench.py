@@ -24,7 +24,8 @@ def launch_bench_cluster(spec: ClusterSpec, cluster_name: str, bench_id: str) ->
 def measure_cluster(cluster: Cluster, spec: ClusterSpec) -> BenchResult:
     """TCP between nodes, all-reduce over the training backend, every node's disk; held to the floors and catalog."""
     logger = get_run_logger()
-    return clusterbench.bench_cluster(cluster, spec, sink_for=lambda label: node_line_sink(logger, label),
+    return clusterbench.bench_cluster(cluster, spec, everything=True,
+                                      sink_for=lambda label: node_line_sink(logger, label),
                                       say=lambda message: logger.info("cluster bench: %s", message))
 
 

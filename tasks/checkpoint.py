@@ -13,9 +13,18 @@ from tasks.node_output import last_event, node_line_sink
 from tasks.policy import TRANSIENT_RETRIES
 
 
+class NoCheckpointError(RuntimeError):
+    """Training ended without a checkpoint trainpipe could commit: the run has produced nothing to keep."""
+
+
 @task(name="verify-committed-checkpoint", **TRANSIENT_RETRIES)
-def verify_committed_checkpoint(cluster: Cluster, checkpoint_url: str) -> dict[str, Any]:
+def verify_committed_checkpoint(cluster: Cluster, checkpoint_url: str, checkpoint_format: str) -> dict[str, Any]:
     """Runs on the head node, so checksumming reads the store over the cluster's network, not the orchestrator's."""
+    if CheckpointStore(open_store(checkpoint_url)).latest() is None:
+        raise NoCheckpointError(
+            f"training finished, but {checkpoint_url} holds no committed checkpoint: the script wrote no checkpoint "
+            f"that checkpoints.format {checkpoint_format} recognises into TRAINPIPE_CHECKPOINT_DIR: save one there "
+            "(the format's completion signal: see README, 'Checkpoints the syncer recognises') or fix the format")
     head = cluster.head
     runner = get_provider(cluster.provider).runner(cluster, head)
     result = runner.run([head.python, "-m", "infra.node", "verify-ckpt", "--url", checkpoint_url], timeout=3600,

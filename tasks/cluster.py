@@ -5,10 +5,10 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 
 from infra.lease import LEASE_FILE, RENEWALS_PER_TTL, LeaseKeeper
+from infra.node.sync import STOP_FILE
 from infra.providers import Cluster, Provider, get_provider
 from infra.spec import JobSpec
 from tasks.policy import NO_RETRIES, TRANSIENT_RETRIES
-from tasks.train import STOP_SYNC
 
 _lease_keepers: dict[str, LeaseKeeper] = {}
 
@@ -20,7 +20,7 @@ def _start_lease(provider: Provider, cluster: Cluster, ttl_s: float) -> None:
         provider.runner(cluster, node).start(
             [node.python, "-m", "infra.node", "watch", "--lease", node.path(LEASE_FILE), "--ttl", str(ttl_s),
              "--on-expire", provider.lease_expiry, "--notice-source", provider.notice_source, "--workdir", node.workdir,
-             "--stop-sync-file", node.path("ckpt", STOP_SYNC)],
+             "--stop-sync-file", f"{node.sync_dir}/{STOP_FILE}"],
             log_path=node.path("logs", "watch.log"))
 
 

@@ -1,9 +1,10 @@
-"""Plan: validate everything that can be checked before a node is launched."""
+"""Plan: validate everything that can be checked before a node is launched, and freeze the run's dataset snapshot."""
 
 from __future__ import annotations
 
 from prefect import get_run_logger, task
 
+from infra.dataset.planning import freeze
 from infra.plan import Plan, plan_job
 from infra.spec import JobSpec
 from tasks.policy import TRANSIENT_RETRIES
@@ -12,5 +13,7 @@ from tasks.policy import TRANSIENT_RETRIES
 @task(name="plan", **TRANSIENT_RETRIES)
 def plan_run(job: JobSpec, run_id: str) -> Plan:
     plan = plan_job(job, run_id)
+    # From here on every node, recovery and rerun of this run id stages exactly these objects.
+    freeze(plan.dataset, plan.checkpoint_url)
     get_run_logger().info("plan:\n%s", plan.render())
     return plan

@@ -30,10 +30,13 @@ class TrainingError(RuntimeError):
 class Preempted(TrainingError):
     """A node was taken away: the flow tears down, re-provisions and resumes from the latest commit."""
 
-    def __init__(self, node: str, reason: str, with_notice: bool, step_reached: int) -> None:
+    def __init__(self, node: str, reason: str, with_notice: bool, progress: TrainingProgress) -> None:
+        step_reached = progress.last_step
         super().__init__(f"{node} preempted ({reason}) at step {step_reached}")
         self.node, self.reason, self.with_notice, self.step_reached = node, reason, with_notice, step_reached
         self.detected_at = time.time()
+        # How far this attempt's steps got before the node went: the run's overhead counts what they took.
+        self.first_step_at, self.steps_s = progress.clock.first_step_at, progress.clock.steps_s()
 
 
 @dataclass
@@ -99,7 +102,7 @@ class PreemptionWatch:
             since = self._gone_since.setdefault(node, now)
             if now - since >= confirm_s:
                 reason = self._notices.get(node, "vanished without notice")
-                return Preempted(node, reason, node in self._notices, self.progress.last_step)
+                return Preempted(node, reason, node in self._notices, self.progress)
         return None
 
     def poll(self) -> None:
@@ -123,7 +126,7 @@ class PreemptionWatch:
                 return preempted
             noticed = next(iter(self._notices.items()), None)
             if noticed is not None:
-                return Preempted(noticed[0], noticed[1], True, self.progress.last_step)
+                return Preempted(noticed[0], noticed[1], True, self.progress)
             if time.monotonic() >= deadline:
                 return failure
             time.sleep(0.5)

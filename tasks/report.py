@@ -10,20 +10,28 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from infra.breakdown import StepBreakdown
+from infra.dataset.gate import DatasetValidation
+from infra.dataset.reporting import dataset_fact, expectation_rows
 from infra.failover import attempts_of
+from infra.plan import Plan
 from infra.predict import what_if
 from infra.predict_report import facts_from_summary
 from infra.providers import Cluster
 from infra.recovery import RECOVERY_PHASES
 from infra.summary import BILLED_PHASES, PHASES, RunSummary
+from infra.workspace import run_dir
 from tasks.charts import markdown_image, run_chart_png
 from tasks.node_output import read_loss_curve
 from tasks.policy import NO_RETRIES
 from tasks.train import TrainOutcome
+from tasks.workload import NodeReady
+
+FINAL_LOSS_WINDOW = 10  # the final loss averages this many logged points: one noisy batch does not decide it
 
 
 def record_training(summary: RunSummary, staged: list[dict[str, Any]], outcome: TrainOutcome,
                     verified: dict[str, Any], checkpoint_url: str) -> None:
+    """What the script reported (points, facts, saves), what the syncers did, and the committed checkpoint."""
     if staged:  # nothing is staged when the trainer reads the dataset from the store (dataset.access remote)
         summary.stage = {
             "bytes": max(s["bytes"] for s in staged),
@@ -31,19 +39,38 @@ def record_training(summary: RunSummary, staged: list[dict[str, Any]], outcome: 
             "mb_per_s": min(s["mb_per_s"] for s in staged),
             "seconds": max(s["seconds"] for s in staged),
         }
-    done = next((m for m in reversed(outcome.metrics) if m.get("event") == "done"), None)
-    if done is None:
-        raise RuntimeError("the trainer finished without its final metrics record: see the head node's train.log")
-    if "breakdown" in done:
-        summary.breakdown = StepBreakdown.from_dict(done["breakdown"]).summary()
-    summary.steps = done["steps"]
-    summary.start_step = done["start_step"]
-    summary.initial_loss = done["initial_loss"]
-    summary.final_loss = done["final_loss"]
-    summary.final_eval_loss = done.get("final_eval_loss")
-    summary.checkpoints = checkpoint_metrics(outcome.metrics, outcome.checkpoint_events)
+    curve = read_loss_curve(run_dir(summary.run_id))  # every attempt's points, in the order they came
+    losses = [point.loss for point in outcome.points if point.loss is not None]
+    if curve:
+        summary.start_step, summary.initial_loss = curve[0]
+    if outcome.points:
+        summary.steps = max(point.step for point in outcome.points)
+    if losses:
+        summary.final_loss = sum(losses[-FINAL_LOSS_WINDOW:]) / len(losses[-FINAL_LOSS_WINDOW:])
+    facts = outcome.facts
+    summary.metrics = {key: value for key, value in facts.items() if key != "breakdown"}
+    summary.final_eval_loss = _number(facts.get("eval_loss"))
+    summary.loss_floor = _number(facts.get("loss_floor"))
+    if isinstance(facts.get("breakdown"), dict):
+        summary.breakdown = StepBreakdown.from_dict(facts["breakdown"]).summary()
+    summary.checkpoints = checkpoint_metrics(outcome.checkpoint_events, outcome.sync_events)
     summary.checkpoint_step = verified["step"]
     summary.checkpoint = f"{checkpoint_url}/step-{verified['step']:08d}"
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def record_workload(summary: RunSummary, plan: Plan, ready: list[NodeReady], code_sha256: str | None) -> None:
+    """Which code ran (its content hash), with which command, and what the setup cost (the slowest node)."""
+    summary.workload = {
+        "code": plan.workload.code,
+        "code_sha256": code_sha256 or plan.workload.code_sha256,
+        "command": list(plan.workload.command),
+        "config_hash": plan.workload.config_hash,
+        "setup_s": max((r.setup_s for r in ready), default=0.0),
+    }
 
 
 def record_launch(summary: RunSummary, cluster: Cluster) -> None:
@@ -57,6 +84,20 @@ def record_failure(summary: RunSummary, exc: BaseException) -> None:
     summary.status, summary.error = "failed", f"{type(exc).__name__}: {exc or 'no message'}"
     if not summary.attempts:
         summary.attempts = attempts_of(exc)
+    record_dataset_failure(summary, exc)
+
+
+# -- the dataset section (issue 13) ---------------------------------------------------------------------------
+
+
+def record_dataset_failure(summary: RunSummary, exc: BaseException) -> None:
+    """A plan stopped by the dataset's expectations still reports every expectation's result."""
+    validation = getattr(exc, "validation", None)
+    if isinstance(validation, DatasetValidation) and not summary.dataset:
+        summary.dataset = {"validation": validation.to_dict()}
+
+
+# -------------------------------------------------------------------------------------------------------------
 
 
 def record_resume(summary: RunSummary, restored: list[dict[str, Any]],
@@ -185,6 +226,14 @@ def _markdown_table(rows: list[dict[str, Any]]) -> str:
 def _markdown(summary: RunSummary, curve: list[tuple[int, float]]) -> str:
     """What ran where, how long each phase took, how fast data moved, how far the loss fell, what was committed."""
     facts = [f"job **{summary.job}** on **{summary.provider}**, {summary.nodes} nodes"]
+    dataset = dataset_fact(summary.dataset)
+    if dataset:
+        facts.append(dataset)
+    if summary.workload:
+        code = summary.workload.get("code_sha256")
+        facts.append(f"command `{' '.join(summary.workload['command'])}`; code "
+                     + (f"sha256 `{code}`" if code else "from the nodes' environment")
+                     + f"; setup {summary.workload['setup_s']:.1f} s")
     cost = _cost_fact(summary)
     if cost:
         facts.append(cost)
@@ -196,10 +245,15 @@ def _markdown(summary: RunSummary, curve: list[tuple[int, float]]) -> str:
         facts.append(f"loss {summary.initial_loss:.3f} → **{summary.final_loss:.3f}**{floor}, "
                      f"steps {summary.start_step}–{summary.steps}")
     facts += [fact for fact in (_breakdown_fact(summary), _checkpoint_fact(summary)) if fact]
+    reported = {k: v for k, v in summary.metrics.items() if isinstance(v, int | float | str) and k != "event"}
+    if reported:
+        facts.append("the script reported " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                                        for k, v in sorted(reported.items())))
     checkpoint = f"[{summary.checkpoint}]({summary.checkpoint})" if summary.checkpoint else "none"
     facts += [f"committed checkpoint: {checkpoint}", f"nodes left running after teardown: {summary.nodes_left}"]
     chart = markdown_image(run_chart_png(curve, summary.phases, summary.loss_floor), "loss curve and time per phase")
-    sections = {"Phases": _phase_rows(summary), "Step time": _breakdown_rows(summary),
+    sections = {"Phases": _phase_rows(summary), "Dataset expectations": expectation_rows(summary.dataset),
+                "Step time": _breakdown_rows(summary),
                 "What if (predicted from this run; `trainpipe predict` adds the catalog)": _what_if_rows(summary),
                 "Checkpoints": _checkpoint_rows(summary),
                 "Launch attempts": _attempt_rows(summary), "Recoveries from preemption": _recovery_rows(summary)}
@@ -219,7 +273,9 @@ def publish_summary(summary: RunSummary, directory: Path) -> Path:
                              description=f"run {summary.run_id}")
     create_table_artifact(_phase_rows(summary), key=f"{artifact_key}-phases",
                           description=f"run {summary.run_id}: seconds per phase")
-    tables = {"step-time": (_breakdown_rows(summary), "T_compute, T_network, T_io of the training steps"),
+    tables = {"dataset-expectations": (expectation_rows(summary.dataset), "per expectation of dataset.expectations: "
+                                       "success, rows, unexpected count and values, failed files"),
+              "step-time": (_breakdown_rows(summary), "T_compute, T_network, T_io of the training steps"),
               "launch-attempts": (_attempt_rows(summary), "every launch attempt, in order"),
               "checkpoints": (_checkpoint_rows(summary), "per checkpoint: training stall, write, upload, commit"),
               "recoveries": (_recovery_rows(summary), "per preemption: steps redone, time to resume and its split")}

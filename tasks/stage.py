@@ -9,6 +9,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
+from infra.dataset.stagecache import node_cache_dir
 from infra.providers import Cluster, Node, get_provider
 from tasks.node_output import last_event, node_line_sink
 from tasks.policy import TRANSIENT_RETRIES
@@ -41,19 +42,30 @@ def _progress_artifact(node: Node, what: str) -> Callable[[dict[str, Any]], None
 
 
 @task(name="stage-dataset", **TRANSIENT_RETRIES)
-def stage_dataset(cluster: Cluster, node: Node, dataset_url: str, timeout_s: float = 3600) -> dict[str, Any]:
+def stage_dataset(cluster: Cluster, node: Node, snapshot_url: str, shard: str,
+                  timeout_s: float = 3600) -> dict[str, Any]:
+    """Mirror the node's files of the run's dataset snapshot into its data dir; <workdir>/data-files.txt lists them.
+
+    Its `staged` event: files and node_bytes (what the node holds), bytes (fetched), skipped_files and skipped_bytes
+    (reused from the node's cache or data dir), seconds and mb_per_s (of the fetch)."""
     runner = get_provider(cluster.provider).runner(cluster, node)
     sink = node_line_sink(get_run_logger(), node.name, on_event=_progress_artifact(node, "stage"))
-    result = runner.run([node.python, "-m", "infra.node", "stage", "--dataset", dataset_url, "--dest", node.data_dir],
+    result = runner.run([node.python, "-m", "infra.node", "stage", "--snapshot", snapshot_url,
+                         "--rank", str(node.rank), "--nodes", str(len(cluster.nodes)), "--shard", shard,
+                         "--dest", node.data_dir, "--workdir", node.workdir,
+                         "--cache", node_cache_dir(cluster.provider, node.workdir), "--run", cluster.run_id],
                         timeout=timeout_s, on_line=sink)
     return last_event(result.output, "staged")
 
 
 @task(name="restore-checkpoint", **TRANSIENT_RETRIES)
-def restore_checkpoint(cluster: Cluster, node: Node, checkpoint_url: str, timeout_s: float = 3600) -> dict[str, Any]:
-    """Download the latest committed checkpoint onto the node; returns its step and local path."""
+def restore_checkpoint(cluster: Cluster, node: Node, checkpoint_url: str, checkpoint_format: str,
+                       timeout_s: float = 3600) -> dict[str, Any]:
+    """Download the latest committed checkpoint into the node's checkpoint dir (the whole union of every node's
+    files, under the name the script saved it as); returns its step and local path (TRAINPIPE_RESUME_FROM)."""
     runner = get_provider(cluster.provider).runner(cluster, node)
     sink = node_line_sink(get_run_logger(), node.name)
-    result = runner.run([node.python, "-m", "infra.node", "restore", "--url", checkpoint_url,
-                         "--dest", node.path("restore")], timeout=timeout_s, on_line=sink)
+    result = runner.run([node.python, "-m", "infra.node", "restore", "--url", checkpoint_url, "--dest", node.ckpt_dir,
+                         "--sync-dir", node.sync_dir, "--format", checkpoint_format], timeout=timeout_s,
+                        on_line=sink)
     return last_event(result.output, "restored")

@@ -10,6 +10,7 @@ from prefect import get_run_logger, task
 
 from infra import clusterbench
 from infra.clusterbench import BenchResult
+from infra.dataset.stagecache import node_cache_dir
 from infra.providers import Cluster, Node, get_provider
 from infra.spec import JobSpec
 from tasks.node_output import last_event, node_line_sink
@@ -22,9 +23,11 @@ class NodeCheckError(RuntimeError):
 
 @task(name="verify-node", **TRANSIENT_RETRIES)
 def verify_node(cluster: Cluster, node: Node, need_bytes: int) -> dict[str, Any]:
+    """need_bytes: what the node will hold of the dataset; its cached objects count as free (reused or evicted)."""
     runner = get_provider(cluster.provider).runner(cluster, node)
     result = runner.run([node.python, "-m", "infra.node", "probe", "--dir", node.data_dir, "--dir", node.ckpt_dir,
-                         "--need-bytes", str(need_bytes)], timeout=120, check=False)
+                         "--need-bytes", str(need_bytes), "--cache", node_cache_dir(cluster.provider, node.workdir)],
+                        timeout=120, check=False)
     probe = last_event(result.output, "probe")
     if probe["problems"]:
         raise NodeCheckError(f"{node.name}: " + "; ".join(probe["problems"]))

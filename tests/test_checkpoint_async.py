@@ -13,6 +13,7 @@ import torch
 from test_trainer import TINY_CONFIG
 
 from infra.checkpoints import UPLOAD_LEASE, write_lease
+from infra.workload.contract import SYNC_DIR_VAR
 from tasks.report import checkpoint_metrics
 from trainer.checkpoint import (
     Checkpointer,
@@ -99,19 +100,25 @@ def _make_complete(ckpt_root: Path, step: int) -> None:
     (ckpt_root / f"{step_dir_name(step)}.complete").write_text(json.dumps({"step": step}))
 
 
-def test_local_retention_spares_the_step_a_live_syncer_is_uploading(tmp_path: Path) -> None:
+def test_local_retention_spares_the_step_a_live_syncer_is_uploading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt, sync_dir = tmp_path / "ckpt", tmp_path / "sync"
+    sync_dir.mkdir()
+    monkeypatch.setenv(SYNC_DIR_VAR, str(sync_dir))  # what trainpipe tells the script: where its syncer leases
     for step in (10, 20, 30, 40):
-        _make_complete(tmp_path, step)
-    write_lease(tmp_path, UPLOAD_LEASE, 10)  # this test process stands in for a live syncer
-    assert prune_local(tmp_path, 2) == [20]
-    assert complete_steps(tmp_path) == [10, 30, 40]
+        _make_complete(ckpt, step)
+    write_lease(sync_dir, UPLOAD_LEASE, 10)  # this test process stands in for a live syncer
+    assert prune_local(ckpt, 2) == [20]
+    assert complete_steps(ckpt) == [10, 30, 40]
+    assert not (ckpt / UPLOAD_LEASE).exists(), "the syncer's lease never lands in the script's checkpoint dir"
 
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (tmp_path / UPLOAD_LEASE).write_text(json.dumps({"step": 10, "pid": int(finished.stdout)}))
-    assert prune_local(tmp_path, 2) == [10]  # a dead syncer's lease holds nothing back
-    (tmp_path / UPLOAD_LEASE).write_text("{")
+    (sync_dir / UPLOAD_LEASE).write_text(json.dumps({"step": 10, "pid": int(finished.stdout)}))
+    assert prune_local(ckpt, 2) == [10]  # a dead syncer's lease holds nothing back
+    (sync_dir / UPLOAD_LEASE).write_text("{")
     with pytest.raises(CheckpointError, match=rf"{UPLOAD_LEASE}: corrupt lease"):
-        prune_local(tmp_path, 1)
+        prune_local(ckpt, 1)
 
 
 def test_per_checkpoint_metrics_fold_trainer_and_syncer_events() -> None:

@@ -145,7 +145,9 @@ def test_plan_prints_the_plan_and_launches_nothing(workspace: Path, tmp_path: Pa
     assert result.exit_code == 0, result.output
     out = result.stdout
     assert "run plan-run on local: 2 nodes × 1 processes (cluster tp-plan-run)" in out
-    assert f"dataset: {dataset_url} — 2 shards, 200,000 tokens, 0.4 MB, loss floor 1.0889 nats" in out
+    assert f"dataset: {dataset_url} — 3 files, 0.4 MB (tokens 2, json 1); every node holds 0.4 MB" in out
+    assert f"snapshot: file://{tmp_path}/store/ckpt/plan-run/_dataset/snapshot.json (taken now)" in out
+    assert "expectations: 1 on 2 tabular files (every row; 200,000 rows, 0.4 of 0.4 MB read in" in out
     assert f"checkpoints: file://{tmp_path}/store/ckpt/plan-run — start at step 0" in out
     assert not (workspace / "clusters").exists() or not any((workspace / "clusters").iterdir()), "plan launched"
 
@@ -210,14 +212,15 @@ def test_ckpt_ls_and_verify(workspace: Path, tmp_path: Path, checkpoint_url: str
     verify = invoke("ckpt", "verify", checkpoint_url)
     assert verify.exit_code == 0, verify.output
     report = json.loads(verify.stdout)
-    assert report["step"] == 20 and report["files"] == 2
-    assert report["loaded"]["step"] == 20
-    assert report["loaded"]["num_params"] == 8 * 16 + 16 + 16 * 4 + 4
+    assert report["step"] == 20 and report["files"] == 2 and report["name"] == step_name(20)
+    assert report["loaded"]["format"] == "dcp" and report["loaded"]["files"] == 2
+    # The model's parameters and the optimizer's one step counter: every tensor DCP's index names.
+    assert report["loaded"]["elements"] == 8 * 16 + 16 + 16 * 4 + 4 + 1
     older = invoke("ckpt", "verify", checkpoint_url, "10")
     assert older.exit_code == 0, older.output
-    assert json.loads(older.stdout)["loaded"]["step"] == 10
+    assert json.loads(older.stdout)["step"] == 10
 
-    damaged = tmp_path / "store" / "run-1" / step_name(20) / "__0_0.distcp"
+    damaged = tmp_path / "store" / "run-1" / step_name(20) / "files" / "__0_0.distcp"
     flip_bytes(damaged, offset=damaged.stat().st_size // 2)
     result = run_cli("ckpt", "verify", checkpoint_url)
     assert result.returncode == 2, result.stdout + result.stderr

@@ -7,6 +7,7 @@ import errno
 import logging
 import os
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,8 @@ def bench_task_failure(job: JobSpec, provider: Provider, cluster: Cluster,
 
 def test_bench_fail_with_an_unreachable_floor_names_each_missed_figure(
         workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    job = parse_job(bench_config(tmp_path, min_network_gbps=IMPOSSIBLE_GBPS, verify={**QUICK, "bench": "fail"}))
+    job = parse_job(bench_config(tmp_path, min_network_gbps=IMPOSSIBLE_GBPS,
+                                 verify={**QUICK, "bench": "fail", "measure": "all"}))
     assert cluster_candidates(job) == (), "the local provider is not planned from the catalog: the floor passes plan"
     provider = get_provider("local")
     cluster = provider.launch("tp-bench-fail", job.cluster, "bench-fail")
@@ -84,6 +86,23 @@ def test_bench_fail_with_an_unreachable_floor_names_each_missed_figure(
     assert not tagged_processes(workspace), "bench processes outlived the cluster"
 
 
+def test_a_local_job_without_floors_spends_no_time_on_the_bench(
+        workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    job = parse_job(bench_config(tmp_path, verify={**QUICK, "bench": "fail"}))
+    monkeypatch.setattr(tasks.verify, "get_run_logger", lambda: logging.getLogger("test.verify"))
+    provider = get_provider("local")
+    cluster = provider.launch("tp-bench-none", job.cluster, "bench-none")
+    try:
+        started = time.monotonic()
+        result = tasks.verify.bench_cluster.fn(job, cluster)
+        elapsed = time.monotonic() - started
+    finally:
+        provider.terminate(cluster.name)
+    measured = result["measurement"]
+    assert not (measured["links"] or measured["allreduce"] or measured["disks"])
+    assert result["verdict"]["ok"] and elapsed < 5, "figures reported only were measured"
+
+
 def test_bench_off_measures_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     job = parse_job(bench_config(tmp_path, verify={"bench": "off"}))
     monkeypatch.setattr(tasks.verify, "get_run_logger", lambda: logging.getLogger("test.verify"))
@@ -106,6 +125,21 @@ def _measured(tcp_gbps: float = 10.0, busbw_gb_per_s: float = 5.0, write: float 
 
 G5 = shipped_catalog().get("aws", "g5.12xlarge")  # 40 Gbps ethernet
 P4D = shipped_catalog().get("aws", "p4d.24xlarge")  # 400 Gbps EFA, 8 GPUs
+
+
+@pytest.mark.parametrize(("cluster", "entry", "expected"), [
+    ({}, None, clusterbench.Figures(tcp=False, allreduce=False, disk=False)),
+    ({"min_network_gbps": 10}, None, clusterbench.Figures(tcp=True, allreduce=False, disk=False)),
+    ({"local_nvme": True}, None, clusterbench.Figures(tcp=False, allreduce=False, disk=True)),
+    ({}, G5, clusterbench.Figures(tcp=True, allreduce=False, disk=False)),
+    ({}, P4D, clusterbench.Figures(tcp=False, allreduce=True, disk=False)),
+    ({"verify": {"measure": "all"}}, None, clusterbench.ALL_FIGURES),
+], ids=["local-no-floor", "floor", "nvme", "ethernet-catalog", "rdma-catalog", "asked-for-all"])
+def test_only_figures_something_holds_are_measured(cluster: dict[str, Any], entry: Any,
+                                                   expected: clusterbench.Figures) -> None:
+    assert clusterbench.figures_to_measure(ClusterSpec.model_validate(cluster), entry) == expected
+
+
 
 
 @pytest.mark.parametrize(("case", "measured", "spec", "entry", "fraction", "expected"), [

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import psutil
-from test_checkpoints import SyncProcess
+from test_syncer import SyncProcess
 
 from infra.checkpoints import CheckpointStore
 from infra.storage import open_store
@@ -105,7 +105,7 @@ def test_kill_9_never_leaves_a_torn_checkpoint_visible(tmp_path: Path) -> None:
 
     def syncer(*extra: str) -> SyncProcess:
         # keep is large so retention never deletes a step this test is verifying concurrently.
-        return SyncProcess(tmp_path, ckpt_dir, checkpoints.store.url, 0, *extra, nodes=1, keep=1000, world_size=1)
+        return SyncProcess(tmp_path, ckpt_dir, checkpoints.store.url, 0, *extra, nodes=1, keep=1000)
 
     savers = Savers(ckpt_dir)
     running = syncer()

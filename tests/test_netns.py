@@ -283,8 +283,8 @@ def test_a_two_node_job_on_netns_trains_commits_and_leaves_nothing(
             monkeypatch.setenv(name, value)
         bucket = store.make_bucket("netns-job")
         synthesize(open_store(f"{bucket}/dataset"), 400_000, vocab_size=256, shard_tokens=100_000, seed=3)
-        config = netns_job_config(tmp_path, f"{bucket}/dataset", link_mbit=1000, steps=80)
-        config["checkpoints"].update(url=f"{bucket}/ckpt", every_steps=40)
+        config = netns_job_config(tmp_path, f"{bucket}/dataset", link_mbit=1000, steps=80, ckpt_every=40)
+        config["checkpoints"].update(url=f"{bucket}/ckpt")
         summary = retrain(parse_job(config), "netns-run")
         latest = CheckpointStore(open_store(f"{bucket}/ckpt/netns-run")).latest()
 

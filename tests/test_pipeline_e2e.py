@@ -54,7 +54,8 @@ def test_flow_trains_commits_and_tears_down(prefect_server: None, workspace: Pat
 
     config = job_config(tmp_path, dataset_url)
     # The verify stage's bench, kept short: its figures land in the summary (its own tests check the figures).
-    config["cluster"]["verify"] = {"bench": "warn", "tcp_seconds": 0.5, "allreduce_sizes_mb": [1], "disk_bytes_mb": 8}
+    config["cluster"]["verify"] = {"bench": "warn", "tcp_seconds": 0.5, "allreduce_sizes_mb": [1], "disk_bytes_mb": 8,
+                                   "measure": "all"}
     job = parse_job(config)
     summary = retrain(job, "e2e-run")
 
@@ -62,7 +63,13 @@ def test_flow_trains_commits_and_tears_down(prefect_server: None, workspace: Pat
     assert set(summary["phases"]) == {"plan", "provision", "verify", "stage", "train", "sync", "teardown"}
     assert summary["steps"] == 120 and summary["start_step"] == 1
     assert summary["final_loss"] < summary["initial_loss"] * 0.6, "loss did not fall"
-    assert summary["loss_floor"] == pytest.approx(1.0889, abs=1e-3)
+    assert summary["dataset"]["files"] == 5 and summary["dataset"]["validation"]["results"][0]["success"]
+    assert summary["loss_floor"] == pytest.approx(1.0889, abs=1e-3), "the trainer reports its data's floor"
+    assert summary["workload"]["command"][:2] == ["-m", "trainer.train"] and summary["workload"]["code"] is None
+    assert summary["final_eval_loss"] is not None and summary["breakdown"]["steps"] > 0
+    wall = summary["finished_at"] - summary["started_at"]
+    assert 0 < summary["steps_s"] < wall and 0 < summary["time_to_first_step_s"] < wall
+    assert summary["overhead_s"] == pytest.approx(wall - summary["steps_s"], abs=0.01)
     assert summary["checkpoint"].endswith("/e2e-run/step-00000120")
     assert summary["nodes_left"] == 0
     assert [(a["instance_type"], a["outcome"]) for a in summary["attempts"]] == [("local-process", "launched")]
@@ -134,11 +141,21 @@ def test_sigkilled_run_is_swept_and_rerun_resumes(workspace: Path, tmp_path: Pat
     [
         (lambda c: c["cluster"].update(provider="azure-ish"), "unknown provider 'azure-ish'"),
         (lambda c: c["cluster"].update(nodes=0), "cluster.nodes"),
-        (lambda c: c["dataset"].update(url="file:///nonexistent/dataset"), "no dataset manifest"),
+        (lambda c: c["dataset"].update(url="file:///nonexistent/dataset"), "no objects under this prefix"),
         (lambda c: c["checkpoints"].update(url="file:///proc/trainpipe-ckpt"), "checkpoints.url"),
-        (lambda c: c["training"]["model"].update(vocab_size=512), "vocab_size 256 != model vocab_size 512"),
+        # The suite says token ids stop at 127 (a model with vocab 128); the shards hold ids up to 255.
+        (lambda c: c["dataset"]["expectations"][0].update(max_value=127),
+         "expect_column_values_to_be_between failed on column 'token' in "),
+        (lambda c: c["training"].update(code="/nonexistent/project", command=["train.py"]),
+         "training.code /nonexistent/project: no such directory"),
+        (lambda c: c["training"].update(code=str(REPO / "examples"), command=["train_me.py"]),
+         "training.command[0] train_me.py: no such file in training.code"),
+        (lambda c: c["checkpoints"].update(format="keras"), "checkpoints.format: Input should be"),
+        (lambda c: c["training"].update(command=["-m", "trainer.train", "--out", "{output_dir}"]),
+         "unknown placeholder {output_dir}"),
     ],
-    ids=["unknown-provider", "zero-nodes", "no-manifest", "unwritable-checkpoints", "vocab-mismatch"],
+    ids=["unknown-provider", "zero-nodes", "empty-prefix", "unwritable-checkpoints", "vocab-mismatch",
+         "no-code-dir", "script-not-in-code", "unknown-format", "unknown-placeholder"],
 )
 def test_bad_input_fails_plan_with_one_line_and_exit_2(workspace: Path, tmp_path: Path, dataset_url: str,
                                                        mutate, expected: str) -> None:

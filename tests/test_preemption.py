@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from jobs import job_config, make_dataset
+from jobs import GPT_DEFAULTS, job_config, make_dataset
 from test_pipeline_e2e import tagged_processes
 
 from infra.catalog import shipped_catalog
@@ -212,7 +212,7 @@ def test_a_job_preempted_twice_finishes_like_an_uninterrupted_one(prefect_server
     first, second = summary["recoveries"]
     assert (first["with_notice"], first["reason"]) == (True, "chaos: spot notice")
     assert (second["with_notice"], second["reason"]) == (False, "vanished without notice")
-    every = config["checkpoints"]["every_steps"]
+    every = GPT_DEFAULTS["ckpt_every"]
     for recovery in (first, second):
         assert recovery["steps_lost"] <= every, recovery
         assert set(recovery["seconds"]) == {"teardown", "provision", "verify", "stage", "restore"}, recovery

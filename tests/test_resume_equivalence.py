@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_checkpoint_async import _saved_model_state
-from test_checkpoints import SyncProcess
+from test_syncer import SyncProcess
 from test_trainer import VOCAB, markov_shards, merge_step, run_nodes, start_nodes, trainer_args, write_dataset
 
 from infra.checkpoints import CheckpointStore

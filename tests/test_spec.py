@@ -12,7 +12,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def base() -> dict:
-    return {"dataset": {"url": "file:///data/ds"}, "checkpoints": {"url": "s3://bucket/ckpt"}}
+    return {"dataset": {"url": "file:///data/ds"}, "checkpoints": {"url": "s3://bucket/ckpt"},
+            "training": {"command": ["train.py"]}}
 
 
 def error_for(config: dict) -> str:
@@ -31,10 +32,13 @@ def test_example_config_loads() -> None:
 
 def test_defaults_and_normalised_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    job = parse_job({"dataset": {"url": "data/ds/"}, "checkpoints": {"url": "gs://b/ckpt/"}})
+    job = parse_job({"dataset": {"url": "data/ds/"}, "checkpoints": {"url": "gs://b/ckpt/"},
+                     "training": {"code": "./project", "command": ["train.py", "--out", "{checkpoint_dir}"]}})
     assert job.dataset.url == f"file://{tmp_path}/data/ds"
     assert job.checkpoints.url == "gs://b/ckpt"
-    assert job.training.model.vocab_size == 256
+    assert job.checkpoints.format == "auto"
+    assert job.training.code == str(tmp_path / "project")
+    assert job.training.setup == () and job.training.env == {}
 
 
 @pytest.mark.parametrize(
@@ -43,7 +47,12 @@ def test_defaults_and_normalised_urls(tmp_path: Path, monkeypatch: pytest.Monkey
         (("cluster", "provider"), "azure-ish", "job.yaml: cluster.provider: unknown provider 'azure-ish': use one of"),
         (("cluster", "nodes"), 0, "job.yaml: cluster.nodes: Input should be greater than or equal to 1 (got 0)"),
         (("dataset", "url"), "ftp://host/ds", "dataset.url: unknown scheme 'ftp://': use one of file://, s3://, gs://"),
-        (("training", "steps"), -5, "training.steps"),
+        (("training", "timeout_s"), -5, "training.timeout_s"),
+        (("training", "command"), [], "training.command: Tuple should have at least 1 item"),
+        (("training", "command"), ["t.py", "{bogus}"], "training.command: command[1] '{bogus}': unknown placeholder"),
+        (("training", "code"), "s3://b/code.zip", "training.code: code URL s3://b/code.zip is not a .tar.gz"),
+        (("training", "env"), {"TRAINPIPE_RUN_ID": "x"}, "training.env: env TRAINPIPE_RUN_ID: TRAINPIPE_* variables"),
+        (("checkpoints", "format"), "keras", "checkpoints.format: Input should be 'auto', 'dcp', 'hf'"),
         (("name",), "Bad Name", "name: String should match pattern"),
         (("dataset", "validation"), "some", "dataset.validation: unknown validation 'some'"),
     ],
@@ -57,13 +66,9 @@ def test_bad_values_name_field_and_fix(path: tuple[str, ...], value: object, exp
     assert expected in error_for(config)
 
 
-def test_heads_must_divide_width() -> None:
-    config = base() | {"training": {"model": {"d_model": 30, "n_heads": 4}}}
-    assert "n_heads (4) must divide d_model (30)" in error_for(config)
-
-
 def test_missing_and_unknown_fields() -> None:
-    assert error_for({"dataset": {"url": "x"}}) == "job.yaml: checkpoints: missing: add 'checkpoints:' to the config"
+    assert error_for({"dataset": {"url": "x"}, "training": {"command": ["t.py"]}}) == (
+        "job.yaml: checkpoints: missing: add 'checkpoints:' to the config")
     config = base() | {"clutser": {}}
     assert "clutser: unknown field: remove it or check its spelling" in error_for(config)
 

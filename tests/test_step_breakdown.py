@@ -22,9 +22,10 @@ from test_trainer import REPO_ROOT, TINY_CONFIG, TINY_MODEL, TORCHRUN, VOCAB, _f
 
 from infra.breakdown import StepBreakdown
 from infra.checkpoints import CheckpointStore
-from infra.node.sync import SyncState, read_state, state_path
+from infra.node.sync import Shipped, SyncState, read_state, state_path
 from infra.storage import open_store
-from tasks.train import DIRECT_SYNC_POLL_S, syncer_argv
+from infra.workload.contract import SYNC_DIR_VAR
+from tasks.train import TrainLaunch, syncer_argv
 from trainer.checkpoint import complete_steps, marker_path
 from trainer.data import StoreReader, TokenWindows
 from trainer.model import GPT
@@ -104,15 +105,18 @@ def node_args(node_dir: Path, source: list[str], steps: int, ckpt_every: int, *e
     ]
 
 
-def run_static(node_argvs: list[list[str]], timeout_s: float = 180) -> list[tuple[int, str, str]]:
-    """One torchrun agent per entry, entry i as node rank i; each node's (exit code, stdout, stderr)."""
+def run_static(node_argvs: list[list[str]], timeout_s: float = 180,
+               sync_dirs: list[Path] | None = None) -> list[tuple[int, str, str]]:
+    """One torchrun agent per entry, entry i as node rank i; each node's (exit code, stdout, stderr). sync_dirs:
+    each node's syncer dir, told to the trainer as trainpipe tells it (TRAINPIPE_SYNC_DIR)."""
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     nodes = [
         subprocess.Popen(
             [str(TORCHRUN), f"--nnodes={len(node_argvs)}", "--nproc-per-node=1", f"--node-rank={rank}",
              "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0", "-m", "trainer.train", *argv],
-            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**env, **({SYNC_DIR_VAR: str(sync_dirs[rank])} if sync_dirs else {})},
         )
         for rank, argv in enumerate(node_argvs)
     ]
@@ -120,8 +124,8 @@ def run_static(node_argvs: list[list[str]], timeout_s: float = 180) -> list[tupl
     return [(node.returncode, out, err) for node, (out, err) in zip(nodes, outputs, strict=True)]
 
 
-def run_ok(node_argvs: list[list[str]]) -> list[str]:
-    results = run_static(node_argvs)
+def run_ok(node_argvs: list[list[str]], sync_dirs: list[Path] | None = None) -> list[str]:
+    results = run_static(node_argvs, sync_dirs=sync_dirs)
     for code, out, err in results:
         assert code == 0, f"torchrun exited {code}\n{out[-3000:]}\n{err[-3000:]}"
     return [out for _, out, _ in results]
@@ -129,7 +133,7 @@ def run_ok(node_argvs: list[list[str]]) -> list[str]:
 
 def read_run(metrics_file: Path) -> tuple[list[dict], StepBreakdown, dict]:
     records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
-    (done,) = [r for r in records if r.get("event") == "done"]
+    (done,) = [r for r in records if "breakdown" in r]
     # Exactly StepBreakdown's fields: from_dict would drop unknown keys silently.
     assert set(done["breakdown"]) == set(StepBreakdown.__dataclass_fields__)
     return records, StepBreakdown.from_dict(done["breakdown"]), done["breakdown"]
@@ -160,7 +164,7 @@ def test_two_nodes_report_where_the_step_time_went(dataset: Path, tmp_path: Path
     assert b.ckpt_bytes == sum(s["bytes"] for s in saves) > 0
     assert 0 < b.read_latency_s < 0.1
     # The periodic lines carry the interval's split too, for humans and machines.
-    steps = [r for r in records if "event" not in r]
+    steps = [r for r in records if "event" not in r and "step" in r]
     assert [r["step"] for r in steps] == [1, 5, 10, 15, 20, 24]
     assert all(r["compute_ms"] > 0 and r["comm_total_ms"] > 0 and r["data_ms"] >= 0 for r in steps)
     assert "exposed of" in stdout and "steps, final loss" in stdout
@@ -168,14 +172,14 @@ def test_two_nodes_report_where_the_step_time_went(dataset: Path, tmp_path: Path
 
 @contextmanager
 def syncers(nodes: list[Path], url: str) -> Iterator[list[subprocess.Popen]]:
-    """The real `python -m infra.node sync` beside each node, polling as the flow has it poll for mode direct; stopped
-    (flushing) when the block ends."""
+    """The real `python -m infra.node sync` beside each node, polling as a job that waits for its uploads sets
+    checkpoints.sync_poll_s; stopped (flushing) when the block ends."""
     processes = []
     for rank, node in enumerate(nodes):
         (node / "ckpt").mkdir(parents=True)
-        argv = [sys.executable, "-m", "infra.node", "sync", "--ckpt-dir", str(node / "ckpt"), "--url", url,
-                "--node-rank", str(rank), "--nodes", str(len(nodes)), "--world-size", str(len(nodes)),
-                "--config-hash", "test", "--keep", "2", "--poll", str(DIRECT_SYNC_POLL_S),
+        argv = [sys.executable, "-m", "infra.node", "sync", "--ckpt-dir", str(node / "ckpt"), "--sync-dir",
+                str(node / "sync"), "--url", url, "--node-rank", str(rank), "--nodes", str(len(nodes)),
+                "--attempt", "a1", "--config-hash", "test", "--keep", "2", "--format", "marker", "--poll", "0.05",
                 "--stop-file", str(node / "stop-sync")]
         with (node / "sync.log").open("w") as log:  # the child keeps its own descriptor
             processes.append(subprocess.Popen(argv, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT))
@@ -197,7 +201,8 @@ def test_remote_data_and_direct_checkpoints_with_real_syncers(dataset: Path, tmp
     store_url = f"file://{tmp_path / 'store' / 'ckpt'}"
     source = ["--data-url", f"file://{dataset}"]
     with syncers(nodes, store_url):
-        run_ok([node_args(node, source, 12, 6, "--ckpt-mode", "direct") for node in nodes])
+        run_ok([node_args(node, source, 12, 6, "--ckpt-mode", "direct") for node in nodes],
+               sync_dirs=[node / "sync" for node in nodes])
     records, b, _ = read_run(nodes[0] / "metrics.jsonl")
     check_consistent(b, 12)
     assert (b.data_source, b.ckpt_mode, b.ckpt_saves) == ("remote", "direct", 2)
@@ -208,22 +213,22 @@ def test_remote_data_and_direct_checkpoints_with_real_syncers(dataset: Path, tmp
     latest = CheckpointStore(open_store(store_url)).latest()
     assert latest is not None and latest.step == 12
     for rank, node in enumerate(nodes):
-        state = read_state(state_path(node / "ckpt", rank))
-        assert state is not None and set(state.uploaded) >= {12}
+        state = read_state(state_path(node / "sync", rank))
+        assert state is not None and state.has_step(12)
 
 
-def fake_syncer(ckpt_dir: Path, delay_s: float, stop: threading.Event) -> threading.Thread:
-    """Records each completed step as uploaded delay_s after its marker appears, as a slow store would."""
+def fake_syncer(ckpt_dir: Path, sync_dir: Path, delay_s: float, stop: threading.Event) -> threading.Thread:
+    """Records each completed step as shipped delay_s after its marker appears, as a slow store would."""
 
     def run() -> None:
-        state = SyncState(url="file:///fake", node_rank=0)
+        state = SyncState(url="file:///fake", node_rank=0, attempt="a1")
         while not stop.is_set():
             for step in complete_steps(ckpt_dir):
                 marker = marker_path(ckpt_dir, step)
-                if step not in state.uploaded:
+                if not state.has_step(step):
                     time.sleep(delay_s)
-                    state.uploaded[step] = marker.stat().st_mtime_ns
-                    path = state_path(ckpt_dir, 0)
+                    state.shipped.append(Shipped(step=step, name=marker.stem, version=marker.stat().st_mtime_ns))
+                    path = state_path(sync_dir, 0)
                     path.with_name(path.name + ".tmp").write_text(state.model_dump_json())
                     os.replace(path.with_name(path.name + ".tmp"), path)
             time.sleep(0.01)
@@ -236,9 +241,11 @@ def fake_syncer(ckpt_dir: Path, delay_s: float, stop: threading.Event) -> thread
 def test_direct_mode_waits_for_the_upload(dataset: Path, tmp_path: Path) -> None:
     delay_s, stop = 0.5, threading.Event()
     (tmp_path / "ckpt").mkdir()
-    syncer = fake_syncer(tmp_path / "ckpt", delay_s, stop)
+    (tmp_path / "sync").mkdir()
+    syncer = fake_syncer(tmp_path / "ckpt", tmp_path / "sync", delay_s, stop)
     try:
-        run_ok([node_args(tmp_path, ["--data-dir", str(dataset)], 6, 3, "--ckpt-mode", "direct")])
+        run_ok([node_args(tmp_path, ["--data-dir", str(dataset)], 6, 3, "--ckpt-mode", "direct")],
+               sync_dirs=[tmp_path / "sync"])
     finally:
         stop.set()
         syncer.join(5)
@@ -251,21 +258,25 @@ def test_direct_mode_without_a_syncer_fails_naming_it(dataset: Path, tmp_path: P
     argv = node_args(tmp_path, ["--data-dir", str(dataset)], 3, 3, "--ckpt-mode", "direct",
                      "--collective-timeout-s", "3")
     started = time.monotonic()
-    ((code, _, stderr),) = run_static([argv])
+    ((code, _, stderr),) = run_static([argv], sync_dirs=[tmp_path / "sync"])
     assert code != 0 and time.monotonic() - started < 60
-    state_file = state_path(tmp_path / "ckpt", 0)
+    state_file = state_path(tmp_path / "sync", 0)
     assert f"trainer error (rank 0): {state_file}: step 3 not uploaded by this node's checkpoint syncer" in stderr
-    assert "python -m infra.node sync --ckpt-dir" in stderr and "sync.log" in stderr
+    assert "python -m infra.node sync` runs on this node" in stderr and "sync.log" in stderr
 
 
-def test_syncer_polls_fast_only_for_direct_checkpoints() -> None:
+def test_the_syncer_polls_as_often_as_the_job_says() -> None:
     from infra.providers import Cluster, Node
     from infra.spec import JobSpec
 
     node = Node("n0", 0, "127.0.0.1", "/w", "/w/data", "/w/ckpt", "python")
     cluster = Cluster("c", "local", "run", (node,), 0.0)
-    job = JobSpec.model_validate({"name": "j", "dataset": {"url": "file:///d"}, "checkpoints": {"url": "file:///c"}})
-    assert "--poll" not in syncer_argv(job, cluster, node, "file:///c")
-    direct = job.model_copy(update={"checkpoints": job.checkpoints.model_copy(update={"mode": "direct"})})
-    argv = syncer_argv(direct, cluster, node, "file:///c")
-    assert float(argv[argv.index("--poll") + 1]) < 0.5
+    job = JobSpec.model_validate({"name": "j", "dataset": {"url": "file:///d"}, "checkpoints": {"url": "file:///c"},
+                                  "training": {"command": ["-m", "trainer.train"]}})
+    launch = TrainLaunch("file:///c", "file:///d", 29500, "hash", attempt_id="0-x")
+    argv = syncer_argv(job, cluster, node, launch)
+    assert float(argv[argv.index("--poll") + 1]) == 0.5
+    waiting = job.model_copy(update={"checkpoints": job.checkpoints.model_copy(update={"sync_poll_s": 0.05})})
+    argv = syncer_argv(waiting, cluster, node, launch)
+    assert float(argv[argv.index("--poll") + 1]) == 0.05
+    assert argv[argv.index("--sync-dir") + 1] == "/w/sync" and argv[argv.index("--attempt") + 1] == "0-x"

@@ -39,9 +39,10 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from infra.checkpoints import SAVE_LEASE, UPLOAD_LEASE, clear_lease, leased_step, write_lease
+from infra.checkpoints import UPLOAD_LEASE, leased_step
 from infra.checkpoints import CheckpointError as StoreCheckpointError
 from infra.node.sync import SyncError, read_state, state_path
+from infra.workload.contract import SYNC_DIR_VAR
 
 METADATA_NAME = ".metadata"
 MARKER_SUFFIX = ".complete"
@@ -213,16 +214,10 @@ class Checkpointer:
             # A marker left by an earlier attempt at this step would vouch for files about to be overwritten. No
             # rank writes before DCP's planning collective, which this rank joins only after the unlink.
             marker_path(self.ckpt_root, step).unlink(missing_ok=True)
-            # Tells the node's syncer a save is under way, so a stop request waits for it (see SAVE_LEASE).
-            write_lease(self.ckpt_root, SAVE_LEASE, step)
         state = _save_state(model, optimizer, extra)
         writer = dcp.FileSystemWriter(self.ckpt_root / step_dir_name(step))
         if self._stager is None or blocking:
-            try:
-                dcp.save(state, storage_writer=writer)
-            except BaseException:
-                self._clear_save_lease()
-                raise
+            dcp.save(state, storage_writer=writer)
             stall_s = time.perf_counter() - started
             # A blocking save of an async run is a sync save; direct names its own.
             mode = "sync" if self.mode == "async" else self.mode
@@ -241,7 +236,6 @@ class Checkpointer:
                 written.result()
                 done.set_result(self._complete(step, began, stall_s, self.mode))
             except BaseException as exc:
-                self._clear_save_lease()
                 done.set_exception(exc)
 
         upload.add_done_callback(finish)
@@ -336,10 +330,6 @@ class Checkpointer:
     def in_flight_step(self) -> int | None:
         return self._in_flight.step if self._in_flight is not None else None
 
-    def _clear_save_lease(self) -> None:
-        if self.is_node_leader:
-            clear_lease(self.ckpt_root, SAVE_LEASE)
-
     def _complete(self, step: int, started: float, stall_s: float, mode: str) -> SaveRecord:
         """Marks this node's part of the step complete. DCP's save ends with a gather of every rank's write
         results on the coordinator, so when it returns on any rank every rank's files are fsynced on disk."""
@@ -354,35 +344,41 @@ class Checkpointer:
                 "files": files,
             }
             write_json_atomic(marker_path(self.ckpt_root, step), marker)
-            self._clear_save_lease()  # after the marker: a syncer that sees no lease must see the marker
             if self.keep_local is not None:
                 prune_local(self.ckpt_root, self.keep_local)
         return SaveRecord(step, mode, round(stall_s, 4), round(time.perf_counter() - started, 4), size)
 
 
-def wait_for_upload(
-    ckpt_root: Path, step: int, node_rank: int, timeout_s: float, poll_s: float = UPLOAD_POLL_S
-) -> None:
+def sync_dir() -> Path | None:
+    """The node syncer's dir (its state and upload lease), when trainpipe runs this script."""
+    value = os.environ.get(SYNC_DIR_VAR)
+    return Path(value) if value else None
+
+
+def wait_for_upload(step: int, node_rank: int, timeout_s: float, poll_s: float = UPLOAD_POLL_S) -> None:
     """Mode direct, on the node's local rank 0: blocks until the node's syncer has uploaded its part of `step`.
 
-    The syncer records each uploaded step with its marker's mtime_ns in its state file, so an upload of an older
-    save of the same step (a run restarted in the same dir) does not count for the one just written.
+    The syncer's state belongs to one attempt of the run, so an upload of an older save of the same step (by a dead
+    attempt) does not count for the one just written.
     """
-    written = marker_path(ckpt_root, step).stat().st_mtime_ns
-    path = state_path(ckpt_root, node_rank)
+    directory = sync_dir()
+    if directory is None:
+        raise CheckpointError(f"--ckpt-mode direct needs the node's checkpoint syncer: {SYNC_DIR_VAR} is not set "
+                              "(run the script through trainpipe, or use --ckpt-mode async)")
+    path = state_path(directory, node_rank)
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             state = read_state(path)
         except SyncError as exc:
             raise CheckpointError(str(exc)) from None
-        if state is not None and state.uploaded.get(step) == written:
+        if state is not None and state.has_step(step):
             return
         if time.monotonic() > deadline:
             raise CheckpointError(
                 f"{path}: step {step} not uploaded by this node's checkpoint syncer within {timeout_s:.1f}s "
-                f"(--ckpt-mode direct): check that `python -m infra.node sync --ckpt-dir {ckpt_root}` runs on this "
-                f"node and read its log (under the flow: {ckpt_root.parent / 'logs' / 'sync.log'})"
+                "(--ckpt-mode direct): check that `python -m infra.node sync` runs on this node and read its log "
+                f"(under the flow: {directory.parent / 'logs' / 'sync.log'})"
             )
         time.sleep(poll_s)
 
@@ -427,8 +423,9 @@ def prune_local(ckpt_root: Path, keep_local: int) -> list[int]:
     """
     if keep_local < 1:
         raise CheckpointError(f"keep_local={keep_local}: keep at least 1 local checkpoint (--keep-local >= 1)")
+    directory = sync_dir()
     try:
-        leased = leased_step(ckpt_root, UPLOAD_LEASE)
+        leased = leased_step(directory, UPLOAD_LEASE) if directory is not None else None
     except StoreCheckpointError as exc:
         raise CheckpointError(str(exc)) from None
     doomed = [step for step in complete_steps(ckpt_root)[:-keep_local] if step != leased]

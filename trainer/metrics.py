@@ -71,8 +71,8 @@ class TrainingMetrics:
         self._interval, self._interval_tokens = StepSplit(), 0
         parts = interval.per_step_ms()
         self._emit(
-            {"step": step, "loss": loss, "lr": lr, "step_s": step_s, "tokens_per_s": tokens_per_s, **parts,
-             "time": time.time()},
+            {"step": step, "loss": loss, "total_steps": self.last_step, "lr": lr, "step_s": step_s,
+             "tokens_per_s": tokens_per_s, **parts, "time": time.time()},
             f"step {step}/{self.last_step} loss {loss:.4f} lr {lr:.2e} {step_s * 1000:.1f} ms/step "
             f"{tokens_per_s:,.0f} tok/s (compute {parts['compute_ms']:.1f}, comm {parts['comm_exposed_ms']:.1f} "
             f"exposed of {parts['comm_total_ms']:.1f}, sync {parts['sync_ms']:.1f}, data {parts['data_ms']:.1f}, "
@@ -87,24 +87,20 @@ class TrainingMetrics:
             f"written in {record.write_s:.2f} s ({record.bytes / 1e6:.1f} MB on this node)",
         )
 
-    def done(self, final_eval_loss: float, breakdown: StepBreakdown | None = None) -> dict[str, Any]:
+    def fact(self, **values: Any) -> None:
+        """Something true of the whole run (not of one step), for the run's summary."""
+        self._emit(dict(values), ", ".join(f"{key}: {value}" for key, value in values.items()))
+
+    def done(self, eval_loss: float, breakdown: StepBreakdown | None = None) -> dict[str, Any]:
         if not self._recent:
             raise ValueError("no training step was recorded: cannot report a final loss")
-        event = {
-            "event": "done",
-            "final_eval_loss": final_eval_loss,
-            "initial_loss": self.initial_loss,
-            "final_loss": sum(self._recent) / len(self._recent),
-            "steps": self.last_step,
-            "start_step": self.first_step,
-            "time": time.time(),
-        }
-        line = f"done: {self.last_step} steps, final loss {event['final_loss']:.4f}, eval loss {final_eval_loss:.4f}"
+        record: dict[str, Any] = {"eval_loss": eval_loss, "final_loss": sum(self._recent) / len(self._recent)}
+        line = f"done: {self.last_step} steps, final loss {record['final_loss']:.4f}, eval loss {eval_loss:.4f}"
         if breakdown is not None:
-            event["breakdown"] = breakdown.to_dict()
+            record["breakdown"] = breakdown.to_dict()
             line += f"; {breakdown.dominant()}"
-        self._emit(event, line)
-        return event
+        self._emit(record, line)
+        return record
 
     def _emit(self, record: dict[str, Any], line: str) -> None:
         if self.metrics_file is None:

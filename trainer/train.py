@@ -28,7 +28,6 @@ from trainer.checkpoint import (
     SaveRecord,
     load_checkpoint,
     wait_for_upload,
-    write_json_atomic,
 )
 from trainer.data import DataError, TokenWindows
 from trainer.metrics import TrainingMetrics
@@ -69,14 +68,22 @@ class StopSignal:
         return deadline_s - (time.monotonic() - self.received_at) if self.received_at is not None else deadline_s
 
 
+def _env_path(name: str) -> Path | None:
+    # trainpipe runs this script like any other: its inputs come from the TRAINPIPE_* environment by default.
+    value = os.environ.get(name)
+    return Path(value) if value else None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m trainer.train", description=__doc__)
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--data-dir", type=Path, help="node-local dataset dir (manifest.json): the staged copy")
-    source.add_argument("--data-url", help="dataset root in an object store (file://, s3://, gs://), read in place "
+    parser.add_argument("--data-dir", type=Path,
+                        help="node-local dataset dir (manifest.json): the staged copy (default: $TRAINPIPE_DATA_DIR)")
+    parser.add_argument("--data-url", help="dataset root in an object store (file://, s3://, gs://), read in place "
                         "with one ranged GET per sequence instead of a staged copy (dataset.access remote)")
-    parser.add_argument("--ckpt-dir", type=Path, required=True, help="node-local checkpoint root")
-    parser.add_argument("--metrics-file", type=Path, required=True, help="JSON-lines metrics (global rank 0)")
+    parser.add_argument("--ckpt-dir", type=Path, default=_env_path("TRAINPIPE_CHECKPOINT_DIR"),
+                        help="node-local checkpoint root (default: $TRAINPIPE_CHECKPOINT_DIR)")
+    parser.add_argument("--metrics-file", type=Path, default=_env_path("TRAINPIPE_METRICS_FILE"),
+                        help="JSON-lines metrics, written by global rank 0 (default: $TRAINPIPE_METRICS_FILE)")
     parser.add_argument("--steps", type=int, default=300, help="total optimizer steps (a resumed run counts from 0)")
     parser.add_argument("--ckpt-every", type=int, default=50, help="save every this many steps and at the end")
     parser.add_argument("--ckpt-mode", choices=SAVE_MODES, default="async",
@@ -97,8 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     parser.add_argument("--log-every", type=int, default=10, help="metrics every this many steps")
     parser.add_argument("--eval-batches", type=int, default=8, help="held-out batches for the final eval loss")
-    parser.add_argument("--resume-from", type=Path, default=None, help="step dir holding every node's files")
-    parser.add_argument("--done-file", type=Path, default=None, help="written by each node when training succeeds")
+    parser.add_argument("--resume-from", type=Path, default=_env_path("TRAINPIPE_RESUME_FROM"),
+                        help="step dir holding every node's files (default: $TRAINPIPE_RESUME_FROM)")
     parser.add_argument(
         "--collective-timeout-s", type=float, default=600.0, help="fail when a peer stops answering this long"
     )
@@ -108,6 +115,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})")
     if args.d_model % args.n_heads:
         parser.error(f"--n-heads {args.n_heads} must divide --d-model {args.d_model}")
+    if args.data_dir is not None and args.data_url is not None:
+        parser.error("give one of --data-dir (a staged copy) and --data-url (read in place), not both")
+    if args.data_url is None and args.data_dir is None:
+        args.data_dir = _env_path("TRAINPIPE_DATA_DIR")
+    for flag, value in (("--data-dir or --data-url", args.data_dir or args.data_url), ("--ckpt-dir", args.ckpt_dir),
+                        ("--metrics-file", args.metrics_file)):
+        if not value:
+            parser.error(f"{flag} is required (trainpipe sets it through TRAINPIPE_* variables)")
     return args
 
 
@@ -212,7 +227,7 @@ def _wait_for_upload(step: int, args: argparse.Namespace, node_rank: int, is_nod
     error: CheckpointError | None = None
     if is_node_leader:
         try:
-            wait_for_upload(args.ckpt_dir, step, node_rank, UPLOAD_WAIT_SHARE * args.collective_timeout_s)
+            wait_for_upload(step, node_rank, UPLOAD_WAIT_SHARE * args.collective_timeout_s)
         except CheckpointError as exc:
             error = exc
     if not _all_ranks_agree(error is None, device):
@@ -315,6 +330,8 @@ def train(args: argparse.Namespace) -> None:
             last_step=args.steps,
             recent_losses=recent_losses,
         )
+        # The source's entropy rate: the loss a perfect model reaches on this data, drawn beside the loss curve.
+        metrics.fact(loss_floor=data.loss_floor)
         tokens_per_step = args.batch_size * args.seq_len * world_size
         saves = SaveLog(metrics, saved_step=start_step - 1 if args.resume_from is not None else None)
 
@@ -381,10 +398,7 @@ def train(args: argparse.Namespace) -> None:
             world_size=world_size,
             nodes=_node_count(world_size),
         )
-        done = metrics.done(eval_loss, breakdown)
-        if local_rank == 0 and args.done_file is not None:
-            args.done_file.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(args.done_file, {**done, "node_rank": node_rank, "world_size": world_size})
+        metrics.done(eval_loss, breakdown)
         dist.barrier()
     finally:
         try:

@@ -49,7 +49,7 @@ def cluster(
     try:
         typer.echo(f"launching {name} on {provider.name}: {job.cluster.nodes} nodes")
         launched = provider.launch(name, job.cluster, bench_id)
-        result = bench_cluster(launched, job.cluster, say=typer.echo)
+        result = bench_cluster(launched, job.cluster, say=typer.echo, everything=True)
     except (LaunchError, CatalogError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -33,4 +33,10 @@ def transfer(
 
 
 # Each registers its `bench` subcommand on bench_app.
-from trainpipe import bench_ckpt_command, bench_cluster_command, bench_repro_command  # noqa: E402, F401
+from trainpipe import (  # noqa: E402, F401
+    bench_ckpt_command,
+    bench_cluster_command,
+    bench_dataset_command,
+    bench_overhead_command,
+    bench_repro_command,
+)

@@ -15,21 +15,24 @@ from functools import wraps
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
+import psutil
 import typer
 
+from infra.checkpoint_formats import check_loadable
 from infra.checkpoints import CheckpointError, CheckpointStore
 from infra.dataset.manifest import DatasetError
 from infra.plan import PlanError, cluster_name_for, plan_job
 from infra.providers import ClusterRecord, LaunchError, all_providers, get_provider
 from infra.spec import ConfigError, JobSpec, load_job
 from infra.storage import StorageError, open_store
-from infra.summary import RunSummary, load_summary
+from infra.summary import LAUNCHED_AT_VAR, RunSummary, load_summary
 from infra.sweep import sweep_clusters
 from infra.workspace import runs_dir
 from trainpipe import bench_command, catalog_command, cp_command, predict_command, serve_command
+from trainpipe.prefect_server import BackgroundServer
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
-dataset_app = typer.Typer(no_args_is_help=True, help="Create and check token datasets.")
+dataset_app = typer.Typer(no_args_is_help=True, help="Inspect any dataset prefix; create and check token datasets.")
 ckpt_app = typer.Typer(no_args_is_help=True, help="List and verify committed checkpoints.")
 app.add_typer(dataset_app, name="dataset")
 app.add_typer(ckpt_app, name="ckpt")
@@ -73,12 +76,21 @@ def plan(config: ConfigArg, run_id: RunIdOpt = None) -> None:
 @user_errors_exit_2
 def run(config: ConfigArg, run_id: RunIdOpt = None) -> None:
     """Run the whole pipeline as a Prefect flow and print its summary."""
+    # The run's overhead counts from this command's start (the interpreter and its imports included).
+    os.environ.setdefault(LAUNCHED_AT_VAR, str(psutil.Process().create_time()))
+    # Prefect's 20 s default for starting its temporary server is too short on a busy 2-core machine.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     job = load_job(config)
     run_id = run_id or new_run_id(job)
-    # Fail on bad input before Prefect starts, so the user sees one line rather than a flow traceback.
-    plan_job(job, run_id)
-    # Prefect's 20 s default for starting its in-process server is too short on a busy 2-core machine.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    server = BackgroundServer().start()
+    try:
+        # Fail on bad input before the flow starts, so the user sees one line rather than a flow traceback.
+        plan_job(job, run_id)
+    except USER_ERRORS as exc:
+        typer.echo(f"error: {exc}", err=True)
+        server.stop()  # after the line: the user need not wait for it
+        raise typer.Exit(2) from None
+    server.wait()
     from flows.retrain import retrain
 
     # Prefect turns SIGTERM into a graceful flow shutdown, then re-sends it to the handler it found. Python's
@@ -189,6 +201,31 @@ def dataset_validate(
         raise typer.Exit(1)
 
 
+@dataset_app.command("inspect")
+@user_errors_exit_2
+def dataset_inspect(
+    url: Annotated[str, typer.Argument(help="dataset prefix URL or path (any format)")],
+    expectations: Annotated[str | None, typer.Option(help="an ExpectationSuite JSON file to run on the tabular "
+                                                     "files")] = None,
+    include: Annotated[list[str] | None, typer.Option(help="glob of files to look at (repeatable)")] = None,
+    exclude: Annotated[list[str] | None, typer.Option(help="glob of files to leave out (repeatable)")] = None,
+    validation: Annotated[str, typer.Option(help="full: every row; sample: --sample-rows rows per file")] = "full",
+    sample_rows: Annotated[int, typer.Option(help="rows per file that --validation sample reads")] = 1000,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON object, for scripts")] = False,
+) -> None:
+    """Files, bytes and formats under a prefix; row counts and schemas of its Parquet, CSV, JSONL and token files;
+    the expectation suite's result (exit 1 when an expectation fails)."""
+    from infra.dataset.inspect import inspect_dataset, render
+
+    if validation not in ("full", "sample"):
+        raise DatasetError(f"--validation {validation}: use full or sample")
+    report = inspect_dataset(url, include=include or (), exclude=exclude or (), expectations=expectations,
+                             validation=validation, sample_rows=sample_rows)
+    typer.echo(json.dumps(report, indent=2, default=str) if as_json else render(report))
+    if report["validation"] is not None and not all(r["success"] for r in report["validation"]["results"]):
+        raise typer.Exit(1)
+
+
 def split_step_url(url: str, step: int | None = None) -> tuple[str, int | None]:
     """(the run's checkpoint root, the step) from a run's root URL or a step's URL; a step given both ways must
     agree."""
@@ -224,15 +261,17 @@ def ckpt_verify(
                                             "it (.../<run-id>/step-00001000)")],
     step: Annotated[int | None, typer.Argument(help="default: the step in the URL, else the latest committed")] = None,
 ) -> None:
-    """Check every file against the manifest, then load the checkpoint."""
-    from trainer.checkpoint import inspect_checkpoint
-
+    """Check every file against the manifest, then open the checkpoint as its framework would."""
     root, step = split_step_url(url, step)
     checkpoints = CheckpointStore(open_store(root))
     manifest = checkpoints.verify(step, deep=True)
     with tempfile.TemporaryDirectory(prefix="trainpipe-verify-") as scratch:
-        loaded = inspect_checkpoint(checkpoints.restore(Path(scratch), manifest.step))
-    typer.echo(json.dumps({"step": manifest.step, "files": len(manifest.files), "loaded": loaded}))
+        try:
+            loaded = check_loadable(checkpoints.restore(Path(scratch), manifest.step))
+        except ValueError as exc:
+            raise CheckpointError(f"step {manifest.step}: {exc}") from None
+    typer.echo(json.dumps({"step": manifest.step, "name": manifest.ref.name, "files": len(manifest.files),
+                           "loaded": loaded}))
 
 
 app.command("serve")(serve_command.serve)

@@ -1,6 +1,9 @@
-"""Token datasets: the manifest format, a synthetic source with a known loss floor, and validation.
+"""Datasets: any prefix of objects, frozen per run as a snapshot (snapshot), assigned to nodes (assign), staged
+through a node's object cache (stagecache), read by format (formats) and checked at plan with a Great Expectations
+suite (expectations, gate, docs); planning puts these together. The bundled trainer's token format (manifest, synth,
+validate) is one format among them.
 
-validate_dataset imports Great Expectations only when first called, so importing this package stays cheap.
+Great Expectations is imported only when a suite is first loaded or run, so importing this package stays cheap.
 """
 
 from infra.dataset.manifest import DatasetError, DatasetManifest, ShardInfo, load_manifest, write_manifest

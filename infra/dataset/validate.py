@@ -6,13 +6,9 @@ the manifest itself; each expectation failure becomes one problem line naming th
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import math
-import threading
-import uuid
-import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -21,12 +17,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from infra.dataset import gx
 from infra.dataset.manifest import MANIFEST_KEY, SHARD_NAME_RE, TOKEN_BYTES, DatasetManifest, load_manifest
 from infra.storage.base import ObjectInfo, ObjectStore
 
 if TYPE_CHECKING:
-    from great_expectations.core.batch_definition import BatchDefinition
-    from great_expectations.data_context import EphemeralDataContext
     from great_expectations.expectations import Expectation
 
 logger = logging.getLogger(__name__)
@@ -57,45 +52,6 @@ class ValidationReport:
         verdict = "OK" if self.ok else f"{len(self.problems)} problem{'s' * (len(self.problems) > 1)}"
         head = f"{self.url}: {self.shards} shards, {self.total_tokens:,} tokens, vocab {self.vocab_size}: {verdict}"
         return "\n".join([f"{head} ({checked})", *(f"  {problem}" for problem in self.problems)])
-
-
-@dataclass(frozen=True)
-class _Gx:
-    context: EphemeralDataContext
-    shards: BatchDefinition
-    manifest: BatchDefinition
-    lock: threading.Lock
-
-
-@functools.cache
-def _gx() -> _Gx:
-    """One Great Expectations context per process: importing and setting it up costs seconds."""
-    # GE logs hundreds of lines at INFO from its import on, which would bury the pipeline's own lines.
-    logging.getLogger("great_expectations").setLevel(logging.WARNING)
-    with warnings.catch_warnings():
-        # GE imports the long-deprecated sre_constants module; nothing for us to act on.
-        warnings.filterwarnings(
-            "ignore", message="module 'sre_(constants|parse)' is deprecated", category=DeprecationWarning
-        )
-        import great_expectations as gx
-        from great_expectations.data_context.types.base import (
-            DataContextConfig,
-            InMemoryStoreBackendDefaults,
-            ProgressBarsConfig,
-        )
-    config = DataContextConfig(
-        store_backend_defaults=InMemoryStoreBackendDefaults(),
-        analytics_enabled=False,
-        progress_bars=ProgressBarsConfig(globally=False, metric_calculations=False),
-    )
-    context = gx.get_context(mode="ephemeral", project_config=config)
-    source = context.data_sources.add_pandas("trainpipe-dataset")
-    return _Gx(
-        context=context,
-        shards=source.add_dataframe_asset("shards").add_batch_definition_whole_dataframe("all"),
-        manifest=source.add_dataframe_asset("manifest").add_batch_definition_whole_dataframe("all"),
-        lock=threading.Lock(),
-    )
 
 
 @dataclass(frozen=True)
@@ -291,21 +247,12 @@ def _manifest_checks(manifest: DatasetManifest, frame: pd.DataFrame) -> list[_Ch
     return checks
 
 
-def _run(gx_env: _Gx, batch: BatchDefinition, frame: pd.DataFrame, checks: list[_Check]) -> list[str]:
+def _run(asset: str, frame: pd.DataFrame, checks: list[_Check]) -> list[str]:
     """Run the checks as one suite over the frame; the problem lines of the failures, in the checks' order."""
-    import great_expectations as gx
-
-    name = f"trainpipe-{uuid.uuid4().hex}"
-    suite = gx_env.context.suites.add(gx.ExpectationSuite(name=name))
     for index, check in enumerate(checks):
         check.expectation.meta = {"check": index}
-        suite.add_expectation(check.expectation)
-    definition = gx_env.context.validation_definitions.add(gx.ValidationDefinition(name=name, data=batch, suite=suite))
-    try:
-        outcome = definition.run(batch_parameters={"dataframe": frame}, result_format=_RESULT_FORMAT)
-    finally:
-        gx_env.context.validation_definitions.delete(name)
-        gx_env.context.suites.delete(name)
+    with gx.suite_of(gx.dataframe_batch(asset), [check.expectation for check in checks]) as definition:
+        outcome = gx.run(definition, frame, _RESULT_FORMAT)
     failures: dict[int, dict[str, Any]] = {}
     for result in outcome.results:
         if result.exception_info.get("raised_exception"):
@@ -321,6 +268,7 @@ def _run(gx_env: _Gx, batch: BatchDefinition, frame: pd.DataFrame, checks: list[
 def validate_dataset(store: ObjectStore, *, deep: bool = True, expected_vocab: int | None = None) -> ValidationReport:
     """Check the dataset at the store's root; raises DatasetError only when there is no usable manifest."""
     manifest = load_manifest(store)
+    gx.import_gx()
     shard_frame = _shard_rows(store, manifest, deep)
     manifest_row: dict[str, Any] = {
         "name": MANIFEST_KEY,
@@ -330,10 +278,8 @@ def validate_dataset(store: ObjectStore, *, deep: bool = True, expected_vocab: i
     if expected_vocab is not None:
         manifest_row["model_vocab_size"] = expected_vocab
     manifest_frame = pd.DataFrame([manifest_row])
-    gx_env = _gx()
-    with gx_env.lock:
-        problems = _run(gx_env, gx_env.shards, shard_frame, _shard_checks(store, manifest, shard_frame, deep))
-        problems += _run(gx_env, gx_env.manifest, manifest_frame, _manifest_checks(manifest, manifest_frame))
+    problems = _run("shards", shard_frame, _shard_checks(store, manifest, shard_frame, deep))
+    problems += _run("manifest", manifest_frame, _manifest_checks(manifest, manifest_frame))
     report = ValidationReport(
         url=store.url,
         shards=len(manifest.shards),

@@ -17,6 +17,7 @@ COMMANDS = {
     "netbench": "infra.node.netbench",
     "allreduce-bench": "infra.node.allreduce_bench",
     "chaos": "infra.node.chaos",
+    "code": "infra.node.code",
 }
 
 

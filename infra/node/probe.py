@@ -11,6 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from infra.dataset.stagecache import cached_bytes
 from infra.node.events import emit
 
 
@@ -37,6 +38,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m infra.node probe")
     parser.add_argument("--dir", action="append", default=[], type=Path, help="a dir the job writes to")
     parser.add_argument("--need-bytes", type=int, default=0, help="free bytes needed on the first --dir")
+    parser.add_argument("--cache", type=Path, help="the node's dataset object cache: its bytes count as free")
     args = parser.parse_args(argv)
 
     problems = []
@@ -45,9 +47,13 @@ def main(argv: list[str]) -> int:
         free[str(path)], problem = check_dir(path)
         if problem:
             problems.append(problem)
-    if args.dir and not problems and free[str(args.dir[0])] < args.need_bytes:
-        problems.append(f"{args.dir[0]}: {free[str(args.dir[0])] / 1e9:.2f} GB free, the dataset needs "
-                        f"{args.need_bytes / 1e9:.2f} GB: free space or use nodes with larger local disks")
+    if args.dir and not problems:
+        # Cached dataset objects are either this run's (reused, no new space) or evictable.
+        available = free[str(args.dir[0])] + cached_bytes(args.cache)
+        if available < args.need_bytes:
+            problems.append(f"{args.dir[0]}: {available / 1e9:.2f} GB free, this node's share of the dataset needs "
+                            f"{args.need_bytes / 1e9:.2f} GB: free space, use dataset.shard: split, or nodes with "
+                            "larger local disks")
     emit("probe", host=socket.gethostname(), python=sys.version.split()[0], platform=platform.platform(),
          cpus=os.cpu_count(), free_bytes=free, free_port=free_port(), problems=problems)
     return 1 if problems else 0

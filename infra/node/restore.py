@@ -1,7 +1,10 @@
 """`restore`: download a committed checkpoint onto this node's local disk, verified against its manifest.
 
-Without --step it takes the newest committed checkpoint and falls back to the previous committed one when
-the newest turns out damaged, so a resumed job loses at most one checkpoint interval instead of failing.
+The whole checkpoint (the union of every node's files) lands in the node's checkpoint dir under the name it had
+there when it was saved (`checkpoint-500/`, `snapshot.pt`, ...), where the script finds it through
+TRAINPIPE_RESUME_FROM. Without --step it takes the newest committed checkpoint and falls back to the previous
+committed one when the newest turns out damaged, so a resumed job loses at most one checkpoint interval instead of
+failing. With --sync-dir it tells the node's syncer that what it restored is committed already.
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+from infra.checkpoint_formats import FORMATS, Detector
 from infra.checkpoints import CheckpointError, CheckpointStore, NoCommittedCheckpoint
 from infra.node.events import emit, fail
+from infra.node.sync import write_restored
 from infra.storage import StorageError, open_store
 
 EXIT_NO_CHECKPOINT = 3
@@ -21,8 +26,11 @@ EXIT_NO_CHECKPOINT = 3
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m infra.node restore", description=__doc__.splitlines()[0])
     parser.add_argument("--url", required=True, help="the run's checkpoint root URL")
-    parser.add_argument("--dest", required=True, type=Path, help="local dir; the step lands in DEST/step-XXXXXXXX/")
+    parser.add_argument("--dest", required=True, type=Path, help="the node's checkpoint dir: the checkpoint lands in "
+                        "DEST/<its name>")
     parser.add_argument("--step", type=int, help="restore this committed step instead of the newest")
+    parser.add_argument("--sync-dir", type=Path, help="the node's sync dir: the syncer learns what was restored")
+    parser.add_argument("--format", choices=FORMATS, default="auto", help="the job's checkpoint format")
     args = parser.parse_args(argv)
 
     started = time.monotonic()
@@ -39,8 +47,11 @@ def main(argv: list[str]) -> int:
         return fail(f"restore: {exc}")
     except OSError as exc:
         return fail(f"restore: {exc.filename or args.dest}: {exc.strerror or exc}: fix --dest or free disk space")
+    if args.sync_dir is not None:
+        # What the node's syncer will see in the checkpoint dir now is the committed step: never shipped again.
+        write_restored(args.sync_dir, manifest.step, Detector(args.dest, args.format).scan())
     for warning in warnings:
         print(f"restore: warning: {warning}", file=sys.stderr, flush=True)
-    emit("restored", step=manifest.step, path=str(path), bytes=manifest.total_bytes,
+    emit("restored", step=manifest.step, path=str(path), name=manifest.ref.name, bytes=manifest.total_bytes,
          seconds=round(time.monotonic() - started, 3), config_hash=manifest.config_hash, warnings=warnings)
     return 0

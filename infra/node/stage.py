@@ -1,25 +1,197 @@
-"""`stage`: pull the dataset's shards from the object store onto this node's local disk, verified.
+"""`stage`: mirror this node's files of the run's dataset snapshot into its data dir, verified.
 
-Runs on the node, so the bytes travel store → node directly; the orchestrator only sees progress events.
+Runs on the node, so the bytes travel store → node directly; the orchestrator only sees progress events. The data
+dir ends up holding exactly the node's selected files (replicate: every snapshot file; split: its share) under their
+keys, and nothing else; <workdir>/data-files.txt lists them, one path per line relative to the data dir. Objects
+come from the node's cache when it holds the same bytes (by checksum); the rest are fetched in parallel parts,
+verified against the snapshot's checksum, and adopted into the cache for the next run.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from infra.dataset.manifest import DatasetError, load_manifest
+from infra.dataset.assign import assign
+from infra.dataset.checksums import file_matches, hasher
+from infra.dataset.manifest import DatasetError
+from infra.dataset.snapshot import DatasetSnapshot, SnapshotFile, check_unchanged, read_snapshot
+from infra.dataset.stagecache import CacheBusy, ObjectCache, link_into
 from infra.node.events import Throttle, emit, fail
 from infra.storage import StorageError, open_store
-from infra.storage.transfer import FileSpec, Progress, download
+from infra.storage.base import ChecksumMismatch, ObjectStore
+from infra.storage.transfer import DEFAULT_PART_SIZE, TICK_S, FileSpec, Progress, call_with_retries, download
 
-MANIFEST = "manifest.json"
+log = logging.getLogger(__name__)
+
+FILES_LIST = "data-files.txt"
+_VERIFY_THREADS = 4
+
+
+def _spec(file: SnapshotFile) -> FileSpec:
+    algorithm, _, digest = file.checksum.partition(":")
+    # The engine checks sha256 while it writes; other checksums are checked here once the file is whole.
+    return FileSpec(file.key, file.size, digest if algorithm == "sha256" else None)
+
+
+def _changed_during_staging(snapshot: DatasetSnapshot, file: SnapshotFile, what: str) -> DatasetError:
+    return DatasetError(f"{snapshot.file_url(file)}: {what} differs from the run's snapshot ({file.checksum}): the "
+                        "object changed after the run was planned: restore it, or start a new run (a new run id)")
+
+
+def _open_cache(cache_dir: Path, workdir: Path) -> ObjectCache:
+    try:
+        return ObjectCache(cache_dir)
+    except CacheBusy:
+        # Another run is staging on this machine now: this one keeps its own cache rather than wait.
+        own = workdir / "dataset-cache"
+        log.info("%s is in use by another stager: caching in %s instead", cache_dir, own)
+        return ObjectCache(own)
+
+
+def _mirror(data_dir: Path, mine: list[SnapshotFile], cache: ObjectCache) -> None:
+    """data_dir holds exactly the node's files, each linked to its cached object; anything else is removed."""
+    wanted = {file.key for file in mine}
+    for file in mine:
+        target = data_dir / file.key
+        source = cache.path(file.checksum)
+        if target.is_file() and os.path.samefile(source, target):
+            continue
+        link_into(source, target)
+    for directory, subdirs, names in os.walk(data_dir, topdown=False):
+        for name in names:
+            path = Path(directory) / name
+            if path.relative_to(data_dir).as_posix() not in wanted:
+                path.unlink()
+        for name in subdirs:
+            path = Path(directory) / name
+            if not any(path.iterdir()):
+                path.rmdir()
+
+
+def _write_files_list(path: Path, mine: list[SnapshotFile]) -> None:
+    temp = path.with_name(f".{path.name}.tmp")
+    temp.write_text("".join(f"{file.key}\n" for file in mine))
+    os.replace(temp, path)
+
+
+class _Fetched:
+    """Bytes and files fetched so far, for one progress line across both kinds of fetch."""
+
+    def __init__(self, files: list[SnapshotFile], progress: Callable[[Progress], None] | None) -> None:
+        self.bytes_total, self.files_total = sum(f.size for f in files), len(files)
+        self.bytes = self.files = 0
+        self.started = time.monotonic()
+        self._progress = progress
+        self._throttle = Throttle(TICK_S)
+        self._lock = threading.Lock()
+
+    def add(self, size: int) -> None:
+        with self._lock:
+            self.bytes += size
+            self.files += 1
+        if self._throttle.ready():
+            self.report(0, 0)
+
+    def report(self, extra_bytes: int, extra_files: int) -> None:
+        if self._progress is not None:
+            self._progress(Progress(self.bytes + extra_bytes, self.bytes_total, self.files + extra_files,
+                                    self.files_total, time.monotonic() - self.started))
+
+
+def _fetch_small(store: ObjectStore, snapshot: DatasetSnapshot, files: list[SnapshotFile], cache: ObjectCache,
+                 workers: int, fetched: _Fetched) -> None:
+    """Objects of at most one part: one GET each, checked in memory against the snapshot, straight into the cache.
+
+    (The transfer engine would first HEAD every object whose sha256 it is not given: twice the requests.)"""
+    def fetch(file: SnapshotFile) -> None:
+        url = snapshot.file_url(file)
+        data = call_with_retries(lambda: store.get_bytes(file.key), f"GET {url}")
+        digest = hasher(file.checksum)
+        digest.update(data)
+        algorithm = file.checksum.partition(":")[0]
+        if len(data) != file.size or f"{algorithm}:{digest.hexdigest()}" != file.checksum:
+            raise _changed_during_staging(snapshot, file, "size" if len(data) != file.size else algorithm)
+        landed = cache.incoming / file.key
+        landed.parent.mkdir(parents=True, exist_ok=True)
+        landed.write_bytes(data)
+        cache.adopt(landed, file.checksum)
+        fetched.add(file.size)
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(fetch, files))
+
+
+def stage(snapshot: DatasetSnapshot, mine: list[SnapshotFile], data_dir: Path, cache: ObjectCache, *,
+          run: str, workers: int, progress: Callable[[Progress], None] | None = None) -> dict[str, object]:
+    """Make data_dir the mirror of the node's files; returns the `staged` event's fields."""
+    started = time.monotonic()
+    store = open_store(snapshot.url)
+    check_unchanged(snapshot, store, run, keys={file.key for file in mine})
+
+    def verified_in_cache(file: SnapshotFile) -> bool:
+        if cache.lookup(file.checksum, file.size) is not None:
+            return True
+        # Resume: a file an interrupted stage fetched completely is adopted once its checksum matches.
+        landed = cache.incoming / file.key
+        if landed.is_file() and landed.stat().st_size == file.size and file_matches(landed, file.checksum):
+            cache.adopt(landed, file.checksum)
+            return True
+        return False
+
+    with ThreadPoolExecutor(max_workers=_VERIFY_THREADS) as pool:
+        cached = list(pool.map(verified_in_cache, mine))
+    # The same bytes under two keys are fetched once.
+    fetch = list({file.checksum: file for file, hit in zip(mine, cached, strict=True) if not hit}.values())
+    cache.make_room(sum(file.size for file in fetch), keep={cache.name(file.checksum) for file in mine})
+    fetched = _Fetched(fetch, progress)
+    _fetch_small(store, snapshot, [f for f in fetch if f.size <= DEFAULT_PART_SIZE], cache, workers, fetched)
+    large = [f for f in fetch if f.size > DEFAULT_PART_SIZE]
+    try:
+        download(store, [_spec(file) for file in large], cache.incoming, workers=workers,
+                 progress=lambda p: fetched.report(p.bytes_done, p.files_done))
+    except ChecksumMismatch as exc:
+        raise DatasetError(f"{exc}: the object changed after the run was planned: restore it, or start a new run "
+                           "(a new run id)") from None
+
+    def adopt(file: SnapshotFile) -> None:
+        landed = cache.incoming / file.key
+        if not file.checksum.startswith("sha256:") and not file_matches(landed, file.checksum):
+            landed.unlink()
+            raise _changed_during_staging(snapshot, file, file.checksum.partition(":")[0])
+        cache.adopt(landed, file.checksum)
+
+    with ThreadPoolExecutor(max_workers=_VERIFY_THREADS) as pool:
+        list(pool.map(adopt, large))
+    fetch_s = time.monotonic() - fetched.started
+    fetched.report(sum(f.size for f in large), len(large))
+    # Nothing above is trusted after a crash until it is on disk: one flush for every file, before the index.
+    os.sync()
+    cache.save()
+    _mirror(data_dir, mine, cache)
+    moved = sum(file.size for file in fetch)
+    total = sum(file.size for file in mine)
+    return {"files": len(mine), "bytes": moved, "skipped_files": len(mine) - len(fetch), "skipped_bytes": total - moved,
+            "node_bytes": total, "seconds": round(time.monotonic() - started, 3),
+            "mb_per_s": round(moved / 1e6 / fetch_s, 1) if fetch and fetch_s > 0 else 0.0}
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m infra.node stage")
-    parser.add_argument("--dataset", required=True, help="dataset root URL (holds manifest.json)")
-    parser.add_argument("--dest", required=True, type=Path, help="node-local directory to fill")
+    parser.add_argument("--snapshot", required=True, help="URL of the run's dataset snapshot")
+    parser.add_argument("--rank", type=int, required=True, help="this node's rank")
+    parser.add_argument("--nodes", type=int, required=True, help="nodes in the cluster")
+    parser.add_argument("--shard", choices=("replicate", "split"), default="replicate")
+    parser.add_argument("--dest", required=True, type=Path, help="the node's data dir: becomes the mirror")
+    parser.add_argument("--workdir", required=True, type=Path, help=f"the node's workdir: {FILES_LIST} goes here")
+    parser.add_argument("--cache", required=True, type=Path, help="the node's object cache (kept across runs)")
+    parser.add_argument("--run", default="the run", help="run id, for error messages")
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--progress-interval", type=float, default=2.0)
     args = parser.parse_args(argv)
@@ -33,14 +205,13 @@ def main(argv: list[str]) -> int:
                  mb_per_s=round(progress.mb_per_s, 1), eta_s=round(progress.eta_s, 1))
 
     try:
-        store = open_store(args.dataset)
-        manifest = load_manifest(store)
-        shards = [FileSpec(shard.name, shard.bytes, shard.sha256) for shard in manifest.shards]
-        result = download(store, shards, args.dest, workers=args.workers, progress=report)
-        # The manifest goes last, so a dest dir holding a manifest holds every shard it lists.
-        (args.dest / MANIFEST).write_text(manifest.model_dump_json(indent=2))
+        snapshot = read_snapshot(args.snapshot)
+        mine = assign(snapshot.files, args.shard, args.nodes)[args.rank]
+        args.dest.mkdir(parents=True, exist_ok=True)
+        with _open_cache(args.cache, args.workdir) as cache:
+            staged = stage(snapshot, mine, args.dest, cache, run=args.run, workers=args.workers, progress=report)
+        _write_files_list(args.workdir / FILES_LIST, mine)
     except (DatasetError, StorageError) as exc:
         return fail(str(exc))
-    emit("staged", files=len(result.files), bytes=result.bytes_moved, skipped_files=result.files_skipped,
-         skipped_bytes=result.bytes_skipped, seconds=round(result.seconds, 3), mb_per_s=round(result.mb_per_s, 1))
+    emit("staged", **staged)
     return 0

@@ -1,17 +1,24 @@
-"""`sync`: the node-side sidecar that uploads completed checkpoint steps while training goes on.
+"""`sync`: the node-side sidecar that ships complete checkpoints to the store while training goes on.
 
-Every node uploads its own part of each step and then its upload record; the syncer of node rank 0 is the
-committer: once every node's record of a step exists it writes the manifest (the commit), moves `latest`
-and applies the store retention. What was uploaded is remembered in a state file in the checkpoint dir,
-so a restarted (or killed) syncer resumes without uploading a step twice.
+The training script writes checkpoints into the node's checkpoint dir the way its framework does
+(infra.checkpoint_formats says which are complete). The syncer of node rank 0 is the coordinator: it sees each
+framework's completion signal (DCP's `.metadata`, HF's `trainer_state.json`, a closed Lightning `.ckpt`, a
+marker, ...), numbers the checkpoint, announces it in the store, ships its own part and, once every node named
+in the announcement has uploaded its record for this attempt, commits it (the manifest), moves `latest` and
+applies the store retention. Every other node's syncer ships its part of each announced checkpoint once that part
+has settled locally.
+
+What was shipped is remembered in a state file in the sync dir (outside the checkpoint dir, which is the script's
+alone), so a restarted syncer resumes without shipping a checkpoint twice; a checkpoint restored onto the node
+before training (restore writes RESTORED into the sync dir) is never shipped again.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
-import re
 import signal
 import threading
 import time
@@ -19,77 +26,112 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
+from infra.checkpoint_formats import (
+    FORMATS,
+    Detector,
+    Found,
+    file_is_whole,
+    files_open_for_writing,
+    own_required,
+    part_files,
+    part_settled,
+    required_files,
+)
 from infra.checkpoints import (
-    SAVE_LEASE,
     UPLOAD_LEASE,
+    Announcement,
     CheckpointError,
+    CheckpointRef,
     CheckpointStore,
+    FileEntry,
     clear_lease,
-    leased_step,
     step_name,
     write_lease,
 )
 from infra.node.events import emit, fail
 from infra.storage import StorageError, open_store
-from infra.storage.transfer import RetryPolicy, call_with_retries
+from infra.storage.transfer import RetryPolicy, call_with_retries, sha256_file
 
 log = logging.getLogger(__name__)
 
-MARKER = re.compile(r"^step-(\d{8,})\.complete$")
 EXIT_COMMIT_TIMEOUT = 2
-# Longer than the transfer engine's per-request policy: this wraps whole steps, and a sidecar can afford to
-# ride out a store outage of a minute or so rather than give up on a checkpoint.
+# Longer than the transfer engine's per-request policy: this wraps whole checkpoints, and a sidecar can afford to
+# ride out a store outage of a minute or so rather than give up on one.
 STEP_RETRY = RetryPolicy(attempts=6, base_s=0.5, max_s=30.0)
+# A node with nothing of an announced checkpoint on its disk ships an empty part after this long: long enough for
+# its own ranks' files of a save that has just finished everywhere to appear.
+EMPTY_PART_GRACE_S = 5.0
+RESTORED = "restored.json"
+STOP_FILE = "stop"  # in the sync dir: the orchestrator (or the node's watcher) asks the syncer to flush and exit
 
 
-class StepMarker(BaseModel):
-    """`<ckpt_dir>/step-XXXXXXXX.complete`, written by the trainer once its part of the step is on disk."""
-
-    model_config = ConfigDict(frozen=True)
+class Shipped(BaseModel):
+    """One version of one checkpoint this node has shipped its part of (or found already committed)."""
 
     step: int = Field(ge=0)
-    world_size: int = Field(ge=1)
-    node_rank: int = Field(ge=0)
-    files: list[str]
+    name: str
+    version: int
 
 
 class SyncState(BaseModel):
-    """What this node's syncer has done for one checkpoint URL; steps map to their marker's mtime_ns."""
+    """What this node's syncer has done for one checkpoint URL and attempt."""
 
     url: str
     node_rank: int
-    uploaded: dict[int, int] = Field(default_factory=dict)
+    attempt: str = ""
+    shipped: list[Shipped] = Field(default_factory=list)
     newest_committed: int | None = None
+    newest_step: int | None = None  # the highest step number given out (the coordinator numbers checkpoints)
+
+    def has(self, name: str, version: int) -> bool:
+        return any(s.name == name and s.version == version for s in self.shipped)
+
+    def has_step(self, step: int) -> bool:
+        return any(s.step == step for s in self.shipped)
 
 
 @dataclass(frozen=True)
 class SyncConfig:
     ckpt_dir: Path
+    sync_dir: Path
     url: str
     node_rank: int
     nodes: int
-    world_size: int
+    procs_per_node: int
+    attempt: str
     config_hash: str
     keep: int
+    format: str
     poll_s: float
     stop_file: Path | None
     commit_timeout_s: float
     flush_deadline_s: float = 20.0
+    metrics_file: Path | None = None
 
     @property
     def state_path(self) -> Path:
-        return state_path(self.ckpt_dir, self.node_rank)
+        return state_path(self.sync_dir, self.node_rank)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+    @property
+    def own_ranks(self) -> range:
+        # torchrun with a static --node-rank gives each node a contiguous block of global ranks.
+        start = self.node_rank * self.procs_per_node
+        return range(start, start + self.procs_per_node)
 
 
 class SyncError(Exception):
     """A permanent failure of the syncer; the message is one line naming the thing and the fix."""
 
 
-def state_path(ckpt_dir: Path, node_rank: int) -> Path:
+def state_path(sync_dir: Path, node_rank: int) -> Path:
     """The node's sync state file; a trainer in checkpoint mode direct reads it to wait for its uploads."""
-    return ckpt_dir / f".sync-state-node-{node_rank}.json"
+    return sync_dir / f"sync-state-node-{node_rank}.json"
 
 
 def read_state(path: Path) -> SyncState | None:
@@ -104,28 +146,77 @@ def read_state(path: Path) -> SyncState | None:
         raise SyncError(f"{path}: corrupt sync state ({exc.errors()[0]['msg']}): delete it to re-upload") from None
 
 
+def write_restored(sync_dir: Path, step: int, found: list[Found]) -> None:
+    """Restore's note to the syncer: these checkpoint versions on the node are the committed step `step`."""
+    sync_dir.mkdir(parents=True, exist_ok=True)
+    entries = [{"step": step, "name": f.name, "version": f.version} for f in found]
+    (sync_dir / RESTORED).write_text(json.dumps({"step": step, "checkpoints": entries}))
+
+
+def _last_metrics_step(path: Path | None) -> int | None:
+    """The newest step the script reported in its metrics file: the number of a checkpoint whose name has none."""
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - 65536))
+            tail = handle.read().decode(errors="replace").splitlines()
+    except FileNotFoundError:
+        return None
+    for line in reversed(tail):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            return int(record["step"])
+    return None
+
+
 class Syncer:
     def __init__(self, config: SyncConfig, checkpoints: CheckpointStore) -> None:
         self.config = config
         self.checkpoints = checkpoints
+        self.detector = Detector(config.ckpt_dir, config.format)
         self.state = self._load_state()
-        self.skipped: set[tuple[int, int]] = set()  # (step, marker mtime_ns): pruned before upload
+        self.gone: set[tuple[str, int]] = set()  # (name, version) deleted locally before it could be shipped
+        self.first_seen: dict[int, float] = {}  # announced step -> when this node first saw the announcement
         # An Event rather than a flag so a stop request (SIGTERM) also cuts the poll sleep short.
         self.stop_requested = threading.Event()
-        self.waited_for: set[int] = set()  # trainer saves a stop already waited for (logged once each)
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.config.node_rank == 0
 
     # ---- state --------------------------------------------------------------------------------------------
 
     def _load_state(self) -> SyncState:
-        path = self.config.state_path
-        fresh = SyncState(url=self.config.url, node_rank=self.config.node_rank)
-        state = read_state(path)
-        if state is None:
-            return fresh
-        if state.url != self.config.url or state.node_rank != self.config.node_rank:
-            # A checkpoint dir reused by another run: its uploads went elsewhere, so they do not count here.
-            log.info("%s: state is for %s node %d: starting fresh", path, state.url, state.node_rank)
-            return fresh
+        config = self.config
+        fresh = SyncState(url=config.url, node_rank=config.node_rank, attempt=config.attempt)
+        state = read_state(config.state_path)
+        if state is None or (state.url, state.node_rank, state.attempt) != (config.url, config.node_rank,
+                                                                             config.attempt):
+            if state is not None:
+                log.info("%s: state is for %s node %d attempt %s: starting fresh", config.state_path, state.url,
+                         state.node_rank, state.attempt)
+            state = fresh
+        return self._with_restored(state)
+
+    def _with_restored(self, state: SyncState) -> SyncState:
+        """What restore put on the node is committed already: never shipped again, numbered at or below it."""
+        try:
+            note = json.loads((self.config.sync_dir / RESTORED).read_text())
+        except FileNotFoundError:
+            return state
+        except json.JSONDecodeError as exc:
+            raise SyncError(f"{self.config.sync_dir / RESTORED}: corrupt ({exc.msg}): delete it") from None
+        step = int(note["step"])
+        for entry in note["checkpoints"]:
+            if not state.has(entry["name"], entry["version"]):
+                state.shipped.append(Shipped(step=step, name=entry["name"], version=entry["version"]))
+        state.newest_committed = max(step, state.newest_committed or step)
+        state.newest_step = max(step, state.newest_step or step)
         return state
 
     def _save_state(self) -> None:
@@ -134,244 +225,269 @@ class Syncer:
         temp.write_text(self.state.model_dump_json())
         os.replace(temp, path)
 
-    # ---- local steps --------------------------------------------------------------------------------------
+    # ---- shipping a part ----------------------------------------------------------------------------------
 
-    def _complete_steps(self) -> dict[int, Path]:
-        """Steps whose marker exists locally, keyed by step, with the marker path."""
-        found = {}
-        for entry in os.scandir(self.config.ckpt_dir):
-            match = MARKER.match(entry.name)
-            if match:
-                found[int(match.group(1))] = Path(entry.path)
-        return found
-
-    def _read_marker(self, step: int, path: Path) -> StepMarker | None:
-        """The marker, or None when local retention removed it after it was listed."""
-        try:
-            marker = StepMarker.model_validate_json(path.read_bytes())
-        except FileNotFoundError:
-            return None
-        except ValidationError as exc:
-            raise SyncError(
-                f"{path}: corrupt step marker ({exc.errors()[0]['msg']}): "
-                "the trainer writes markers atomically; delete it if the step is damaged"
-            ) from None
-        problems = [
-            f"step {marker.step} (file name says {step})" if marker.step != step else "",
-            f"node_rank {marker.node_rank} (--node-rank is {self.config.node_rank})"
-            if marker.node_rank != self.config.node_rank
-            else "",
-            f"world_size {marker.world_size} (--world-size is {self.config.world_size})"
-            if marker.world_size != self.config.world_size
-            else "",
-        ]
-        if any(problems):
-            raise SyncError(
-                f"{path}: marker says {', '.join(p for p in problems if p)}: "
-                "point --ckpt-dir at this node's checkpoint dir and pass this job's ranks"
-            )
-        return marker
-
-    @staticmethod
-    def _mtime_ns(path: Path) -> int | None:
-        try:
-            return path.stat().st_mtime_ns
-        except FileNotFoundError:
-            return None
-
-    # ---- uploading ----------------------------------------------------------------------------------------
-
-    def upload_pending(self) -> None:
-        """Upload every locally complete step this node has not uploaded yet, oldest first."""
-        complete = self._complete_steps()
-        self._forget_removed_steps(complete)
-        newest = self.state.newest_committed
-        for step, marker_path in sorted(complete.items()):
-            if newest is not None and step <= newest:
-                continue  # committed, or superseded by a newer commit (the committer forgot its upload)
-            mtime_ns = self._mtime_ns(marker_path)
-            # A re-written marker (the trainer saved this step again after a resume) is a new upload.
-            if mtime_ns is None or (step, mtime_ns) in self.skipped or self.state.uploaded.get(step) == mtime_ns:
+    def _listing(self, ref: CheckpointRef) -> tuple[Path, dict[str, tuple[int, int]]]:
+        """Where a checkpoint's files are relative to, and each file's size and mtime_ns as they are now."""
+        local = self.config.ckpt_dir / ref.name
+        root, names = (local, part_files(local)) if ref.kind == "dir" else (local.parent, [local.name])
+        listing = {}
+        for name in names:
+            try:
+                stat = (root / name).stat()
+            except FileNotFoundError:
                 continue
-            marker = self._read_marker(step, marker_path)
-            if marker is not None:
-                self._upload_step(marker, marker_path, mtime_ns)
+            listing[name] = (stat.st_size, stat.st_mtime_ns)
+        return root, listing
 
-    def _forget_removed_steps(self, complete: dict[int, Path]) -> None:
-        # Local retention removed these markers; the committer still needs its uploads it has not committed.
-        newest = self.state.newest_committed
-        keep_pending = self.config.node_rank == 0
-        gone = [
-            step
-            for step in self.state.uploaded
-            if step not in complete and not (keep_pending and (newest is None or step > newest))
-        ]
-        for step in gone:
-            del self.state.uploaded[step]
-        if gone:
-            self._save_state()
-
-    def _skip(self, step: int, mtime_ns: int, step_dir: Path) -> None:
-        log.warning(
-            "%s: deleted by local retention before upload (a newer step is complete): skipping step %d", step_dir, step
-        )
-        self.skipped.add((step, mtime_ns))
-        emit("skipped", step=step, reason="deleted locally before upload")
-
-    def _upload_step(self, marker: StepMarker, marker_path: Path, mtime_ns: int) -> None:
-        step_dir = self.config.ckpt_dir / step_name(marker.step)
-        if not step_dir.is_dir():
-            self._skip(marker.step, mtime_ns, step_dir)
-            return
+    def _ship(self, step: int, ref: CheckpointRef, version: int, own_part_required: bool) -> bool:
+        """Upload this node's part of a checkpoint and its record; False when it changed or vanished locally
+        meanwhile (the script's own retention, or a rewrite), which ships nothing."""
+        config = self.config
+        root, before = self._listing(ref)
+        if own_part_required and not before:
+            return self._gone(step, ref, version)
         started = time.monotonic()
-        # The lease keeps the trainer's local retention off this step while it uploads (see UPLOAD_LEASE).
-        write_lease(self.config.ckpt_dir, UPLOAD_LEASE, marker.step)
+        write_lease(config.sync_dir, UPLOAD_LEASE, step)
         try:
-            record = call_with_retries(
-                lambda: self.checkpoints.upload_node_part(step_dir, marker.step, self.config.node_rank, marker.files),
-                f"upload of {step_dir}",
-                STEP_RETRY,
-            )
+            files = call_with_retries(lambda: self.checkpoints.upload_files(root, step, sorted(before)),
+                                      f"upload of {config.ckpt_dir / ref.name}", STEP_RETRY)
         except (StorageError, OSError):
-            # Local retention removes the marker before the dir, so a missing marker means "pruned", even
-            # while the dir is still being deleted (it got there between the listing and the lease).
-            if not (marker_path.exists() and step_dir.is_dir()):
-                self._skip(marker.step, mtime_ns, step_dir)
-                return
+            if self._listing(ref)[1] != before:
+                return self._gone(step, ref, version)
             raise
         finally:
-            clear_lease(self.config.ckpt_dir, UPLOAD_LEASE)
+            clear_lease(config.sync_dir, UPLOAD_LEASE)
+        # Files deleted while they were listed or uploaded would leave the part short: only an unchanged part counts.
+        if self._listing(ref)[1] != before or (ref.kind == "file" and not self._still_as_uploaded(root, files)):
+            return self._gone(step, ref, version)
+        record = call_with_retries(lambda: self.checkpoints.write_record(step, config.node_rank, files,
+                                                                         config.attempt),
+                                   f"upload record of step {step}", STEP_RETRY)
         seconds = time.monotonic() - started
         size = sum(entry.bytes for entry in record.files)
-        self.state.uploaded[marker.step] = mtime_ns
+        self.state.shipped.append(Shipped(step=step, name=ref.name, version=version))
         self._save_state()
-        emit(
-            "uploaded",
-            step=marker.step,
-            node_rank=self.config.node_rank,
-            files=len(record.files),
-            bytes=size,
-            seconds=round(seconds, 3),
-            mb_per_s=round(size / 1e6 / seconds, 1) if seconds > 0 else None,
-        )
+        emit("uploaded", step=step, name=ref.name, node_rank=config.node_rank, files=len(record.files), bytes=size,
+             seconds=round(seconds, 3), mb_per_s=round(size / 1e6 / seconds, 1) if seconds > 0 and size else None)
+        return True
 
-    # ---- committing (node rank 0) -------------------------------------------------------------------------
+    @staticmethod
+    def _still_as_uploaded(root: Path, files: list[FileEntry]) -> bool:
+        """A file rewritten in place may be read mid-rewrite within one mtime tick: its bytes now, closed and whole,
+        must be the bytes that were uploaded."""
+        for entry in files:
+            path = root / entry.path
+            writing = files_open_for_writing(root) or set()
+            if path.resolve() in writing or not file_is_whole(path) or sha256_file(path) != entry.sha256:
+                return False
+        return True
 
-    def pending_commits(self) -> list[int]:
-        """Steps this node uploaded that are newer than the newest commit (older ones are superseded)."""
-        newest = self.state.newest_committed
-        return sorted(step for step in self.state.uploaded if newest is None or step > newest)
+    def _gone(self, step: int, ref: CheckpointRef, version: int) -> bool:
+        log.warning("%s: deleted or rewritten locally before it was uploaded: skipping step %d",
+                    self.config.ckpt_dir / ref.name, step)
+        self.gone.add((ref.name, version))
+        emit("skipped", step=step, name=ref.name, reason="deleted or rewritten locally before upload")
+        if self.is_coordinator:
+            self._withdraw(step)  # its own part will never come: nobody waits for it
+        return False
 
-    def commit_pending(self) -> None:
+    def _withdraw(self, step: int) -> None:
+        call_with_retries(lambda: self.checkpoints.withdraw(step), f"withdrawing step {step}", STEP_RETRY)
+
+    def withdraw_unshipped(self) -> None:
+        """On a (re)start, the coordinator's announcements it never shipped its part of came from an incarnation
+        that died first: withdrawn, so no node waits for them. What is still complete is found and announced again."""
+        for announcement in self.checkpoints.announcements(self.config.attempt):
+            if not self.state.has_step(announcement.step):
+                log.info("withdrawing step %d (%s): announced before a restart, never shipped", announcement.step,
+                         announcement.checkpoint.name)
+                self._withdraw(announcement.step)
+
+    # ---- the coordinator: find, number, announce, ship, commit --------------------------------------------
+
+    def _number(self, found: Found) -> int:
+        newest = self.state.newest_step
+        if found.step is not None:
+            return found.step
+        reported = _last_metrics_step(self.config.metrics_file)
+        if reported is not None and (newest is None or reported > newest):
+            return reported
+        return 0 if newest is None else newest + 1
+
+    def find_and_ship(self) -> None:
+        for found in self.detector.scan():
+            if self.state.has(found.name, found.version) or (found.name, found.version) in self.gone:
+                continue
+            step = self._number(found)
+            newest = self.state.newest_committed
+            if (newest is not None and step <= newest) or self.state.has_step(step):
+                # Older than what is committed (or already taken by an earlier version): nothing to ship.
+                log.info("%s (step %d): not newer than committed step %s: not shipped", found.name, step, newest)
+                self.state.shipped.append(Shipped(step=step, name=found.name, version=found.version))
+                self._save_state()
+                continue
+            ref = CheckpointRef(name=found.name, kind=found.kind, format=found.format)
+            # Folders are written by every node; a file checkpoint by global rank 0 alone.
+            nodes = list(range(self.config.nodes)) if found.kind == "dir" else [0]
+            required = required_files(found.path(self.config.ckpt_dir), self.config.world_size) \
+                if found.kind == "dir" else []
+            announcement = Announcement(step=step, checkpoint=ref, attempt=self.config.attempt, nodes=nodes,
+                                        required=required, announced_at=time.time())
+            call_with_retries(lambda a=announcement: self.checkpoints.announce(a),
+                              f"announcement of step {step}", STEP_RETRY)
+            self.state.newest_step = max(step, self.state.newest_step or step)
+            emit("announced", step=step, name=found.name, format=found.format, nodes=nodes)
+            self._ship(step, ref, found.version, own_part_required=True)
+
+    def commit_pending(self) -> list[int | str]:
+        """Commit every announced step all of whose parts are in; returns the steps still waiting."""
         config = self.config
-        for step in self.pending_commits():
-            manifest = call_with_retries(
-                lambda step=step: self.checkpoints.try_commit(
-                    step, config.nodes, config.world_size, config.config_hash
-                ),
-                f"commit of {self.checkpoints.store.url_for(step_name(step))}",
-                STEP_RETRY,
-            )
+        waiting: list[int | str] = []
+        for announcement in call_with_retries(lambda: self.checkpoints.announcements(config.attempt),
+                                              "listing announcements", STEP_RETRY):
+            step = announcement.step
+            newest = self.state.newest_committed
+            if newest is not None and step <= newest:
+                continue  # superseded by a newer commit: retention removes it
+            try:
+                manifest = call_with_retries(
+                    lambda a=announcement: self.checkpoints.try_commit(a.step, a.nodes, config.world_size,
+                                                                       config.config_hash, a.attempt, a.checkpoint,
+                                                                       a.required),
+                    f"commit of {self.checkpoints.store.url_for(step_name(step))}",
+                    STEP_RETRY,
+                )
+            except CheckpointError as exc:
+                log.warning("%s", exc)
+                emit("abandoned", step=step, reason=str(exc))
+                self._withdraw(step)
+                continue
             if manifest is None:
+                waiting.append(step)
                 continue
             self.state.newest_committed = step
-            self._forget_old_steps()
             self._save_state()
-            # Measured from the moment the trainer marked the step complete: what async checkpointing costs.
-            commit_s = time.time() - self.state.uploaded[step] / 1e9
-            emit(
-                "committed",
-                step=step,
-                files=len(manifest.files),
-                bytes=manifest.total_bytes,
-                commit_s=round(commit_s, 3),
-            )
-            deleted = call_with_retries(
-                lambda: self.checkpoints.apply_retention(config.keep),
-                f"retention in {self.checkpoints.store.url}",
-                STEP_RETRY,
-            )
+            emit("committed", step=step, name=announcement.checkpoint.name, files=len(manifest.files),
+                 bytes=manifest.total_bytes, commit_s=round(time.time() - announcement.announced_at, 3))
+            deleted = call_with_retries(lambda: self.checkpoints.apply_retention(config.keep),
+                                        f"retention in {self.checkpoints.store.url}", STEP_RETRY)
             if deleted:
                 emit("retention", deleted=deleted, keep=config.keep)
+        return waiting
 
-    def _forget_old_steps(self) -> None:
-        # Uploads older than the newest commit will never be committed, so the state need not grow with them.
-        newest = self.state.newest_committed
-        if newest is not None:
-            self.state.uploaded = {step: ns for step, ns in self.state.uploaded.items() if step >= newest}
+    # ---- every other node: ship its part of what the coordinator announced ----------------------------------
+
+    def ship_announced(self) -> list[int | str]:
+        """Ship this node's settled parts of announced checkpoints; returns the steps still to ship."""
+        config = self.config
+        pending: list[int | str] = []
+        for announcement in call_with_retries(lambda: self.checkpoints.announcements(config.attempt),
+                                              "listing announcements", STEP_RETRY):
+            ref, step = announcement.checkpoint, announcement.step
+            version = int(announcement.announced_at * 1e9)
+            if config.node_rank not in announcement.nodes or self.state.has_step(step) or (ref.name, version) in \
+                    self.gone:
+                continue
+            first_seen = self.first_seen.setdefault(step, time.monotonic())
+            must_have = own_required(announcement.required, config.own_ranks)
+            if (config.ckpt_dir / ref.name).exists() or must_have:
+                # A part whose files are gone (deleted locally) never settles: that step is not committed.
+                ready = part_settled(config.ckpt_dir, ref.name, ref.format, must_have)
+            else:
+                # Nothing of it here and nothing owed: this node's ranks wrote no file of this checkpoint.
+                ready = time.monotonic() - first_seen >= EMPTY_PART_GRACE_S
+            if not ready:
+                pending.append(step)
+                continue
+            self._ship(step, ref, version, own_part_required=bool(must_have))
+        return pending
 
     # ---- the loop -----------------------------------------------------------------------------------------
 
     def _should_stop(self) -> bool:
         return self.stop_requested.is_set() or (self.config.stop_file is not None and self.config.stop_file.exists())
 
-    def _commit_timeout_error(self, waiting: list[int]) -> str:
-        step = waiting[-1]
-        missing = self.checkpoints.missing_records(step, self.config.nodes)
+    def _timeout_error(self, waiting: list[int | str]) -> str:
+        if not self.is_coordinator:
+            return (f"sync: node {self.config.node_rank}: still waiting for {waiting[0]} after "
+                    f"{self.config.commit_timeout_s:g}s: check node 0's syncer (the coordinator)")
+        step = int(waiting[-1])
+        announcement = next((a for a in self.checkpoints.announcements(self.config.attempt) if a.step == step), None)
+        nodes = announcement.nodes if announcement is not None else range(self.config.nodes)
+        missing = self.checkpoints.missing_records(step, nodes, self.config.attempt)
         where = self.checkpoints.store.url_for(f"{step_name(step)}/_nodes")
         return (
             f"sync: step {step} not committed after {self.config.commit_timeout_s:g}s: no upload record from "
             f"node(s) {', '.join(map(str, missing))} under {where}: check those nodes' syncers"
         )
 
-    def _trainer_still_saving(self, stopped_at: float) -> bool:
-        """A save the trainer had under way when the stop came is worth waiting for, within the flush deadline."""
-        if time.monotonic() - stopped_at > self.config.flush_deadline_s:
+    def _saving(self, stopped_at: float | None) -> bool:
+        """A save the script still had under way when the stop came is worth waiting for, within the deadline."""
+        if stopped_at is None or time.monotonic() - stopped_at > self.config.flush_deadline_s:
             return False
-        step = leased_step(self.config.ckpt_dir, SAVE_LEASE)
-        if step is not None and step not in self.waited_for:
-            self.waited_for.add(step)
-            log.info("stopping: waiting up to %.0fs for the trainer's save of step %d", self.config.flush_deadline_s,
-                     step)
-        return step is not None
+        return bool(files_open_for_writing(self.config.ckpt_dir))
 
     def run(self) -> int:
-        is_committer = self.config.node_rank == 0
+        config = self.config
         deadline: float | None = None
         stopped_at: float | None = None
-        emit("started", node_rank=self.config.node_rank, url=self.config.url, committer=is_committer)
+        final_announced = False
+        emit("started", node_rank=config.node_rank, url=config.url, coordinator=self.is_coordinator,
+             attempt=config.attempt, format=config.format)
+        if self.is_coordinator:
+            self.withdraw_unshipped()
         while True:
-            # Read before scanning: every step complete when the stop was asked for is uploaded first. The
-            # trainer writes a step's marker before it drops its save lease, so a lease gone here means the
-            # marker is there for the scan below.
+            # Read before scanning: every checkpoint complete when the stop was asked for is shipped first.
             stopping = self._should_stop()
             stopped_at = stopped_at if stopped_at is not None or not stopping else time.monotonic()
-            saving = stopped_at is not None and self._trainer_still_saving(stopped_at)
-            self.upload_pending()
-            if is_committer:
-                self.commit_pending()
-            if saving:
-                time.sleep(self.config.poll_s)  # the stop event is set, so waiting on it would not pause
+            done_saving = stopping and not self._saving(stopped_at)
+            if self.is_coordinator:
+                self.find_and_ship()
+                if done_saving and not final_announced:
+                    # Everything complete is announced: the other nodes may stop once their parts are in.
+                    call_with_retries(lambda: self.checkpoints.announce_final(config.attempt),
+                                      "final announcement", STEP_RETRY)
+                    final_announced = True
+                waiting = self.commit_pending()
+            else:
+                # Read before listing: the coordinator writes every announcement before the final one.
+                final = done_saving and call_with_retries(lambda: self.checkpoints.is_final(config.attempt),
+                                                          "reading the final announcement", STEP_RETRY)
+                waiting = self.ship_announced()
+                if done_saving and not final:
+                    waiting = waiting or ["the coordinator's final announcement"]
+            if stopping and not done_saving:
+                time.sleep(config.poll_s)  # the stop event is set, so waiting on it would not pause
                 continue
             if stopping:
-                waiting = self.pending_commits() if is_committer else []
                 if not waiting:
-                    emit(
-                        "stopped",
-                        node_rank=self.config.node_rank,
-                        uploaded=sorted(self.state.uploaded),
-                        newest_committed=self.state.newest_committed,
-                    )
+                    emit("stopped", node_rank=config.node_rank, shipped=sorted({s.step for s in self.state.shipped}),
+                         newest_committed=self.state.newest_committed)
                     return 0
-                deadline = deadline if deadline is not None else time.monotonic() + self.config.commit_timeout_s
+                deadline = deadline if deadline is not None else time.monotonic() + config.commit_timeout_s
                 if time.monotonic() > deadline:
-                    return fail(self._commit_timeout_error(waiting), EXIT_COMMIT_TIMEOUT)
-            self.stop_requested.wait(self.config.poll_s)
+                    return fail(self._timeout_error(waiting), EXIT_COMMIT_TIMEOUT)
+            self.stop_requested.wait(config.poll_s)
 
 
 def _parse(argv: list[str]) -> SyncConfig:
     parser = argparse.ArgumentParser(prog="python -m infra.node sync", description=__doc__.splitlines()[0])
-    parser.add_argument("--ckpt-dir", required=True, type=Path, help="this node's local checkpoint dir")
+    parser.add_argument("--ckpt-dir", required=True, type=Path, help="this node's local checkpoint dir (the script's)")
+    parser.add_argument("--sync-dir", required=True, type=Path, help="where the syncer keeps its state and leases")
     parser.add_argument("--url", required=True, help="the run's checkpoint root URL")
     parser.add_argument("--node-rank", required=True, type=int)
-    parser.add_argument("--nodes", required=True, type=int, help="nodes whose records a commit needs")
-    parser.add_argument("--world-size", required=True, type=int, help="training processes in all")
-    parser.add_argument("--config-hash", required=True, help="recorded in each manifest (JobSpec.config_hash())")
+    parser.add_argument("--nodes", required=True, type=int, help="nodes of the cluster")
+    parser.add_argument("--procs-per-node", type=int, default=1, help="training processes per node")
+    parser.add_argument("--attempt", required=True, help="this attempt's id: commits take only its records")
+    parser.add_argument("--config-hash", required=True, help="recorded in each manifest")
     parser.add_argument("--keep", required=True, type=int, help="committed checkpoints kept in the store")
+    parser.add_argument("--format", choices=FORMATS, default="auto", help="how complete checkpoints are recognised")
+    parser.add_argument("--metrics-file", type=Path, help="the script's metrics: numbers checkpoints without a step")
     parser.add_argument("--poll", type=float, default=0.5, help="seconds between scans of --ckpt-dir")
     parser.add_argument("--stop-file", type=Path, help="finish uploading and exit once this file exists")
     parser.add_argument(
-        "--commit-timeout", type=float, default=600.0, help="on stop, node 0 waits this long for other nodes' records"
+        "--commit-timeout", type=float, default=600.0, help="on stop, how long to wait for other nodes' parts"
     )
     parser.add_argument(
         "--flush-deadline", type=float, default=20.0, help="on stop, wait this long for a save under way"
@@ -379,33 +495,39 @@ def _parse(argv: list[str]) -> SyncConfig:
     args = parser.parse_args(argv)
     if not 0 <= args.node_rank < args.nodes:
         parser.error(f"--node-rank {args.node_rank}: must be in [0, --nodes={args.nodes})")
-    if args.poll <= 0 or args.commit_timeout < 0 or args.flush_deadline < 0:
+    if args.poll <= 0 or args.commit_timeout < 0 or args.flush_deadline < 0 or args.procs_per_node < 1:
         parser.error(
             f"--poll {args.poll:g} / --commit-timeout {args.commit_timeout:g} / --flush-deadline "
-            f"{args.flush_deadline:g}: use a poll > 0 and timeouts >= 0"
+            f"{args.flush_deadline:g} / --procs-per-node {args.procs_per_node}: use a poll > 0, timeouts >= 0 and "
+            "at least one process per node"
         )
     if args.keep < 1:
         parser.error(f"--keep {args.keep}: must be at least 1 (the newest committed checkpoint is never deleted)")
     return SyncConfig(
         ckpt_dir=args.ckpt_dir,
+        sync_dir=args.sync_dir,
         url=args.url,
         node_rank=args.node_rank,
         nodes=args.nodes,
-        world_size=args.world_size,
+        procs_per_node=args.procs_per_node,
+        attempt=args.attempt,
         config_hash=args.config_hash,
         keep=args.keep,
+        format=args.format,
         poll_s=args.poll,
         stop_file=args.stop_file,
         commit_timeout_s=args.commit_timeout,
         flush_deadline_s=args.flush_deadline,
+        metrics_file=args.metrics_file,
     )
 
 
 def main(argv: list[str]) -> int:
     config = _parse(argv)
     try:
-        # The syncer may start before the trainer has saved anything; the dir also holds the syncer's state.
+        # The syncer may start before the script has saved anything.
         config.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        config.sync_dir.mkdir(parents=True, exist_ok=True)
         syncer = Syncer(config, CheckpointStore(open_store(config.url)))
 
         def request_stop(signum: int, frame: FrameType | None) -> None:

@@ -67,6 +67,20 @@ class Node:
     def path(self, *parts: str) -> str:
         return "/".join([self.workdir.rstrip("/"), *parts])
 
+    @property
+    def sync_dir(self) -> str:
+        """trainpipe's own state for the node's checkpoint syncer: outside the script's checkpoint dir."""
+        return self.path("sync")
+
+    @property
+    def code_dir(self) -> str:
+        """Where the job's shipped code is unpacked: the training command's working dir."""
+        return self.path("code")
+
+    @property
+    def metrics_file(self) -> str:
+        return self.path("logs", "metrics.jsonl")
+
 
 @dataclass(frozen=True)
 class Cluster:

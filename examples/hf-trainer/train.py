@@ -1,0 +1,70 @@
+"""A Hugging Face `Trainer` fine-tune, run by trainpipe as it would run anywhere under torchrun.
+
+A small GPT-2 built from a config (no hub access) learns the bytes of the JSONL texts in its data dir. The
+Trainer's own checkpoints (`checkpoint-N/` in --output_dir) are what trainpipe commits; `--resume_from_checkpoint`
+is the Trainer's own resume. Nothing here knows trainpipe: the job passes the dirs as ordinary arguments
+({data_dir}, {checkpoint_dir}, {resume_from}) and trainpipe follows the Trainer's own log lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+WINDOW = 64
+
+
+class ByteWindows(torch.utils.data.Dataset):
+    """Every text's UTF-8 bytes, cut into fixed windows: a tokenizer-free language-modelling dataset."""
+
+    def __init__(self, data_dir: Path) -> None:
+        data = bytearray()
+        for path in sorted(data_dir.rglob("*.jsonl")):
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    data += json.loads(line)["text"].encode() + b"\n"
+        if len(data) < WINDOW:
+            raise SystemExit(f"no JSONL text under {data_dir}")
+        self.tokens = torch.tensor(list(data), dtype=torch.long)
+
+    def __len__(self) -> int:
+        return len(self.tokens) // WINDOW
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        window = self.tokens[index * WINDOW:(index + 1) * WINDOW]
+        return {"input_ids": window, "labels": window}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--data_dir", required=True)
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--resume_from_checkpoint", default=None)
+    parser.add_argument("--max_steps", type=int, default=60)
+    parser.add_argument("--save_steps", type=int, default=20)
+    args = parser.parse_args()
+
+    config = GPT2Config(vocab_size=256, n_positions=WINDOW, n_embd=64, n_layer=2, n_head=2, bos_token_id=10,
+                        eos_token_id=10)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    training = TrainingArguments(
+        output_dir=args.output_dir, max_steps=args.max_steps, save_steps=args.save_steps, save_total_limit=2,
+        logging_steps=5, per_device_train_batch_size=16, learning_rate=3e-3, warmup_steps=5, use_cpu=True,
+        ddp_backend="gloo", report_to=[], dataloader_num_workers=0, seed=0,
+    )
+    if args.resume_from_checkpoint and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        state = json.loads((Path(args.resume_from_checkpoint) / "trainer_state.json").read_text())
+        print(f"node {os.environ.get('GROUP_RANK', '0')}: resuming from {args.resume_from_checkpoint} at step "
+              f"{state['global_step']}", flush=True)
+    trainer = Trainer(model=model, args=training, train_dataset=ByteWindows(Path(args.data_dir)))
+    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""The dataset's part of a plan: the run's snapshot (taken now, or the one the run already has), what each node
+will hold, and the expectation suite's verdict on the tabular files, all before anything is launched."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from infra.dataset.assign import node_bytes
+from infra.dataset.expectations import DatasetExpectation, load_expectations
+from infra.dataset.formats import detect_formats
+from infra.dataset.gate import DatasetValidation, validate_files
+from infra.dataset.manifest import DatasetError
+from infra.dataset.snapshot import (
+    DatasetSnapshot,
+    check_unchanged,
+    load_snapshot,
+    matches_config,
+    save_snapshot,
+    snapshot_url,
+    take_snapshot,
+)
+from infra.spec import DatasetSpec
+from infra.storage import open_store
+
+
+class CarriesValidation(Exception):
+    """An error that holds every expectation's result beside its one-line message (for the report)."""
+
+    def __init__(self, message: str, validation: DatasetValidation) -> None:
+        super().__init__(message)
+        self.validation = validation
+
+    def __reduce__(self) -> tuple[type, tuple[str, DatasetValidation]]:  # Prefect pickles a task's exception
+        return type(self), (str(self), self.validation)
+
+
+class ExpectationsFailed(CarriesValidation, DatasetError):
+    """The suite found bad data; the message is the first failure."""
+
+
+@dataclass(frozen=True)
+class DatasetPlan:
+    url: str
+    snapshot_url: str
+    snapshot: DatasetSnapshot
+    frozen: bool  # the run already had this snapshot (a recovery or a rerun of the run id)
+    shard: str
+    node_bytes: tuple[int, ...]  # what each node will hold once staged, by rank
+    formats: dict[str, int]  # detected format -> files
+    validation: DatasetValidation | None
+
+    @property
+    def files(self) -> int:
+        return len(self.snapshot.files)
+
+    @property
+    def bytes(self) -> int:
+        return self.snapshot.bytes
+
+    def render_lines(self) -> list[str]:
+        kinds = ", ".join(f"{fmt} {count}" for fmt, count in sorted(self.formats.items(), key=lambda kv: -kv[1]))
+        held = (f"every node holds {self.node_bytes[0] / 1e6:,.1f} MB" if self.shard == "replicate" else
+                f"split: nodes hold {min(self.node_bytes) / 1e6:,.1f}–{max(self.node_bytes) / 1e6:,.1f} MB")
+        lines = [f"  dataset: {self.url} — {self.files:,} files, {self.bytes / 1e6:,.1f} MB ({kinds}); {held}",
+                 f"    snapshot: {self.snapshot_url} ({'the run already has it' if self.frozen else 'taken now'})"]
+        if self.validation is not None:
+            lines.append(f"    {self.validation.render()}")
+        return lines
+
+    def summary(self) -> dict[str, Any]:
+        """What the run summary records about the dataset (the report's dataset section)."""
+        return {"url": self.url, "snapshot": self.snapshot_url, "files": self.files, "bytes": self.bytes,
+                "formats": self.formats, "shard": self.shard, "node_bytes": list(self.node_bytes),
+                "validation": self.validation.to_dict() if self.validation is not None else None}
+
+
+# Validations already run in this process, by what decides their outcome: the CLI plans before the flow plans
+# again, and the data is read once.
+_validated: dict[str, DatasetValidation] = {}
+_validated_lock = threading.Lock()
+
+
+def _validation_key(snapshot: DatasetSnapshot, expectations: list[DatasetExpectation], spec: DatasetSpec) -> str:
+    payload = json.dumps([[(f.key, f.checksum) for f in snapshot.files],
+                          [(e.expectation.configuration.to_json_dict(), e.files) for e in expectations],
+                          spec.validation, spec.sample_rows], sort_keys=True, default=str)
+    return f"{snapshot.url}:{hashlib.sha256(payload.encode()).hexdigest()}"
+
+
+def _validate(snapshot: DatasetSnapshot, expectations: list[DatasetExpectation], spec: DatasetSpec,
+              formats: dict[str, str]) -> DatasetValidation:
+    key = _validation_key(snapshot, expectations, spec)
+    with _validated_lock:
+        known = _validated.get(key)
+    if known is None:
+        known = validate_files(open_store(snapshot.url), [(f.key, f.size) for f in snapshot.files], formats,
+                               expectations, spec.validation, spec.sample_rows)
+        with _validated_lock:
+            _validated[key] = known
+    return known
+
+
+def plan_dataset(spec: DatasetSpec, nodes: int, checkpoint_url: str, run_id: str) -> DatasetPlan:
+    """Snapshot (or re-check the run's snapshot), assign files to nodes and run the suite; DatasetError says why not.
+
+    A failed expectation raises ExpectationsFailed, which carries every expectation's result."""
+    expectations = load_expectations(spec.expectations)  # a bad suite fails before any data is read
+    store = open_store(spec.url)
+    frozen = load_snapshot(open_store(checkpoint_url))
+    if frozen is not None:
+        differs = matches_config(frozen, spec.url, spec.include, spec.exclude)
+        if differs:
+            raise DatasetError(f"{differs}: run {run_id} trains on its snapshot only: restore the dataset settings, "
+                               "or start a new run (a new run id)")
+        check_unchanged(frozen, store, f"run {run_id}")
+    snapshot = frozen or take_snapshot(store, spec.include, spec.exclude)
+    keys = [f.key for f in snapshot.files]
+    formats = detect_formats(store, keys)
+    held = tuple(node_bytes(snapshot.files, spec.shard, nodes))
+    validation = _validate(snapshot, expectations, spec, formats) if expectations else None
+    plan = DatasetPlan(url=spec.url, snapshot_url=snapshot_url(checkpoint_url), snapshot=snapshot,
+                       frozen=frozen is not None, shard=spec.shard, node_bytes=held,
+                       formats=dict(Counter(formats.values())), validation=validation)
+    if validation is not None and not validation.ok:
+        raise ExpectationsFailed(validation.failure_message(), validation)
+    return plan
+
+
+def freeze(plan: DatasetPlan, checkpoint_url: str) -> None:
+    """Store the snapshot beside the run's checkpoints, unless the run already has it."""
+    if not plan.frozen:
+        save_snapshot(open_store(checkpoint_url), plan.snapshot)

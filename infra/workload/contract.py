@@ -1,0 +1,116 @@
+"""The environment contract: the TRAINPIPE_* variables every training process gets, and `{placeholders}` in the
+command that stand for the same values.
+
+    TRAINPIPE_DATA_DIR        the node-local dir holding the staged dataset (a mirror of dataset.url's tree)
+    TRAINPIPE_DATA_URL        the dataset's URL (what a script reading in place, dataset.access remote, opens)
+    TRAINPIPE_DATA_SHARDS     a file listing this node's dataset files, one per line, relative to the data dir
+    TRAINPIPE_CHECKPOINT_DIR  the node-local dir (never a network mount) the script writes checkpoints to
+    TRAINPIPE_RESUME_FROM     the restored checkpoint on this node (its folder or file); empty on a fresh start
+    TRAINPIPE_METRICS_FILE    JSON lines the script may append {"step": N, "loss": x, ...} to
+    TRAINPIPE_RUN_ID          the same across recoveries and reruns of one run
+    TRAINPIPE_ATTEMPT         0 for the run's first launch, then one more per recovery
+    TRAINPIPE_NODE_RANK, TRAINPIPE_NUM_NODES, TRAINPIPE_NODE_IPS (comma-separated, in rank order)
+
+plus torchrun's own (RANK, LOCAL_RANK, WORLD_SIZE, ...). An argument that is only an empty `{resume_from}` is
+dropped together with the option right before it, so `--resume_from_checkpoint {resume_from}` disappears on a
+fresh start. `{{` and `}}` are literal braces.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+SYNC_DIR_VAR = "TRAINPIPE_SYNC_DIR"  # the node syncer's state: read by trainpipe's own checkpoint helpers
+_PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([^{}]*)\}")
+
+
+@dataclass(frozen=True)
+class NodeContext:
+    """What one node's training processes are told."""
+
+    data_dir: str
+    data_url: str
+    data_shards: str
+    checkpoint_dir: str
+    resume_from: str
+    metrics_file: str
+    run_id: str
+    attempt: int
+    node_rank: int
+    num_nodes: int
+    node_ips: tuple[str, ...]
+    sync_dir: str
+
+    def values(self) -> dict[str, str]:
+        """Placeholder name -> value."""
+        return {
+            "data_dir": self.data_dir,
+            "data_url": self.data_url,
+            "data_shards": self.data_shards,
+            "checkpoint_dir": self.checkpoint_dir,
+            "resume_from": self.resume_from,
+            "metrics_file": self.metrics_file,
+            "run_id": self.run_id,
+            "attempt": str(self.attempt),
+            "node_rank": str(self.node_rank),
+            "num_nodes": str(self.num_nodes),
+            "node_ips": ",".join(self.node_ips),
+        }
+
+    def environment(self) -> dict[str, str]:
+        env = {f"TRAINPIPE_{name.upper()}": value for name, value in self.values().items()}
+        env[SYNC_DIR_VAR] = self.sync_dir
+        return env
+
+
+PLACEHOLDERS: tuple[str, ...] = tuple(NodeContext.__dataclass_fields__.keys() - {"sync_dir"})
+
+
+def placeholders_in(argument: str) -> list[str]:
+    """The placeholder names an argument uses, in order ({{ and }} are literal braces, not placeholders)."""
+    return [match.group(1) for match in _PLACEHOLDER.finditer(argument) if match.group(1) is not None]
+
+
+def check_command(command: Sequence[str]) -> None:
+    """ValueError naming the argument for a placeholder that is not one of PLACEHOLDERS."""
+    for index, argument in enumerate(command):
+        for name in placeholders_in(argument):
+            if name not in PLACEHOLDERS:
+                raise ValueError(f"command[{index}] {argument!r}: unknown placeholder {{{name}}}: use one of "
+                                 + ", ".join(f"{{{p}}}" for p in sorted(PLACEHOLDERS))
+                                 + " (write {{ or }} for a literal brace)")
+
+
+def _substitute(argument: str, values: dict[str, str]) -> str:
+    def replace(match: re.Match[str]) -> str:
+        if match.group(1) is None:
+            return match.group(0)[0]  # {{ -> {, }} -> }
+        return values[match.group(1)]
+
+    return _PLACEHOLDER.sub(replace, argument)
+
+
+def _is_option(argument: str) -> bool:
+    if not argument.startswith("-"):
+        return False
+    try:
+        float(argument)
+    except ValueError:
+        return True
+    return False  # a negative number is a value, not an option
+
+
+def render_command(command: Sequence[str], context: NodeContext) -> list[str]:
+    """The command with every placeholder filled in for this node."""
+    values = context.values()
+    rendered: list[str] = []
+    for argument in command:
+        if argument.strip() == "{resume_from}" and not context.resume_from:
+            # A fresh start: no checkpoint to name, so the option that would name it goes too.
+            if rendered and _is_option(rendered[-1]):
+                rendered.pop()
+            continue
+        rendered.append(_substitute(argument, values))
+    return rendered

@@ -1,0 +1,112 @@
+"""The job's code on every node: packed and put beside the run's checkpoints, fetched and unpacked by each node,
+then the job's setup run once per node."""
+
+from __future__ import annotations
+
+import hashlib
+import shlex
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefect import get_run_logger, task
+
+from infra.plan import Plan
+from infra.providers import Cluster, Node, get_provider
+from infra.remote import RemoteError
+from infra.spec import JobSpec
+from infra.storage import open_store
+from infra.workload.code import pack
+from infra.workload.plan import code_archive_url
+from tasks.node_output import last_event, node_line_sink
+from tasks.policy import NO_RETRIES, TRANSIENT_RETRIES
+from tasks.train import TrainLaunch, failure_tail, node_context, workload_env
+
+SETUP_STAMP = "setup.done"  # in the node's workdir: this setup already ran on this node
+
+
+class SetupError(RuntimeError):
+    """The job's setup failed on a node: not retried, the run ends with the command's last output."""
+
+
+@dataclass(frozen=True)
+class NodeReady:
+    node: str
+    code_sha256: str | None
+    setup_s: float
+    setup_skipped: bool
+
+
+@task(name="publish-code", **TRANSIENT_RETRIES)
+def publish_code(job: JobSpec, plan: Plan) -> str | None:
+    """Where the nodes fetch the code from: a local dir is packed (the same bytes as at plan) and put beside the
+    run's checkpoints once; an archive URL is used as it is."""
+    code = job.training.code
+    if code is None or not plan.workload.is_local_dir:
+        return code
+    with tempfile.TemporaryDirectory(prefix="trainpipe-code-") as scratch:
+        packed = pack(Path(code), Path(scratch))
+        if packed.sha256 != plan.workload.code_sha256:
+            raise RuntimeError(f"training.code {code} changed after plan (sha256 {packed.sha256[:12]}…, planned "
+                               f"{plan.workload.code_sha256}): run again")
+        url = code_archive_url(plan.checkpoint_url, packed.sha256)
+        folder, name = url.rsplit("/", 1)
+        store = open_store(folder)
+        if store.head(name) is None:
+            store.put_file(packed.archive, name)
+    get_run_logger().info("code: %s (%d files, sha256 %s)", url, packed.files, packed.sha256[:12])
+    return url
+
+
+def _setup_script(node: Node, commands: tuple[str, ...]) -> str:
+    # The node's Python first on PATH, so `pip install` and `python` in setup mean the one that trains.
+    bin_dir = shlex.quote(str(Path(node.python).parent))
+    return "set -e\nexport PATH=" + bin_dir + ':"$PATH"\n' + "\n".join(commands) + "\n"
+
+
+@task(name="prepare-node", **NO_RETRIES)
+def prepare_node(job: JobSpec, cluster: Cluster, node: Node, code_url: str | None, code_sha256: str | None,
+                 launch: TrainLaunch) -> NodeReady:
+    """Fetch the code (when the job has some) and run the setup, once per node; not retried: a setup that fails
+    would fail again."""
+    logger = get_run_logger()
+    runner = get_provider(cluster.provider).runner(cluster, node)
+    sink = node_line_sink(logger, f"{node.name} setup")
+    sha256 = None
+    if code_url is not None:
+        argv = [node.python, "-m", "infra.node", "code", "--url", code_url, "--dest", node.code_dir]
+        result = runner.run(argv + (["--sha256", code_sha256] if code_sha256 else []), timeout=3600, on_line=sink)
+        sha256 = last_event(result.output, "code")["sha256"]
+    setup = job.training.setup
+    if not setup:
+        return NodeReady(node.name, sha256, 0.0, setup_skipped=False)
+    stamp = hashlib.sha256(f"{sha256}\n{chr(10).join(setup)}".encode()).hexdigest()
+    if (runner.read_text(node.path(SETUP_STAMP)) or "").strip() == stamp:
+        logger.info("%s: setup already ran on this node", node.name)
+        return NodeReady(node.name, sha256, 0.0, setup_skipped=True)
+    env = workload_env(job, node_context(job, cluster, node, launch))
+    started = time.monotonic()
+    process = runner.start(["bash", "-c", _setup_script(node, setup)], env=env, on_line=sink,
+                           cwd=node.code_dir if code_url is not None else None,
+                           log_path=node.path("logs", "setup.log"))
+    try:
+        code = process.wait(job.training.timeout_s)
+    except TimeoutError:
+        process.terminate()
+        raise SetupError(f"{node.name}: training.setup still running after training.timeout_s") from None
+    if code != 0:
+        raise SetupError(f"{node.name}: training.setup exited {code}; its last output:\n{failure_tail(process)}")
+    runner.write_text(node.path(SETUP_STAMP), stamp + "\n")
+    seconds = time.monotonic() - started
+    logger.info("%s: setup took %.1fs", node.name, seconds)
+    return NodeReady(node.name, sha256, round(seconds, 3), setup_skipped=False)
+
+
+def agreed_code_hash(ready: list[NodeReady]) -> str | None:
+    """Every node must run the same code: an archive that changed while nodes fetched it is an error."""
+    hashes = {r.code_sha256 for r in ready}
+    if len(hashes) > 1:
+        raise RemoteError(f"nodes fetched different code ({', '.join(sorted(str(h)[:12] for h in hashes))}): the "
+                          "code archive changed while the run started: run again")
+    return hashes.pop() if hashes else None

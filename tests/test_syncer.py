@@ -1,0 +1,281 @@
+"""The node-side syncer as real processes on file:// stores: the coordinator announces, every node ships its part,
+the commit takes only the current attempt's records, restored checkpoints are never shipped again."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_checkpoints import CONFIG_HASH, make_step, node_dirs
+
+from infra.checkpoints import FILES_PREFIX, Announcement, CheckpointRef, CheckpointStore, step_name
+from infra.node import restore
+from infra.storage import open_store
+
+SYNC_MAIN = "import sys; from infra.node.sync import main; sys.exit(main(sys.argv[1:]))"
+
+
+@pytest.fixture
+def checkpoints(tmp_path: Path) -> CheckpointStore:
+    return CheckpointStore(open_store(f"file://{tmp_path / 'store' / 'run-1'}"))
+
+
+class SyncProcess:
+    def __init__(self, tmp_path: Path, ckpt_dir: Path, url: str, node_rank: int, *extra: str, nodes: int = 2,
+                 keep: int = 2, attempt: str = "a1", fmt: str = "marker") -> None:
+        runs = len(list(tmp_path.glob(f"sync-{node_rank}-*.out")))
+        self.out = tmp_path / f"sync-{node_rank}-{runs}.out"
+        self.err = tmp_path / f"sync-{node_rank}-{runs}.err"
+        self.sync_dir = ckpt_dir.parent / "sync"
+        argv = ["--ckpt-dir", str(ckpt_dir), "--sync-dir", str(self.sync_dir), "--url", url, "--node-rank",
+                str(node_rank), "--nodes", str(nodes), "--attempt", attempt, "--config-hash", CONFIG_HASH,
+                "--keep", str(keep), "--format", fmt, "--poll", "0.1", *extra]
+        with self.out.open("w") as out, self.err.open("w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-c", SYNC_MAIN, *argv], stdout=out, stderr=err)
+
+    def events(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.out.read_text().splitlines() if line.startswith("{")]
+
+    def wait_for(self, matches: Callable[[dict[str, Any]], bool], timeout: float = 30.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [event for event in self.events() if matches(event)]
+            if found:
+                return found[0]
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no such event; events {self.events()}; stderr {self.err.read_text()}")
+
+    def finish(self, timeout: float = 60.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+
+    def uploaded_steps(self) -> list[int]:
+        return [event["step"] for event in self.events() if event["event"] == "uploaded"]
+
+
+def is_event(name: str, step: int | None = None) -> Callable[[dict[str, Any]], bool]:
+    return lambda event: event["event"] == name and (step is None or event.get("step") == step)
+
+
+def both(tmp_path: Path, dirs: list[Path], url: str, *extra: str, **options: Any) -> list[SyncProcess]:
+    return [SyncProcess(tmp_path, dirs[rank], url, rank, *extra, **options) for rank in (0, 1)]
+
+
+def test_the_coordinator_announces_every_node_ships_and_the_commit_waits_for_all(
+    tmp_path: Path, checkpoints: CheckpointStore
+) -> None:
+    dirs = node_dirs(tmp_path)
+    stop = tmp_path / "stop"
+    make_step(dirs[0], 100, 0)
+    shutil.rmtree(make_step(dirs[1], 100, 1))  # node 1's part was deleted locally before its syncer saw it
+    for rank in (0, 1):
+        make_step(dirs[rank], 200, rank)
+    syncers = both(tmp_path, dirs, checkpoints.store.url, "--stop-file", str(stop))
+    try:
+        # One step at a time: a committer that sees 400 complete first rightly skips committing 300.
+        for step in (200, 300):
+            syncers[0].wait_for(is_event("committed", step))
+            for rank in (0, 1):
+                make_step(dirs[rank], step + 100, rank)
+        stop.touch()
+        assert [syncer.finish() for syncer in syncers] == [0, 0]
+    finally:
+        for syncer in syncers:
+            syncer.finish()
+
+    assert syncers[0].uploaded_steps() == [100, 200, 300, 400]
+    assert syncers[1].uploaded_steps() == [200, 300, 400], "node 1 had no part of 100 to ship"
+    announced = [e["step"] for e in syncers[0].events() if e["event"] == "announced"]
+    assert announced == [100, 200, 300, 400]
+    committed = syncers[0].wait_for(is_event("committed", 400))
+    assert committed["bytes"] == 60_000 and committed["commit_s"] >= 0
+    assert [manifest.step for manifest in checkpoints.committed()] == [400, 300]
+    assert [status.step for status in checkpoints.list_steps()] == [300, 400]  # keep=2; abandoned 100 is gone
+    manifest = checkpoints.verify()
+    assert manifest.step == 400 and manifest.attempt == "a1"
+    assert manifest.ref == CheckpointRef(name=step_name(400), kind="dir", format="marker")
+    assert [e.path for e in manifest.files] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert checkpoints.announcements("a1") == [], "committed and retired announcements are withdrawn"
+
+
+def test_a_part_a_node_lost_is_never_committed(tmp_path: Path, checkpoints: CheckpointStore) -> None:
+    dirs = node_dirs(tmp_path)
+    stop = tmp_path / "stop"
+    make_step(dirs[0], 100, 0)
+    syncers = both(tmp_path, dirs, checkpoints.store.url, "--stop-file", str(stop), "--commit-timeout", "3")
+    try:
+        syncers[0].wait_for(is_event("announced", 100))
+        time.sleep(1.0)
+        assert checkpoints.latest() is None, "node 1 owes __1_0.distcp (DCP's .metadata names it)"
+        stop.touch()
+        codes = [syncer.finish() for syncer in syncers]
+    finally:
+        for syncer in syncers:
+            syncer.finish()
+    assert codes == [2, 2]
+    assert "step 100 not committed" in syncers[0].err.read_text().strip().splitlines()[-1]
+    assert "node(s) 1" in syncers[0].err.read_text()
+    assert checkpoints.latest() is None
+
+
+def test_a_killed_coordinator_resumes_without_reuploading(tmp_path: Path, checkpoints: CheckpointStore) -> None:
+    dirs = node_dirs(tmp_path)
+    stop = tmp_path / "stop"
+    url = checkpoints.store.url
+    make_step(dirs[0], 100, 0)
+    first = SyncProcess(tmp_path, dirs[0], url, 0, "--stop-file", str(stop))
+    try:
+        first.wait_for(is_event("uploaded", 100))
+        make_step(dirs[0], 200, 0, size=4_000_000)  # big enough that the kill may land mid-upload
+        first.proc.send_signal(signal.SIGKILL)
+    finally:
+        assert first.finish() == -signal.SIGKILL
+    assert checkpoints.latest() is None  # node 1 never shipped: nothing can be committed
+
+    for rank in (0, 1):
+        make_step(dirs[rank], 300, rank)
+    make_step(dirs[1], 100, 1)
+    make_step(dirs[1], 200, 1, size=4_000_000)
+    restarted = SyncProcess(tmp_path, dirs[0], url, 0, "--stop-file", str(stop), keep=3)
+    other = SyncProcess(tmp_path, dirs[1], url, 1, "--stop-file", str(stop))
+    try:
+        restarted.wait_for(is_event("committed", 300))
+        stop.touch()
+        assert [restarted.finish(), other.finish()] == [0, 0]
+    finally:
+        restarted.finish()
+        other.finish()
+    assert 100 not in restarted.uploaded_steps()
+    assert sorted(other.uploaded_steps()) == [100, 200, 300]
+    assert checkpoints.latest().step == 300
+    for manifest in checkpoints.committed():
+        assert checkpoints.verify(manifest.step).step == manifest.step
+
+
+def test_a_dead_attempts_records_never_join_a_commit(tmp_path: Path, checkpoints: CheckpointStore) -> None:
+    """Step 100 retrained after a resume, with different bytes: only the new attempt's files are committed."""
+    dirs = node_dirs(tmp_path)
+    stale = tmp_path / "stale"
+    for rank, ckpt_dir in enumerate(node_dirs(stale)):
+        part = make_step(ckpt_dir, 100, rank)
+        checkpoints.upload_node_part(part, 100, rank, sorted(p.name for p in part.iterdir()), attempt="dead")
+    assert checkpoints.try_commit(100, 2, 2, CONFIG_HASH, attempt="a2") is None, "no record of attempt a2 yet"
+
+    stop = tmp_path / "stop"
+    for rank in (0, 1):
+        make_step(dirs[rank], 100, rank)
+    syncers = both(tmp_path, dirs, checkpoints.store.url, "--stop-file", str(stop), attempt="a2")
+    try:
+        syncers[0].wait_for(is_event("committed", 100))
+        stop.touch()
+        assert [syncer.finish() for syncer in syncers] == [0, 0]
+    finally:
+        for syncer in syncers:
+            syncer.finish()
+    manifest = checkpoints.verify(100)
+    assert manifest.attempt == "a2"
+    for rank, ckpt_dir in enumerate(dirs):
+        for name in ("__0_0.distcp", ".metadata") if rank == 0 else ("__1_0.distcp",):
+            stored = checkpoints.store.get_bytes(f"{step_name(100)}/{FILES_PREFIX}{name}")
+            assert stored == (ckpt_dir / step_name(100) / name).read_bytes(), f"{name} is the dead attempt's"
+
+
+def test_restored_checkpoints_are_never_shipped_again(tmp_path: Path, checkpoints: CheckpointStore) -> None:
+    dirs = node_dirs(tmp_path)
+    stop = tmp_path / "stop"
+    for rank in (0, 1):
+        make_step(dirs[rank], 100, rank)
+    first = both(tmp_path, dirs, checkpoints.store.url, "--stop-file", str(stop), fmt="auto")
+    first[0].wait_for(is_event("committed", 100))
+    stop.touch()
+    assert [s.finish() for s in first] == [0, 0]
+    stop.unlink()
+
+    # A recovery: fresh nodes restore the union of both parts into their checkpoint dirs, then train on.
+    fresh = node_dirs(tmp_path / "again")
+    for ckpt_dir in fresh:
+        assert restore.main(["--url", checkpoints.store.url, "--dest", str(ckpt_dir), "--sync-dir",
+                             str(ckpt_dir.parent / "sync"), "--format", "auto"]) == 0
+        assert sorted(p.name for p in (ckpt_dir / step_name(100)).iterdir()) == [
+            ".metadata", "__0_0.distcp", "__1_0.distcp"]
+    second = both(tmp_path, fresh, checkpoints.store.url, "--stop-file", str(stop), fmt="auto", attempt="a2")
+    try:
+        time.sleep(1.5)
+        assert second[0].uploaded_steps() == [], "the restored step 100 was shipped again"
+        for rank in (0, 1):
+            make_step(fresh[rank], 200, rank)
+        second[0].wait_for(is_event("committed", 200))
+        stop.touch()
+        assert [s.finish() for s in second] == [0, 0]
+    finally:
+        for syncer in second:
+            syncer.finish()
+    assert [m.step for m in checkpoints.committed()] == [200, 100]
+
+
+def test_on_stop_the_syncer_waits_for_a_save_under_way_within_the_flush_deadline(
+    tmp_path: Path, checkpoints: CheckpointStore
+) -> None:
+    [ckpt_dir] = node_dirs(tmp_path, nodes=1)
+    (ckpt_dir / step_name(100)).mkdir()
+    writing = open(ckpt_dir / step_name(100) / "__0_0.distcp", "wb")  # noqa: SIM115 - this test is the writer
+    syncer = SyncProcess(tmp_path, ckpt_dir, checkpoints.store.url, 0, "--flush-deadline", "20", nodes=1,
+                         fmt="dcp")
+    try:
+        syncer.wait_for(is_event("started"))
+        syncer.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert syncer.proc.poll() is None, "the syncer left while a save was under way"
+        writing.write(os.urandom(1000))
+        writing.close()
+        (ckpt_dir / step_name(100) / ".metadata").write_bytes(b"__0_0.distcp")
+        assert syncer.finish() == 0
+    finally:
+        writing.close()
+        syncer.finish()
+    assert syncer.uploaded_steps() == [100]
+    assert checkpoints.latest().step == 100
+
+    # A save that outlives the deadline is abandoned: the syncer exits anyway.
+    with open(ckpt_dir / "late.bin", "wb"):
+        late = SyncProcess(tmp_path, ckpt_dir, checkpoints.store.url, 0, "--flush-deadline", "0.5", nodes=1,
+                           fmt="dcp")
+        late.wait_for(is_event("started"))
+        late.proc.send_signal(signal.SIGTERM)
+        assert late.finish(timeout=10) == 0
+
+
+def test_a_node_stops_once_the_coordinator_says_nothing_more_will_come(
+    tmp_path: Path, checkpoints: CheckpointStore
+) -> None:
+    dirs = node_dirs(tmp_path)
+    syncer = SyncProcess(tmp_path, dirs[1], checkpoints.store.url, 1, "--poll", "5", "--commit-timeout", "30")
+    try:
+        syncer.wait_for(is_event("started"))
+        make_step(dirs[1], 100, 1)
+        checkpoints.announce(Announcement(step=100, checkpoint=CheckpointRef(name=step_name(100)), attempt="a1",
+                                          nodes=[0, 1], required=["__1_0.distcp"], announced_at=time.time()))
+        syncer.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert syncer.proc.poll() is None, "node 1 left before the coordinator's final word"
+        checkpoints.announce_final("a1")
+        assert syncer.finish() == 0
+    finally:
+        syncer.finish()
+    assert syncer.uploaded_steps() == [100]
+    assert [status.nodes_uploaded for status in checkpoints.list_steps()] == [[1]]

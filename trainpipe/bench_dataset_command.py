@@ -1,0 +1,29 @@
+"""`trainpipe bench dataset`: plan, validation and staging figures of a team's own dataset on a local S3 server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from trainpipe.bench_command import bench_app
+
+
+@bench_app.command("dataset")
+def dataset(
+    small_files: Annotated[int, typer.Option(min=1, help="small objects to plan and stage")] = 5000,
+    large_mb: Annotated[int, typer.Option(min=4, help="MB of large objects to stage (4 objects)")] = 256,
+    table_mb: Annotated[int, typer.Option(min=1, help="MB of Parquet + CSV + JSONL tables to validate")] = 128,
+    sample_rows: Annotated[int, typer.Option(min=1, help="rows per file that sample validation reads")] = 1000,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write the figures as JSON here")] = None,
+    workdir: Annotated[Path | None, typer.Option(help="where the temp data goes (default: the system temp)")] = None,
+) -> None:
+    """Plan time for N objects, GX validation s/GB (full and sample) and staging MB/s with bytes reused."""
+    from bench.dataset import DatasetBenchConfig, run_dataset_benchmark
+
+    report = run_dataset_benchmark(DatasetBenchConfig(small_files, large_mb, table_mb, sample_rows, workdir),
+                                   echo=typer.echo)
+    if json_out is not None:
+        json_out.write_text(report.to_json())
+        typer.echo(f"wrote {json_out}")

@@ -1,0 +1,59 @@
+"""The temporary Prefect server `trainpipe run` needs when no PREFECT_API_URL is set, started while the run is
+planned: its start (a uvicorn process importing Prefect's server) takes longer than planning, and both can go on at
+once on two cores instead of one after the other."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+STARTING = "Starting temporary server"
+
+
+class _Quiet(logging.Filter):
+    """Prefect announces its temporary server on stderr: `trainpipe run` promises one line there for bad input."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(STARTING)
+
+
+class BackgroundServer:
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self) -> BackgroundServer:
+        """Start the temporary server on a thread, unless a server is configured (PREFECT_API_URL)."""
+        if os.environ.get("PREFECT_API_URL"):
+            return self
+        logging.getLogger("prefect").addFilter(_Quiet())
+        self._thread = threading.Thread(target=self._start, name="prefect-server-start", daemon=True)
+        self._thread.start()
+        return self
+
+    def _start(self) -> None:
+        try:
+            from prefect.server.api.server import SubprocessASGIServer
+
+            # The same instance Prefect's client finds later: it reuses the running server instead of starting one.
+            SubprocessASGIServer().start()
+        except BaseException as exc:  # handed to the caller's thread by wait()
+            self._error = exc
+
+    def stop(self) -> None:
+        """Not needed after all: wait for the start to end, then stop the server."""
+        if self._thread is None:
+            return
+        self._thread.join()
+        from prefect.server.api.server import SubprocessASGIServer
+
+        SubprocessASGIServer().stop()
+
+    def wait(self) -> None:
+        """Block until the server answers; its start's failure is raised here."""
+        if self._thread is None:
+            return
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
