@@ -200,9 +200,8 @@ def test_sigkill_in_every_phase_leaves_nothing_after_the_sweep_and_reruns_resume
         pytest.skip(why)
     provider = get_provider(provider_name)
     run_id = f"kill-{provider_name}"
-    config = job_config(tmp_path, dataset_url, steps=STEPS)
+    config = job_config(tmp_path, dataset_url, steps=STEPS, ckpt_every=EVERY)
     config["cluster"]["provider"] = provider_name
-    config["checkpoints"].update(every_steps=EVERY, keep=2)
     config_path = write_config(tmp_path / "job.yaml", config)
     checkpoints = CheckpointStore(open_store(f"{config['checkpoints']['url']}/{run_id}"))
     env = {**os.environ, **prefect_env(), "TRAINPIPE_HOME": str(workspace)}
@@ -336,7 +335,7 @@ def test_sigkill_while_provisioning_and_while_tearing_down_on_the_clouds(
             return max((float(i["labels"][LABEL_HEARTBEAT]) for i in gce.instances()
                         if i["labels"].get(LABEL_CLUSTER) == cluster and LABEL_HEARTBEAT in i["labels"]), default=0.0)
 
-    config = job_config(tmp_path, dataset_url, steps=STEPS)
+    config = job_config(tmp_path, dataset_url, steps=STEPS, ckpt_every=EVERY)
     config["cluster"] = {"provider": provider_name, "nodes": 2, "procs_per_node": 1, "regions": [region],
                          "lease_ttl_s": CLOUD_TTL_S, "verify": {"bench": "off"}}
     config_path = write_config(tmp_path / "job.yaml", config)

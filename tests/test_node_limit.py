@@ -34,8 +34,7 @@ def test_runs_and_a_cluster_bench_over_the_node_limit_take_turns(prefect_server:
     from prefect import get_client
     from prefect.settings import PREFECT_API_URL
 
-    config = job_config(tmp_path, make_dataset(tmp_path / "dataset", tokens=200_000), steps=20)
-    config["checkpoints"]["every_steps"] = 10
+    config = job_config(tmp_path, make_dataset(tmp_path / "dataset", tokens=200_000), steps=20, ckpt_every=10)
     config["cluster"]["verify"] = {"bench": "warn", "tcp_seconds": 0.3, "tcp_streams": 1, "allreduce_sizes_mb": [1],
                                    "disk_bytes_mb": 4}
     config_path = write_config(tmp_path / "job.yaml", config)

@@ -144,8 +144,8 @@ def test_no_secret_in_any_output(prefect_server: None, workspace: Path, tmp_path
 
     dataset = f"{s3_url}/dataset"
     synthesize(open_store(dataset), 200_000, vocab_size=256, shard_tokens=100_000, seed=3)
-    config = job_config(tmp_path, dataset, steps=40)
-    config["checkpoints"].update(url=f"{s3_url}/ckpt", every_steps=20)
+    config = job_config(tmp_path, dataset, steps=40, ckpt_every=20)
+    config["checkpoints"]["url"] = f"{s3_url}/ckpt"
     orchestrator = subprocess.Popen([TRAINPIPE, "run", str(write_config(tmp_path / "job.yaml", config)),
                                      "--run-id", RUN_ID], cwd=REPO, env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True)

@@ -102,8 +102,7 @@ def test_a_node_whose_packets_are_dropped_mid_training_is_recovered_not_waited_o
     for directory in workdirs:
         directory.mkdir()
     run_id = "partition"
-    config = job_config(tmp_path, make_dataset(tmp_path / "dataset", tokens=200_000), steps=STEPS)
-    config["checkpoints"]["every_steps"] = 50
+    config = job_config(tmp_path, make_dataset(tmp_path / "dataset", tokens=200_000), steps=STEPS, ckpt_every=50)
     config["cluster"] = {"provider": "ssh", "nodes": 2, "procs_per_node": 1, "ssh": {
         "hosts": [host_config(server, k, workdir) for server, k, workdir in zip(found, [key, key], workdirs,
                                                                                  strict=True)]}}

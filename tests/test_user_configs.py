@@ -68,13 +68,14 @@ def test_cloud_example_plans_against_its_bucket(cloud: str, cheapest: str, works
 
 # -- YAML's booleans ------------------------------------------------------------------------------------------------
 
+REST = "dataset: {url: file:///data/ds}\ncheckpoints: {url: s3://b/ckpt}\ntraining: {command: [-m, trainer.train]}\n"
+
 
 @pytest.mark.parametrize("word", ["off", "no", "false", "Off", "'off'"])
 def test_bench_off_as_yaml_reads_it(word: str, tmp_path: Path) -> None:
     """`bench: off` is what the example's comment `# off | warn | fail` invites; YAML 1.1 reads it as false."""
     config = tmp_path / "job.yaml"
-    config.write_text(f"cluster:\n  verify:\n    bench: {word}\n  spot: no\n"
-                      "dataset: {url: file:///data/ds}\ncheckpoints: {url: s3://b/ckpt}\n")
+    config.write_text(f"cluster:\n  verify:\n    bench: {word}\n  spot: no\n{REST}")
     assert yaml.safe_load(config.read_text())["cluster"]["verify"]["bench"] in (False, "off")
     job = load_job(config)
     assert job.cluster.verify.bench == "off" and job.cluster.spot == "never"
@@ -82,7 +83,7 @@ def test_bench_off_as_yaml_reads_it(word: str, tmp_path: Path) -> None:
 
 def test_bench_on_names_the_words_that_work(tmp_path: Path) -> None:
     config = tmp_path / "job.yaml"
-    config.write_text("cluster:\n  verify: {bench: on}\ndataset: {url: file:///data/ds}\ncheckpoints: {url: s3://b/c}\n")
+    config.write_text("cluster:\n  verify: {bench: on}\n" + REST)
     with pytest.raises(ConfigError) as caught:
         load_job(config)
     message = str(caught.value)
@@ -108,7 +109,7 @@ def test_ckpt_verify_and_ls_take_the_step_url_run_prints(checkpoint_url: str) ->
     assert json.loads(verify.stdout)["step"] == 20
     older = invoke("ckpt", "verify", f"{checkpoint_url}/step-{10:08d}/")
     assert older.exit_code == 0, older.output
-    assert json.loads(older.stdout)["loaded"]["step"] == 10
+    assert json.loads(older.stdout)["step"] == 10
 
     listing = invoke("ckpt", "ls", printed)
     assert listing.exit_code == 0, listing.output
