@@ -259,9 +259,11 @@ def test_sigkill_in_every_phase_leaves_nothing_after_the_sweep_and_reruns_resume
                            timeout=600)
     assert final.returncode == 0, final.stdout[-3000:] + final.stderr[-3000:]
     summary = json.loads((workspace / "runs" / run_id / "summary.json").read_text())
-    ROWS[-1]["rerun resumed at"] = str(summary["start_step"])
-    assert summary["status"] == "completed" and summary["start_step"] == expected_resume
-    assert summary["resumed_from_step"] == expected_resume - 1 and summary["nodes_left"] == 0
+    resumed = [int(step) for step in RESUMED.findall(final.stdout + final.stderr)]
+    ROWS[-1]["rerun resumed at"] = str(resumed[0]) if resumed else "not resumed"
+    assert resumed == [expected_resume], f"the last run resumed at {resumed}"
+    assert summary["status"] == "completed" and summary["resumed_from_step"] == expected_resume - 1
+    assert summary["nodes_left"] == 0
     # The URL the run printed is what `trainpipe ckpt verify` takes.
     printed = re.search(r"checkpoint: (\S+/step-\d{8})", final.stdout)
     assert printed is not None, final.stdout[-2000:]

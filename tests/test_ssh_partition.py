@@ -159,5 +159,6 @@ def test_a_node_whose_packets_are_dropped_mid_training_is_recovered_not_waited_o
     assert detected_s < KEEPALIVE_BOUND_S + 2 + 2 + 2 + 10, f"the node was declared lost {detected_s:.0f}s late"
     assert summary["steps"] == STEPS and summary["nodes_left"] == 0
     assert not cluster_processes(workdirs), "node processes outlived the run"
-    assert all(list(directory.iterdir()) == [] for directory in workdirs)
+    for directory in workdirs:  # the hosts' dataset cache is kept across runs, by design; nothing of the cluster
+        assert [p.name for p in directory.iterdir()] in ([], ["dataset-cache"]), "cluster dir or reservation left"
     close_connections()
