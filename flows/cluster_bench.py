@@ -13,6 +13,7 @@ from prefect.states import State
 from infra.plan import cluster_name_for
 from infra.spec import ClusterSpec
 from tasks.bench import launch_bench_cluster, measure_cluster, publish_bench
+from tasks.capacity import nodes_held
 from tasks.cluster import teardown_cluster
 from tasks.verify import enforce_verdict, verify_node
 
@@ -46,12 +47,15 @@ def cluster_bench(cluster: ClusterSpec | None = None, disk_megabytes: int | None
         spec = spec.model_copy(update={"verify": spec.verify.model_copy(update={"disk_bytes_mb": disk_megabytes})})
     bench_id = bench_id or default_bench_id(str(current_flow_run.id))
     cluster_name = cluster_name_for(bench_id)
-    try:
-        launched = launch_bench_cluster(spec, cluster_name, bench_id)
-        verify_node.map(unmapped(launched), launched.nodes, unmapped(spec.verify.disk_bytes_mb * 1024 * 1024)).result()
-        result = measure_cluster(launched, spec)
-    finally:
-        nodes_left = teardown_cluster(spec.provider, cluster_name)
+    # Its nodes count against the global node limit like a retrain's, from launch to teardown.
+    with nodes_held(spec.nodes):
+        try:
+            launched = launch_bench_cluster(spec, cluster_name, bench_id)
+            verify_node.map(unmapped(launched), launched.nodes,
+                            unmapped(spec.verify.disk_bytes_mb * 1024 * 1024)).result()
+            result = measure_cluster(launched, spec)
+        finally:
+            nodes_left = teardown_cluster(spec.provider, cluster_name)
     publish_bench(bench_id, result, nodes_left)
     # Published first: a cluster that misses is exactly the one whose figures someone needs to see.
     enforce_verdict(result, spec.verify.bench, get_run_logger())

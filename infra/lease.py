@@ -1,7 +1,7 @@
-"""The orchestrator's side of the node lease: renew it on every node while the run is alive.
+"""The orchestrator's side of the lease: renew it on every node, and the cluster's heartbeat, while the run is alive.
 
-A daemon thread, so it dies with the orchestrator process: that silence is exactly what the nodes'
-watchdogs (infra.node.watch) act on.
+Daemon threads, so they die with the orchestrator process: that silence is exactly what the nodes' watchdogs
+(infra.node.watch) and the sweeper on any other machine (the cluster's heartbeat, on the clouds) act on.
 """
 
 from __future__ import annotations
@@ -9,24 +9,62 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from infra.providers.base import Cluster, Provider
 
 log = logging.getLogger(__name__)
 
 LEASE_FILE = "lease"
+# Renewed several times per TTL, so one slow or failed renewal never expires a healthy lease.
+RENEWALS_PER_TTL = 6
+
+
+class Renewal:
+    """Calls renew every interval_s on a daemon thread until stopped. A failed renewal is logged and tried again at
+    the next one: a lease lasts several intervals, so one slow or failed renewal never lets it expire."""
+
+    def __init__(self, what: str, renew: Callable[[], None], interval_s: float) -> None:
+        self.what = what
+        self._renew = renew
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew_forever, name=f"renew-{what}", daemon=True)
+
+    def start(self) -> Renewal:
+        self._thread.start()
+        return self
+
+    def _renew_forever(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self._renew()
+            except Exception as exc:  # a renewal thread that died would let a live lease expire
+                log.warning("%s: renewal failed (%s: %s): retrying in %.0fs", self.what, type(exc).__name__, exc,
+                            self._interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self._interval_s + 5)
 
 
 class LeaseKeeper:
+    """The node lease files (what each node's watchdog reads) and the provider's heartbeat of the cluster (what a
+    sweeper reads), each renewed on its own thread: a node that takes long to answer never delays the other."""
+
     def __init__(self, provider: Provider, cluster: Cluster, interval_s: float) -> None:
+        self._provider = provider
+        self._cluster = cluster
         self._runners = [(node, provider.runner(cluster, node)) for node in cluster.nodes]
-        self._interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._renew_forever, name=f"lease-{cluster.name}", daemon=True)
+        self._renewals = [Renewal(f"node leases of {cluster.name}", self.renew, interval_s),
+                          Renewal(f"heartbeat of {cluster.name}", self.heartbeat, interval_s)]
 
     def start(self) -> LeaseKeeper:
+        self.heartbeat()
         self.renew()
-        self._thread.start()
+        for renewal in self._renewals:
+            renewal.start()
         return self
 
     def renew(self) -> None:
@@ -34,14 +72,9 @@ class LeaseKeeper:
         for node, runner in self._runners:
             runner.write_text(node.path(LEASE_FILE), now)
 
-    def _renew_forever(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            try:
-                self.renew()
-            except OSError as exc:
-                # A node we cannot reach right now may answer at the next renewal, well within the TTL.
-                log.warning("lease renewal failed (%s): retrying in %.0fs", exc, self._interval_s)
+    def heartbeat(self) -> None:
+        self._provider.heartbeat(self._cluster)
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=self._interval_s + 5)
+        for renewal in self._renewals:
+            renewal.stop()

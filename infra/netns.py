@@ -59,6 +59,11 @@ TBF_TICKS_PER_S = 250
 TBF_MIN_BURST = 64 * 1024
 TBF_LATENCY = "50ms"
 IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
+# `ip netns exec` mounts the files under /etc/netns/<namespace>/ over /etc's. A namespace gets a resolver that fails
+# at once: the machine's nameserver, reached from a node through the root namespace without NAT, never answers, and
+# torch's c10d asks for a reverse lookup on every connection it makes (10 s each before it gives up).
+NETNS_ETC = Path("/etc/netns")
+RESOLV_CONF = "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n"
 NEEDS = "provider netns needs root and iproute2 (ip netns): run as root or use provider local"
 
 
@@ -153,12 +158,19 @@ def links() -> list[str]:
     return [link["ifname"] for link in json.loads(ip("-j", "link", "show", check=False) or "[]")]
 
 
+def _etc_dirs() -> list[Path]:
+    return sorted(NETNS_ETC.iterdir()) if NETNS_ETC.is_dir() else []
+
+
 def groups() -> dict[str, Group]:
-    """Every group on this machine that has a namespace, an interface or a state file."""
+    """Every group on this machine that has a namespace, an interface, a state file or files under /etc/netns."""
     found: dict[str, tuple[list[str], list[str]]] = {}
     for ns in namespaces():
         if match := NAME.match(ns):
             found.setdefault(match["id"], ([], []))[0].append(ns)
+    for ns in _etc_dirs():
+        if match := NAME.match(ns.name):
+            found.setdefault(match["id"], ([], []))
     for link in links():
         if match := NAME.match(link):
             found.setdefault(match["id"], ([], []))[1].append(link)
@@ -237,6 +249,8 @@ def namespace_address(namespace: str) -> str:
 
 
 def create_namespace(name: str) -> None:
+    (NETNS_ETC / name).mkdir(parents=True, exist_ok=True)
+    (NETNS_ETC / name / "resolv.conf").write_text(RESOLV_CONF)
     if name not in namespaces():
         ip("netns", "add", name)
     # gloo, torchrun's store and anything bound to localhost inside the namespace need its own loopback up.
@@ -399,6 +413,9 @@ def remove_group(gid: str) -> bool:
         done = _run(["ip", "netns", "del", ns], check=False)
         if not _gone(done):
             raise NetnsError(f"ip netns del {ns}: {done.stderr.strip()}")
+    for etc in _etc_dirs():
+        if (match := NAME.match(etc.name)) and match["id"] == gid:
+            shutil.rmtree(etc)
     remove_state(gid)
     left = groups().get(gid)
     if left is not None and (left.namespaces or left.links):

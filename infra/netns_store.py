@@ -23,6 +23,7 @@ import socket
 import string
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -48,12 +49,24 @@ def rclone_binary() -> str:
     return found
 
 
-def rclone_serve_s3_argv(rclone: str, root: Path, addr: str, access_key: str, secret_key: str,
-                         etag_hash: str = "MD5") -> list[str]:
+@dataclass(frozen=True)
+class ServerCommand:
+    argv: list[str]
+    env: dict[str, str]  # what the server also needs in its environment: its secrets, which no argv may carry
+
+
+def rclone_serve_s3(rclone: str, root: Path, addr: str, access_key: str, secret_key: str,
+                    etag_hash: str = "MD5") -> ServerCommand:
     """`rclone serve s3` over root (each top-level directory a bucket); etag_hash '' turns per-request MD5 ETags off
-    (what a benchmark wants: the hashing would cost the server CPU the link is meant to be the limit of)."""
-    return [rclone, "serve", "s3", str(root), "--addr", addr, "--auth-key", f"{access_key},{secret_key}",
-            f"--etag-hash={etag_hash}", "--config", os.devnull]
+    (what a benchmark wants: the hashing would cost the server CPU the link is meant to be the limit of).
+
+    The key pair goes in RCLONE_AUTH_KEY, not --auth-key: a command line is readable by every user of the machine
+    (ps, /proc/PID/cmdline), a process's environment only by its owner. rclone reads a list flag's environment
+    value as one CSV record, so the pair (which holds a comma) is one quoted field."""
+    pair = f"{access_key},{secret_key}"
+    return ServerCommand(
+        argv=[rclone, "serve", "s3", str(root), "--addr", addr, f"--etag-hash={etag_hash}", "--config", os.devnull],
+        env={"RCLONE_AUTH_KEY": '"' + pair.replace('"', '""') + '"'})
 
 
 def _key(length: int, prefix: str = "", alphabet: str = string.ascii_uppercase + string.digits) -> str:
@@ -117,9 +130,9 @@ class NetnsStore:
             self._forward_was_on = netns.set_ip_forward(True)
             self.address = netns.create_store_network(gid, self.link_mbit)
             runner = NetnsRunner(f"store {self.namespace}", self.root, {STORE_TAG: gid}, self.namespace)
-            argv = rclone_serve_s3_argv(rclone_binary(), self.root, f"{self.address}:{PORT}", self.access_key,
-                                        self.secret_key, self.etag_hash)
-            self._process = runner.start(argv)
+            command = rclone_serve_s3(rclone_binary(), self.root, f"{self.address}:{PORT}", self.access_key,
+                                      self.secret_key, self.etag_hash)
+            self._process = runner.start(command.argv, env=command.env)
             self._wait_listening()
         except BaseException:
             self.close()

@@ -150,6 +150,17 @@ class VerifySpec(StrictModel):
         "needed", description="needed: only the figures something holds the cluster to (a floor, the catalog's "
         "figure for the instance type), so a run pays no seconds for figures reported only; all: every figure.")
 
+    @field_validator("bench", mode="before")
+    @classmethod
+    def _bench_from_yaml_bool(cls, value: object) -> object:
+        # YAML 1.1 reads a bare off/no/false as False (and on/yes/true as True) before we see the word.
+        if value is False:
+            return "off"
+        if value is True:
+            raise ValueError("bench: on/yes/true reads as a boolean and names no mode: use warn or fail "
+                             "(off, no or false turn the bench off)")
+        return value
+
     @field_validator("allreduce_sizes_mb")
     @classmethod
     def _positive_sizes(cls, value: tuple[int, ...]) -> tuple[int, ...]:

@@ -42,7 +42,13 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 60.0  # how long transient connect failures are retried before giving up
 TCP_TIMEOUT_S = 10.0  # one TCP connect / SSH handshake attempt
 CHANNEL_TIMEOUT_S = 30.0  # the server answering a channel open; longer means a dead connection
-KEEPALIVE_S = 15  # finds a dead connection (network partition) without waiting for a write to fail
+# A connection that stops answering (a network partition drops its packets; nothing closes it) is found by asking the
+# server a keepalive every KEEPALIVE_S and closing the connection once KEEPALIVE_MISSES in a row go unanswered, as
+# OpenSSH's ServerAliveInterval/ServerAliveCountMax do: so within KEEPALIVE_S × (KEEPALIVE_MISSES + 1) of the last
+# answer, everything waiting on it (a command's exit, an SFTP read) fails instead of waiting for TCP to give up
+# (~15 min of retransmissions).
+KEEPALIVE_S = 15.0
+KEEPALIVE_MISSES = 3
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 8.0
 PGID_MARKER = "@@trainpipe-pgid"
@@ -280,12 +286,41 @@ def connect(endpoint: Endpoint, timeout_s: float = CONNECT_TIMEOUT_S) -> paramik
         except BaseException:
             transport.close()
             raise
-        transport.set_keepalive(KEEPALIVE_S)
+        _watch_liveness(transport, endpoint.label)
         return transport
 
     transport = _retrying(endpoint.label, attempt, time.monotonic() + timeout_s)
     log.debug("%s: connected", endpoint.label)
     return transport
+
+
+def _watch_liveness(transport: paramiko.Transport, label: str) -> None:
+    """Close the transport once the server leaves keepalives unanswered for KEEPALIVE_MISSES intervals."""
+    interval_s, misses = KEEPALIVE_S, KEEPALIVE_MISSES
+
+    def ask() -> threading.Event:
+        answered = threading.Event()
+
+        def request() -> None:
+            # Any answer counts, a refusal of the request too: the server is there. Returns when the transport closes.
+            transport.global_request("keepalive@openssh.com", wait=True)
+            answered.set()
+
+        threading.Thread(target=request, name=f"ssh-keepalive-ask-{label}", daemon=True).start()
+        return answered
+
+    def watch() -> None:
+        while transport.is_active():
+            started = time.monotonic()
+            if not ask().wait(interval_s * misses):
+                if transport.is_active():
+                    log.warning("%s: no answer to %d keepalives in %.0fs: the connection is dead, closing it",
+                                label, misses, interval_s * misses)
+                    transport.close()
+                return
+            time.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+
+    threading.Thread(target=watch, name=f"ssh-keepalive-{label}", daemon=True).start()
 
 
 # -- shared connections ---------------------------------------------------------------------------------------------

@@ -5,20 +5,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from infra.providers import ClusterRecord, all_providers, get_provider
+from infra.providers import ClusterRecord, Provider, all_providers
 
 
 def sweep_clusters(include_alive: bool = False, dry_run: bool = False,
-                   on_cluster: Callable[[ClusterRecord], None] | None = None) -> list[ClusterRecord]:
-    """Clusters torn down (or, with dry_run, that would be); on_cluster hears of each before it is touched."""
+                   on_cluster: Callable[[ClusterRecord], None] | None = None,
+                   providers: list[Provider] | None = None) -> list[ClusterRecord]:
+    """Clusters torn down (or, with dry_run, that would be); on_cluster hears of each before it is touched.
+    providers: where to look (default: every provider)."""
     swept = []
-    for provider in all_providers():
+    for provider in all_providers() if providers is None else providers:
         for record in provider.list_clusters():
             if record.owner_alive and not include_alive:
                 continue
             if on_cluster is not None:
                 on_cluster(record)
             if not dry_run:
-                get_provider(record.provider).terminate(record.name)
+                provider.terminate(record.name)  # the one that listed it: the same cloud, account and endpoint
             swept.append(record)
     return swept

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from prefect import get_run_logger, task
 
-from infra.lease import LEASE_FILE, LeaseKeeper
+from infra.lease import LEASE_FILE, RENEWALS_PER_TTL, LeaseKeeper
 from infra.node.sync import STOP_FILE
 from infra.providers import Cluster, Provider, get_provider
 from infra.spec import JobSpec
 from tasks.policy import NO_RETRIES, TRANSIENT_RETRIES
 
-# Renewed several times per TTL, so one slow or failed renewal never expires a healthy node's lease.
-RENEWALS_PER_TTL = 6
 _lease_keepers: dict[str, LeaseKeeper] = {}
 
 
@@ -21,7 +19,7 @@ def _start_lease(provider: Provider, cluster: Cluster, ttl_s: float) -> None:
     for node in cluster.nodes:
         provider.runner(cluster, node).start(
             [node.python, "-m", "infra.node", "watch", "--lease", node.path(LEASE_FILE), "--ttl", str(ttl_s),
-             "--notice-source", provider.notice_source, "--workdir", node.workdir,
+             "--on-expire", provider.lease_expiry, "--notice-source", provider.notice_source, "--workdir", node.workdir,
              "--stop-sync-file", f"{node.sync_dir}/{STOP_FILE}"],
             log_path=node.path("logs", "watch.log"))
 

@@ -1,13 +1,20 @@
 """A simulated EC2 control plane: a real `moto_server` process on a free loopback port.
 
 moto 5 has no placement groups, so the server started here adds CreatePlacementGroup, DescribePlacementGroups and
-DeletePlacementGroup to moto's EC2 backend (in memory, with tags, EC2's error codes). Everything else is moto's.
+DeletePlacementGroup to moto's EC2 backend (in memory, with tags, EC2's error codes). Two more of EC2's ways are
+added on request (moto_ec2's arguments): public addresses from a given prefix (where tests run a stand-in for the
+instances' machines, tests/cloud_nodes.py), and instances that stay `shutting-down` for a while after
+TerminateInstances, as EC2's do, before `terminated`. Everything else is moto's.
 Run as a script it is the server itself: `python tests/aws_server.py PORT`.
 """
 
 from __future__ import annotations
 
+import copy
+import itertools
+import os
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,12 +38,51 @@ class Ec2Server:
                 "AWS_EC2_METADATA_DISABLED": "true"}
 
 
+PUBLIC_IP_PREFIX_ENV = "TRAINPIPE_TEST_EC2_PUBLIC_IP_PREFIX"
+SHUTTING_DOWN_ENV = "TRAINPIPE_TEST_EC2_SHUTTING_DOWN_S"
+
+
 @contextmanager
-def moto_ec2(log_dir: Path) -> Iterator[Ec2Server]:
+def moto_ec2(log_dir: Path, public_ip_prefix: str | None = None, shutting_down_s: float = 0.0) -> Iterator[Ec2Server]:
+    """public_ip_prefix: instances get public addresses prefix+1, prefix+2, ... (e.g. "127.77.1."); shutting_down_s:
+    how long a terminated instance stays shutting-down."""
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
-    with _serving([sys.executable, str(Path(__file__).resolve()), str(port)], port, log_dir / f"moto-{port}.log"):
+    env = {**os.environ, SHUTTING_DOWN_ENV: str(shutting_down_s)}
+    if public_ip_prefix:
+        env[PUBLIC_IP_PREFIX_ENV] = public_ip_prefix
+    with _serving([sys.executable, str(Path(__file__).resolve()), str(port)], port, log_dir / f"moto-{port}.log",
+                  env=env):
         yield Ec2Server(f"http://127.0.0.1:{port}")
+
+
+def _public_ips_from(prefix: str) -> None:
+    from moto.ec2.models import elastic_network_interfaces
+
+    numbers = itertools.count(1)
+    elastic_network_interfaces.random_public_ip = lambda: f"{prefix}{next(numbers)}"
+
+
+def _slow_shutdown(seconds: float) -> None:
+    from moto.ec2.models.instances import Instance
+
+    terminate = Instance.terminate
+
+    def shutting_down(self: Any) -> Any:
+        if self._state.name in ("shutting-down", "terminated"):
+            return copy.copy(self._state)  # EC2 takes a repeated TerminateInstances as a no-op
+        previous = terminate(self)
+        self._state.name, self._state.code = "shutting-down", 32
+
+        def ended() -> None:
+            self._state.name, self._state.code = "terminated", 48
+
+        timer = threading.Timer(seconds, ended)
+        timer.daemon = True
+        timer.start()
+        return previous
+
+    Instance.terminate = shutting_down
 
 
 def _add_placement_groups() -> None:
@@ -89,6 +135,10 @@ def _add_placement_groups() -> None:
 
 if __name__ == "__main__":
     _add_placement_groups()
+    if os.environ.get(PUBLIC_IP_PREFIX_ENV):
+        _public_ips_from(os.environ[PUBLIC_IP_PREFIX_ENV])
+    if float(os.environ.get(SHUTTING_DOWN_ENV) or 0) > 0:
+        _slow_shutdown(float(os.environ[SHUTTING_DOWN_ENV]))
     from moto.server import main
 
     main(["-H", "127.0.0.1", "-p", sys.argv[1]])

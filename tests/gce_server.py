@@ -4,7 +4,7 @@ The real GCE control plane cannot be reached from here (no network, no project, 
 it exists, so the GCP provider's tests run against this stand-in. It serves exactly the Compute REST (v1) endpoints
 the provider calls, with the JSON shapes of the real API (kinds, selfLinks, operations, aggregated lists):
 
-- zones/{zone}/instances: insert, get, list, delete; aggregated/instances
+- zones/{zone}/instances: insert, get, list, delete, setLabels (guarded by labelFingerprint); aggregated/instances
 - regions/{region}/resourcePolicies: insert, get, delete; aggregated/resourcePolicies
 - zones/{zone}/operations/{name} and regions/{region}/operations/{name}: get and wait
 
@@ -12,6 +12,10 @@ Operations come back PENDING and are DONE from their first poll; instances go PR
 step per read. The rules of GCE that the provider must respect are enforced: RFC 1035 names, label keys and values,
 one boot disk, a placement policy that exists in the zone's region, requestId deduplication, and no deleting a
 resource policy an instance still uses (400 resourceInUseByAnotherResource), so the teardown order is really tested.
+
+It also answers OAuth's token endpoint (POST /token), so a service-account key file whose token_uri points here gives
+a process of its own (an orchestrator started as a command) credentials the way Google's would. Instances' external
+addresses come from `nat_prefix` when one is given (where tests run a stand-in for their machines).
 
 Faults are injected with `fail()` and arrive as they do from GCE: a stockout or a quota refusal is an HTTP 200 insert
 whose operation ends DONE with `error.errors[0].code` (ZONE_RESOURCE_POOL_EXHAUSTED, QUOTA_EXCEEDED) and
@@ -25,6 +29,7 @@ import copy
 import itertools
 import json
 import re
+import sys
 import threading
 import uuid
 from collections.abc import Callable
@@ -108,6 +113,7 @@ class Call:
     query: dict[str, str]
     body: dict[str, Any] | None
     status: int
+    authorization: str | None = None
 
 
 @dataclass
@@ -123,8 +129,11 @@ class _State:
 
 
 class GceServer:
-    def __init__(self, project: str = PROJECT) -> None:
+    def __init__(self, project: str = PROJECT, nat_prefix: str | None = None) -> None:
         self.project = project
+        self.nat_prefix = nat_prefix
+        self.tokens: list[str] = []  # access tokens handed out by /token
+        self._nat_numbers = itertools.count(1)
         self._state = _State()
         self._lock = threading.Lock()
         self._ids = itertools.count(1000)
@@ -140,7 +149,7 @@ class GceServer:
 
     def start(self) -> GceServer:
         handler = type("Handler", (_Handler,), {"gce": self})
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._httpd = _Server(("127.0.0.1", 0), handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="gce-server", daemon=True)
         self._thread.start()
@@ -199,7 +208,8 @@ class GceServer:
 
     # -- the API ------------------------------------------------------------------------------------------------
 
-    def handle(self, method: str, target: str, body: dict[str, Any] | None) -> tuple[int, dict[str, Any]]:
+    def handle(self, method: str, target: str, body: dict[str, Any] | None,
+               authorization: str | None = None) -> tuple[int, dict[str, Any]]:
         parts = urlsplit(target)
         query = dict(parse_qsl(parts.query))
         with self._lock:
@@ -207,8 +217,14 @@ class GceServer:
                 status, answer = 200, self._route(method, parts.path, query, body)
             except ApiError as exc:
                 status, answer = exc.status, exc.body()
-            self._state.calls.append(Call(method, parts.path, query, body, status))
+            self._state.calls.append(Call(method, parts.path, query, body, status, authorization))
         return status, answer
+
+    def token(self) -> dict[str, Any]:
+        """OAuth's answer to a service account's JWT bearer grant (the assertion is not checked)."""
+        with self._lock:
+            self.tokens.append(f"ya29.fake-{uuid.uuid4().hex}")
+            return {"access_token": self.tokens[-1], "expires_in": 3600, "token_type": "Bearer"}
 
     def _route(self, method: str, path: str, query: dict[str, str], body: dict[str, Any] | None) -> dict[str, Any]:
         match = re.match(r"^/compute/v1/projects/([^/]+)/(.*)$", path)
@@ -222,6 +238,7 @@ class GceServer:
             ("GET", r"zones/([^/]+)/instances", self._list_instances),
             ("GET", r"zones/([^/]+)/instances/([^/]+)", self._get_instance),
             ("DELETE", r"zones/([^/]+)/instances/([^/]+)", self._delete_instance),
+            ("POST", r"zones/([^/]+)/instances/([^/]+)/setLabels", self._set_labels),
             ("GET", r"aggregated/instances", self._aggregated_instances),
             ("POST", r"regions/([^/]+)/resourcePolicies", self._insert_policy),
             ("GET", r"regions/([^/]+)/resourcePolicies/([^/]+)", self._get_policy),
@@ -332,9 +349,10 @@ class GceServer:
                                   "onHostMaintenance": "MIGRATE", **body.get("scheduling", {})}
         for index, nic in enumerate(instance["networkInterfaces"]):
             nic.update(kind="compute#networkInterface", name=f"nic{index}", networkIP=f"10.128.{index}.{number % 250}")
+            nat = (f"{self.nat_prefix}{next(self._nat_numbers)}" if self.nat_prefix
+                   else f"34.1.{number // 250 % 250}.{number % 250}")
             for access in nic.get("accessConfigs", []):
-                access.update(kind="compute#accessConfig", natIP=f"34.1.{number // 250 % 250}.{number % 250}",
-                              networkTier="PREMIUM")
+                access.update(kind="compute#accessConfig", natIP=nat, networkTier="PREMIUM")
         for index, disk in enumerate(instance["disks"]):
             scratch = disk.get("type") == "SCRATCH"
             disk.update(kind="compute#attachedDisk", index=index, mode="READ_WRITE",
@@ -428,6 +446,19 @@ class GceServer:
         return {"kind": "compute#instanceAggregatedList", "id": f"projects/{self.project}/aggregated/instances",
                 "items": items, "selfLink": self._url("aggregated/instances")}
 
+    def _set_labels(self, zone: str, name: str, query: dict[str, str], body: dict[str, Any] | None) -> dict[str, Any]:
+        instance = self._instance(zone, name)
+        body = body or {}
+        if body.get("labelFingerprint") != instance["labelFingerprint"]:
+            raise ApiError(412, "conditionNotMet", "Labels fingerprint either invalid or resource labels have "
+                           "changed")
+        for key, value in body.get("labels", {}).items():
+            if not LABEL_KEY.match(key) or not LABEL_VALUE.match(value):
+                raise ApiError(400, "invalid", f"Invalid value for field 'labels': '{key}={value}'")
+        instance["labels"] = dict(body.get("labels", {}))
+        instance["labelFingerprint"] = uuid.uuid4().hex[:12]
+        return self._operation(f"zones/{zone}", "setLabels", f"zones/{zone}/instances/{name}")
+
     def _delete_instance(self, zone: str, name: str, **_: Any) -> dict[str, Any]:
         self._instance(zone, name)
         del self._state.instances[(zone, name)]
@@ -485,6 +516,13 @@ class GceServer:
                 "selfLink": self._url("aggregated/resourcePolicies")}
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client killed mid-request (tests kill orchestrators) is no error of the server's."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 class _Handler(BaseHTTPRequestHandler):
     gce: GceServer
     protocol_version = "HTTP/1.1"  # keep-alive, as the client's requests session expects
@@ -492,13 +530,16 @@ class _Handler(BaseHTTPRequestHandler):
     def _serve(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
-        try:
-            body = json.loads(raw) if raw.strip() else None
-        except json.JSONDecodeError:
-            status, answer = 400, ApiError(400, "parseError", "This API does not support parsing form-encoded "
-                                           "input.").body()
+        if self.command == "POST" and urlsplit(self.path).path == "/token":
+            status, answer = 200, self.gce.token()  # a form-encoded grant, as OAuth's are
         else:
-            status, answer = self.gce.handle(self.command, self.path, body)
+            try:
+                body = json.loads(raw) if raw.strip() else None
+            except json.JSONDecodeError:
+                status, answer = 400, ApiError(400, "parseError", "This API does not support parsing form-encoded "
+                                               "input.").body()
+            else:
+                status, answer = self.gce.handle(self.command, self.path, body, self.headers.get("Authorization"))
         data = json.dumps(answer).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json; charset=UTF-8")

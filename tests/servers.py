@@ -5,6 +5,7 @@ Plain Python (no pytest), so the benchmark starts the very same servers the test
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -15,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.netns_store import rclone_serve_s3_argv
+from infra.netns_store import rclone_serve_s3
 
 # Normal-length keys: rclone's v4 signature check treats them like real AWS keys.
 ACCESS_KEY = "AKIATRAINPIPETEST001"
@@ -103,8 +104,8 @@ def rclone_s3(root: Path, *, etag_hash: str = "MD5") -> Iterator[S3Server]:
     """`rclone serve s3` over root; etag_hash='' turns per-request MD5 ETags off (what a benchmark wants)."""
     root.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    argv = rclone_serve_s3_argv(_tool("rclone"), root, f"127.0.0.1:{port}", ACCESS_KEY, SECRET_KEY, etag_hash)
-    with _serving(argv, port, root.parent / f"rclone-{port}.log"):
+    command = rclone_serve_s3(_tool("rclone"), root, f"127.0.0.1:{port}", ACCESS_KEY, SECRET_KEY, etag_hash)
+    with _serving(command.argv, port, root.parent / f"rclone-{port}.log", env={**os.environ, **command.env}):
         yield S3Server(f"http://127.0.0.1:{port}", root)
 
 

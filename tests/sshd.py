@@ -60,8 +60,12 @@ def free_port() -> int:
 
 
 def answers(port: int) -> bool:
+    return answers_at("127.0.0.1", port)
+
+
+def answers_at(host: str, port: int) -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+        with socket.create_connection((host, port), timeout=1) as sock:
             sock.settimeout(2)
             return sock.recv(4).startswith(b"SSH-")
     except OSError:
@@ -114,12 +118,14 @@ class SshServer:
             self.process.wait(10)
 
 
-def _write_config(root: Path, port: int, host_key: Path, authorized_keys: Path) -> None:
-    (root / "sshd_config").write_text(f"""\
+def sshd_config(port: int, host_key: Path, authorized_keys: Path, pid_file: Path, listen: str = "127.0.0.1",
+                more: str = "") -> str:
+    """A test sshd's configuration: key authentication only, SFTP, root logins (sshd logs users in as themselves)."""
+    return f"""\
 Port {port}
-ListenAddress 127.0.0.1
+ListenAddress {listen}
 HostKey {host_key}
-PidFile {root / "sshd.pid"}
+PidFile {pid_file}
 AuthorizedKeysFile {authorized_keys}
 StrictModes no
 UsePAM no
@@ -129,7 +135,11 @@ PasswordAuthentication no
 KbdInteractiveAuthentication no
 Subsystem sftp internal-sftp
 LogLevel VERBOSE
-""")
+{more}"""
+
+
+def _write_config(root: Path, port: int, host_key: Path, authorized_keys: Path) -> None:
+    (root / "sshd_config").write_text(sshd_config(port, host_key, authorized_keys, root / "sshd.pid"))
 
 
 def start_server(root: Path, client_public_key: Path, attempts: int = 5, host_key: Path | None = None) -> SshServer:

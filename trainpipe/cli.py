@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -41,6 +42,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 ConfigArg = Annotated[Path, typer.Argument(help="job config YAML (see examples/local.yaml)")]
 RunIdOpt = Annotated[str | None, typer.Option("--run-id", help="reuse a run id to resume its checkpoints")]
+# What `trainpipe run` prints as the committed checkpoint: <checkpoints.url>/<run-id>/step-00001000.
+STEP_URL = re.compile(r"^(?P<root>.+)/step-(?P<step>\d{8,})/?$")
 
 
 def user_errors_exit_2(command: F) -> F:
@@ -223,11 +226,24 @@ def dataset_inspect(
         raise typer.Exit(1)
 
 
+def split_step_url(url: str, step: int | None = None) -> tuple[str, int | None]:
+    """(the run's checkpoint root, the step) from a run's root URL or a step's URL; a step given both ways must
+    agree."""
+    found = STEP_URL.match(url)
+    if found is None:
+        return url, step
+    in_url = int(found["step"])
+    if step is not None and step != in_url:
+        raise CheckpointError(f"{url} names step {in_url} but STEP is {step}: give one of them")
+    return found["root"], in_url
+
+
 @ckpt_app.command("ls")
 @user_errors_exit_2
-def ckpt_ls(url: Annotated[str, typer.Argument(help="a run's checkpoint root URL")]) -> None:
+def ckpt_ls(url: Annotated[str, typer.Argument(help="a run's checkpoint root URL, or one of its step URLs")]) -> None:
     """List committed and uncommitted steps."""
-    checkpoints = CheckpointStore(open_store(url))
+    root, _ = split_step_url(url)
+    checkpoints = CheckpointStore(open_store(root))
     latest = checkpoints.latest()
     steps = checkpoints.list_steps()
     if not steps:
@@ -241,11 +257,13 @@ def ckpt_ls(url: Annotated[str, typer.Argument(help="a run's checkpoint root URL
 @ckpt_app.command("verify")
 @user_errors_exit_2
 def ckpt_verify(
-    url: Annotated[str, typer.Argument(help="a run's checkpoint root URL")],
-    step: Annotated[int | None, typer.Argument(help="default: the latest committed step")] = None,
+    url: Annotated[str, typer.Argument(help="a run's checkpoint root URL, or a step's URL as `trainpipe run` prints "
+                                            "it (.../<run-id>/step-00001000)")],
+    step: Annotated[int | None, typer.Argument(help="default: the step in the URL, else the latest committed")] = None,
 ) -> None:
     """Check every file against the manifest, then open the checkpoint as its framework would."""
-    checkpoints = CheckpointStore(open_store(url))
+    root, step = split_step_url(url, step)
+    checkpoints = CheckpointStore(open_store(root))
     manifest = checkpoints.verify(step, deep=True)
     with tempfile.TemporaryDirectory(prefix="trainpipe-verify-") as scratch:
         try:

@@ -112,6 +112,13 @@ def _cmdline(process: psutil.Process) -> list[str]:
         return []
 
 
+def power_off() -> None:
+    """Power the machine off. Cloud nodes run this as their SSH user, which the images (Ubuntu on EC2 and GCE) give
+    passwordless sudo, not as root."""
+    argv = ["shutdown", "-h", "now"]
+    subprocess.run(argv if os.geteuid() == 0 else ["sudo", "-n", *argv], check=True)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m infra.node watch")
     parser.add_argument("--lease", required=True, type=Path, help="file holding the last renewal's unix time")
@@ -147,10 +154,18 @@ def main(argv: list[str]) -> int:
         time.sleep(args.poll)
 
     emit("lease-expired", age_s=round(age, 1), ttl_s=args.ttl, action=args.on_expire)
+    failed = False
     if args.on_expire == "shutdown":
-        subprocess.run(["shutdown", "-h", "now"], check=True)
-        return 0
+        try:
+            power_off()
+            return 0
+        except (OSError, subprocess.CalledProcessError) as exc:
+            # Still end what runs here: the machine bills on, but the sweeper (its heartbeat is gone) ends it.
+            emit("power-off-failed", error=str(exc))
+            failed = True
+            if not node_tag:
+                return 1
     processes = tagged_processes(NODE_TAG, node_tag)
     kill_processes(processes)
     emit("node-down", killed=len(processes))
-    return 0
+    return 1 if failed else 0

@@ -26,7 +26,7 @@ from infra.hostkeys import HostKey
 from infra.optimizer import Candidate
 from infra.providers.aws_errors import CapacityError, InvalidRequestError, LaunchError, classify, error_code
 from infra.providers.base import Cluster, ClusterRecord, Node, PreemptionNotice
-from infra.providers.cloud import HOST_KEYS, MOUNT, CloudProvider, boot_script, owner_alive, owner_stamp
+from infra.providers.cloud import HOST_KEYS, MOUNT, CloudProvider, boot_script, lease_alive, owner_stamp
 from infra.spec import ClusterSpec
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,8 @@ TAG_CREATED = "trainpipe:created-at"
 TAG_RANK = "trainpipe:rank"
 TAG_TOKEN = "trainpipe:launch-token"
 TAG_HOST_KEY = "trainpipe:host-key"  # the SHA256 fingerprint of the host key the instance's user-data installs
+TAG_HEARTBEAT = "trainpipe:heartbeat"  # unix time of the orchestrator's latest renewal (cloud.lease_alive)
+TAG_LEASE_TTL = "trainpipe:lease-ttl-s"  # how old the heartbeat may get before the run counts as gone
 LIVE_STATES = ("pending", "running", "stopping", "stopped")
 # Deep Learning AMI (NVIDIA driver, EFA installer) published by AWS as a public SSM parameter.
 DEFAULT_AMI_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
@@ -142,7 +144,8 @@ class AwsProvider(CloudProvider):
         """Every node on this candidate or none: on any failure what this call started is rolled back."""
         region = candidate.region
         tags = {"Name": cluster_name, TAG_CLUSTER: cluster_name, TAG_RUN: run_id, TAG_OWNER: owner_stamp(),
-                TAG_CREATED: datetime.now(UTC).isoformat(timespec="seconds")}
+                TAG_CREATED: datetime.now(UTC).isoformat(timespec="seconds"), TAG_HEARTBEAT: f"{time.time():.0f}",
+                TAG_LEASE_TTL: f"{spec.lease_ttl_s:g}"}
         try:
             ec2 = self.client(region)
             image = self._image(region)
@@ -405,11 +408,12 @@ class AwsProvider(CloudProvider):
         for name, items in sorted(by_cluster.items()):
             tags = _tags(items[0])
             instances = [i for i in items if "InstanceId" in i]
+            created = datetime.fromisoformat(tags[TAG_CREATED]).timestamp() if TAG_CREATED in tags else 0.0
+            beats = [_tags(i).get(TAG_HEARTBEAT) for i in instances]
             records.append(ClusterRecord(
-                name=name, provider=self.name, run_id=tags.get(TAG_RUN, "unknown"),
-                created_at=datetime.fromisoformat(tags[TAG_CREATED]).timestamp() if TAG_CREATED in tags else 0.0,
-                nodes=len(instances), owner_alive=bool(instances) and owner_alive(tags.get(TAG_OWNER, "")),
-                processes=len(instances)))
+                name=name, provider=self.name, run_id=tags.get(TAG_RUN, "unknown"), created_at=created,
+                nodes=len(instances), processes=len(instances),
+                owner_alive=bool(instances) and lease_alive(beats, tags.get(TAG_LEASE_TTL), created)))
         return records
 
     # -- nodes --------------------------------------------------------------------------------------------------
@@ -419,6 +423,11 @@ class AwsProvider(CloudProvider):
         pages = self._call(f"describe {cluster.name}", lambda: list(self.client(cluster.owner["region"]).get_paginator(
             "describe_instances").paginate(InstanceIds=ids)))
         return {_tags(i)["Name"]: i["State"]["Name"] for p in pages for r in p["Reservations"] for i in r["Instances"]}
+
+    def heartbeat(self, cluster: Cluster) -> None:
+        ids = list(cluster.owner["instances"].values())
+        self._call(f"renew the heartbeat of {cluster.name}", lambda: self.client(cluster.owner["region"]).create_tags(
+            Resources=ids, Tags=[{"Key": TAG_HEARTBEAT, "Value": f"{time.time():.0f}"}]))
 
     def nodes_alive(self, cluster: Cluster) -> dict[str, bool]:
         states = self._states(cluster)

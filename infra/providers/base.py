@@ -136,6 +136,9 @@ class Provider(ABC):
     # Where a node's watcher (infra.node watch) looks for preemption notices: the cloud's metadata service, or
     # the notice file the chaos injector raises on local and ssh nodes.
     notice_source: str = "none"
+    # What a node's lease watchdog (infra.node watch --on-expire) does once its orchestrator has been silent for the
+    # lease TTL: end every process of the node, or power the machine off (a cloud then ends the instance for good).
+    lease_expiry: str = "kill-node"
 
     @abstractmethod
     def launch(self, cluster_name: str, spec: ClusterSpec, run_id: str) -> Cluster:
@@ -165,3 +168,7 @@ class Provider(ABC):
     @abstractmethod
     def nodes_alive(self, cluster: Cluster) -> dict[str, bool]:
         """Per node, whether it is still there (a vanished node counts as preempted)."""
+
+    def heartbeat(self, cluster: Cluster) -> None:  # noqa: B027 - deliberately empty for most providers
+        """Stamp the cluster alive now, where a sweeper on any machine reads it (ClusterRecord.owner_alive). Nothing
+        to do where the owner is a process on the machine that keeps the cluster's record (local, netns, ssh)."""

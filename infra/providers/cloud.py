@@ -21,6 +21,7 @@ import os
 import socket
 import time
 from abc import abstractmethod
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from infra.bootstrap import NodeReport, WheelBuilder, WheelSource, bootstrap_nod
 from infra.catalog import Catalog, load_catalog
 from infra.failover import launch_with_failover
 from infra.hostkeys import SSH_DIR, HostKey, generate_host_key, install_script
+from infra.lease import RENEWALS_PER_TTL, Renewal
 from infra.optimizer import Candidate, NoCandidateError, candidates
 from infra.providers.base import Attempt, Cluster, InvalidRequestError, LaunchError, Node, Provider
 
@@ -55,24 +57,33 @@ HOST_KEYS = "host_keys"  # Cluster.owner[HOST_KEYS]: {node name: pinned SHA256 f
 BOOT_STATUS = "/run/trainpipe-boot-status"
 BOOT_TIMEOUT_S = 900.0  # from running to booted: sshd serving our key and the boot script (mdadm, mkfs) done
 BOOT_POLL_S = 5.0
+DEFAULT_LEASE_TTL_S = ClusterSpec.model_fields["lease_ttl_s"].default
 
 
 def owner_stamp() -> str:
-    """Who launched a cluster: user@host:pid:start-time, enough to tell later whether that process still runs."""
+    """Who launched a cluster: user@host:pid:start-time. For people reading tags; liveness is the heartbeat's."""
     me = psutil.Process()
     return f"{getpass.getuser()}@{socket.gethostname()}:{me.pid}:{me.create_time():.0f}"
 
 
-def owner_alive(owner: str) -> bool:
-    """Alive when the launching process still runs here; a launch from another machine cannot be checked: alive."""
+def lease_alive(heartbeats: Iterable[str | None], ttl_s: str | None, created_at: float,
+                now: float | None = None) -> bool:
+    """Whether the run that launched a cluster still lives, judged alike from every machine (no host or pid in it):
+    its orchestrator stamps the cluster's heartbeat several times per lease TTL (while launch waits for the nodes,
+    then infra.lease.LeaseKeeper), so when the newest stamp any node carries is older than the TTL, nobody renews
+    it. The same TTL after which the nodes' own watchdogs power them off. A cluster stamped before heartbeats
+    existed counts from its creation."""
+    beats = [_number(beat) for beat in heartbeats]
+    newest = max((beat for beat in beats if beat is not None), default=created_at)
+    ttl = _number(ttl_s) or DEFAULT_LEASE_TTL_S
+    return (time.time() if now is None else now) - newest <= ttl
+
+
+def _number(text: str | None) -> float | None:
     try:
-        _, host_pid_time = owner.split("@", 1)
-        host, pid, created = host_pid_time.rsplit(":", 2)
-        if host != socket.gethostname():
-            return True
-        return abs(psutil.Process(int(pid)).create_time() - float(created)) < 1.0
-    except (ValueError, psutil.NoSuchProcess):
-        return False
+        return float(text) if text else None
+    except ValueError:
+        return None
 
 
 def boot_script(host_key: HostKey, body: str, status_file: str = BOOT_STATUS, ssh_dir: str = SSH_DIR) -> str:
@@ -95,6 +106,9 @@ class CloudProvider(Provider):
     """A provider that launches on catalog candidates; subclasses say how one candidate is launched."""
 
     key_hint = "the private key whose public key the nodes accept"  # what TRAINPIPE_SSH_KEY_FILE must name
+    # Nodes are launched so that powering off ends them for good (EC2: instance-initiated shutdown terminates;
+    # GCE: a unit the boot script installs deletes the instance as it powers off): an expired lease ends the billing.
+    lease_expiry = "shutdown"
     boot_log = "the boot log"  # where a node's boot script output goes, for error messages
 
     def __init__(self, catalog: Catalog | None, bootstrap: bool = True, wheel: WheelSource = None) -> None:
@@ -131,6 +145,22 @@ class CloudProvider(Provider):
         except NoCandidateError as exc:
             raise InvalidRequestError(str(exc)) from None
         host_key = generate_host_key()  # one per cluster; only its fingerprint is ever recorded
+        # Booting can take longer than the lease TTL: the heartbeat is kept from the first instance on, so a sweeper
+        # elsewhere never takes a cluster that is still being launched.
+        beating = Renewal(f"heartbeat of {cluster_name} while it launches", lambda: self._heartbeat_named(cluster_name),
+                          spec.lease_ttl_s / RENEWALS_PER_TTL).start()
+        try:
+            return self._launch_and_bootstrap(cluster_name, spec, run_id, found, host_key)
+        finally:
+            beating.stop()
+
+    def _heartbeat_named(self, cluster_name: str) -> None:
+        cluster = self.describe(cluster_name)
+        if cluster is not None:
+            self.heartbeat(cluster)
+
+    def _launch_and_bootstrap(self, cluster_name: str, spec: ClusterSpec, run_id: str, found: list[Candidate],
+                              host_key: HostKey) -> Cluster:
         try:
             launched = launch_with_failover(
                 found, lambda c: self.launch_candidate(cluster_name, spec, run_id, c, host_key))

@@ -36,9 +36,10 @@ from google.auth.credentials import Credentials
 from infra.bootstrap import WheelSource
 from infra.catalog import Catalog
 from infra.hostkeys import HostKey
+from infra.node import gce_self_delete
 from infra.optimizer import Candidate
 from infra.providers.base import Cluster, ClusterRecord, Node, PreemptionNotice
-from infra.providers.cloud import HOST_KEYS, MOUNT, CloudProvider, boot_script, owner_alive, owner_stamp
+from infra.providers.cloud import HOST_KEYS, MOUNT, CloudProvider, boot_script, lease_alive, owner_stamp
 from infra.providers.gcp_errors import (
     CapacityError,
     InvalidRequestError,
@@ -76,6 +77,10 @@ LABEL_RUN = "trainpipe_run_id"
 LABEL_OWNER = "trainpipe_owner"
 LABEL_CREATED = "trainpipe_created_at"
 LABEL_RANK = "trainpipe_rank"
+LABEL_LEASE_TTL = "trainpipe_lease_ttl_s"  # how old the heartbeat may get before the run counts as gone
+# A label only (renewed in place; metadata would shadow it in _stamp_of): unix time of the orchestrator's latest
+# renewal (cloud.lease_alive).
+LABEL_HEARTBEAT = "trainpipe_heartbeat"
 # Metadata only (a fingerprint is no label value): the SHA256 fingerprint of the host key the startup-script installs.
 META_HOST_KEY = "trainpipe_host_key"
 POLICY_MARK = "trainpipe cluster placement "  # + the cluster's stamp as JSON: how our policies are recognised
@@ -133,11 +138,48 @@ chmod -R 1777 {MOUNT}/trainpipe
 """
 
 
-def startup_script(host_key: HostKey) -> str:
-    """The instance's startup-script: the cluster's host key installed first, then the local SSD mount. Anyone who may
+SELF_DELETE = "/usr/local/sbin/trainpipe-delete-self"
+POWEROFF_UNIT = "trainpipe-delete-on-poweroff.service"
+
+
+def poweroff_deletes_script(api_endpoint: str | None = None) -> str:
+    """Makes powering the instance off delete it (infra.node.gce_self_delete says why GCE needs this): the program,
+    and a unit whose stop (at shutdown; skipped on a reboot) runs it while the network is still up. Idempotent, as
+    GCE runs the startup script at every boot."""
+    program = Path(gce_self_delete.__file__).read_text()
+    api = api_endpoint or gce_self_delete.API
+    if not re.fullmatch(r"[A-Za-z0-9:/._-]+", api):
+        raise InvalidRequestError(f"gcp: API endpoint {api!r}: give a plain http(s)://host[:port] URL")
+    return f"""cat > {SELF_DELETE} <<'TRAINPIPE_SELF_DELETE'
+{program}TRAINPIPE_SELF_DELETE
+chmod 0755 {SELF_DELETE}
+cat > /etc/systemd/system/{POWEROFF_UNIT} <<'TRAINPIPE_UNIT'
+[Unit]
+Description=trainpipe: delete this instance when it powers off (GCE only stops it, and bills its disks)
+Wants=network-online.target
+After=network-online.target
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+ExecStart=/bin/true
+ExecStop=/bin/sh -c 'systemctl list-jobs | grep -q reboot.target || exec /usr/bin/python3 {SELF_DELETE} --api {api}'
+TimeoutStopSec=60
+
+[Install]
+WantedBy=multi-user.target
+TRAINPIPE_UNIT
+systemctl daemon-reload
+systemctl enable --now {POWEROFF_UNIT}
+"""
+
+
+def startup_script(host_key: HostKey, api_endpoint: str | None = None) -> str:
+    """The instance's startup-script: the cluster's host key installed first, then the local SSD mount, then what makes
+    a power-off delete the instance (api_endpoint: the Compute API the nodes call, default Google's). Anyone who may
     read instance metadata in the project (compute.instances.get) can read it, host private key included: see
     infra.hostkeys."""
-    return boot_script(host_key, NVME_SCRIPT)
+    return boot_script(host_key, NVME_SCRIPT + poweroff_deletes_script(api_endpoint))
 
 
 def _hash8(text: str) -> str:
@@ -217,10 +259,11 @@ class _Stamp:
     run_id: str
     owner: str
     created: str
+    lease_ttl_s: str
 
     def exact(self) -> dict[str, str]:
         return {LABEL_CLUSTER: self.cluster, LABEL_RUN: self.run_id, LABEL_OWNER: self.owner,
-                LABEL_CREATED: self.created}
+                LABEL_CREATED: self.created, LABEL_LEASE_TTL: self.lease_ttl_s}
 
     def labels(self) -> dict[str, str]:
         return {key: label_value(value) for key, value in self.exact().items()}
@@ -243,7 +286,8 @@ class GcpProvider(CloudProvider):
         self._zones = zones or env_zones or None
         self._project = project or os.environ.get("TRAINPIPE_GCP_PROJECT") or None
         self._credentials = credentials
-        self._api_endpoint = api_endpoint
+        # A Private Service Connect endpoint, say; the nodes call the same one to delete themselves.
+        self._api_endpoint = api_endpoint or os.environ.get("TRAINPIPE_GCP_ENDPOINT") or None
         self._image = image or os.environ.get("TRAINPIPE_GCP_IMAGE") or DEFAULT_IMAGE
         self._network = network or os.environ.get("TRAINPIPE_GCP_NETWORK") or "default"
         self._subnetwork = subnetwork or os.environ.get("TRAINPIPE_GCP_SUBNETWORK")
@@ -383,7 +427,8 @@ class GcpProvider(CloudProvider):
         """Every node on this candidate or none: on any failure what this call started is rolled back."""
         zone = self._zone(candidate)
         doing = f"launch {cluster_name} on {candidate.label()}"
-        stamp = _Stamp(cluster_name, run_id, owner_stamp(), datetime.now(UTC).isoformat(timespec="seconds"))
+        stamp = _Stamp(cluster_name, run_id, owner_stamp(), datetime.now(UTC).isoformat(timespec="seconds"),
+                       f"{spec.lease_ttl_s:g}")
         started: list[compute_v1.Operation] = []
         try:
             policy = self._placement_policy(cluster_name, _region(zone), stamp, doing)
@@ -478,8 +523,8 @@ class GcpProvider(CloudProvider):
 
     def _instance(self, name: str, rank: int, candidate: Candidate, zone: str, policy: str, stamp: _Stamp,
                   host_key: HostKey) -> compute_v1.Instance:
-        metadata = {"startup-script": startup_script(host_key), "install-nvidia-driver": "True", **stamp.exact(),
-                    LABEL_RANK: str(rank), META_HOST_KEY: host_key.fingerprint}
+        metadata = {"startup-script": startup_script(host_key, self._api_endpoint), "install-nvidia-driver": "True",
+                    **stamp.exact(), LABEL_RANK: str(rank), META_HOST_KEY: host_key.fingerprint}
         if self._ssh_keys:
             metadata["ssh-keys"] = self._ssh_keys
         # GPU VMs cannot live-migrate; a host event ends the node visibly (nodes_alive) instead of rebooting it
@@ -496,7 +541,7 @@ class GcpProvider(CloudProvider):
             interface.network = f"global/networks/{self._network}"
         return compute_v1.Instance(
             name=name, machine_type=f"zones/{zone}/machineTypes/{candidate.instance_type}",
-            labels={**stamp.labels(), LABEL_RANK: str(rank)},
+            labels={**stamp.labels(), LABEL_RANK: str(rank), LABEL_HEARTBEAT: f"{time.time():.0f}"},
             metadata=compute_v1.Metadata(items=[compute_v1.Items(key=k, value=v) for k, v in metadata.items()]),
             scheduling=scheduling, disks=self._disks(candidate, zone, stamp), network_interfaces=[interface],
             resource_policies=[policy], tags=compute_v1.Tags(items=["trainpipe", resource_name(stamp.cluster, "node")]),
@@ -684,8 +729,9 @@ class GcpProvider(CloudProvider):
                 stamps.setdefault(owner[LABEL_CLUSTER], owner)
         return [ClusterRecord(
             name=name, provider=self.name, run_id=stamps[name].get(LABEL_RUN, "unknown"),
-            created_at=_created(stamps[name]), nodes=len(found),
-            owner_alive=bool(found) and owner_alive(stamps[name].get(LABEL_OWNER, "")), processes=len(found),
+            created_at=_created(stamps[name]), nodes=len(found), processes=len(found),
+            owner_alive=bool(found) and lease_alive([i.labels.get(LABEL_HEARTBEAT) for i in found],
+                                                    stamps[name].get(LABEL_LEASE_TTL), _created(stamps[name])),
         ) for name, found in sorted(by_cluster.items())]
 
     # -- nodes --------------------------------------------------------------------------------------------------
@@ -694,6 +740,19 @@ class GcpProvider(CloudProvider):
         doing = f"describe {cluster.name}"
         found = self._call(doing, lambda: self._zone_instances(cluster.owner["zone"], cluster.name, doing))
         return {i.name: i for i in found}
+
+    def heartbeat(self, cluster: Cluster) -> None:
+        """Relabel every node with the time now (setLabels replaces the whole set, guarded by its fingerprint)."""
+        doing = f"renew the heartbeat of {cluster.name}"
+        zone = cluster.owner["zone"]
+        for instance in self._call(doing, lambda: self._zone_instances(zone, cluster.name, doing)):
+            labels = {**instance.labels, LABEL_HEARTBEAT: f"{time.time():.0f}"}
+            request = compute_v1.SetLabelsInstanceRequest(
+                project=self.project, zone=zone, instance=instance.name, request_id=str(uuid.uuid4()),
+                instances_set_labels_request_resource=compute_v1.InstancesSetLabelsRequest(
+                    label_fingerprint=instance.label_fingerprint, labels=labels))
+            self._call(doing, lambda r=request: self._done(self._api(doing, lambda: self.instances.set_labels_unary(
+                request=r, retry=None, timeout=API_TIMEOUT_S)), doing))
 
     def nodes_alive(self, cluster: Cluster) -> dict[str, bool]:
         found = self._nodes_now(cluster)

@@ -8,6 +8,7 @@ started them was killed, and list_clusters lets the sweeper tear down what a dea
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import socket
 import sys
@@ -68,24 +69,32 @@ class LocalProvider(Provider):
                                       "remove cluster.accelerator or use a cloud provider")
         started = time.monotonic()
         base = self._dir(cluster_name)
-        nodes = []
-        for rank in range(spec.nodes):
-            workdir = base / f"node-{rank}"
-            for sub in ("data", "ckpt", "logs"):
-                (workdir / sub).mkdir(parents=True, exist_ok=True)
-            (workdir / NODE_MARKER).write_text(f"{cluster_name}\n")
-            nodes.append(Node(name=f"{cluster_name}-node-{rank}", rank=rank,
-                              address=self._node_address(cluster_name, rank),
-                              workdir=str(workdir), data_dir=str(workdir / "data"), ckpt_dir=str(workdir / "ckpt"),
-                              python=sys.executable))
+        nodes = tuple(Node(name=f"{cluster_name}-node-{rank}", rank=rank,
+                           address=self._node_address(cluster_name, rank), workdir=str(base / f"node-{rank}"),
+                           data_dir=str(base / f"node-{rank}" / "data"), ckpt_dir=str(base / f"node-{rank}" / "ckpt"),
+                           python=sys.executable)
+                      for rank in range(spec.nodes))
         # This machine is the only candidate and costs nothing extra; the record keeps the summary's shape.
         attempt = Attempt(candidate=self.name, instance_type=self.instance_type, region=socket.gethostname(), zone=None,
                           market="on-demand", outcome="launched", error=None,
                           seconds=round(time.monotonic() - started, 3))
-        cluster = Cluster(name=cluster_name, provider=self.name, run_id=run_id, nodes=tuple(nodes),
-                          created_at=time.time(), owner=_owner(), instance_type=self.instance_type,
-                          attempts=(attempt.to_dict(),))
-        (base / RECORD).write_text(cluster.to_json())
+        cluster = Cluster(name=cluster_name, provider=self.name, run_id=run_id, nodes=nodes, created_at=time.time(),
+                          owner=_owner(), instance_type=self.instance_type, attempts=(attempt.to_dict(),))
+        # The record first, so a launch killed half way leaves nothing the sweeper cannot find by it: a new cluster
+        # dir appears only with its record in it (made aside, then renamed into place); a kept one (a recovery's,
+        # with the nodes' staged data) gets its record before anything else.
+        if base.exists():
+            _write_atomically(base / RECORD, cluster.to_json())
+        else:
+            staging = self._staging(cluster_name)
+            shutil.rmtree(staging, ignore_errors=True)  # what an earlier launch of this very cluster left
+            staging.mkdir(parents=True)
+            (staging / RECORD).write_text(cluster.to_json())
+            os.rename(staging, base)
+        for node in nodes:
+            for sub in ("data", "ckpt", "logs"):
+                Path(node.workdir, sub).mkdir(parents=True, exist_ok=True)
+            Path(node.workdir, NODE_MARKER).write_text(f"{cluster_name}\n")
         return cluster
 
     def _node_address(self, cluster_name: str, rank: int) -> str:
@@ -103,10 +112,20 @@ class LocalProvider(Provider):
         """Everything goes but each node's data dir: the relaunch reuses the shards its verified cache vouches for."""
         return self._terminate(cluster_name, keep_data=True)
 
+    def _staging(self, cluster_name: str) -> Path:
+        """Where launch writes a new cluster's record before renaming the dir into place (list_clusters finds what a
+        launch killed before the rename left there too: pathlib's glob matches hidden names)."""
+        return self.root / f".{cluster_name}.launching"
+
     def _terminate(self, cluster_name: str, keep_data: bool) -> bool:
         base = self._dir(cluster_name)
         processes = cluster_processes(base)
         kill_processes(processes)
+        staged = self._staging(cluster_name)
+        half_launched = staged.exists()
+        if half_launched:
+            shutil.rmtree(staged)
+            log.info("removed %s, left by a launch that did not finish", staged)
         existed = base.exists()
         if existed:
             kept = {path for path in base.glob("node-*/data")} if keep_data else set()
@@ -114,7 +133,7 @@ class LocalProvider(Provider):
         if processes or existed:
             log.info("terminated local cluster %s (%d processes, dirs %s%s)", cluster_name, len(processes),
                      "removed" if existed else "already gone", ", nodes' data kept" if keep_data else "")
-        return bool(processes) or existed
+        return bool(processes) or existed or half_launched
 
     def list_clusters(self) -> list[ClusterRecord]:
         if not self.root.is_dir():
@@ -148,6 +167,12 @@ class LocalProvider(Provider):
     def nodes_alive(self, cluster: Cluster) -> dict[str, bool]:
         # The marker, not the directory: a lease renewal racing a reclaimed node would recreate the directory.
         return {node.name: (Path(node.workdir) / NODE_MARKER).is_file() for node in cluster.nodes}
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _remove_all_but(root: Path, kept: set[Path]) -> None:

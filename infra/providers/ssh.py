@@ -159,13 +159,13 @@ class SshProvider(Provider):
     notice_source = "file"
 
     def __init__(self, root: Path | None = None, wheel: WheelSource = None,
-                 teardown_connect_s: float = TEARDOWN_CONNECT_S) -> None:
+                 teardown_connect_s: float | None = None) -> None:
         """root: where cluster records live (default <workspace>/ssh-clusters). wheel: the project wheel nodes that
         lack trainpipe get (default TRAINPIPE_WHEEL, else built from this source checkout on first need)."""
         self.root = (root or workspace_dir() / "ssh-clusters").resolve()
         env_wheel = os.environ.get("TRAINPIPE_WHEEL")
         self.wheel: WheelSource = wheel or (Path(env_wheel) if env_wheel else WheelBuilder(self.root / "wheels"))
-        self.teardown_connect_s = teardown_connect_s
+        self.teardown_connect_s = TEARDOWN_CONNECT_S if teardown_connect_s is None else teardown_connect_s
         self.last_reports: dict[str, NodeReport] = {}
         self.last_teardown: dict[str, dict[str, Any]] = {}
 
@@ -354,7 +354,12 @@ class SshProvider(Provider):
         injector, which raises a node's notice the way a cloud would."""
         notices = []
         for node in cluster.nodes:
-            notice = parse_notice(self.runner(cluster, node).read_text(node.path(NOTICE_FILE)))
+            try:
+                notice = parse_notice(self.runner(cluster, node).read_text(node.path(NOTICE_FILE)))
+            except (RemoteError, OSError) as exc:
+                # No notice can be read from a host that does not answer; whether it is gone is nodes_alive's call.
+                log.warning("%s: cannot read its preemption notice: %s", node.name, exc)
+                continue
             if notice is not None:
                 notices.append(PreemptionNotice(node=node.name, deadline=notice.deadline, reason=notice.reason))
         return notices

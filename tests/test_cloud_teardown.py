@@ -1,0 +1,267 @@
+"""Cloud clusters end when their run does, even when nothing of the run is left to end them.
+
+- A killed orchestrator's nodes power off when their lease expires, and the cloud ends them: no sweep involved.
+  The orchestrator is the installed `trainpipe run`, unmodified, against the simulated EC2 (moto) and Compute Engine
+  (tests/gce_server.py) control planes; the machines behind the instances are stand-ins (tests/cloud_nodes.py says
+  what is real there and what is faked: booting, and what a power-off does).
+- A sweep from another machine (a different hostname) tells a dead run's cluster from a live one by the heartbeat the
+  orchestrator renews on the instances (a tag, a label), and reclaims only the dead one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from aws_server import Ec2Server, moto_ec2
+from cloud_env import (
+    aws_env,
+    aws_left,
+    ec2_client,
+    gcp_env,
+    gcp_key_file,
+    gcp_left,
+    register_image,
+    wait_for,
+)
+from cloud_nodes import MetadataServer, ec2_instances, ec2_power_off, gce_instances, gce_power_off, machines
+from conftest import REPO, TRAINPIPE
+from gce_server import PROJECT, GceServer
+from google.auth.credentials import AnonymousCredentials
+from jobs import job_config, make_dataset, write_config
+from sshd import require_sshd
+
+from infra.lease import Renewal
+from infra.node.events import parse
+from infra.plan import cluster_name_for
+from infra.providers.aws import TAG_HEARTBEAT, AwsProvider
+from infra.providers.cloud import lease_alive
+from infra.providers.gcp import LABEL_HEARTBEAT, GcpProvider
+from infra.providers.local import LocalProvider
+from infra.spec import ClusterSpec
+
+AWS_PREFIX, GCP_PREFIX = "127.77.1.", "127.77.2."
+REGION, ZONE = "us-east-1", "us-central1-a"
+TTL_S = 10.0  # the shortest lease a job may have
+# The watchdog polls once a second; the stand-in's power-off starts an interpreter that calls the API; the test
+# polls the simulated cloud.
+EXPIRY_SLACK_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def ec2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ec2Server]:
+    with moto_ec2(tmp_path_factory.mktemp("moto"), public_ip_prefix=AWS_PREFIX) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def image(ec2: Ec2Server) -> str:
+    return register_image(ec2, REGION)
+
+
+@pytest.fixture(scope="module")
+def gce() -> Iterator[GceServer]:
+    with GceServer(nat_prefix=GCP_PREFIX) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def gcp_key(gce: GceServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return gcp_key_file(tmp_path_factory.mktemp("gcp") / "service-account.json", gce)
+
+
+def prefect_env() -> dict[str, str]:
+    """The session's Prefect server (the prefect_server fixture) for the orchestrators started here."""
+    from prefect.settings import PREFECT_API_URL
+
+    return {"PREFECT_API_URL": str(PREFECT_API_URL.value()), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+
+
+def cloud_job(tmp_path: Path, provider: str, region: str) -> Path:
+    config = job_config(tmp_path, make_dataset(tmp_path / "dataset", tokens=200_000), steps=2000)
+    config["cluster"] = {"provider": provider, "nodes": 2, "procs_per_node": 1, "regions": [region],
+                         "lease_ttl_s": TTL_S, "verify": {"bench": "off"}}
+    return write_config(tmp_path / "job.yaml", config)
+
+
+def watchdogs(stand_ins, address: str) -> list[psutil.Process]:
+    found = []
+    for pid in stand_ins.processes_of(address):
+        try:
+            process = psutil.Process(pid)
+            if "infra.node" in process.cmdline() and "watch" in process.cmdline():
+                found.append(process)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("provider", ["aws", "gcp"])
+def test_a_killed_orchestrators_nodes_end_when_their_lease_expires(
+        provider: str, prefect_server: None, workspace: Path, tmp_path: Path, ec2: Ec2Server, image: str,
+        gce: GceServer, gcp_key: Path) -> None:
+    require_sshd()
+    run_id = f"lease-{provider}"
+    cluster = cluster_name_for(run_id)
+    if provider == "aws":
+        env = aws_env(ec2, image, REGION)
+        creds = ec2.env()
+        found = ec2_instances(ec2.endpoint, REGION, creds["AWS_ACCESS_KEY_ID"], creds["AWS_SECRET_ACCESS_KEY"])
+        power_off = ec2_power_off(ec2.endpoint, REGION, creds["AWS_ACCESS_KEY_ID"], creds["AWS_SECRET_ACCESS_KEY"])
+        prefix, metadata = AWS_PREFIX, None
+
+        def left() -> dict[str, list[str]]:
+            return aws_left(ec2, cluster, REGION)
+    else:
+        env = {**gcp_env(gce, gcp_key), "TRAINPIPE_GCP_ZONES": ZONE}
+        found, prefix = gce_instances(gce), GCP_PREFIX
+        metadata = MetadataServer(PROJECT, lambda: stand_ins.nodes)
+        power_off = gce_power_off(metadata)
+
+        def left() -> dict[str, list[str]]:
+            return gcp_left(gce, cluster)
+
+    log = tmp_path / "orchestrator.log"
+    with machines(tmp_path / "machines", prefix, found, power_off) as stand_ins:
+        env = {**os.environ, **prefect_env(), **env, "TRAINPIPE_SSH_KEY_FILE": str(stand_ins.client_key),
+               "TRAINPIPE_SSH_USER": "root"}
+        config = cloud_job(tmp_path, provider, REGION if provider == "aws" else "us-central1")
+        orchestrator = subprocess.Popen([TRAINPIPE, "run", str(config), "--run-id", run_id], cwd=REPO, env=env,
+                                        stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            def watching() -> bool:
+                assert orchestrator.poll() is None, "the run ended before its nodes were up:\n" + log.read_text()[
+                    -4000:]
+                assert not stand_ins.errors, stand_ins.errors
+                return len(stand_ins.nodes) == 2 and all(watchdogs(stand_ins, a) for a in stand_ins.nodes)
+
+            wait_for(watching, 240, "both nodes' lease watchdogs starting")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(orchestrator.pid, signal.SIGKILL)
+            orchestrator.wait()
+        assert left().get("instances"), "the nodes should outlive their orchestrator until the lease expires"
+
+        # No sweep: the nodes' watchdogs, then the cloud.
+        ended_s = wait_for(lambda: "instances" not in left(), TTL_S + 60, "the instances ending")
+        renewed = max(float((node.root / "mnt/trainpipe/trainpipe/lease").read_text())
+                      for node in stand_ins.nodes.values())
+        after_renewal_s = time.time() - renewed
+        print(f"\n{provider}: instances ended {ended_s:.1f}s after the orchestrator was killed, {after_renewal_s:.1f}s "
+              f"after its last lease renewal (lease TTL {TTL_S:g}s)")
+        assert after_renewal_s <= TTL_S + EXPIRY_SLACK_S, f"{after_renewal_s:.1f}s is beyond the lease TTL"
+        for address, node in stand_ins.nodes.items():
+            wait_for(lambda a=address: not stand_ins.processes_of(a), 10, f"{address} powering off")
+            events = [e for e in map(parse, (node.root / "mnt/trainpipe/trainpipe/logs/watch.log").read_text()
+                                     .splitlines()) if e]
+            expired = [e for e in events if e["event"] == "lease-expired"]
+            assert expired and expired[0]["action"] == "shutdown" and expired[0]["age_s"] >= TTL_S, events
+        if provider == "aws":
+            states = {i["State"]["Name"] for r in ec2_client(ec2, REGION).describe_instances(
+                Filters=[{"Name": "tag:trainpipe:cluster", "Values": [cluster]}])["Reservations"]
+                for i in r["Instances"]}
+            assert states == {"terminated"}, "a powered-off node must be terminated, not merely stopped"
+        else:
+            deletes = [c for c in gce.calls("DELETE", r"/instances/") if c.status == 200]
+            assert sorted(c.authorization or "" for c in deletes) == sorted(
+                f"Bearer {token}" for token in metadata.tokens.values()), "each node deletes itself, with its own token"
+            metadata.close()
+
+    # What costs nothing and no node can delete (groups, the placement policy) is the sweeper's, as always.
+    swept = subprocess.run([TRAINPIPE, "sweep"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert swept.returncode == 0, swept.stderr
+    assert left() == {}
+
+
+def test_a_sweep_on_another_machine_takes_the_dead_run_and_leaves_the_live_one(
+        workspace: Path, tmp_path: Path, ec2: Ec2Server, image: str, gce: GceServer, gcp_key: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both clouds at once; `trainpipe sweep` runs in a UTS namespace of its own, with another hostname."""
+    if os.geteuid() != 0:
+        pytest.skip("a sweeper with another hostname needs a UTS namespace (root)")
+    for name, value in aws_env(ec2, image, REGION).items():
+        monkeypatch.setenv(name, value)
+    key = tmp_path / "id_ed25519"
+    key.write_text("not used: the clusters here are never bootstrapped\n")
+    monkeypatch.setenv("TRAINPIPE_SSH_KEY_FILE", str(key))
+    spec = {"nodes": 2, "procs_per_node": 1, "lease_ttl_s": TTL_S}
+    aws = AwsProvider(bootstrap=False)
+    gcp = GcpProvider(project=PROJECT, credentials=AnonymousCredentials(), api_endpoint=gce.endpoint,
+                      zones=(ZONE,), bootstrap=False)
+    launched = {}
+    for provider, region in ((aws, REGION), (gcp, "us-central1")):
+        for state in ("dead", "live"):
+            name = f"tp-sweep-{provider.name}-{state}"
+            launched[name] = (provider, provider.launch(name, ClusterSpec(provider=provider.name, regions=(region,),
+                                                                          **spec), f"sweep-{state}"))
+    # The live runs' orchestrator: what its LeaseKeeper does for the cluster (the nodes here are not reachable).
+    beating = [Renewal(name, lambda p=provider, c=cluster: p.heartbeat(c), TTL_S / 6).start()
+               for name, (provider, cluster) in launched.items() if name.endswith("-live")]
+    env = {**os.environ, **gcp_env(gce, gcp_key), "TRAINPIPE_GCP_ZONES": ZONE}
+    sweep = ["unshare", "--uts", "sh", "-c", "hostname sweeper-elsewhere && hostname && exec \"$@\"", "sweep",
+             TRAINPIPE, "sweep"]
+    try:
+        early = subprocess.run(sweep, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert early.returncode == 0, early.stderr
+        assert early.stdout.splitlines()[0] == "sweeper-elsewhere" != os.uname().nodename
+        assert "swept 0 clusters" in early.stdout, "a fresh heartbeat is a live run, from any machine"
+
+        time.sleep(TTL_S + 1)  # the dead runs' heartbeats age past the lease TTL; the live ones are renewed
+        late = subprocess.run(sweep, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert late.returncode == 0, late.stderr
+    finally:
+        for renewal in beating:
+            renewal.stop()
+    assert "swept 2 clusters" in late.stdout, late.stdout
+    assert aws_left(ec2, "tp-sweep-aws-dead", REGION) == {} and gcp_left(gce, "tp-sweep-gcp-dead") == {}
+    assert aws_left(ec2, "tp-sweep-aws-live", REGION).get("instances")
+    assert gcp_left(gce, "tp-sweep-gcp-live").get("instances")
+    beats = [i for i in gce.instances() if i["labels"].get(LABEL_HEARTBEAT)]
+    assert beats and all(float(i["labels"][LABEL_HEARTBEAT]) > time.time() - TTL_S for i in beats)
+    tags = [t for r in ec2_client(ec2, REGION).describe_instances(Filters=[
+        {"Name": "tag:trainpipe:cluster", "Values": ["tp-sweep-aws-live"]}])["Reservations"]
+        for i in r["Instances"] for t in i["Tags"] if t["Key"] == TAG_HEARTBEAT]
+    assert tags and all(float(t["Value"]) > time.time() - TTL_S for t in tags)
+    for provider, cluster in launched.values():
+        provider.terminate(cluster.name)
+
+
+def test_lease_alive_reads_the_newest_heartbeat_any_node_carries() -> None:
+    now = 10_000.0
+    assert lease_alive(["9990", None, "not a time"], "20", created_at=0.0, now=now)
+    assert not lease_alive(["9970", "9975"], "20", created_at=0.0, now=now), "older than the TTL on every node"
+    assert lease_alive(["9970", "9995"], "20", created_at=0.0, now=now), "one node renewed is enough"
+    # Stamped before heartbeats existed: from its creation, with the default TTL (120 s).
+    assert lease_alive([], None, created_at=now - 100, now=now)
+    assert not lease_alive([None], None, created_at=now - 130, now=now)
+
+
+def test_a_node_that_cannot_power_off_still_ends_its_processes(tmp_path: Path) -> None:
+    """The watchdog's `shutdown` refused (here a stand-in that fails as a non-root user's would): the node's processes
+    end anyway, the failure is an event and the exit status, and the sweeper ends the machine."""
+    provider = LocalProvider(tmp_path / "clusters")
+    cluster = provider.launch("tp-no-power-off", ClusterSpec(nodes=1), "no-power-off")
+    node = cluster.head
+    refuses = tmp_path / "bin" / "shutdown"
+    refuses.parent.mkdir()
+    refuses.write_text("#!/bin/sh\necho 'shutdown: Failed to talk to init daemon: access denied' >&2\nexit 1\n")
+    refuses.chmod(0o755)
+    runner = provider.runner(cluster, node)
+    try:
+        workload = runner.start(["sleep", "600"])
+        watchdog = runner.start([node.python, "-m", "infra.node", "watch", "--lease", node.path("lease"), "--ttl", "1",
+                                 "--poll", "0.2", "--on-expire", "shutdown"],
+                                env={"PATH": f"{refuses.parent}:{os.environ['PATH']}"})
+        assert watchdog.wait(timeout=30) == 1
+        assert workload.wait(timeout=10) is not None
+        events = [e["event"] for e in map(parse, watchdog.tail(50).splitlines()) if e]
+        assert events[-3:] == ["lease-expired", "power-off-failed", "node-down"], events
+    finally:
+        provider.terminate(cluster.name)
