@@ -225,7 +225,7 @@ def test_ckpt_ls_and_verify(workspace: Path, tmp_path: Path, checkpoint_url: str
     result = run_cli("ckpt", "verify", checkpoint_url)
     assert result.returncode == 2, result.stdout + result.stderr
     line = error_line(result.stderr)
-    assert f"file://{damaged}" in line and "sha256" in line
+    assert f"file://{damaged}" in line and "crc64nvme differs from the manifest" in line
     assert result.stdout == ""
 
 

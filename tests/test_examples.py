@@ -20,17 +20,17 @@ import yaml
 from conftest import REPO, TRAINPIPE
 
 EXAMPLES = REPO / "examples"
-# How each job is shortened for the test, and when its node 1 is taken away: after the first commit, well before
-# the end (the frameworks' import and start-up take several seconds on a loaded 2-core machine).
+# How each job is shortened for the test, and when its node 1 is taken away: at a step (read from the job's own
+# progress output) past the first commit and well before the end, so a loaded machine's slow start-up cannot move it.
 JOBS = {
     "own-script": {"command": ["train.py", "--steps", "400", "--save-every", "40", "--step-delay-s", "0.05"],
-                   "after_s": 14},
+                   "at_step": 200},
     "hf-trainer": {"command": ["train.py", "--data_dir", "{data_dir}", "--output_dir", "{checkpoint_dir}",
-                               "--resume_from_checkpoint", "{resume_from}", "--max_steps", "80", "--save_steps", "10"],
-                   "after_s": 20},
+                               "--resume_from_checkpoint", "{resume_from}", "--max_steps", "120", "--save_steps", "10"],
+                   "at_step": 50},
     "lightning": {"command": ["train.py", "--data-dir", "{data_dir}", "--ckpt-dir", "{checkpoint_dir}", "--ckpt-path",
                               "{resume_from}", "--max-steps", "600", "--save-every", "40"],
-                  "after_s": 16},
+                  "at_step": 300},
 }
 RESUMED = re.compile(r"\[tp-[\w-]+-node-(\d)\] node (\d): resum\w* from (\S+) at step (\d+)")
 
@@ -56,7 +56,7 @@ def test_an_example_preempted_once_resumes_on_both_nodes_and_commits(
     config["training"]["code"] = str(EXAMPLES / example)
     config["training"]["command"] = JOBS[example]["command"]
     config["recovery"] = {"max_recoveries": 2, "confirm_s": 2}
-    config["chaos"] = {"preempt": [{"node": 1, "attempt": 0, "after_s": JOBS[example]["after_s"]}]}
+    config["chaos"] = {"preempt": [{"node": 1, "attempt": 0, "at_step": JOBS[example]["at_step"]}]}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
 
     result = cli("run", str(tmp_path / "job.yaml"), "--run-id", f"{example}-run", env=env)

@@ -30,6 +30,24 @@ def test_example_config_loads() -> None:
     assert job.dataset.url.startswith("file:///") and job.dataset.url.endswith(".trainpipe/datasets/markov-v256")
 
 
+# ssh.yaml names key files on the user's machine: test_ssh_provider loads it with keys in place.
+@pytest.mark.parametrize("config", sorted(p for p in (REPO / "examples").rglob("*.yaml") if p.name != "ssh.yaml"),
+                         ids=lambda p: str(p.relative_to(REPO / "examples")))
+def test_every_example_config_loads(config: Path) -> None:
+    load_job(config)
+
+
+def test_every_deployments_job_parameter_is_a_valid_job() -> None:
+    """prefect.yaml's job parameters reach the server's schema check only when a deployment is served: check here."""
+    import yaml
+
+    deployments = yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
+    jobs = [(d["name"], d["parameters"]["job"]) for d in deployments if "job" in (d.get("parameters") or {})]
+    assert jobs, "prefect.yaml has no deployment with a job parameter"
+    for name, job in jobs:
+        parse_job(job, source=f"prefect.yaml deployment {name}")
+
+
 def test_defaults_and_normalised_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     job = parse_job({"dataset": {"url": "data/ds/"}, "checkpoints": {"url": "gs://b/ckpt/"},

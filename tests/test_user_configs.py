@@ -66,6 +66,19 @@ def test_cloud_example_plans_against_its_bucket(cloud: str, cheapest: str, works
     assert not any(workspace.glob("*clusters")), "plan launched something"
 
 
+def test_the_preemption_example_plans_with_its_chaos(tmp_path: Path, workspace: Path) -> None:
+    """examples/preemption.yaml as its header says to run it: after `make run` wrote the dataset (synthesized here
+    under the directory plan runs in, where the example's relative URLs point)."""
+    synthesize(open_store(f"file://{tmp_path}/.trainpipe/datasets/markov-v256"), 200_000, vocab_size=256,
+               shard_tokens=100_000, seed=5)
+    result = subprocess.run([TRAINPIPE, "plan", str(REPO / "examples" / "preemption.yaml")], cwd=tmp_path,
+                            env=dict(os.environ), capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "on local: 2 nodes" in result.stdout and "start at step 0" in result.stdout, result.stdout
+    assert load_job(REPO / "examples" / "preemption.yaml").chaos.preempt[0].notice_s > 0
+    assert not any(workspace.glob("*clusters")), "plan launched something"
+
+
 # -- YAML's booleans ------------------------------------------------------------------------------------------------
 
 REST = "dataset: {url: file:///data/ds}\ncheckpoints: {url: s3://b/ckpt}\ntraining: {command: [-m, trainer.train]}\n"

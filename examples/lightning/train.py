@@ -3,6 +3,8 @@
 It regresses y on the feature columns of the Parquet files in its data dir. Lightning writes its checkpoints
 (`epoch=E-step=S.ckpt`) into --ckpt-dir; trainpipe commits each one as Lightning closes it and hands the newest
 back through --ckpt-path ({resume_from}) after a preemption. Lightning reads torchrun's environment itself.
+Its progress bar draws off a terminal only when training ends (rich), so a small callback logs each step's loss
+to TRAINPIPE_METRICS_FILE through trainpipe_sdk: the progress, loss curve and `at_step` chaos follow it live.
 """
 
 from __future__ import annotations
@@ -16,6 +18,13 @@ import pandas as pd
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
+from trainpipe_sdk import log_metrics
+
+
+class LogToTrainpipe(L.Callback):
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: dict, batch: object,
+                           index: int) -> None:
+        log_metrics(trainer.global_step, float(outputs["loss"]), total_steps=trainer.max_steps)
 
 
 class Regressor(L.LightningModule):
@@ -57,7 +66,7 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         num_nodes=int(os.environ.get("TRAINPIPE_NUM_NODES", "1")),
-        strategy=DDPStrategy(process_group_backend="gloo"), max_steps=args.max_steps, callbacks=[checkpoints],
+        strategy=DDPStrategy(process_group_backend="gloo"), max_steps=args.max_steps, callbacks=[checkpoints, LogToTrainpipe()],
         logger=False, log_every_n_steps=5, enable_model_summary=False,
     )
     if args.ckpt_path and int(os.environ.get("LOCAL_RANK", "0")) == 0:
