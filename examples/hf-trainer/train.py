@@ -64,6 +64,10 @@ def main() -> None:
               f"{state['global_step']}", flush=True)
     trainer = Trainer(model=model, args=training, train_dataset=ByteWindows(Path(args.data_dir)))
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    # The Trainer leaves its process group open: a rank still exiting when a peer's gloo connection closes would be
+    # ended by std::terminate (exit 1) after a run that succeeded.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

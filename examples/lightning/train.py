@@ -18,6 +18,7 @@ import pandas as pd
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
+
 from trainpipe_sdk import log_metrics
 
 
@@ -66,8 +67,8 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         num_nodes=int(os.environ.get("TRAINPIPE_NUM_NODES", "1")),
-        strategy=DDPStrategy(process_group_backend="gloo"), max_steps=args.max_steps, callbacks=[checkpoints, LogToTrainpipe()],
-        logger=False, log_every_n_steps=5, enable_model_summary=False,
+        strategy=DDPStrategy(process_group_backend="gloo"), max_steps=args.max_steps,
+        callbacks=[checkpoints, LogToTrainpipe()], logger=False, log_every_n_steps=5, enable_model_summary=False,
     )
     if args.ckpt_path and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         step = torch.load(args.ckpt_path, map_location="cpu", weights_only=False)["global_step"]

@@ -126,7 +126,8 @@ def _plan_fetch(
         if info is None:
             raise ObjectNotFound(f"{url}: no such object: check the key, or the manifest that lists it")
         size, etag = info.size, info.etag
-        expected = checksum_or_none(info.checksum)
+        # The caller's checksum (a manifest's) outranks the store's: the store holds whatever was put there.
+        expected = expected or checksum_or_none(info.checksum)
     landing = Landing(url, spec.key, dest_dir / spec.key, size, etag, verified)
     skipped = _valid_local(landing, expected)
     if skipped is not None:
