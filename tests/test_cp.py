@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from conftest import TRAINPIPE
 from store_checks import engine_files, tree, write_tree
 from typer.testing import CliRunner
 
@@ -113,3 +117,17 @@ def test_bench_transfer_smoke(tmp_path: Path) -> None:
     assert rows[("s3", "download", "s5cmd", "", False)]["vs_s5cmd"] == 1.0
     assert "no XML multipart" in rows[("gcs", "upload", "trainpipe", "native", False)]["note"]
     assert "trainpipe" in result.output and "engine" in result.output and "of ceil" in result.output
+
+
+def test_the_installed_cp_starts_on_the_storage_imports_alone(s3_url: str, tmp_path: Path) -> None:
+    """`trainpipe cp` is timed start to exit against s5cmd: it must not pay for the whole CLI's imports."""
+    write_tree(tmp_path / "src", {"a.bin": 1000})
+    probe = ("import sys, runpy; sys.argv = ['trainpipe', *sys.argv[1:]]\n"
+             "try:\n    runpy.run_module('trainpipe.entry', run_name='__main__')\n"
+             "finally:\n    print(sorted(m for m in ('pandas', 'trainpipe.cli', 'prefect') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", probe, "cp", "-r", str(tmp_path / "src"), f"{s3_url}/cp-probe"],
+                            capture_output=True, text=True, env=dict(os.environ), timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout
+    bad = subprocess.run([TRAINPIPE, "cp", str(tmp_path / "missing"), f"{s3_url}/x"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "no such local file" in bad.stderr

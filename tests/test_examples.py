@@ -75,6 +75,10 @@ def test_an_example_preempted_once_resumes_on_both_nodes_and_commits(
         assert said == node and step == resumed_from and f"/node-{node}/ckpt/" in path
 
     assert summary["initial_loss"] is not None and summary["final_loss"] < summary["initial_loss"], "loss did not fall"
+    # The overhead figures hold for a user's job and for its resume, read from the job's own progress.
+    assert summary["time_to_first_step_s"] > 0 and summary["steps_s"] > 0
+    assert 0 < summary["overhead_s"] < summary["finished_at"] - summary["started_at"]
+    assert recovery["time_to_first_step_s"] is not None and recovery["time_to_first_step_s"] > 0
     assert summary["workload"]["code_sha256"] and summary["workload"]["command"] == JOBS[example]["command"]
     verify = cli("ckpt", "verify", summary["checkpoint"], env=env)
     assert verify.returncode == 0, verify.stderr

@@ -10,10 +10,8 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
-from functools import wraps
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated
 
 import psutil
 import typer
@@ -29,6 +27,7 @@ from infra.summary import LAUNCHED_AT_VAR, RunSummary, load_summary
 from infra.sweep import sweep_clusters
 from infra.workspace import runs_dir
 from trainpipe import bench_command, catalog_command, cp_command, predict_command, serve_command
+from trainpipe.errors import exit_2_on
 from trainpipe.prefect_server import BackgroundServer
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
@@ -38,26 +37,12 @@ app.add_typer(dataset_app, name="dataset")
 app.add_typer(ckpt_app, name="ckpt")
 
 USER_ERRORS = (ConfigError, PlanError, DatasetError, StorageError, CheckpointError, LaunchError)
-F = TypeVar("F", bound=Callable[..., Any])
+user_errors_exit_2 = exit_2_on(*USER_ERRORS)
 
 ConfigArg = Annotated[Path, typer.Argument(help="job config YAML (see examples/local.yaml)")]
 RunIdOpt = Annotated[str | None, typer.Option("--run-id", help="reuse a run id to resume its checkpoints")]
 # What `trainpipe run` prints as the committed checkpoint: <checkpoints.url>/<run-id>/step-00001000.
 STEP_URL = re.compile(r"^(?P<root>.+)/step-(?P<step>\d{8,})/?$")
-
-
-def user_errors_exit_2(command: F) -> F:
-    """A mistake in what the user gave us is one line on stderr and exit code 2, never a traceback."""
-
-    @wraps(command)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return command(*args, **kwargs)
-        except USER_ERRORS as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(2) from None
-
-    return wrapper  # type: ignore[return-value]
 
 
 def new_run_id(job: JobSpec) -> str:
