@@ -43,8 +43,8 @@ def record_training(summary: RunSummary, staged: list[dict[str, Any]], outcome: 
     losses = [point.loss for point in outcome.points if point.loss is not None]
     if curve:
         summary.start_step, summary.initial_loss = curve[0]
-    if outcome.points:
-        summary.steps = max(point.step for point in outcome.points)
+    # A last attempt that resumed at the final step trains none: the committed step is how far the run got.
+    summary.steps = max([point.step for point in outcome.points] + [verified["step"]])
     if losses:
         summary.final_loss = sum(losses[-FINAL_LOSS_WINDOW:]) / len(losses[-FINAL_LOSS_WINDOW:])
     facts = outcome.facts
