@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -64,10 +65,16 @@ def main() -> None:
               f"{state['global_step']}", flush=True)
     trainer = Trainer(model=model, args=training, train_dataset=ByteWindows(Path(args.data_dir)))
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    # The Trainer leaves its process group open: a rank still exiting when a peer's gloo connection closes would be
-    # ended by std::terminate (exit 1) after a run that succeeded.
+    # The Trainer leaves its process group open. At exit the DDP reducer's gloo group is then destroyed with the GIL
+    # held while a gloo worker finishing a collective needs it: the rank hangs (or dies in std::terminate) after a
+    # run that succeeded (seen with torch 2.13 under load). So: wait for every collective (the barrier releases the
+    # GIL), close the group, and leave without running the destructors; the checkpoints are closed files by now.
     if torch.distributed.is_initialized():
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
