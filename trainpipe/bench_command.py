@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Protocol
 
 import typer
 
 bench_app = typer.Typer(no_args_is_help=True, help="Measure transfer throughput against other tools.")
+
+
+class Report(Protocol):
+    def table(self) -> str: ...
+
+    def to_json(self) -> str: ...
+
+
+def print_report(report: Report, json_out: Path | None) -> None:
+    """A bench's table on stdout, and the same figures as JSON where --json asks."""
+    typer.echo(report.table())
+    if json_out is not None:
+        json_out.write_text(report.to_json())
+        typer.echo(f"wrote {json_out}")
 
 
 @bench_app.command("transfer")
@@ -33,10 +47,7 @@ def transfer(
     if not engine_list or any(name not in ENGINES for name in engine_list):
         raise typer.BadParameter(f"{engines!r}: use one or more of {','.join(ENGINES)}", param_hint="--engines")
     report = run_benchmark(BenchConfig(size_gb, repeats, gcs_size_gb, chosen, workdir, engine_list), echo=typer.echo)
-    typer.echo(report.table())
-    if json_out is not None:
-        json_out.write_text(report.to_json())
-        typer.echo(f"wrote {json_out}")
+    print_report(report, json_out)
 
 
 # Each registers its `bench` subcommand on bench_app.

@@ -7,10 +7,13 @@ from typing import Annotated
 
 import typer
 
-from trainpipe.bench_command import bench_app
+from infra.spec import ConfigError
+from trainpipe.bench_command import bench_app, print_report
+from trainpipe.errors import exit_2_on
 
 
 @bench_app.command("overhead")
+@exit_2_on(ConfigError)
 def overhead(
     config: Annotated[Path, typer.Argument(help="job config YAML, run as `trainpipe run` runs it")],
     target_s: Annotated[float | None, typer.Option(help="say whether the overhead stays within this")] = None,
@@ -18,17 +21,10 @@ def overhead(
 ) -> None:
     """Run the job once and split its wall time: before the flow, each phase, start-up, steps, after."""
     from bench.overhead import OverheadBenchError, run_overhead_bench
-    from infra.spec import ConfigError
 
     try:
         report = run_overhead_bench(config, target_s, echo=typer.echo)
-    except ConfigError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
     except OverheadBenchError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
-    typer.echo(report.table())
-    if json_out is not None:
-        json_out.write_text(report.to_json())
-        typer.echo(f"wrote {json_out}")
+    print_report(report, json_out)

@@ -11,7 +11,7 @@ import typer
 from infra.spec import JobSpec
 from infra.summary import load_summary
 from infra.workspace import runs_dir
-from trainpipe.bench_command import bench_app
+from trainpipe.bench_command import bench_app, print_report
 
 
 def _run_retrain(job: JobSpec, run_id: str) -> dict[str, Any]:
@@ -48,10 +48,7 @@ def repro(
     except ReproError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
-    typer.echo(report.table())
-    if json_out is not None:
-        json_out.write_text(report.to_json())
-        typer.echo(f"wrote {json_out}")
+    print_report(report, json_out)
     if chart is not None:
         chart.write_bytes(repro_chart_png(report))
         typer.echo(f"wrote {chart}")
