@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from infra.storage.base import StorageError
-from infra.storage.checksum import DEFAULT_ALGORITHM, Checksum, check, checksum_file
+from infra.storage.checksum import Checksum, check, checksum_file
 from infra.storage.local import os_errors_named
 from infra.storage.records import FileResult
 from infra.storage.verified import VerifiedFiles
@@ -45,8 +45,10 @@ class Landing:
     ) -> FileResult:
         """Check the complete .part, make it durable and give it its final name; fd (when given) is closed.
 
-        actual is the checksum the bytes were verified with while they arrived; None means nothing checked them
-        yet, so the file is read once to compute it (in expected's algorithm; with O_DIRECT when it was written so).
+        actual is the checksum the bytes were verified with while they arrived. When nothing checked them yet the
+        file is read once to check it against expected (with O_DIRECT when it was written so); with no expected
+        checksum either there is nothing to hold the bytes to, so they are not read again (as no copy tool does):
+        the size was checked, and the verified state keeps the object's version (etag) for a rerun to trust.
         """
         with os_errors_named(str(self.part_path), "finish"):
             if fd < 0:
@@ -65,13 +67,12 @@ class Landing:
                     f"{self.url}: {written.st_size} bytes arrived where {self.size} were expected: "
                     "the object changed, or the manifest is wrong: fix it and run again"
                 )
-            if actual is None:
-                algorithm = expected.algorithm if expected else DEFAULT_ALGORITHM
-                actual = checksum_file(self.part_path, algorithm, direct=direct_io)
             if expected is not None:
+                if actual is None:
+                    actual = checksum_file(self.part_path, expected.algorithm, direct=direct_io)
                 check(actual, expected, self.url)
             os.replace(self.part_path, self.dest)
-        self.verified.record(self.key, written, str(actual), self.etag)
+        self.verified.record(self.key, written, None if actual is None else str(actual), self.etag)
         self.result = FileResult.of(self.key, self.size, actual, skipped=False)
         return self.result
 

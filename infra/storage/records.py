@@ -94,12 +94,16 @@ class FileResult:
 
     key: str
     size: int
-    crc: str | None  # tagged; None only when a download was verified by a legacy sha256 alone
+    crc: str | None  # tagged; None when a download was verified by a legacy sha256 alone, or had nothing to check
     sha256: str | None
     skipped: bool
 
     @classmethod
-    def of(cls, key: str, size: int, checksum: Checksum, skipped: bool) -> FileResult:
+    def of(cls, key: str, size: int, checksum: Checksum | None, skipped: bool) -> FileResult:
+        """checksum None: a download that neither the caller nor the store gave a checksum for (its size and the
+        store's version were all there was to hold it to)."""
+        if checksum is None:
+            return cls(key, size, None, None, skipped)
         if checksum.algorithm == SHA256:
             return cls(key, size, None, checksum.value, skipped)
         return cls(key, size, str(checksum), None, skipped)

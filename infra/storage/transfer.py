@@ -100,9 +100,9 @@ def _valid_local(landing: Landing, expected: Checksum | None) -> FileResult | No
         known = verified.lookup(landing.key, st)
         if expected is None:
             # Without an expected checksum only a file verified from this very version of the object is trusted.
-            trusted = known is not None and landing.etag is not None and known.etag == landing.etag
-            known_checksum = checksum_or_none(known.checksum) if trusted and known is not None else None
-            return None if known_checksum is None else FileResult.of(landing.key, st.st_size, known_checksum, True)
+            if known is None or landing.etag is None or known.etag != landing.etag:
+                return None
+            return FileResult.of(landing.key, st.st_size, checksum_or_none(known.checksum), skipped=True)
         if known is not None and known.checksum == str(expected):
             return FileResult.of(landing.key, st.st_size, expected, skipped=True)
         actual = checksum_file(dest, expected.algorithm)
