@@ -35,6 +35,7 @@ from infra.storage.base import ChecksumMismatch, ObjectInfo, ObjectNotFound, Obj
 from infra.storage.checksum import CRC32C, Checksum, check, checksum_file
 from infra.storage.cloud import BucketKeys, TransientStorageError, nothing_to_read, split_bucket_url
 from infra.storage.local import os_errors_named
+from infra.storage.pool import Threaded
 from infra.storage.records import FileJob, TransferConfig
 from infra.storage.retry import call_with_retries
 
@@ -255,7 +256,13 @@ class GcsStore(ObjectStore):
         # 171-201 MB/s with 64 files in flight, 210-217 with 16).
         return config.workers
 
-    def fetch_file(self, key: str, path: Path, size: int, expected: Checksum | None, job: FileJob) -> Checksum | None:
+    def start_fetch(self, key: str, path: Path, size: int, expected: Checksum | None, job: FileJob
+                    ) -> Threaded[Checksum | None]:
+        # transfer_manager blocks the thread it runs on until the file is complete.
+        return Threaded(job.background(partial(self._fetch_file, key, path, size, expected, job)))
+
+    def _fetch_file(self, key: str, path: Path, size: int, expected: Checksum | None, job: FileJob
+                    ) -> Checksum | None:
         url, config = self.url_for(key), job.config
         if size <= config.part_size:
             blob = self._blob(key)

@@ -14,20 +14,29 @@ from infra.storage.base import ObjectStore, StorageError
 from infra.storage.checksum import Checksum
 from infra.storage.landing import Landing
 from infra.storage.local import os_errors_named
-from infra.storage.pool import Pool
+from infra.storage.pool import Pending, Pool, Threaded
 from infra.storage.records import FileJob, FileResult, TransferConfig
+
+
+class PendingFetch(Pending, Protocol):
+    """One object on its way into a file, moved by the store's engine without a thread of the transfer's."""
+
+    def result(self) -> Checksum | None:
+        """Once done: what fetch_file's contract says the GET returns; raises StorageError when it failed."""
+        ...
 
 
 @runtime_checkable
 class NativeTransfers(Protocol):
     """A store with an engine of its own for whole files."""
 
-    def fetch_file(self, key: str, path: Path, size: int, expected: Checksum | None, job: FileJob) -> Checksum | None:
-        """Write the object (of size > 0) into path, created or truncated.
+    def start_fetch(self, key: str, path: Path, size: int, expected: Checksum | None, job: FileJob) -> PendingFetch:
+        """Begin writing the object (of size > 0) into path, created or truncated; returns at once.
 
         With expected, the bytes are checked against it as they arrive (ChecksumMismatch naming the object when
-        they differ) and expected is returned; without, the checksum the store reported and the bytes were checked
-        against, or None when there was none (the engine then computes it from the file).
+        they differ) and the result is expected; without, the checksum the store reported and the bytes were
+        checked against, or None when there was none. An engine without a way to wait for a file other than
+        blocking a thread runs it through job.background.
         """
         ...
 
@@ -54,20 +63,21 @@ class NativeFetch:
 
     def schedule(self, pool: Pool) -> None:
         # No bytes of it are held here: the store's engine bounds its own memory (config.memory_limit).
-        pool.submit(0, lambda: self._run(pool))
+        pool.start(lambda: self._begin(pool), lambda fetch: self._finish(fetch, pool))
 
-    def _run(self, pool: Pool) -> None:
+    def _begin(self, pool: Pool) -> PendingFetch:
         landing = self.landing
         landing.prepare()
         if landing.size == 0:
             # Nothing to fetch (and a ranged GET of nothing is an error on some servers): the file is empty.
             with os_errors_named(str(landing.part_path), "create"):
                 landing.part_path.write_bytes(b"")
-            verified = None
-        else:
-            job = FileJob(self.config, pool.add_bytes, pool.cancel)
-            verified = self.store.fetch_file(landing.key, landing.part_path, landing.size, self.expected, job)
-        landing.finish(self.expected, verified, direct_io=self.config.direct_io)
+            return Threaded.done(None)
+        job = FileJob(self.config, pool.add_bytes, pool.cancel, pool.background)
+        return self.store.start_fetch(landing.key, landing.part_path, landing.size, self.expected, job)
+
+    def _finish(self, fetch: PendingFetch, pool: Pool) -> None:
+        self.landing.finish(self.expected, fetch.result(), direct_io=self.config.direct_io)
         pool.file_done()
 
     def discard(self) -> None:
@@ -85,7 +95,7 @@ class NativePut:
         pool.submit(0, lambda: self._run(pool))
 
     def _run(self, pool: Pool) -> None:
-        job = FileJob(self.config, pool.add_bytes, pool.cancel)
+        job = FileJob(self.config, pool.add_bytes, pool.cancel, pool.background)
         checksum = self.store.send_file(self.path, self.key, self.size, job)
         check_unchanged(self.path, self.size)
         self.result = FileResult.of(self.key, self.size, checksum, skipped=False)

@@ -3,6 +3,10 @@
 Work in flight is bounded in bytes and in tasks (memory and open files stay flat however many files there are);
 the first failure of any task cancels the rest and is raised to the caller's thread, and progress callbacks run
 on the caller's thread too, so they never race each other.
+
+A task is either work for a worker thread (submit), or a file a store's own engine moves without any thread of
+ours (start): it holds its slot until the engine is done, then a worker finishes it. So a native transfer keeps
+hundreds of files in flight on a handful of threads (as s5cmd keeps them on goroutines).
 """
 
 from __future__ import annotations
@@ -11,9 +15,9 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from infra.storage.retry import Cancelled
 
@@ -21,6 +25,52 @@ T = TypeVar("T")
 
 TICK_S = 0.1  # progress callbacks and failure checks happen at most this often
 TASKS_PER_WORKER = 4  # queued + running tasks per worker: enough to never starve, few enough to bound open files
+
+
+class Pending(Protocol):
+    """Work a store's engine does without a thread of ours (one file it moves), as the pool watches it."""
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        """Call callback (from any thread, at once if already done) when the work has ended, however it ended."""
+        ...
+
+    def poll(self) -> None:
+        """Report progress so far; called on the pool's caller thread at most every TICK_S."""
+        ...
+
+    def cancel(self) -> None:
+        """Stop the work; returns once the engine has let go of it (done callbacks have run)."""
+        ...
+
+
+P = TypeVar("P", bound=Pending)
+
+
+class Threaded(Generic[T]):
+    """Pending work that runs on a thread (an engine with no other way to wait for it), or is done already."""
+
+    def __init__(self, future: Future[T]) -> None:
+        self.future = future
+
+    @classmethod
+    def done(cls, result: T) -> Threaded[T]:
+        future: Future[T] = Future()
+        future.set_result(result)
+        return cls(future)
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        self.future.add_done_callback(lambda _future: callback())
+
+    def poll(self) -> None:
+        """Its engine reports its own progress."""
+
+    def cancel(self) -> None:
+        # Work already running stops at its next look at the transfer's cancel event.
+        self.future.cancel()
+        wait([self.future])
+
+    def result(self) -> T:
+        return self.future.result()
 
 
 @dataclass(frozen=True)
@@ -54,11 +104,13 @@ class Pool:
     """The bounded worker pool shared by every task of one transfer."""
 
     def __init__(
-        self, workers: int, max_inflight_bytes: int, progress: Callable[[Progress], None] | None, started: float
+        self, workers: int, max_inflight_bytes: int, progress: Callable[[Progress], None] | None, started: float,
+        max_tasks: int | None = None,
     ) -> None:
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="trainpipe-transfer")
         self._max_bytes = max_inflight_bytes
-        self._max_tasks = TASKS_PER_WORKER * workers
+        self._max_tasks = max_tasks or TASKS_PER_WORKER * workers
+        self._pending: set[Pending] = set()
         self._cond = threading.Condition()
         self._bytes_in_flight = 0
         self._tasks_in_flight = 0
@@ -72,6 +124,36 @@ class Pool:
 
     def submit(self, nbytes: int, task: Callable[[], T]) -> Future[T]:
         """Run task on a worker once fewer than the bounded bytes and tasks are in flight."""
+        self._take_slot(nbytes)
+        return self._executor.submit(self._run, nbytes, task)
+
+    def start(self, begin: Callable[[], P], finish: Callable[[P], None]) -> None:
+        """Once a slot is free, begin (on this thread) work that runs without a thread of ours, then finish it on a
+        worker when it has ended; the slot is held until finish returns. A failure of either fails the pool."""
+        self._take_slot(0)
+        try:
+            pending = begin()
+        except BaseException as exc:
+            self._end_task(0, exc)
+            raise
+        with self._cond:
+            self._pending.add(pending)
+
+        def ended() -> None:
+            with self._cond:
+                self._pending.discard(pending)
+            try:
+                self._executor.submit(self._run, 0, lambda: finish(pending))
+            except RuntimeError as exc:  # shut down: only after a failure, whose error the caller already has
+                self._end_task(0, exc)
+
+        pending.add_done_callback(ended)
+
+    def background(self, work: Callable[[], T]) -> Future[T]:
+        """Run work on a worker outside the slots (it belongs to a task that holds one already)."""
+        return self._executor.submit(work)
+
+    def _take_slot(self, nbytes: int) -> None:
         while True:
             with self._cond:
                 if self._error is not None:
@@ -84,24 +166,27 @@ class Pool:
                     break
                 self._cond.wait(TICK_S)
             self.report()
-        return self._executor.submit(self._run, nbytes, task)
 
     def _run(self, nbytes: int, task: Callable[[], T]) -> T:
         try:
             if self.cancel.is_set():
                 raise Cancelled()
-            return task()
+            result = task()
         except BaseException as exc:
-            with self._cond:
-                if self._error is None and not isinstance(exc, Cancelled):
-                    self._error = exc
-                self.cancel.set()
+            self._end_task(nbytes, exc)
             raise
-        finally:
-            with self._cond:
-                self._tasks_in_flight -= 1
-                self._bytes_in_flight -= nbytes
-                self._cond.notify_all()
+        self._end_task(nbytes, None)
+        return result
+
+    def _end_task(self, nbytes: int, error: BaseException | None) -> None:
+        with self._cond:
+            if error is not None:
+                if self._error is None and not isinstance(error, Cancelled):
+                    self._error = error
+                self.cancel.set()
+            self._tasks_in_flight -= 1
+            self._bytes_in_flight -= nbytes
+            self._cond.notify_all()
 
     def wait_idle(self) -> None:
         """Block until every submitted task has finished; raise the first failure."""
@@ -112,12 +197,20 @@ class Pool:
                 if self._tasks_in_flight == 0:
                     return
                 self._cond.wait(TICK_S)
+                pending = list(self._pending)
+            for work in pending:
+                work.poll()
             self.report()
 
     def shutdown(self, *, cancel: bool) -> None:
-        """Stop the workers (after their current task when cancelling); no thread outlives the transfer."""
+        """Stop the workers (after their current task when cancelling) and, when cancelling, the engines' work in
+        flight; no thread outlives the transfer, and no engine holds a file of it."""
         if cancel:
             self.cancel.set()
+            with self._cond:
+                pending = list(self._pending)
+            for work in pending:
+                work.cancel()
         self._executor.shutdown(wait=True, cancel_futures=cancel)
 
     def set_totals(self, bytes_total: int, files_total: int) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from infra.storage.checksum import SHA256, Checksum
 from infra.storage.retry import DEFAULT_RETRY, RetryPolicy
@@ -52,12 +54,14 @@ DEFAULT_CONFIG = TransferConfig()
 
 @dataclass(frozen=True)
 class FileJob:
-    """What a store's native engine gets with each file: the tuning, where to count the bytes it moves, and the
-    event that says the transfer failed elsewhere (stop and raise)."""
+    """What a store's native engine gets with each file: the tuning, where to count the bytes it moves, the
+    event that says the transfer failed elsewhere (stop and raise), and the transfer's workers, for an engine that
+    can only wait for a file by blocking a thread."""
 
     config: TransferConfig
     on_bytes: Callable[[int], None]
     cancel: threading.Event
+    background: Callable[[Callable[[], Any]], Future[Any]]
 
 
 @dataclass(frozen=True)

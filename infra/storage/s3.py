@@ -350,11 +350,13 @@ class S3Store(ObjectStore):
     def files_in_flight(self, config: TransferConfig) -> int:
         return config.files_in_flight  # the CRT schedules their parts over its own connections, outside the GIL
 
-    def fetch_file(self, key: str, path: Path, size: int, expected: Checksum | None, job: FileJob) -> Checksum | None:
+    def start_fetch(self, key: str, path: Path, size: int, expected: Checksum | None, job: FileJob
+                    ) -> s3_native.CrtGet:
         client, endpoint = self._native(job.config)
         request = s3_native.get_request(endpoint, self.bucket, self.keys.name(key))
         try:
-            return s3_native.fetch(client, request, path, expected, job)
+            return s3_native.start_get(client, request, path, expected, job,
+                                       lambda exc: self._crt_error(exc, key, "read", expected))
         except AwsCrtError as exc:
             raise self._crt_error(exc, key, "read", expected) from None
 

@@ -198,9 +198,8 @@ def crt_failure(exc: AwsCrtError, url: str, action: str) -> StorageError:
 # -- requests ---------------------------------------------------------------------------------------
 
 
-def wait(request: s3.S3Request, cancel: threading.Event, tick: Callable[[], None] | None = None) -> None:
-    """Block until the request finishes, calling tick every TICK_S meanwhile; cancelling the request (and raising
-    Cancelled) once cancel is set."""
+def wait(request: s3.S3Request, cancel: threading.Event) -> None:
+    """Block until the request finishes; cancelling it (and raising Cancelled) once cancel is set."""
     while True:
         try:
             request.finished_future.result(timeout=TICK_S)
@@ -210,8 +209,6 @@ def wait(request: s3.S3Request, cancel: threading.Event, tick: Callable[[], None
                 request.cancel()
                 concurrent.futures.wait([request.finished_future])
                 raise Cancelled() from None
-            if tick is not None:
-                tick()
 
 
 class FileGrowth:
@@ -252,10 +249,43 @@ def get_request(endpoint: Endpoint, bucket: str, name: str) -> http.HttpRequest:
     return http.HttpRequest("GET", endpoint.path(bucket, name), http.HttpHeaders([("Host", endpoint.host(bucket))]))
 
 
-def fetch(client: s3.S3Client, request: http.HttpRequest, path: Path, expected: Checksum | None, job: FileJob
-          ) -> Checksum | None:
-    """GET the object into path, its bytes checked by the CRT as they arrive: against expected, or else against
-    the full-object checksum the store keeps (returned when the CRT found one it could check)."""
+class CrtGet:
+    """A GET the CRT runs into a file (infra.storage.native.PendingFetch): no thread waits for it."""
+
+    def __init__(self, request: s3.S3Request, growth: FileGrowth, headers: Headers, expected: Checksum | None,
+                 validated: list[s3.S3ChecksumAlgorithm | None], failure: Callable[[AwsCrtError], StorageError]
+                 ) -> None:
+        self.request, self.growth, self.headers, self.expected = request, growth, headers, expected
+        self.validated, self.failure = validated, failure
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        self.request.finished_future.add_done_callback(lambda _future: callback())
+
+    def poll(self) -> None:
+        self.growth()
+
+    def cancel(self) -> None:
+        self.request.cancel()
+        concurrent.futures.wait([self.request.finished_future])
+
+    def result(self) -> Checksum | None:
+        """The checksum the bytes were checked against: expected, else the store's full-object one, else None."""
+        try:
+            self.request.finished_future.result()
+        except AwsCrtError as exc:
+            raise self.failure(exc) from None
+        self.growth()
+        if self.expected is not None:
+            return self.expected
+        validated = self.validated[0] if self.validated else None
+        algorithm = next((name for name, value in _ALGORITHMS.items() if value == validated), None)
+        return self.headers.checksum(algorithm) if algorithm is not None else None
+
+
+def start_get(client: s3.S3Client, request: http.HttpRequest, path: Path, expected: Checksum | None, job: FileJob,
+              failure: Callable[[AwsCrtError], StorageError]) -> CrtGet:
+    """Begin the GET of the object into path, its bytes checked by the CRT as they arrive: against expected, or
+    else against the full-object checksum the store keeps; failure turns a CRT error into the store's."""
     if expected is not None:
         checksum_config = s3.S3ChecksumConfig(
             expected_checksum=expected.b64,
@@ -283,13 +313,7 @@ def fetch(client: s3.S3Client, request: http.HttpRequest, path: Path, expected: 
         on_headers=headers,
         on_done=done,
     )
-    growth = FileGrowth(path, job.on_bytes)
-    wait(crt_request, job.cancel, growth)
-    growth()
-    if expected is not None:
-        return expected
-    algorithm = next((name for name, value in _ALGORITHMS.items() if validated and value == validated[0]), None)
-    return headers.checksum(algorithm) if algorithm is not None else None
+    return CrtGet(crt_request, FileGrowth(path, job.on_bytes), headers, expected, validated, failure)
 
 
 def put_request(endpoint: Endpoint, bucket: str, name: str, size: int, query: str = "",

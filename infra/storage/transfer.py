@@ -12,10 +12,12 @@ files already there and valid are skipped, remembered in a verified state kept o
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import stat
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
 
@@ -26,7 +28,7 @@ from infra.storage.landing import PART_SUFFIX, Landing
 from infra.storage.local import is_safe_key, os_errors_named
 from infra.storage.native import NativeFetch, NativePut, NativeTransfers, uses_native
 from infra.storage.parts import MultipartUploads, PartFetch, PartPut
-from infra.storage.pool import TICK_S, Pool, Progress
+from infra.storage.pool import TICK_S, Pool, Progress, Threaded
 from infra.storage.records import DEFAULT_CONFIG, FileResult, FileSpec, TransferConfig, TransferResult
 from infra.storage.retry import DEFAULT_RETRY, RetryPolicy, call_with_retries
 from infra.storage.verified import VerifiedFiles
@@ -72,9 +74,14 @@ def _checked_keys(keys: Sequence[str], where: str) -> None:
         seen.add(key)
 
 
-def _pool_size(store: ObjectStore, config: TransferConfig) -> int:
-    return store.files_in_flight(config) if isinstance(store, NativeTransfers) and uses_native(store, config) else (
-        config.workers)
+def _pool(store: ObjectStore, config: TransferConfig, progress: Callable[[Progress], None] | None,
+          started: float) -> Pool:
+    if isinstance(store, NativeTransfers) and uses_native(store, config):
+        # The store's engine moves the files; the slots bound how many it holds at once, and workers are started
+        # only as waiting (or the finishing of a file) needs them.
+        files = store.files_in_flight(config)
+        return Pool(files, config.max_inflight_bytes, progress, started, max_tasks=files)
+    return Pool(config.workers, config.max_inflight_bytes, progress, started)
 
 
 def _all_finished(results: Sequence[FileResult | None]) -> list[FileResult]:
@@ -111,6 +118,15 @@ def _valid_local(landing: Landing, expected: Checksum | None) -> FileResult | No
         return None
     verified.record(landing.key, st, str(actual), landing.etag)
     return FileResult.of(landing.key, st.st_size, actual, skipped=True)
+
+
+def _plan(store: ObjectStore, spec: FileSpec, dest_dir: Path, verified: VerifiedFiles, config: TransferConfig,
+          pool: Pool) -> Future[FileResult | Fetch]:
+    """_plan_fetch: on a worker when it may wait (a HEAD, reading a local copy), else here and now."""
+    plan = partial(_plan_fetch, store, spec, dest_dir, verified, config, pool)
+    if spec.size is not None and not os.path.lexists(dest_dir / spec.key):
+        return Threaded.done(plan()).future
+    return pool.submit(0, plan)
 
 
 def _plan_fetch(
@@ -168,10 +184,10 @@ def download(
     with os_errors_named(str(dest_dir), "create"):
         dest_dir.mkdir(parents=True, exist_ok=True)
     verified = VerifiedFiles(dest_dir, state_dir)
-    pool = Pool(_pool_size(store, config), config.max_inflight_bytes, progress, started)
+    pool = _pool(store, config, progress, started)
     fetches: list[Fetch] = []
     try:
-        plans = [pool.submit(0, partial(_plan_fetch, store, spec, dest_dir, verified, config, pool)) for spec in files]
+        plans = [_plan(store, spec, dest_dir, verified, config, pool) for spec in files]
         pool.wait_idle()
         outcomes = [plan.result() for plan in plans]
         fetches = [outcome for outcome in outcomes if not isinstance(outcome, FileResult)]
@@ -243,7 +259,7 @@ def upload(
             puts.append(NativePut(store, path, key, size, config))
         else:
             puts.append(PartPut(store, path, key, size, config))
-    pool = Pool(_pool_size(store, config), config.max_inflight_bytes, progress, started)
+    pool = _pool(store, config, progress, started)
     pool.set_totals(sum(put.size for put in puts), len(puts))
     try:
         for put in puts:
