@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from trainpipe.bench_common import write_out
+from trainpipe.bench_common import CkptEvery, JsonFigures, write_out
 from trainpipe.errors import exit_2_on
 
 
@@ -18,8 +18,8 @@ def ckpt(
     n_layers: Annotated[int, typer.Option(min=1, help="transformer blocks")] = 6,
     n_heads: Annotated[int, typer.Option(min=1, help="attention heads (must divide --d-model)")] = 8,
     steps: Annotated[int, typer.Option(min=2, help="training steps per mode")] = 24,
-    every: Annotated[int, typer.Option(min=1, help="checkpoint every this many steps")] = 6,
-    json_out: Annotated[Path | None, typer.Option("--json", help="also write the figures as JSON here")] = None,
+    every: CkptEvery = 6,
+    json_out: JsonFigures = None,
     workdir: Annotated[Path | None, typer.Option(help="scratch dir (default: system temp)")] = None,
 ) -> None:
     """Train the bundled model with a checkpoint ≥ 200 MB every N steps, once sync and once async, and compare."""

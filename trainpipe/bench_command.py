@@ -18,7 +18,7 @@ from trainpipe import (
     bench_overhead_command,
     bench_repro_command,
 )
-from trainpipe.bench_common import print_report
+from trainpipe.bench_common import JsonTable, print_report
 
 bench_app = typer.Typer(no_args_is_help=True, help="Measure transfer throughput against other tools.")
 
@@ -34,7 +34,7 @@ def transfer(
     engines: Annotated[str, typer.Option(help="comma-separated trainpipe engines to run: native,python")] = (
         "native,python"
     ),
-    json_out: Annotated[Path | None, typer.Option("--json", help="also write the table as JSON here")] = None,
+    json_out: JsonTable = None,
     workdir: Annotated[Path | None, typer.Option(help="where the temp dataset goes (default: the system temp)")] = None,
 ) -> None:
     """Download and upload MB/s and client/server CPU per GB of trainpipe's engines vs s5cmd, aws s3 cp, boto3 and

@@ -1,4 +1,4 @@
-"""What the `trainpipe bench …` commands share: how a report is printed and written.
+"""What the `trainpipe bench …` commands share: options they declare alike, how a report is printed and written.
 
 A module of its own so that the command modules need not import trainpipe.bench_command, which imports them to
 register them on the `bench` group (an import circle otherwise).
@@ -7,9 +7,14 @@ register them on the `bench` group (an import circle otherwise).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Annotated, Protocol
 
 import typer
+
+# Options that several benches declare word for word: declared once, so their flags and help cannot drift apart.
+CkptEvery = Annotated[int, typer.Option(min=1, help="checkpoint every this many steps")]
+JsonFigures = Annotated[Path | None, typer.Option("--json", help="also write the figures as JSON here")]
+JsonTable = Annotated[Path | None, typer.Option("--json", help="also write the table as JSON here")]
 
 
 class Report(Protocol):

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from trainpipe.bench_common import write_out
+from trainpipe.bench_common import JsonFigures, write_out
 
 
 def dataset(
@@ -15,7 +15,7 @@ def dataset(
     large_mb: Annotated[int, typer.Option(min=4, help="MB of large objects to stage (4 objects)")] = 256,
     table_mb: Annotated[int, typer.Option(min=1, help="MB of Parquet + CSV + JSONL tables to validate")] = 128,
     sample_rows: Annotated[int, typer.Option(min=1, help="rows per file that sample validation reads")] = 1000,
-    json_out: Annotated[Path | None, typer.Option("--json", help="also write the figures as JSON here")] = None,
+    json_out: JsonFigures = None,
     workdir: Annotated[Path | None, typer.Option(help="where the temp data goes (default: the system temp)")] = None,
 ) -> None:
     """Plan time for N objects, GX validation s/GB (full and sample) and staging MB/s with bytes reused."""

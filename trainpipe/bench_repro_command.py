@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from trainpipe.bench_common import print_report, write_out
+from trainpipe.bench_common import CkptEvery, JsonTable, print_report, write_out
 from trainpipe.errors import exit_2_on
 
 if TYPE_CHECKING:
@@ -34,8 +34,8 @@ def repro(
     slow_mbit: Annotated[float, typer.Option(min=1, help="link rate of configuration (a), Mbit/s")] = 100.0,
     fast_mbit: Annotated[float, typer.Option(min=1, help="link rate of configurations (b) and (c), Mbit/s")] = 1000.0,
     steps: Annotated[int, typer.Option(min=10, help="training steps per configuration")] = 60,
-    every: Annotated[int, typer.Option(min=1, help="checkpoint every this many steps")] = 20,
-    json_out: Annotated[Path | None, typer.Option("--json", help="also write the table as JSON here")] = None,
+    every: CkptEvery = 20,
+    json_out: JsonTable = None,
     chart: Annotated[Path | None, typer.Option(help="write the chart (PNG) here")] = Path("repro.png"),
     workdir: Annotated[Path | None, typer.Option(help="scratch dir for the store (default: system temp)")] = None,
 ) -> None:
