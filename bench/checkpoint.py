@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.trainer_flags import VOCAB_SIZE, model_flags
 from infra.checkpoints import CheckpointStore
 from infra.dataset.synth import synthesize
 from infra.node.events import parse
@@ -51,8 +52,7 @@ class BenchConfig:
     timeout_s: float = 900.0
 
     def trainer_model_args(self) -> list[str]:
-        return ["--vocab-size", "256", "--d-model", str(self.d_model), "--n-layers", str(self.n_layers),
-                "--n-heads", str(self.n_heads), "--seq-len", str(self.seq_len)]
+        return model_flags(self.d_model, self.n_layers, self.n_heads, self.seq_len)
 
 
 @dataclass
@@ -204,7 +204,7 @@ def copy_ceiling(step_dir: Path, files: list[str], dest: Path) -> float:
 
 def checkpoint_bytes_estimate(config: BenchConfig) -> int:
     """Model parameters plus AdamW's two moments, fp32: what one checkpoint holds."""
-    model = GPT(GPTConfig(256, config.d_model, config.n_layers, config.n_heads, config.seq_len))
+    model = GPT(GPTConfig(VOCAB_SIZE, config.d_model, config.n_layers, config.n_heads, config.seq_len))
     return 3 * 4 * sum(p.numel() for p in model.parameters())
 
 
@@ -218,7 +218,7 @@ def run_benchmark(
     with tempfile.TemporaryDirectory(prefix="trainpipe-bench-ckpt-", dir=workdir) as scratch:
         work = Path(scratch)
         data_dir = work / "dataset"
-        synthesize(open_store(f"file://{data_dir}"), 200_000, vocab_size=256, shard_tokens=100_000, seed=0)
+        synthesize(open_store(f"file://{data_dir}"), 200_000, vocab_size=VOCAB_SIZE, shard_tokens=100_000, seed=0)
         result = BenchResult(config)
         for mode in MODES:  # one at a time: they would compete for the same cores and disk
             result.modes[mode] = _run_mode(mode, config, data_dir, work)

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from bench.trainer_flags import model_flags
 from infra.breakdown import StepBreakdown
 from infra.dataset.synth import synthesize
 from infra.spec import JobSpec
@@ -167,8 +168,7 @@ def job_for(scenario: Scenario, config: ReproConfig, link_mbit: float) -> JobSpe
         "training": {"command": [
             "-m", "trainer.train", "--steps", str(config.steps), "--ckpt-every", str(config.ckpt_every),
             "--ckpt-mode", scenario.ckpt_mode, "--batch-size", str(config.batch_size), "--warmup-steps", "5",
-            "--lr", "3e-3", "--vocab-size", "256", "--d-model", str(config.d_model), "--n-layers",
-            str(config.n_layers), "--n-heads", str(config.n_heads), "--seq-len", str(config.seq_len),
+            "--lr", "3e-3", *model_flags(config.d_model, config.n_layers, config.n_heads, config.seq_len),
             # remote access reads every batch from the store; staged reads TRAINPIPE_DATA_DIR by default.
             *(("--data-url", "{data_url}") if scenario.access == "remote" else ())]},
     })

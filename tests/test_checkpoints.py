@@ -76,6 +76,14 @@ def commit_step(checkpoints: CheckpointStore, dirs: list[Path], step: int) -> No
     assert checkpoints.try_commit(step, nodes=len(dirs), world_size=2, config_hash=CONFIG_HASH) is not None
 
 
+@pytest.fixture
+def steps_100_and_200_committed(tmp_path: Path, checkpoints: CheckpointStore) -> None:
+    """Two committed steps by two nodes: the newest to damage, the one before for the store to fall back on."""
+    dirs = node_dirs(tmp_path)
+    for step in (100, 200):
+        commit_step(checkpoints, dirs, step)
+
+
 # ---- the protocol ---------------------------------------------------------------------------------------------
 
 
@@ -115,12 +123,10 @@ def test_latest_never_names_an_uncommitted_step(tmp_path: Path, checkpoints: Che
     assert json.loads(checkpoints.store.get_bytes("latest"))["step"] == 100
 
 
+@pytest.mark.usefixtures("steps_100_and_200_committed")
 def test_corrupt_or_deleted_manifest_falls_back_to_the_previous_commit(
     tmp_path: Path, checkpoints: CheckpointStore
 ) -> None:
-    dirs = node_dirs(tmp_path)
-    commit_step(checkpoints, dirs, 100)
-    commit_step(checkpoints, dirs, 200)
     checkpoints.store.put_bytes(manifest_key(200), b'{"format": "trainpipe-ckpt-v1", "step": 2')
 
     latest = checkpoints.latest()
@@ -223,12 +229,10 @@ def test_restore_downloads_verified_files_and_skips_them_the_second_time(
     assert [(step_dir / name).stat().st_ino for name in names] == before  # not downloaded again
 
 
+@pytest.mark.usefixtures("steps_100_and_200_committed")
 def test_restore_latest_falls_back_when_the_newest_checkpoint_is_damaged(
     tmp_path: Path, checkpoints: CheckpointStore
 ) -> None:
-    dirs = node_dirs(tmp_path)
-    commit_step(checkpoints, dirs, 100)
-    commit_step(checkpoints, dirs, 200)
     key = f"{step_name(200)}/{FILES_PREFIX}__0_0.distcp"
     data = bytearray(checkpoints.store.get_bytes(key))
     data[0] ^= 0xFF

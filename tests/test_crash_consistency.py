@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psutil
 from test_syncer import SyncProcess
+from zygote import FORK_PER_LINE
 
 from infra.checkpoints import CheckpointStore
 from infra.storage import open_store
@@ -31,12 +32,7 @@ from pathlib import Path
 from trainer.checkpoint import Checkpointer
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped at once, so a killed one is gone
 root = Path(sys.argv[1])
-for line in sys.stdin:
-    step = int(line)
-    pid = os.fork()
-    if pid:
-        print(pid, flush=True)
-        continue
+""" + FORK_PER_LINE + """
     torch.set_num_threads(1)
     torch.manual_seed(step)
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])

@@ -20,6 +20,7 @@ import pytest
 import torch
 from test_crash_consistency import kill_pid
 from test_syncer import SyncProcess
+from zygote import FORK_PER_LINE
 
 from infra.checkpoints import CheckpointManifest, CheckpointStore
 from infra.storage import open_store
@@ -51,12 +52,7 @@ elif fmt == "marker":
 weights = torch.randn(512, 1024)  # 2 MB: long enough a save for kills to land inside one
 # A file rewritten in place must stay put long enough to be uploaded: every few tenths of a second, not nonstop.
 pause = 0.3 if fmt == "file" else 0.02
-for line in sys.stdin:
-    step = int(line)
-    pid = os.fork()
-    if pid:
-        print(pid, flush=True)
-        continue
+""" + FORK_PER_LINE + """
     while True:
         step += 1
         weights[0, 0] = step

@@ -10,7 +10,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,19 @@ def both(tmp_path: Path, dirs: list[Path], url: str, *extra: str, **options: Any
     return [SyncProcess(tmp_path, dirs[rank], url, rank, *extra, **options) for rank in (0, 1)]
 
 
+@contextmanager
+def both_running(
+    tmp_path: Path, dirs: list[Path], url: str, *extra: str, **options: Any
+) -> Iterator[list[SyncProcess]]:
+    """both(), each finished (killed if still running) however the block ends, so no test leaves a syncer behind."""
+    syncers = both(tmp_path, dirs, url, *extra, **options)
+    try:
+        yield syncers
+    finally:
+        for syncer in syncers:
+            syncer.finish()
+
+
 def test_the_coordinator_announces_every_node_ships_and_the_commit_waits_for_all(
     tmp_path: Path, checkpoints: CheckpointStore
 ) -> None:
@@ -85,8 +99,7 @@ def test_the_coordinator_announces_every_node_ships_and_the_commit_waits_for_all
     shutil.rmtree(make_step(dirs[1], 100, 1))  # node 1's part was deleted locally before its syncer saw it
     for rank in (0, 1):
         make_step(dirs[rank], 200, rank)
-    syncers = both(tmp_path, dirs, checkpoints.store.url, "--stop-file", str(stop))
-    try:
+    with both_running(tmp_path, dirs, checkpoints.store.url, "--stop-file", str(stop)) as syncers:
         # One step at a time: a committer that sees 400 complete first rightly skips committing 300.
         for step in (200, 300):
             syncers[0].wait_for(is_event("committed", step))
@@ -94,9 +107,6 @@ def test_the_coordinator_announces_every_node_ships_and_the_commit_waits_for_all
                 make_step(dirs[rank], step + 100, rank)
         stop.touch()
         assert [syncer.finish() for syncer in syncers] == [0, 0]
-    finally:
-        for syncer in syncers:
-            syncer.finish()
 
     assert syncers[0].uploaded_steps() == [100, 200, 300, 400]
     assert syncers[1].uploaded_steps() == [200, 300, 400], "node 1 had no part of 100 to ship"
@@ -117,16 +127,13 @@ def test_a_part_a_node_lost_is_never_committed(tmp_path: Path, checkpoints: Chec
     dirs = node_dirs(tmp_path)
     stop = tmp_path / "stop"
     make_step(dirs[0], 100, 0)
-    syncers = both(tmp_path, dirs, checkpoints.store.url, "--stop-file", str(stop), "--commit-timeout", "3")
-    try:
+    with both_running(tmp_path, dirs, checkpoints.store.url, "--stop-file", str(stop),
+                      "--commit-timeout", "3") as syncers:
         syncers[0].wait_for(is_event("announced", 100))
         time.sleep(1.0)
         assert checkpoints.latest() is None, "node 1 owes __1_0.distcp (DCP's .metadata names it)"
         stop.touch()
         codes = [syncer.finish() for syncer in syncers]
-    finally:
-        for syncer in syncers:
-            syncer.finish()
     assert codes == [2, 2]
     assert "step 100 not committed" in syncers[0].err.read_text().strip().splitlines()[-1]
     assert "node(s) 1" in syncers[0].err.read_text()
@@ -179,14 +186,10 @@ def test_a_dead_attempts_records_never_join_a_commit(tmp_path: Path, checkpoints
     stop = tmp_path / "stop"
     for rank in (0, 1):
         make_step(dirs[rank], 100, rank)
-    syncers = both(tmp_path, dirs, checkpoints.store.url, "--stop-file", str(stop), attempt="a2")
-    try:
+    with both_running(tmp_path, dirs, checkpoints.store.url, "--stop-file", str(stop), attempt="a2") as syncers:
         syncers[0].wait_for(is_event("committed", 100))
         stop.touch()
         assert [syncer.finish() for syncer in syncers] == [0, 0]
-    finally:
-        for syncer in syncers:
-            syncer.finish()
     manifest = checkpoints.verify(100)
     assert manifest.attempt == "a2"
     for rank, ckpt_dir in enumerate(dirs):
@@ -213,8 +216,8 @@ def test_restored_checkpoints_are_never_shipped_again(tmp_path: Path, checkpoint
                              str(ckpt_dir.parent / "sync"), "--format", "auto"]) == 0
         assert sorted(p.name for p in (ckpt_dir / step_name(100)).iterdir()) == [
             ".metadata", "__0_0.distcp", "__1_0.distcp"]
-    second = both(tmp_path, fresh, checkpoints.store.url, "--stop-file", str(stop), fmt="auto", attempt="a2")
-    try:
+    with both_running(tmp_path, fresh, checkpoints.store.url, "--stop-file", str(stop), fmt="auto",
+                      attempt="a2") as second:
         time.sleep(1.5)
         assert second[0].uploaded_steps() == [], "the restored step 100 was shipped again"
         for rank in (0, 1):
@@ -222,9 +225,6 @@ def test_restored_checkpoints_are_never_shipped_again(tmp_path: Path, checkpoint
         second[0].wait_for(is_event("committed", 200))
         stop.touch()
         assert [s.finish() for s in second] == [0, 0]
-    finally:
-        for syncer in second:
-            syncer.finish()
     assert [m.step for m in checkpoints.committed()] == [200, 100]
 
 

@@ -8,32 +8,27 @@ from typing import Annotated
 
 import typer
 
-from trainpipe.bench_command import bench_app
+from trainpipe.bench_common import CkptEvery, JsonFigures, write_out
+from trainpipe.errors import exit_2_on
 
 
-@bench_app.command("ckpt")
+@exit_2_on("bench.checkpoint:BenchError")
 def ckpt(
     d_model: Annotated[int, typer.Option(min=8, help="model width")] = 512,
     n_layers: Annotated[int, typer.Option(min=1, help="transformer blocks")] = 6,
     n_heads: Annotated[int, typer.Option(min=1, help="attention heads (must divide --d-model)")] = 8,
     steps: Annotated[int, typer.Option(min=2, help="training steps per mode")] = 24,
-    every: Annotated[int, typer.Option(min=1, help="checkpoint every this many steps")] = 6,
-    json_out: Annotated[Path | None, typer.Option("--json", help="also write the figures as JSON here")] = None,
+    every: CkptEvery = 6,
+    json_out: JsonFigures = None,
     workdir: Annotated[Path | None, typer.Option(help="scratch dir (default: system temp)")] = None,
 ) -> None:
     """Train the bundled model with a checkpoint ≥ 200 MB every N steps, once sync and once async, and compare."""
-    from bench.checkpoint import BenchConfig, BenchError, run_benchmark
+    from bench.checkpoint import BenchConfig, run_benchmark
 
     if d_model % n_heads:
         typer.echo(f"error: --n-heads {n_heads} must divide --d-model {d_model}", err=True)
         raise typer.Exit(2)
-    try:
-        result = run_benchmark(BenchConfig(d_model=d_model, n_layers=n_layers, n_heads=n_heads, steps=steps,
-                                           ckpt_every=every), workdir)
-    except BenchError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+    result = run_benchmark(BenchConfig(d_model=d_model, n_layers=n_layers, n_heads=n_heads, steps=steps,
+                                       ckpt_every=every), workdir)
     typer.echo(result.render())
-    if json_out is not None:
-        json_out.write_text(json.dumps(result.to_dict(), indent=2))
-        typer.echo(f"wrote {json_out}")
+    write_out(json_out, json.dumps(result.to_dict(), indent=2))

@@ -17,13 +17,7 @@ from typing import Annotated
 
 import typer
 
-from infra.catalog import CatalogError
-from infra.clusterbench import BenchError, bench_cluster, render_table
-from infra.plan import cluster_name_for
-from infra.providers import LaunchError, get_provider
-from infra.remote import RemoteError
-from infra.spec import ConfigError, load_job
-from trainpipe.bench_command import bench_app
+from trainpipe.bench_common import write_out
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -31,12 +25,19 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-@bench_app.command("cluster")
 def cluster(
     config: Annotated[Path, typer.Argument(help="job config YAML: its cluster section is launched and measured")],
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the figures and verdict here")] = None,
 ) -> None:
     """TCP between nodes, all-reduce over the training backend and every node's disk, against the job's floors."""
+    # Imported here, not at the top: infra.plan brings pandas, which `trainpipe --help` need not wait for.
+    from infra.catalog import CatalogError
+    from infra.clusterbench import BenchError, bench_cluster, render_table
+    from infra.plan import cluster_name_for
+    from infra.providers import LaunchError, get_provider
+    from infra.remote import RemoteError
+    from infra.spec import ConfigError, load_job
+
     try:
         job = load_job(config)
     except ConfigError as exc:
@@ -63,8 +64,6 @@ def cluster(
         typer.echo(f"tore down {name}: {alive} nodes left running")
     typer.echo(render_table(result.measurement))
     typer.echo(result.verdict.render())
-    if json_out is not None:
-        json_out.write_text(json.dumps(result.to_dict(), indent=2))
-        typer.echo(f"wrote {json_out}")
+    write_out(json_out, json.dumps(result.to_dict(), indent=2))
     if not result.verdict.ok:
         raise typer.Exit(1)

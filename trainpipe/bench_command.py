@@ -1,27 +1,26 @@
-"""`trainpipe bench …`: measurements of this machine's I/O paths. Other modules add their commands to bench_app."""
+"""`trainpipe bench …`: measurements of this machine's I/O paths.
+
+The group registers every subcommand here; the command modules import only trainpipe.bench_common, never this
+module, so the imports run one way.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Protocol
+from typing import Annotated
 
 import typer
 
+from trainpipe import (
+    bench_ckpt_command,
+    bench_cluster_command,
+    bench_dataset_command,
+    bench_overhead_command,
+    bench_repro_command,
+)
+from trainpipe.bench_common import JsonTable, print_report
+
 bench_app = typer.Typer(no_args_is_help=True, help="Measure transfer throughput against other tools.")
-
-
-class Report(Protocol):
-    def table(self) -> str: ...
-
-    def to_json(self) -> str: ...
-
-
-def print_report(report: Report, json_out: Path | None) -> None:
-    """A bench's table on stdout, and the same figures as JSON where --json asks."""
-    typer.echo(report.table())
-    if json_out is not None:
-        json_out.write_text(report.to_json())
-        typer.echo(f"wrote {json_out}")
 
 
 @bench_app.command("transfer")
@@ -35,7 +34,7 @@ def transfer(
     engines: Annotated[str, typer.Option(help="comma-separated trainpipe engines to run: native,python")] = (
         "native,python"
     ),
-    json_out: Annotated[Path | None, typer.Option("--json", help="also write the table as JSON here")] = None,
+    json_out: JsonTable = None,
     workdir: Annotated[Path | None, typer.Option(help="where the temp dataset goes (default: the system temp)")] = None,
 ) -> None:
     """Download and upload MB/s and client/server CPU per GB of trainpipe's engines vs s5cmd, aws s3 cp, boto3 and
@@ -50,11 +49,10 @@ def transfer(
     print_report(report, json_out)
 
 
-# Each registers its `bench` subcommand on bench_app.
-from trainpipe import (  # noqa: E402, F401
-    bench_ckpt_command,
-    bench_cluster_command,
-    bench_dataset_command,
-    bench_overhead_command,
-    bench_repro_command,
-)
+
+# `trainpipe bench --help` lists the commands in the order they are registered in: transfer first, then these.
+bench_app.command("ckpt")(bench_ckpt_command.ckpt)
+bench_app.command("cluster")(bench_cluster_command.cluster)
+bench_app.command("dataset")(bench_dataset_command.dataset)
+bench_app.command("overhead")(bench_overhead_command.overhead)
+bench_app.command("repro")(bench_repro_command.repro)

@@ -7,16 +7,15 @@ from typing import Annotated
 
 import typer
 
-from trainpipe.bench_command import bench_app
+from trainpipe.bench_common import JsonFigures, write_out
 
 
-@bench_app.command("dataset")
 def dataset(
     small_files: Annotated[int, typer.Option(min=1, help="small objects to plan and stage")] = 5000,
     large_mb: Annotated[int, typer.Option(min=4, help="MB of large objects to stage (4 objects)")] = 256,
     table_mb: Annotated[int, typer.Option(min=1, help="MB of Parquet + CSV + JSONL tables to validate")] = 128,
     sample_rows: Annotated[int, typer.Option(min=1, help="rows per file that sample validation reads")] = 1000,
-    json_out: Annotated[Path | None, typer.Option("--json", help="also write the figures as JSON here")] = None,
+    json_out: JsonFigures = None,
     workdir: Annotated[Path | None, typer.Option(help="where the temp data goes (default: the system temp)")] = None,
 ) -> None:
     """Plan time for N objects, GX validation s/GB (full and sample) and staging MB/s with bytes reused."""
@@ -24,6 +23,4 @@ def dataset(
 
     report = run_dataset_benchmark(DatasetBenchConfig(small_files, large_mb, table_mb, sample_rows, workdir),
                                    echo=typer.echo)
-    if json_out is not None:
-        json_out.write_text(report.to_json())
-        typer.echo(f"wrote {json_out}")
+    write_out(json_out, report.to_json())

@@ -7,24 +7,19 @@ from typing import Annotated
 
 import typer
 
-from infra.spec import ConfigError
-from trainpipe.bench_command import bench_app, print_report
-from trainpipe.errors import exit_2_on
+from trainpipe.bench_common import print_report
+from trainpipe.errors import exit_2_on, exit_on
 
 
-@bench_app.command("overhead")
-@exit_2_on(ConfigError)
+@exit_2_on("infra.spec:ConfigError")
+@exit_on(1, "bench.overhead:OverheadBenchError")
 def overhead(
     config: Annotated[Path, typer.Argument(help="job config YAML, run as `trainpipe run` runs it")],
     target_s: Annotated[float | None, typer.Option(help="say whether the overhead stays within this")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the split as JSON here")] = None,
 ) -> None:
     """Run the job once and split its wall time: before the flow, each phase, start-up, steps, after."""
-    from bench.overhead import OverheadBenchError, run_overhead_bench
+    from bench.overhead import run_overhead_bench
 
-    try:
-        report = run_overhead_bench(config, target_s, echo=typer.echo)
-    except OverheadBenchError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+    report = run_overhead_bench(config, target_s, echo=typer.echo)
     print_report(report, json_out)

@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from infra.spec import JobSpec
-from infra.summary import load_summary
-from infra.workspace import runs_dir
-from trainpipe.bench_command import bench_app, print_report
+from trainpipe.bench_common import CkptEvery, JsonTable, print_report, write_out
+from trainpipe.errors import exit_2_on
+
+if TYPE_CHECKING:
+    from infra.spec import JobSpec
 
 
 def _run_retrain(job: JobSpec, run_id: str) -> dict[str, Any]:
     """The retrain flow, as `trainpipe run` runs it; a failed run still has its summary, which the caller reads."""
     from flows.retrain import retrain
+    from infra.summary import load_summary
+    from infra.workspace import runs_dir
 
     try:
         retrain(job, run_id)
@@ -26,29 +29,24 @@ def _run_retrain(job: JobSpec, run_id: str) -> dict[str, Any]:
     return load_summary(path) if path.is_file() else {"status": "failed", "error": f"no summary at {path}"}
 
 
-@bench_app.command("repro")
+@exit_2_on("bench.repro:ReproError")
 def repro(
     slow_mbit: Annotated[float, typer.Option(min=1, help="link rate of configuration (a), Mbit/s")] = 100.0,
     fast_mbit: Annotated[float, typer.Option(min=1, help="link rate of configurations (b) and (c), Mbit/s")] = 1000.0,
     steps: Annotated[int, typer.Option(min=10, help="training steps per configuration")] = 60,
-    every: Annotated[int, typer.Option(min=1, help="checkpoint every this many steps")] = 20,
-    json_out: Annotated[Path | None, typer.Option("--json", help="also write the table as JSON here")] = None,
+    every: CkptEvery = 20,
+    json_out: JsonTable = None,
     chart: Annotated[Path | None, typer.Option(help="write the chart (PNG) here")] = Path("repro.png"),
     workdir: Annotated[Path | None, typer.Option(help="scratch dir for the store (default: system temp)")] = None,
 ) -> None:
     """Slow links + remote store, fast links + remote store, fast links + local disk: the study's table, scaled down."""
-    from bench.repro import ReproConfig, ReproError, run_repro
+    from bench.repro import ReproConfig, run_repro
     from bench.repro_chart import repro_chart_png
 
     # Prefect's 20 s default for starting its in-process server is too short on a busy 2-core machine.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     config = ReproConfig(slow_mbit=slow_mbit, fast_mbit=fast_mbit, steps=steps, ckpt_every=every, workdir=workdir)
-    try:
-        report = run_repro(config, _run_retrain, echo=typer.echo)
-    except ReproError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from None
+    report = run_repro(config, _run_retrain, echo=typer.echo)
     print_report(report, json_out)
-    if chart is not None:
-        chart.write_bytes(repro_chart_png(report))
-        typer.echo(f"wrote {chart}")
+    if chart is not None:  # drawing the chart takes a while: only when asked
+        write_out(chart, repro_chart_png(report))

@@ -6,8 +6,6 @@ from typing import Annotated
 
 import typer
 
-from infra.catalog import CatalogError, load_catalog
-
 catalog_app = typer.Typer(no_args_is_help=True, help="The instance-type catalog (GPUs, network, NVMe, prices).")
 REFRESHABLE = ("aws",)
 
@@ -26,6 +24,8 @@ def refresh(
     """Rebuild PROVIDER's part from its API (needs credentials); the optimizer uses it instead of the shipped one."""
     if provider not in REFRESHABLE:
         _fail(f"catalog refresh {provider}: only {', '.join(REFRESHABLE)} can be refreshed: use one of them")
+    # Imported here, not at the top: the command line imports this module to register it, and `--help` need not wait.
+    from infra.catalog import load_catalog
     from infra.catalog.aws_refresh import refresh_aws, refresh_errors
 
     wanted = tuple(r for r in regions.split(",") if r) or None
@@ -40,6 +40,8 @@ def refresh(
 @catalog_app.command("show")
 def show(provider: Annotated[str, typer.Argument(help="aws, gcp, azure or nebius; default: all")] = "") -> None:
     """Every instance type with its hardware, and per region its prices and their source."""
+    from infra.catalog import CatalogError, load_catalog
+
     try:
         catalog = load_catalog()
     except CatalogError as exc:

@@ -11,24 +11,19 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-import psutil
 import typer
 
-from infra.checkpoint_formats import check_loadable
-from infra.checkpoints import CheckpointError, CheckpointStore
-from infra.dataset.manifest import DatasetError
-from infra.plan import PlanError, cluster_name_for, plan_job
-from infra.providers import ClusterRecord, LaunchError, all_providers, get_provider
-from infra.spec import ConfigError, JobSpec, load_job
-from infra.storage import StorageError, open_store
-from infra.summary import LAUNCHED_AT_VAR, RunSummary, load_summary
-from infra.sweep import sweep_clusters
-from infra.workspace import runs_dir
 from trainpipe import bench_command, catalog_command, cp_command, predict_command, serve_command
-from trainpipe.errors import exit_2_on
-from trainpipe.prefect_server import BackgroundServer
+from trainpipe.errors import exit_2_on, resolve_errors
+
+if TYPE_CHECKING:
+    from infra.providers import ClusterRecord
+    from infra.spec import JobSpec
+
+# The infra modules are imported inside the commands that use them, never here: infra.dataset and infra.plan bring
+# pandas, infra.spec pydantic, and `trainpipe --help` or `trainpipe down` should not wait ~0.5 s for them.
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 dataset_app = typer.Typer(no_args_is_help=True, help="Inspect any dataset prefix; create and check token datasets.")
@@ -36,7 +31,9 @@ ckpt_app = typer.Typer(no_args_is_help=True, help="List and verify committed che
 app.add_typer(dataset_app, name="dataset")
 app.add_typer(ckpt_app, name="ckpt")
 
-USER_ERRORS = (ConfigError, PlanError, DatasetError, StorageError, CheckpointError, LaunchError)
+# By name: imported only once an exception comes through (see trainpipe.errors.exit_on).
+USER_ERRORS = ("infra.spec:ConfigError", "infra.plan:PlanError", "infra.dataset.manifest:DatasetError",
+               "infra.storage:StorageError", "infra.checkpoints:CheckpointError", "infra.providers:LaunchError")
 user_errors_exit_2 = exit_2_on(*USER_ERRORS)
 
 ConfigArg = Annotated[Path, typer.Argument(help="job config YAML (see examples/local.yaml)")]
@@ -53,6 +50,9 @@ def new_run_id(job: JobSpec) -> str:
 @user_errors_exit_2
 def plan(config: ConfigArg, run_id: RunIdOpt = None) -> None:
     """Validate the config, the dataset and the checkpoint store; print what would run. Launches nothing."""
+    from infra.plan import plan_job
+    from infra.spec import load_job
+
     job = load_job(config)
     typer.echo(plan_job(job, run_id or new_run_id(job)).render())
 
@@ -61,6 +61,14 @@ def plan(config: ConfigArg, run_id: RunIdOpt = None) -> None:
 @user_errors_exit_2
 def run(config: ConfigArg, run_id: RunIdOpt = None) -> None:
     """Run the whole pipeline as a Prefect flow and print its summary."""
+    import psutil
+
+    from infra.plan import plan_job
+    from infra.spec import load_job
+    from infra.summary import LAUNCHED_AT_VAR, RunSummary, load_summary
+    from infra.workspace import runs_dir
+    from trainpipe.prefect_server import BackgroundServer
+
     # The run's overhead counts from this command's start (the interpreter and its imports included).
     os.environ.setdefault(LAUNCHED_AT_VAR, str(psutil.Process().create_time()))
     # Prefect's 20 s default for starting its temporary server is too short on a busy 2-core machine.
@@ -71,7 +79,7 @@ def run(config: ConfigArg, run_id: RunIdOpt = None) -> None:
     try:
         # Fail on bad input before the flow starts, so the user sees one line rather than a flow traceback.
         plan_job(job, run_id)
-    except USER_ERRORS as exc:
+    except resolve_errors(*USER_ERRORS) as exc:
         typer.echo(f"error: {exc}", err=True)
         server.stop()  # after the line: the user need not wait for it
         raise typer.Exit(2) from None
@@ -84,7 +92,7 @@ def run(config: ConfigArg, run_id: RunIdOpt = None) -> None:
     failure: Exception | None = None
     try:
         retrain(job, run_id)
-    except USER_ERRORS:
+    except resolve_errors(*USER_ERRORS):
         raise
     except Exception as exc:  # the flow already logged the traceback; the user gets the summary and one line
         failure = exc
@@ -106,6 +114,10 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 @user_errors_exit_2
 def up(config: ConfigArg, run_id: RunIdOpt = None) -> None:
     """Launch the cluster only and print its nodes (tear it down with `trainpipe down NAME`)."""
+    from infra.plan import cluster_name_for
+    from infra.providers import get_provider
+    from infra.spec import load_job
+
     job = load_job(config)
     run_id = run_id or new_run_id(job)
     cluster = get_provider(job.cluster.provider).launch(cluster_name_for(run_id), job.cluster, run_id)
@@ -118,6 +130,8 @@ def up(config: ConfigArg, run_id: RunIdOpt = None) -> None:
 @user_errors_exit_2
 def down(name: Annotated[str, typer.Argument(help="cluster name, as `trainpipe status` shows it")]) -> None:
     """Tear down a cluster (idempotent)."""
+    from infra.providers import all_providers
+
     removed = [p.name for p in all_providers() if p.terminate(name)]
     typer.echo(f"{name}: torn down on {', '.join(removed)}" if removed else f"{name}: nothing was running")
 
@@ -125,6 +139,10 @@ def down(name: Annotated[str, typer.Argument(help="cluster name, as `trainpipe s
 @app.command()
 def status() -> None:
     """Clusters trainpipe launched that still exist, and the latest runs."""
+    from infra.providers import all_providers
+    from infra.summary import load_summary
+    from infra.workspace import runs_dir
+
     records = [r for provider in all_providers() for r in provider.list_clusters()]
     typer.echo(f"{len(records)} clusters")
     for r in records:
@@ -142,6 +160,8 @@ def sweep(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="only say what would be torn down")] = False,
 ) -> None:
     """Tear down clusters whose run is no longer running (what a killed orchestrator left behind)."""
+    from infra.sweep import sweep_clusters
+
     def say(record: ClusterRecord) -> None:
         typer.echo(f"{'would tear down' if dry_run else 'tearing down'} {record.name} ({record.provider}, "
                    f"run {record.run_id}, {record.processes} processes)")
@@ -161,6 +181,7 @@ def dataset_synth(
 ) -> None:
     """Write a synthetic Markov token dataset whose loss floor is known exactly."""
     from infra.dataset.synth import synthesize
+    from infra.storage import open_store
 
     store = open_store(url)
     started = time.perf_counter()
@@ -179,6 +200,7 @@ def dataset_validate(
 ) -> None:
     """Check the manifest and every shard (schema, counts, token range, checksums) with Great Expectations."""
     from infra.dataset.validate import validate_dataset
+    from infra.storage import open_store
 
     report = validate_dataset(open_store(url), deep=not shallow, expected_vocab=vocab_size)
     typer.echo(report.summary())
@@ -201,6 +223,7 @@ def dataset_inspect(
     """Files, bytes and formats under a prefix; row counts and schemas of its Parquet, CSV, JSONL and token files;
     the expectation suite's result (exit 1 when an expectation fails)."""
     from infra.dataset.inspect import inspect_dataset, render
+    from infra.dataset.manifest import DatasetError
 
     if validation not in ("full", "sample"):
         raise DatasetError(f"--validation {validation}: use full or sample")
@@ -214,6 +237,8 @@ def dataset_inspect(
 def split_step_url(url: str, step: int | None = None) -> tuple[str, int | None]:
     """(the run's checkpoint root, the step) from a run's root URL or a step's URL; a step given both ways must
     agree."""
+    from infra.checkpoints import CheckpointError
+
     found = STEP_URL.match(url)
     if found is None:
         return url, step
@@ -227,6 +252,9 @@ def split_step_url(url: str, step: int | None = None) -> tuple[str, int | None]:
 @user_errors_exit_2
 def ckpt_ls(url: Annotated[str, typer.Argument(help="a run's checkpoint root URL, or one of its step URLs")]) -> None:
     """List committed and uncommitted steps."""
+    from infra.checkpoints import CheckpointStore
+    from infra.storage import open_store
+
     root, _ = split_step_url(url)
     checkpoints = CheckpointStore(open_store(root))
     latest = checkpoints.latest()
@@ -247,6 +275,10 @@ def ckpt_verify(
     step: Annotated[int | None, typer.Argument(help="default: the step in the URL, else the latest committed")] = None,
 ) -> None:
     """Check every file against the manifest, then open the checkpoint as its framework would."""
+    from infra.checkpoint_formats import check_loadable
+    from infra.checkpoints import CheckpointError, CheckpointStore
+    from infra.storage import open_store
+
     root, step = split_step_url(url, step)
     checkpoints = CheckpointStore(open_store(root))
     manifest = checkpoints.verify(step, deep=True)

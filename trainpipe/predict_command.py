@@ -8,17 +8,16 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 
-from infra.catalog import Catalog, CatalogError, load_catalog
-from infra.optimizer import NoCandidateError
-from infra.predict import Target, catalog_targets, cheapest_meeting, ranks_per_node, what_if
-from infra.predict_report import NoBreakdownError, RunFacts, facts_from_summary, render, to_json
-from infra.spec import KNOWN_PROVIDERS, ClusterSpec
-from infra.summary import load_summary
-from infra.workspace import run_dir
+# The infra modules are imported where they are used: the command line imports this module to register the command,
+# and `trainpipe --help` should not wait for the catalog's and the job models' imports.
+if TYPE_CHECKING:
+    from infra.catalog import Catalog
+    from infra.predict import Target
+    from infra.predict_report import RunFacts
 
 
 def _fail(message: str) -> NoReturn:
@@ -28,6 +27,8 @@ def _fail(message: str) -> NoReturn:
 
 def summary_path(summary: str) -> Path:
     """A summary.json, a run directory holding one, or a run id under the workspace's runs."""
+    from infra.workspace import run_dir
+
     given = Path(summary)
     for path in (given, given / "summary.json", run_dir(summary) / "summary.json"):
         if path.is_file():
@@ -39,6 +40,8 @@ def summary_path(summary: str) -> Path:
 def _providers(catalog: Catalog, run_provider: str, asked: list[str] | None) -> list[str]:
     """Those asked for, else the run's when the catalog lists it (local, ssh: it does not), else every provider the
     catalog lists that a job config can name."""
+    from infra.spec import KNOWN_PROVIDERS
+
     usable = [p for p in KNOWN_PROVIDERS if catalog.for_provider(p)]
     for name in asked or []:
         if name not in usable:
@@ -50,6 +53,10 @@ def _providers(catalog: Catalog, run_provider: str, asked: list[str] | None) -> 
 def _candidate_targets(catalog: Catalog, facts: RunFacts, providers: list[str], accelerator: str | None,
                        compute_speedup: float) -> tuple[list[Target], list[str]]:
     """Catalog targets for each provider; a provider the floors leave empty becomes a note, not a failure."""
+    from infra.optimizer import NoCandidateError
+    from infra.predict import catalog_targets, ranks_per_node
+    from infra.spec import ClusterSpec
+
     targets: list[Target] = []
     notes: list[str] = []
     for provider in providers:
@@ -75,6 +82,11 @@ def predict(
     json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
 ) -> None:
     """Predict step time, job time and cost with 2× network, local NVMe and on every catalog candidate."""
+    from infra.catalog import CatalogError, load_catalog
+    from infra.predict import cheapest_meeting, what_if
+    from infra.predict_report import NoBreakdownError, facts_from_summary, render, to_json
+    from infra.summary import load_summary
+
     path = summary_path(summary)
     try:
         facts = facts_from_summary(load_summary(path), str(path), steps)

@@ -9,8 +9,6 @@ from typing import Annotated, Any
 
 import typer
 
-from infra.spec import load_job
-
 RETRAIN = "retrain/retrain"
 # Heartbeats are how the server learns that a run's process is gone; 30 s is Prefect's shortest.
 HEARTBEAT_S = 30
@@ -54,6 +52,8 @@ def submit(
     deployment: Annotated[str, typer.Option(help="FLOW/DEPLOYMENT to run")] = RETRAIN,
 ) -> None:
     """Start a run of the retrain deployment with this config (served by `trainpipe serve` or a worker)."""
+    from infra.spec import load_job  # pydantic: only for the command that reads a config
+
     job = load_job(config)  # relative paths resolve here, against the submitter's directory
     from prefect.deployments import run_deployment
 

@@ -1,0 +1,40 @@
+"""What the `trainpipe bench …` commands share: options they declare alike, how a report is printed and written.
+
+A module of its own so that the command modules need not import trainpipe.bench_command, which imports them to
+register them on the `bench` group (an import circle otherwise).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Protocol
+
+import typer
+
+# Options that several benches declare word for word: declared once, so their flags and help cannot drift apart.
+CkptEvery = Annotated[int, typer.Option(min=1, help="checkpoint every this many steps")]
+JsonFigures = Annotated[Path | None, typer.Option("--json", help="also write the figures as JSON here")]
+JsonTable = Annotated[Path | None, typer.Option("--json", help="also write the table as JSON here")]
+
+
+class Report(Protocol):
+    def table(self) -> str: ...
+
+    def to_json(self) -> str: ...
+
+
+def write_out(path: Path | None, data: str | bytes) -> None:
+    """Write what an option such as --json or --chart asked for, and say so; nothing when it was not asked."""
+    if path is None:
+        return
+    if isinstance(data, bytes):
+        path.write_bytes(data)
+    else:
+        path.write_text(data)
+    typer.echo(f"wrote {path}")
+
+
+def print_report(report: Report, json_out: Path | None) -> None:
+    """A bench's table on stdout, and the same figures as JSON where --json asks."""
+    typer.echo(report.table())
+    write_out(json_out, report.to_json())
