@@ -1,8 +1,10 @@
-"""What the bucket-based backends (s3://, gs://) share: URL parsing, key mapping and transient errors."""
+"""What the bucket-based backends (s3://, gs://) share: URL parsing, key mapping and error translation."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from infra.storage.base import StorageError
 
@@ -27,6 +29,19 @@ def split_bucket_url(url: str, scheme: str) -> tuple[str, str]:
             f"{url}: invalid bucket name {bucket!r}: use {head}bucket/prefix with a 3-63 character lowercase bucket"
         )
     return bucket, prefix.strip("/")
+
+
+@contextmanager
+def translating(errors: tuple[type[BaseException], ...], translate: Callable[[BaseException], StorageError]
+                ) -> Iterator[None]:
+    """A client library's errors (of the given types) raised inside, as the store's one-line StorageError; errors
+    the store raised itself pass through as they are."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except errors as exc:
+        raise translate(exc) from exc
 
 
 def nothing_to_read(url: str, start: int, length: int) -> bool:

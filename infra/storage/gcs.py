@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
 
@@ -33,7 +33,7 @@ from google.resumable_media.common import DataCorruption, InvalidResponse
 
 from infra.storage.base import ChecksumMismatch, ObjectInfo, ObjectNotFound, ObjectStore, StorageError
 from infra.storage.checksum import CRC32C, Checksum, check, checksum_file
-from infra.storage.cloud import BucketKeys, TransientStorageError, nothing_to_read, split_bucket_url
+from infra.storage.cloud import BucketKeys, TransientStorageError, nothing_to_read, split_bucket_url, translating
 from infra.storage.local import os_errors_named
 from infra.storage.pool import Threaded
 from infra.storage.records import FileJob, TransferConfig
@@ -62,6 +62,18 @@ _TRANSIENT = (
     TimeoutError,
 )
 
+# What the client library raises, translated into one-line StorageErrors.
+_CLIENT_ERRORS = (
+    api_exceptions.GoogleAPIError,
+    google.auth.exceptions.GoogleAuthError,
+    DataCorruption,
+    InvalidResponse,
+    MediaDataCorruption,
+    MediaInvalidResponse,
+    requests.exceptions.RequestException,
+    ConnectionError,
+    TimeoutError,
+)
 _clients: dict[tuple[str | None, ...], storage.Client] = {}
 _clients_lock = threading.Lock()
 # Servers that answered an XML multipart upload with "not implemented" (the emulator): resumable uploads there.
@@ -130,28 +142,15 @@ class GcsStore(ObjectStore):
             raise translate(exc, self.url, "connect") from None
         self.bucket = self.client.bucket(self.bucket_name)
 
-    @contextmanager
-    def _calling(self, key: str, action: str) -> Iterator[None]:
-        try:
-            yield
-        except StorageError:
-            raise
-        except (
-            api_exceptions.GoogleAPIError,
-            google.auth.exceptions.GoogleAuthError,
-            DataCorruption,
-            InvalidResponse,
-            MediaDataCorruption,
-            MediaInvalidResponse,
-            requests.exceptions.RequestException,
-            ConnectionError,
-            TimeoutError,
-        ) as exc:
-            if isinstance(exc, api_exceptions.NotFound) and not self._bucket_exists():
-                raise StorageError(
-                    f"{self.url_for(key)}: bucket '{self.bucket_name}' does not exist: create it or fix the URL"
-                ) from exc
-            raise translate(exc, self.url_for(key), action) from exc
+    def _calling(self, key: str, action: str) -> AbstractContextManager[None]:
+        return translating(_CLIENT_ERRORS, lambda exc: self._translate(exc, key, action))
+
+    def _translate(self, exc: BaseException, key: str, action: str) -> StorageError:
+        if isinstance(exc, api_exceptions.NotFound) and not self._bucket_exists():
+            return StorageError(
+                f"{self.url_for(key)}: bucket '{self.bucket_name}' does not exist: create it or fix the URL"
+            )
+        return translate(exc, self.url_for(key), action)
 
     def _bucket_exists(self) -> bool:
         # A 404 does not say whether the object or its bucket is missing; only the bucket's own lookup does.

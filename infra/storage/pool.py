@@ -14,8 +14,9 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -201,6 +202,20 @@ class Pool:
             for work in pending:
                 work.poll()
             self.report()
+
+    @contextmanager
+    def running(self, undo: Callable[[], None]) -> Iterator[Pool]:
+        """Schedule the transfer's tasks inside; leaving waits for all of them and reports the end. When anything
+        fails, the rest are cancelled, undo() drops what they left, and the first failure is raised."""
+        try:
+            yield self
+            self.wait_idle()
+        except BaseException:
+            self.shutdown(cancel=True)
+            undo()
+            raise
+        self.shutdown(cancel=False)
+        self.report(final=True)
 
     def shutdown(self, *, cancel: bool) -> None:
         """Stop the workers (after their current task when cancelling) and, when cancelling, the engines' work in

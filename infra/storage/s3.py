@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -28,7 +28,7 @@ from botocore.config import Config
 from infra.storage import s3_native
 from infra.storage.base import ChecksumMismatch, ObjectInfo, ObjectNotFound, ObjectStore, StorageError
 from infra.storage.checksum import CRC32C, CRC64NVME, Checksum
-from infra.storage.cloud import BucketKeys, TransientStorageError, nothing_to_read, split_bucket_url
+from infra.storage.cloud import BucketKeys, TransientStorageError, nothing_to_read, split_bucket_url, translating
 from infra.storage.local import os_errors_named, write_all, write_atomically
 from infra.storage.records import FileJob, TransferConfig
 
@@ -174,14 +174,9 @@ class S3Store(ObjectStore):
         self.keys = BucketKeys(self.url, prefix)
         self.client = s3_client()
 
-    @contextmanager
-    def _calling(self, key: str, action: str) -> Iterator[None]:
-        try:
-            yield
-        except StorageError:
-            raise
-        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, *_CONNECTION_ERRORS) as exc:
-            raise translate(exc, self.url_for(key), self.bucket, action) from exc
+    def _calling(self, key: str, action: str) -> AbstractContextManager[None]:
+        return translating((botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, *_CONNECTION_ERRORS),
+                           lambda exc: translate(exc, self.url_for(key), self.bucket, action))
 
     def _info(self, key: str, size: int, etag: str | None, modified: Any = None, checksum: str | None = None
               ) -> ObjectInfo:

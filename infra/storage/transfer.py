@@ -164,15 +164,8 @@ def _check_free_space(dest_dir: Path, fetches: Sequence[Fetch]) -> None:
         )
 
 
-def download(
-    store: ObjectStore,
-    files: Sequence[FileSpec],
-    dest_dir: Path,
-    config: TransferConfig = DEFAULT_CONFIG,
-    *,
-    progress: Callable[[Progress], None] | None = None,
-    state_dir: Path | None = None,
-) -> TransferResult:
+def download(store: ObjectStore, files: Sequence[FileSpec], dest_dir: Path, config: TransferConfig = DEFAULT_CONFIG,
+             *, progress: Callable[[Progress], None] | None = None, state_dir: Path | None = None) -> TransferResult:
     """Fetch every object to dest_dir/<key>, verified; objects already there and valid are skipped.
 
     dest_dir receives only the objects; what was verified is remembered under state_dir (default: the user's
@@ -184,9 +177,14 @@ def download(
     with os_errors_named(str(dest_dir), "create"):
         dest_dir.mkdir(parents=True, exist_ok=True)
     verified = VerifiedFiles(dest_dir, state_dir)
-    pool = _pool(store, config, progress, started)
     fetches: list[Fetch] = []
-    try:
+
+    def undo() -> None:
+        for fetch in fetches:
+            fetch.discard()
+        _save_after_failure(verified)
+
+    with _pool(store, config, progress, started).running(undo) as pool:
         plans = [_plan(store, spec, dest_dir, verified, config, pool) for spec in files]
         pool.wait_idle()
         outcomes = [plan.result() for plan in plans]
@@ -195,16 +193,7 @@ def download(
         pool.set_totals(sum(fetch.landing.size for fetch in fetches), len(fetches))
         for fetch in fetches:
             fetch.schedule(pool)
-        pool.wait_idle()
-    except BaseException:
-        pool.shutdown(cancel=True)
-        for fetch in fetches:
-            fetch.discard()
-        _save_after_failure(verified)
-        raise
-    pool.shutdown(cancel=False)
     verified.save()
-    pool.report(final=True)
     results = [outcome if isinstance(outcome, FileResult) else outcome.landing.result for outcome in outcomes]
     engine = "native" if uses_native(store, config) else "python"
     return TransferResult(_all_finished(results), time.monotonic() - started, engine)
@@ -223,15 +212,8 @@ def _save_after_failure(verified: VerifiedFiles) -> None:
 # -- upload -------------------------------------------------------------------------------------------
 
 
-def upload(
-    src_dir: Path,
-    rel_paths: Sequence[str],
-    store: ObjectStore,
-    config: TransferConfig = DEFAULT_CONFIG,
-    *,
-    progress: Callable[[Progress], None] | None = None,
-    keys: Sequence[str] | None = None,
-) -> TransferResult:
+def upload(src_dir: Path, rel_paths: Sequence[str], store: ObjectStore, config: TransferConfig = DEFAULT_CONFIG, *,
+           progress: Callable[[Progress], None] | None = None, keys: Sequence[str] | None = None) -> TransferResult:
     """Send src_dir/<rel> to the store as key <rel> (or keys[i], when given) for every rel path.
 
     Returns each file's CRC (FileResult.crc), under its key: the checksum the store was given to check.
@@ -259,18 +241,9 @@ def upload(
             puts.append(NativePut(store, path, key, size, config))
         else:
             puts.append(PartPut(store, path, key, size, config))
-    pool = _pool(store, config, progress, started)
-    pool.set_totals(sum(put.size for put in puts), len(puts))
-    try:
+    with _pool(store, config, progress, started).running(lambda: [put.abort() for put in puts]) as pool:
+        pool.set_totals(sum(put.size for put in puts), len(puts))
         for put in puts:
             put.schedule(pool)
-        pool.wait_idle()
-    except BaseException:
-        pool.shutdown(cancel=True)
-        for put in puts:
-            put.abort()
-        raise
-    pool.shutdown(cancel=False)
-    pool.report(final=True)
     return TransferResult(_all_finished([put.result for put in puts]), time.monotonic() - started,
                           "native" if native else "python")
