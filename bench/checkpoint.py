@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.trainer_flags import VOCAB_SIZE, model_flags
+from bench.trainer_flags import VOCAB_SIZE, ModelShape
 from infra.checkpoints import CheckpointStore
 from infra.dataset.synth import synthesize
 from infra.node.events import parse
@@ -33,6 +33,7 @@ from trainer.model import GPT, GPTConfig
 MIN_CHECKPOINT_BYTES = 200_000_000  # smaller checkpoints write in milliseconds and the figures mean nothing
 TARGET_STALL_RATIO = 0.10
 MODES = ("sync", "async")
+MODEL = ModelShape(d_model=512, n_layers=6, n_heads=8)  # model + AdamW state: about 230 MB
 
 
 class BenchError(RuntimeError):
@@ -41,18 +42,13 @@ class BenchError(RuntimeError):
 
 @dataclass(frozen=True)
 class BenchConfig:
-    d_model: int = 512
-    n_layers: int = 6
-    n_heads: int = 8
-    seq_len: int = 64
+    model: ModelShape = MODEL
     batch_size: int = 2
     steps: int = 24
     ckpt_every: int = 6
     threads: int = 1
     timeout_s: float = 900.0
 
-    def trainer_model_args(self) -> list[str]:
-        return model_flags(self.d_model, self.n_layers, self.n_heads, self.seq_len)
 
 
 @dataclass
@@ -89,8 +85,8 @@ class BenchResult:
 
     def render(self) -> str:
         sync, done = self.modes["sync"], self.modes["async"]
-        lines = [f"checkpoint: {sync.checkpoint_bytes / 1e6:.0f} MB (d_model {self.config.d_model}, "
-                 f"{self.config.n_layers} layers, model + AdamW state), every {self.config.ckpt_every} of "
+        lines = [f"checkpoint: {sync.checkpoint_bytes / 1e6:.0f} MB (d_model {self.config.model.d_model}, "
+                 f"{self.config.model.n_layers} layers, model + AdamW state), every {self.config.ckpt_every} of "
                  f"{self.config.steps} steps"]
         for result in (sync, done):
             lines.append(f"  {result.mode:>5}: stall {result.stall_s_per_checkpoint:.3f} s/checkpoint, local write "
@@ -139,7 +135,7 @@ def _run_mode(mode: str, config: BenchConfig, data_dir: Path, work: Path) -> Mod
         "--metrics-file", str(node / "metrics.jsonl"), "--steps", str(config.steps),
         "--ckpt-every", str(config.ckpt_every), "--ckpt-mode", mode, "--keep-local", "2",
         "--batch-size", str(config.batch_size), "--threads", str(config.threads), "--log-every", str(config.steps),
-        "--eval-batches", "1", *config.trainer_model_args(),
+        "--eval-batches", "1", *config.model.flags(),
     ]
     syncer = [
         _python(), "-m", "infra.node", "sync", "--ckpt-dir", str(ckpt_dir), "--sync-dir", str(node / "sync"),
@@ -204,7 +200,7 @@ def copy_ceiling(step_dir: Path, files: list[str], dest: Path) -> float:
 
 def checkpoint_bytes_estimate(config: BenchConfig) -> int:
     """Model parameters plus AdamW's two moments, fp32: what one checkpoint holds."""
-    model = GPT(GPTConfig(VOCAB_SIZE, config.d_model, config.n_layers, config.n_heads, config.seq_len))
+    model = GPT(GPTConfig(VOCAB_SIZE, **asdict(config.model)))
     return 3 * 4 * sum(p.numel() for p in model.parameters())
 
 
@@ -213,7 +209,7 @@ def run_benchmark(
 ) -> BenchResult:
     estimate = checkpoint_bytes_estimate(config)
     if estimate < min_bytes:
-        raise BenchError(f"a checkpoint of d_model {config.d_model} x {config.n_layers} layers is "
+        raise BenchError(f"a checkpoint of d_model {config.model.d_model} x {config.model.n_layers} layers is "
                          f"~{estimate / 1e6:.0f} MB, under {min_bytes / 1e6:.0f} MB: raise --d-model or --n-layers")
     with tempfile.TemporaryDirectory(prefix="trainpipe-bench-ckpt-", dir=workdir) as scratch:
         work = Path(scratch)

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench.trainer_flags import model_flags
+from bench.trainer_flags import ModelShape
 from infra.breakdown import StepBreakdown
 from infra.dataset.synth import synthesize
 from infra.spec import JobSpec
@@ -39,6 +39,7 @@ STUDY_SHAPE = "network first, storage second: speedup(b vs a) > speedup(c vs b) 
 PREDICTION_TOLERANCE = 0.20
 DATA_BUCKET = "data"
 CKPT_BUCKET = "checkpoints"
+MODEL = ModelShape(d_model=256, n_layers=2, n_heads=4)
 
 
 class ReproError(RuntimeError):
@@ -51,10 +52,7 @@ class ReproConfig:
     fast_mbit: float = 1000.0
     steps: int = 60
     ckpt_every: int = 20
-    d_model: int = 256
-    n_layers: int = 2
-    n_heads: int = 4
-    seq_len: int = 64
+    model: ModelShape = MODEL
     batch_size: int = 8
     dataset_tokens: int = 2_000_000
     nodes: int = 2
@@ -168,7 +166,7 @@ def job_for(scenario: Scenario, config: ReproConfig, link_mbit: float) -> JobSpe
         "training": {"command": [
             "-m", "trainer.train", "--steps", str(config.steps), "--ckpt-every", str(config.ckpt_every),
             "--ckpt-mode", scenario.ckpt_mode, "--batch-size", str(config.batch_size), "--warmup-steps", "5",
-            "--lr", "3e-3", *model_flags(config.d_model, config.n_layers, config.n_heads, config.seq_len),
+            "--lr", "3e-3", *config.model.flags(),
             # remote access reads every batch from the store; staged reads TRAINPIPE_DATA_DIR by default.
             *(("--data-url", "{data_url}") if scenario.access == "remote" else ())]},
     })

@@ -11,6 +11,7 @@ from test_netns import require_netns
 
 from bench.repro import SCENARIOS, ReproConfig, ReproReport, ScenarioResult, run_repro
 from bench.repro_chart import repro_chart_png
+from bench.trainer_flags import ModelShape
 from infra.breakdown import StepBreakdown
 from infra.spec import JobSpec
 from infra.summary import load_summary
@@ -69,8 +70,8 @@ def test_three_configurations_for_real(workspace: Path, prefect_server: None, tm
         retrain(job, run_id)
         return load_summary(runs_dir() / run_id / "summary.json")
 
-    config = ReproConfig(steps=12, ckpt_every=6, d_model=128, n_layers=1, batch_size=4, dataset_tokens=400_000,
-                         workdir=tmp_path)
+    config = ReproConfig(steps=12, ckpt_every=6, model=ModelShape(d_model=128, n_layers=1, n_heads=4), batch_size=4,
+                         dataset_tokens=400_000, workdir=tmp_path)
     repro = run_repro(config, run_job, echo=lambda line: None)
 
     a, b, c = repro.results

@@ -24,11 +24,12 @@ def ckpt(
 ) -> None:
     """Train the bundled model with a checkpoint ≥ 200 MB every N steps, once sync and once async, and compare."""
     from bench.checkpoint import BenchConfig, run_benchmark
+    from bench.trainer_flags import ModelShape
 
     if d_model % n_heads:
         typer.echo(f"error: --n-heads {n_heads} must divide --d-model {d_model}", err=True)
         raise typer.Exit(2)
-    result = run_benchmark(BenchConfig(d_model=d_model, n_layers=n_layers, n_heads=n_heads, steps=steps,
+    result = run_benchmark(BenchConfig(ModelShape(d_model, n_layers, n_heads), steps=steps,
                                        ckpt_every=every), workdir)
     typer.echo(result.render())
     write_out(json_out, json.dumps(result.to_dict(), indent=2))
