@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infra.checkpoints import CheckpointStore
+from infra.checkpoints.commit import CheckpointStore
 from infra.dataset.synth import synthesize
 from infra.node.events import parse
 from infra.storage import open_store

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from infra.providers import Cluster, Node, Provider
-from infra.recovery_spec import PreemptSpec
-from infra.remote import Runner
+from infra.compute.access.remote import Runner
+from infra.compute.providers import Cluster, Node, Provider
+from infra.job.recovery_spec import PreemptSpec
 from tasks.node_output import TrainingProgress
 
 CHAOS_TRIGGER = "chaos-trigger"

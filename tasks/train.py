@@ -9,10 +9,10 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
+from infra.compute.access.remote import Process, RemoteError, Runner, last_error, wait_all
+from infra.compute.providers import Cluster, Node, get_provider
+from infra.job.spec import JobSpec
 from infra.node.sync import STOP_FILE
-from infra.providers import Cluster, Node, get_provider
-from infra.remote import Process, RemoteError, Runner, last_error, wait_all
-from infra.spec import JobSpec
 from infra.workload.contract import NodeContext, render_command
 from infra.workload.progress import Point
 from tasks.node_output import TrainingProgress, node_line_sink

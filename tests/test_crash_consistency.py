@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 from test_syncer import SyncProcess
 
-from infra.checkpoints import CheckpointStore
+from infra.checkpoints.commit import CheckpointStore
 from infra.storage import open_store
 from trainer.checkpoint import complete_steps, inspect_checkpoint, step_dir_name
 

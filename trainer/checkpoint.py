@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from infra.checkpoints import UPLOAD_LEASE, leased_step
-from infra.checkpoints import CheckpointError as StoreCheckpointError
+from infra.checkpoints.commit import UPLOAD_LEASE, leased_step
+from infra.checkpoints.commit import CheckpointError as StoreCheckpointError
 from infra.node.sync import SyncError, read_state, state_path
 from infra.workload.contract import SYNC_DIR_VAR
 

@@ -17,12 +17,12 @@ from typing import Annotated
 
 import typer
 
-from infra.catalog import CatalogError
-from infra.clusterbench import BenchError, bench_cluster, render_table
-from infra.plan import cluster_name_for
-from infra.providers import LaunchError, get_provider
-from infra.remote import RemoteError
-from infra.spec import ConfigError, load_job
+from infra.analysis.clusterbench import BenchError, bench_cluster, render_table
+from infra.compute.access.remote import RemoteError
+from infra.compute.catalog import CatalogError
+from infra.compute.providers import LaunchError, get_provider
+from infra.job.plan import cluster_name_for
+from infra.job.spec import ConfigError, load_job
 from trainpipe.bench_command import bench_app
 
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from infra.spec import ConfigError
+from infra.job.spec import ConfigError
 from trainpipe.bench_command import bench_app, print_report
 from trainpipe.errors import exit_2_on
 

@@ -8,8 +8,8 @@ from typing import Annotated, Any
 
 import typer
 
-from infra.spec import JobSpec
-from infra.summary import load_summary
+from infra.job.spec import JobSpec
+from infra.job.summary import load_summary
 from infra.workspace import runs_dir
 from trainpipe.bench_command import bench_app, print_report
 

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from infra.catalog import CatalogError, load_catalog
+from infra.compute.catalog import CatalogError, load_catalog
 
 catalog_app = typer.Typer(no_args_is_help=True, help="The instance-type catalog (GPUs, network, NVMe, prices).")
 REFRESHABLE = ("aws",)
@@ -26,7 +26,7 @@ def refresh(
     """Rebuild PROVIDER's part from its API (needs credentials); the optimizer uses it instead of the shipped one."""
     if provider not in REFRESHABLE:
         _fail(f"catalog refresh {provider}: only {', '.join(REFRESHABLE)} can be refreshed: use one of them")
-    from infra.catalog.aws_refresh import refresh_aws, refresh_errors
+    from infra.compute.catalog.aws_refresh import refresh_aws, refresh_errors
 
     wanted = tuple(r for r in regions.split(",") if r) or None
     try:

@@ -16,15 +16,15 @@ from typing import Annotated
 import psutil
 import typer
 
-from infra.checkpoint_formats import check_loadable
-from infra.checkpoints import CheckpointError, CheckpointStore
+from infra.checkpoints.commit import CheckpointError, CheckpointStore
+from infra.checkpoints.formats import check_loadable
+from infra.compute.providers import ClusterRecord, LaunchError, all_providers, get_provider
 from infra.dataset.manifest import DatasetError
-from infra.plan import PlanError, cluster_name_for, plan_job
-from infra.providers import ClusterRecord, LaunchError, all_providers, get_provider
-from infra.spec import ConfigError, JobSpec, load_job
+from infra.job.plan import PlanError, cluster_name_for, plan_job
+from infra.job.spec import ConfigError, JobSpec, load_job
+from infra.job.summary import LAUNCHED_AT_VAR, RunSummary, load_summary
+from infra.lifecycle.sweep import sweep_clusters
 from infra.storage import StorageError, open_store
-from infra.summary import LAUNCHED_AT_VAR, RunSummary, load_summary
-from infra.sweep import sweep_clusters
 from infra.workspace import runs_dir
 from trainpipe import bench_command, catalog_command, cp_command, predict_command, serve_command
 from trainpipe.errors import exit_2_on

@@ -12,12 +12,12 @@ from typing import Annotated, NoReturn
 
 import typer
 
-from infra.catalog import Catalog, CatalogError, load_catalog
-from infra.optimizer import NoCandidateError
-from infra.predict import Target, catalog_targets, cheapest_meeting, ranks_per_node, what_if
-from infra.predict_report import NoBreakdownError, RunFacts, facts_from_summary, render, to_json
-from infra.spec import KNOWN_PROVIDERS, ClusterSpec
-from infra.summary import load_summary
+from infra.analysis.predict import Target, catalog_targets, cheapest_meeting, ranks_per_node, what_if
+from infra.analysis.predict_report import NoBreakdownError, RunFacts, facts_from_summary, render, to_json
+from infra.compute.catalog import Catalog, CatalogError, load_catalog
+from infra.compute.optimizer import NoCandidateError
+from infra.job.spec import KNOWN_PROVIDERS, ClusterSpec
+from infra.job.summary import load_summary
 from infra.workspace import run_dir
 
 

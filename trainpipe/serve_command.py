@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from infra.spec import load_job
+from infra.job.spec import load_job
 
 RETRAIN = "retrain/retrain"
 # Heartbeats are how the server learns that a run's process is gone; 30 s is Prefect's shortest.
