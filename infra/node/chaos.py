@@ -15,10 +15,9 @@ import shutil
 import time
 from pathlib import Path
 
-from infra.compute.providers.local import NODE_TAG
 from infra.node.events import emit, fail
 from infra.node.preemption import NOTICE_FILE, Notice, write_notice
-from infra.node.processes import hard_kill, tagged_processes
+from infra.node.processes import NODE_TAG, hard_kill, tagged_processes
 
 
 def main(argv: list[str]) -> int:

@@ -10,6 +10,12 @@ import psutil
 
 log = logging.getLogger(__name__)
 
+# What every process a provider starts on a node carries in its environment: the cluster (its directory or workdir,
+# so two workspaces that reuse a run id never touch each other's processes) and the node's name. The node agent's
+# watchdog and chaos injector find the node's processes by them; teardown and the sweeper find the cluster's.
+CLUSTER_TAG = "TRAINPIPE_CLUSTER"
+NODE_TAG = "TRAINPIPE_NODE"
+
 
 def tagged_processes(tag: str, value: str) -> list[psutil.Process]:
     """Every other process on this machine whose environment has tag=value (no pid files to go stale)."""

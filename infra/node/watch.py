@@ -24,7 +24,6 @@ from pathlib import Path
 
 import psutil
 
-from infra.compute.providers.local import NODE_TAG
 from infra.node.events import emit, fail
 from infra.node.preemption import (
     AWS_IMDS,
@@ -37,7 +36,7 @@ from infra.node.preemption import (
     read_notice,
     write_notice,
 )
-from infra.node.processes import kill_processes, tagged_processes
+from infra.node.processes import NODE_TAG, kill_processes, tagged_processes
 
 TRAINER_MARK = "torch.distributed.run"
 

@@ -26,7 +26,8 @@ from infra.compute.catalog import Catalog
 from infra.compute.optimizer import Candidate
 from infra.compute.providers.aws_errors import CapacityError, InvalidRequestError, LaunchError, classify, error_code
 from infra.compute.providers.base import Cluster, ClusterRecord, Node, PreemptionNotice
-from infra.compute.providers.cloud import HOST_KEYS, MOUNT, CloudProvider, boot_script, lease_alive, owner_stamp
+from infra.compute.providers.cloud import HOST_KEYS, MOUNT, CloudProvider, boot_script, lease_alive
+from infra.compute.providers.launcher import launcher_stamp
 from infra.job.spec import ClusterSpec
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,7 @@ class AwsProvider(CloudProvider):
                          host_key: HostKey) -> Cluster:
         """Every node on this candidate or none: on any failure what this call started is rolled back."""
         region = candidate.region
-        tags = {"Name": cluster_name, TAG_CLUSTER: cluster_name, TAG_RUN: run_id, TAG_OWNER: owner_stamp(),
+        tags = {"Name": cluster_name, TAG_CLUSTER: cluster_name, TAG_RUN: run_id, TAG_OWNER: launcher_stamp(),
                 TAG_CREATED: datetime.now(UTC).isoformat(timespec="seconds"), TAG_HEARTBEAT: f"{time.time():.0f}",
                 TAG_LEASE_TTL: f"{spec.lease_ttl_s:g}"}
         try:

@@ -15,17 +15,13 @@ it before anything else, and the instance is tagged with its fingerprint. The re
 
 from __future__ import annotations
 
-import getpass
 import logging
 import os
-import socket
 import time
 from abc import abstractmethod
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
-
-import psutil
 
 from infra.compute.access.bootstrap import NodeReport, WheelBuilder, WheelSource, bootstrap_node
 from infra.compute.access.hostkeys import SSH_DIR, HostKey, generate_host_key, install_script
@@ -39,9 +35,9 @@ from infra.compute.providers.base import Attempt, Cluster, InvalidRequestError, 
 # The ssh provider's helpers: run every node at once, and turn an SSH failure into the LaunchError saying whether
 # trying again can help.
 from infra.compute.providers.hosts import in_parallel, launch_error
-from infra.compute.providers.local import CLUSTER_TAG, NODE_TAG
 from infra.job.spec import ClusterSpec
 from infra.lifecycle.lease import RENEWALS_PER_TTL, Renewal
+from infra.node.processes import CLUSTER_TAG, NODE_TAG
 from infra.workspace import workspace_dir
 
 log = logging.getLogger(__name__)
@@ -60,20 +56,13 @@ BOOT_POLL_S = 5.0
 DEFAULT_LEASE_TTL_S = ClusterSpec.model_fields["lease_ttl_s"].default
 
 
-def owner_stamp() -> str:
-    """Who launched a cluster: user@host:pid:start-time. For people reading tags; liveness is the heartbeat's."""
-    me = psutil.Process()
-    return f"{getpass.getuser()}@{socket.gethostname()}:{me.pid}:{me.create_time():.0f}"
-
-
 def lease_alive(heartbeats: Iterable[str | None], ttl_s: str | None, created_at: float,
                 now: float | None = None) -> bool:
     """Whether the run that launched a cluster still lives, judged alike from every machine (no host or pid in it):
     its orchestrator stamps the cluster's heartbeat several times per lease TTL (while launch waits for the nodes,
-    then infra.lifecycle.lease.LeaseKeeper), so
-    when the newest stamp any node carries is older than the TTL, nobody renews
-    it. The same TTL after which the nodes' own watchdogs power them off. A cluster stamped before heartbeats
-    existed counts from its creation."""
+    then infra.lifecycle.lease.LeaseKeeper), so when the newest stamp any node carries is older than the TTL,
+    nobody renews it. The same TTL after which the nodes' own watchdogs power them off. A cluster stamped before
+    heartbeats existed counts from its creation."""
     beats = [_number(beat) for beat in heartbeats]
     newest = max((beat for beat in beats if beat is not None), default=created_at)
     ttl = _number(ttl_s) or DEFAULT_LEASE_TTL_S

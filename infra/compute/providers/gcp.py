@@ -38,7 +38,7 @@ from infra.compute.access.hostkeys import HostKey
 from infra.compute.catalog import Catalog
 from infra.compute.optimizer import Candidate
 from infra.compute.providers.base import Cluster, ClusterRecord, Node, PreemptionNotice
-from infra.compute.providers.cloud import HOST_KEYS, MOUNT, CloudProvider, boot_script, lease_alive, owner_stamp
+from infra.compute.providers.cloud import HOST_KEYS, MOUNT, CloudProvider, boot_script, lease_alive
 from infra.compute.providers.gcp_errors import (
     CapacityError,
     InvalidRequestError,
@@ -48,6 +48,7 @@ from infra.compute.providers.gcp_errors import (
     is_transient,
     operation_error,
 )
+from infra.compute.providers.launcher import launcher_stamp
 from infra.job.spec import ClusterSpec
 from infra.node import gce_self_delete
 
@@ -427,7 +428,7 @@ class GcpProvider(CloudProvider):
         """Every node on this candidate or none: on any failure what this call started is rolled back."""
         zone = self._zone(candidate)
         doing = f"launch {cluster_name} on {candidate.label()}"
-        stamp = _Stamp(cluster_name, run_id, owner_stamp(), datetime.now(UTC).isoformat(timespec="seconds"),
+        stamp = _Stamp(cluster_name, run_id, launcher_stamp(), datetime.now(UTC).isoformat(timespec="seconds"),
                        f"{spec.lease_ttl_s:g}")
         started: list[compute_v1.Operation] = []
         try:

@@ -27,31 +27,22 @@ from infra.compute.providers.base import (
     PreemptionNotice,
     Provider,
 )
+from infra.compute.providers.launcher import launcher, launcher_alive
 from infra.job.spec import ClusterSpec
 from infra.node.preemption import NOTICE_FILE, read_notice
-from infra.node.processes import kill_processes, tagged_processes
+from infra.node.processes import CLUSTER_TAG, NODE_TAG, kill_processes, tagged_processes
 from infra.workspace import local_clusters_dir
 
 log = logging.getLogger(__name__)
 
-CLUSTER_TAG = "TRAINPIPE_CLUSTER"
-NODE_TAG = "TRAINPIPE_NODE"
 RECORD = "cluster.json"
 LOCAL_TYPE = "local-process"
 NODE_MARKER = ".node"  # written at launch; a node whose marker is gone was taken away
 
 
-def _owner() -> dict[str, object]:
-    me = psutil.Process()
-    return {"pid": me.pid, "create_time": me.create_time(), "host": socket.gethostname()}
-
-
-def _owner_alive(owner: dict[str, object]) -> bool:
-    try:
-        process = psutil.Process(int(owner["pid"]))  # type: ignore[call-overload]
-        return abs(process.create_time() - float(owner["create_time"])) < 1.0  # type: ignore[arg-type]
-    except (psutil.NoSuchProcess, KeyError, ValueError):
-        return False
+def owner_alive(owner: dict[str, object]) -> bool:
+    """A local cluster's launcher ran on this machine: a record naming another host has no live launcher here."""
+    return launcher_alive(owner, elsewhere=False)
 
 
 def cluster_processes(cluster_dir: Path) -> list[psutil.Process]:
@@ -87,7 +78,7 @@ class LocalProvider(Provider):
                           market="on-demand", outcome="launched", error=None,
                           seconds=round(time.monotonic() - started, 3))
         cluster = Cluster(name=cluster_name, provider=self.name, run_id=run_id, nodes=nodes, created_at=time.time(),
-                          owner=_owner(), instance_type=self.instance_type, attempts=(attempt.to_dict(),))
+                          owner=launcher(), instance_type=self.instance_type, attempts=(attempt.to_dict(),))
         # The record first, so a launch killed half way leaves nothing the sweeper cannot find by it: a new cluster
         # dir appears only with its record in it (made aside, then renamed into place); a kept one (a recovery's,
         # with the nodes' staged data) gets its record before anything else.
@@ -151,7 +142,7 @@ class LocalProvider(Provider):
             cluster = Cluster.from_json(record.read_text())
             records.append(ClusterRecord(
                 name=cluster.name, provider=self.name, run_id=cluster.run_id, created_at=cluster.created_at,
-                nodes=len(cluster.nodes), owner_alive=_owner_alive(cluster.owner),
+                nodes=len(cluster.nodes), owner_alive=owner_alive(cluster.owner),
                 processes=len(cluster_processes(record.parent)),
             ))
         return records

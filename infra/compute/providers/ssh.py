@@ -22,8 +22,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from infra.compute.access.bootstrap import NodeReport, WheelBuilder, WheelSource, bootstrap_node
 from infra.compute.access.remote import RemoteError, Runner
 from infra.compute.access.ssh import SshRunner
@@ -38,9 +36,10 @@ from infra.compute.providers.base import (
     Provider,
 )
 from infra.compute.providers.hosts import in_parallel, launch_error
-from infra.compute.providers.local import CLUSTER_TAG, NODE_TAG
+from infra.compute.providers.launcher import launcher, launcher_alive
 from infra.job.spec import ClusterSpec, SshHostSpec
 from infra.node.preemption import NOTICE_FILE, parse_notice
+from infra.node.processes import CLUSTER_TAG, NODE_TAG
 from infra.workspace import workspace_dir
 
 log = logging.getLogger(__name__)
@@ -138,22 +137,6 @@ class _Host:
         return f"{self.host.workdir}/{RESERVATION}"
 
 
-def _owner() -> dict[str, Any]:
-    me = psutil.Process()
-    return {"pid": me.pid, "create_time": me.create_time(), "host": socket.gethostname()}
-
-
-def _owner_alive(owner: dict[str, Any]) -> bool:
-    """Alive when the launching process still runs here; a launch from another machine cannot be checked: alive."""
-    if owner.get("host") != socket.gethostname():
-        return True
-    try:
-        process = psutil.Process(int(owner["pid"]))
-        return abs(process.create_time() - float(owner["create_time"])) < 1.0
-    except (psutil.NoSuchProcess, KeyError, ValueError, TypeError):
-        return False
-
-
 class SshProvider(Provider):
     name = "ssh"
     notice_source = "file"
@@ -232,7 +215,7 @@ class SshProvider(Provider):
                "known_hosts": spec.ssh.known_hosts}
         # User machines are already paid for: the cluster costs nothing extra while it runs.
         return Cluster(name=cluster_name, provider=self.name, run_id=run_id, nodes=tuple(nodes),
-                       created_at=time.time(), owner={**_owner(), "ssh": ssh}, instance_type=SSH_TYPE)
+                       created_at=time.time(), owner={**launcher(), "ssh": ssh}, instance_type=SSH_TYPE)
 
     def _prepare(self, host: _Host, cluster: Cluster, spec: ClusterSpec, reserved: set[str]) -> NodeReport:
         runner = host.runner(LAUNCH_CONNECT_S)
@@ -277,7 +260,7 @@ class SshProvider(Provider):
         owner = holder.get("owner") or {}
         record = holder.get("record")
         if owner.get("host") == socket.gethostname():
-            return bool(record) and Path(record).is_file() and _owner_alive(owner)
+            return bool(record) and Path(record).is_file() and launcher_alive(owner, elsewhere=True)
         # Launched from another machine: live while any of its processes runs on this host (its lease watchdog
         # runs as long as the cluster does, and ends everything once its orchestrator stops renewing the lease).
         return _count(runner, host.host.python, _cluster_dir(host.host.workdir, holder.get("cluster", ""))) > 0
@@ -340,7 +323,8 @@ class SshProvider(Provider):
             # sweeper call this often; whether the owner is alive is what the sweeper decides on.
             records.append(ClusterRecord(name=cluster.name, provider=self.name, run_id=cluster.run_id,
                                          created_at=cluster.created_at, nodes=len(cluster.nodes),
-                                         owner_alive=_owner_alive(cluster.owner), processes=0))
+                                         # A launch from another machine cannot be checked from here: alive.
+                                         owner_alive=launcher_alive(cluster.owner, elsewhere=True), processes=0))
         return records
 
     # -- running ----------------------------------------------------------------------------------------------------

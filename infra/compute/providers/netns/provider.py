@@ -23,7 +23,8 @@ from pathlib import Path
 
 from infra.compute.access.remote import Runner
 from infra.compute.providers.base import Cluster, ClusterRecord, InvalidRequestError, LaunchError, Node
-from infra.compute.providers.local import RECORD, LocalProvider, _owner, _owner_alive
+from infra.compute.providers.launcher import launcher
+from infra.compute.providers.local import RECORD, LocalProvider, owner_alive
 from infra.compute.providers.netns import emulation as netns
 from infra.compute.providers.netns.emulation import NetnsError, NetnsRunner
 from infra.job.spec import ClusterSpec
@@ -61,7 +62,7 @@ class NetnsProvider(LocalProvider):
         gid = self.group(cluster_name)
         # Before the first object: a sweep running meanwhile sees a live owner and leaves the group alone.
         netns.write_state(gid, {"kind": "cluster", "name": cluster_name, "run_id": run_id,
-                                "record": str(self._dir(cluster_name) / RECORD), "owner": _owner(),
+                                "record": str(self._dir(cluster_name) / RECORD), "owner": launcher(),
                                 "created_at": time.time()})
         try:
             netns.create_cluster_network(gid, spec.nodes, spec.netns.link_mbit)
@@ -132,7 +133,7 @@ def _orphaned(group: netns.Group) -> bool:
     (whose workspace's own sweep would find it)."""
     state = group.state or {}
     owner = state.get("owner")
-    if owner and _owner_alive(owner):
+    if owner and owner_alive(owner):
         return False
     record = state.get("record")
     return not (record and Path(record).is_file())

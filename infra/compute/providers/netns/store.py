@@ -28,7 +28,7 @@ from pathlib import Path
 from types import TracebackType
 
 from infra.compute.access.remote import Process
-from infra.compute.providers.local import _owner
+from infra.compute.providers.launcher import launcher
 from infra.compute.providers.netns import emulation as netns
 from infra.compute.providers.netns.emulation import NetnsError, NetnsRunner
 
@@ -125,7 +125,8 @@ class NetnsStore:
             gid = netns.group_id(gid + secrets.token_hex(4))
         self.gid = gid
         # Before the first object: a sweep running meanwhile sees a live owner and leaves the store alone.
-        netns.write_state(gid, {"kind": "store", "root": str(self.root), "owner": _owner(), "created_at": time.time()})
+        netns.write_state(gid, {"kind": "store", "root": str(self.root), "owner": launcher(),
+                                "created_at": time.time()})
         try:
             self._forward_was_on = netns.set_ip_forward(True)
             self.address = netns.create_store_network(gid, self.link_mbit)
