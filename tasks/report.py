@@ -12,6 +12,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from infra.analysis.breakdown import StepBreakdown
 from infra.analysis.predict import what_if
 from infra.analysis.predict_report import facts_from_summary
+from infra.checkpoints.steps import step_name
 from infra.compute.failover import attempts_of
 from infra.compute.providers import Cluster
 from infra.dataset.gate import DatasetValidation
@@ -55,7 +56,7 @@ def record_training(summary: RunSummary, staged: list[dict[str, Any]], outcome: 
         summary.breakdown = StepBreakdown.from_dict(facts["breakdown"]).summary()
     summary.checkpoints = checkpoint_metrics(outcome.checkpoint_events, outcome.sync_events)
     summary.checkpoint_step = verified["step"]
-    summary.checkpoint = f"{checkpoint_url}/step-{verified['step']:08d}"
+    summary.checkpoint = f"{checkpoint_url}/{step_name(verified['step'])}"
 
 
 def _number(value: Any) -> float | None:

@@ -18,6 +18,7 @@ import typer
 
 from infra.checkpoints.commit import CheckpointError, CheckpointStore
 from infra.checkpoints.formats import check_loadable
+from infra.checkpoints.steps import PATTERN as STEP_PATTERN
 from infra.compute.providers import ClusterRecord, LaunchError, all_providers, get_provider
 from infra.dataset.manifest import DatasetError
 from infra.job.plan import PlanError, cluster_name_for, plan_job
@@ -42,7 +43,7 @@ user_errors_exit_2 = exit_2_on(*USER_ERRORS)
 ConfigArg = Annotated[Path, typer.Argument(help="job config YAML (see examples/local.yaml)")]
 RunIdOpt = Annotated[str | None, typer.Option("--run-id", help="reuse a run id to resume its checkpoints")]
 # What `trainpipe run` prints as the committed checkpoint: <checkpoints.url>/<run-id>/step-00001000.
-STEP_URL = re.compile(r"^(?P<root>.+)/step-(?P<step>\d{8,})/?$")
+STEP_URL = re.compile(rf"^(?P<root>.+)/{STEP_PATTERN}/?$")
 
 
 def new_run_id(job: JobSpec) -> str:

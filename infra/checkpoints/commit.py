@@ -30,6 +30,8 @@ from typing import Literal
 
 from pydantic import Field, ValidationError, model_validator
 
+from infra.checkpoints.steps import PATTERN as STEP_PATTERN
+from infra.checkpoints.steps import parse_step_name, step_name
 from infra.models import SHA256_HEX, StrictModel
 from infra.storage.base import ChecksumMismatch, ObjectNotFound, ObjectStore
 from infra.storage.checksum import SHA256, TAGGED_CHECKSUM, Checksum, checksum_of_ranges, sha256_file
@@ -44,9 +46,8 @@ NODES_DIR = "_nodes"
 PENDING_DIR = "_pending"
 FILES_PREFIX = "files/"
 VERIFY_CHUNK = 8 * 1024 * 1024
-_STEP_KEY = re.compile(r"^step-(\d{8,})/(.+)$")
+_STEP_KEY = re.compile(rf"^{STEP_PATTERN}/(.+)$")
 _NODE_RECORD = re.compile(r"^_nodes/node-(\d+)\.json$")
-_ANNOUNCEMENT = re.compile(r"^step-(\d{8,})\.json$")
 
 
 # ---- the node-local upload lease -------------------------------------------------------------------------------
@@ -95,10 +96,6 @@ class CheckpointError(Exception):
 
 class NoCommittedCheckpoint(CheckpointError):
     """The store holds no committed checkpoint at all (a fresh run, not a damaged one)."""
-
-
-def step_name(step: int) -> str:
-    return f"step-{step:08d}"
 
 
 def manifest_key(step: int) -> str:
@@ -326,7 +323,7 @@ class CheckpointStore:
         found = []
         for info in self.store.list(f"{PENDING_DIR}/"):
             name = info.key.removeprefix(f"{PENDING_DIR}/")
-            if not _ANNOUNCEMENT.match(name):
+            if parse_step_name(name, ".json") is None:
                 continue
             try:
                 announcement = Announcement.model_validate_json(self.store.get_bytes(info.key))
