@@ -5,4 +5,6 @@ under torchrun there and tells it everything through the environment (contract);
 through its metrics file and its framework's own log lines (progress) and ships the checkpoints it writes
 (infra.checkpoints.formats). Nothing here knows any particular model: the bundled GPT in trainer/ is one user.
 Plain Python: no Prefect, no torch.
+
+May import: storage and the shared infra modules; the node agent and the trainer build on it.
 """

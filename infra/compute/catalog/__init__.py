@@ -1,4 +1,7 @@
-"""The instance-type catalog: the shipped figures, overridden per provider by what `trainpipe catalog refresh` wrote."""
+"""The instance-type catalog: the shipped figures, overridden per provider by what `trainpipe catalog refresh` wrote.
+
+May import: the shared infra modules (workspace) only; the optimizer and the providers read it.
+"""
 
 from __future__ import annotations
 

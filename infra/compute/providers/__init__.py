@@ -1,4 +1,9 @@
-"""Providers by name: the caller asks for one and never branches on which it got."""
+"""Providers by name: the caller asks for one and never branches on which it got.
+
+Each provider owns its module (or package, netns) and its errors (aws_errors, gcp_errors); cloud holds what the
+clouds share (boot script, heartbeat), launcher who launched a cluster. May import: access, catalog, optimizer,
+failover, job, lifecycle (lease renewal), the node agent's process tags and notices, and the shared infra modules.
+"""
 
 from __future__ import annotations
 
