@@ -23,6 +23,7 @@ from infra.compute.providers import Cluster
 from infra.job.plan import Plan, cluster_name_for
 from infra.job.spec import JobSpec
 from infra.job.summary import LAUNCHED_AT_VAR, RunSummary
+from infra.lifecycle.preemption_watch import Preempted
 from infra.lifecycle.recovery import Recoveries, RecoveryRecord, narrowed
 from infra.workspace import run_dir
 from tasks.capacity import nodes_held
@@ -30,7 +31,6 @@ from tasks.checkpoint import latest_committed_step, verify_committed_checkpoint
 from tasks.cluster import provision_cluster, teardown_cluster
 from tasks.node_output import start_loss_curve
 from tasks.plan import plan_run
-from tasks.preemption import Preempted
 from tasks.report import (
     publish_summary,
     record_failure,

@@ -10,6 +10,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from infra.analysis.breakdown import StepBreakdown
+from infra.analysis.charts import markdown_image, run_chart_png
 from infra.analysis.predict import what_if
 from infra.analysis.predict_report import facts_from_summary
 from infra.checkpoints.steps import step_name
@@ -21,7 +22,6 @@ from infra.job.plan import Plan
 from infra.job.summary import BILLED_PHASES, PHASES, RunSummary
 from infra.lifecycle.recovery import RECOVERY_PHASES
 from infra.workspace import run_dir
-from tasks.charts import markdown_image, run_chart_png
 from tasks.node_output import read_loss_curve
 from tasks.policy import NO_RETRIES
 from tasks.train import TrainOutcome

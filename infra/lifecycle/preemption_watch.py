@@ -12,15 +12,22 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from infra.compute.access.remote import Runner
 from infra.compute.providers import Cluster, Node, Provider
 from infra.job.recovery_spec import PreemptSpec
-from tasks.node_output import TrainingProgress
+from infra.workload.progress import StepClock
 
 CHAOS_TRIGGER = "chaos-trigger"
 CHECK_INTERVAL_S = 2.0
+
+
+class TrainingProgress(Protocol):
+    """How far training got, as the flow follows it (tasks.node_output.TrainingProgress is the one in use)."""
+
+    last_step: int  # the newest step the head node reported
+    clock: StepClock
 
 
 class TrainingError(RuntimeError):
