@@ -723,12 +723,7 @@ class SshRunner(Runner):
             _makedirs(sftp, path)
 
     def exists(self, path: str) -> bool:
-        try:
-            with self._sftp("stat", path, missing_passes=True) as sftp:
-                sftp.stat(path)
-                return True
-        except FileNotFoundError:
-            return False
+        return self._if_present("stat", path, lambda sftp: sftp.stat(path))
 
     def create_exclusive(self, path: str, text: str) -> bool:
         """Create path holding text only if it does not exist yet (O_EXCL on the node): False when it did."""
@@ -746,9 +741,13 @@ class SshRunner(Runner):
             raise RemoteError(f"{self.node_name}: cannot create {path}: {exc.strerror or exc}") from None
 
     def remove(self, path: str) -> bool:
+        return self._if_present("remove", path, lambda sftp: sftp.remove(path))
+
+    def _if_present(self, action: str, path: str, op: Callable[[paramiko.SFTPClient], object]) -> bool:
+        """Do op to path over SFTP: True when it was done, False when path is not there (not an error here)."""
         try:
-            with self._sftp("remove", path, missing_passes=True) as sftp:
-                sftp.remove(path)
+            with self._sftp(action, path, missing_passes=True) as sftp:
+                op(sftp)
                 return True
         except FileNotFoundError:
             return False
