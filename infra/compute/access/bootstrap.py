@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import infra
 from infra.compute.access.remote import RemoteError
 from infra.compute.access.ssh import SshRunner
 
@@ -281,7 +282,8 @@ def _gpus_text(report: NodeReport) -> str:
 
 def project_root() -> Path | None:
     """The source checkout this trainpipe runs from, or None when it was installed from a wheel."""
-    root = Path(__file__).resolve().parent.parent
+    # From the infra package itself, not this file: the checkout root stays put wherever this module moves in it.
+    root = Path(infra.__file__).resolve().parent.parent
     return root if (root / "pyproject.toml").is_file() and (root / "trainer").is_dir() else None
 
 
