@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from infra.spec import load_job
-from infra.summary import PHASES
+from infra.job.spec import load_job
+from infra.job.summary import PHASES
 from infra.workspace import runs_dir
 
 PHASES_BEFORE_TRAINING = ("plan", "provision", "verify", "stage")

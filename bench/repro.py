@@ -9,8 +9,8 @@ training job runs three times through the retrain flow:
     (b) fast links  + the same remote data and checkpoints
     (c) fast links  + dataset staged to each node's disk, async checkpoints uploaded in the background
 
-Each run reports its step-time breakdown (trainer.step_timing). The predictor (infra.predict) estimates (b) and (c)
-from (a)'s breakdown and the link rates alone; the table sets its estimates against the measurements.
+Each run reports its step-time breakdown (trainer.step_timing). The predictor (infra.analysis.predict) estimates
+(b) and (c) from (a)'s breakdown and the link rates alone; the table sets its estimates against the measurements.
 
 What is compared is the job time that the configurations change: staging plus the training steps. The fixed cost
 of every run (provisioning namespaces, starting torchrun and its interpreters, the final evaluation) is reported
@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.trainer_flags import ModelShape
-from infra.breakdown import StepBreakdown
+from infra.analysis.breakdown import StepBreakdown
 from infra.dataset.synth import synthesize
-from infra.spec import JobSpec
+from infra.job.spec import JobSpec
 from infra.storage import open_store
 
 STUDY_SHAPE = "network first, storage second: speedup(b vs a) > speedup(c vs b) > 1"
@@ -204,7 +204,7 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 def run_repro(config: ReproConfig, run_job: Callable[[JobSpec, str], dict[str, Any]],
               echo: Callable[[str], None] = print) -> ReproReport:
     """Run the three configurations one after another on one store; run_job runs the retrain flow."""
-    from infra.netns_store import NetnsStore
+    from infra.compute.providers.netns.store import NetnsStore
 
     with tempfile.TemporaryDirectory(prefix="trainpipe-repro-", dir=config.workdir) as tmp:
         root = Path(tmp) / "store"
@@ -239,8 +239,8 @@ def predict_from_first(results: list[ScenarioResult], first_summary: dict[str, A
 
     The link rates are the configured ones on both sides (the ratio is what matters, and the shaping sets it);
     (a)'s own cluster bench supplies the local disk figures that the staged configuration reads at."""
-    from infra.predict import Job, Target, predict
-    from infra.predict_report import facts_from_summary
+    from infra.analysis.predict import Job, Target, predict
+    from infra.analysis.predict_report import facts_from_summary
 
     first = results[0]
     measured_disk = facts_from_summary(first_summary, first.run_id).measured

@@ -5,7 +5,7 @@ from __future__ import annotations
 import textwrap
 
 from bench.repro import ReproReport
-from tasks.charts import figure_png, plt
+from infra.analysis.charts import figure_png, plt
 
 TERM_COLOURS = {"T_compute": "tab:blue", "T_network": "tab:orange", "T_io": "tab:green", "staging": "tab:gray"}
 

@@ -18,19 +18,19 @@ from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as current_flow_run
 from prefect.states import State
 
-from infra.catalog import load_catalog
-from infra.plan import Plan, cluster_name_for
-from infra.providers import Cluster
-from infra.recovery import Recoveries, RecoveryRecord, narrowed
-from infra.spec import JobSpec
-from infra.summary import LAUNCHED_AT_VAR, RunSummary
+from infra.compute.catalog import load_catalog
+from infra.compute.providers import Cluster
+from infra.job.plan import Plan, cluster_name_for
+from infra.job.spec import JobSpec
+from infra.job.summary import LAUNCHED_AT_VAR, RunSummary
+from infra.lifecycle.preemption_watch import Preempted
+from infra.lifecycle.recovery import Recoveries, RecoveryRecord, narrowed
 from infra.workspace import run_dir
 from tasks.capacity import nodes_held
 from tasks.checkpoint import latest_committed_step, verify_committed_checkpoint
 from tasks.cluster import provision_cluster, teardown_cluster
 from tasks.node_output import start_loss_curve
 from tasks.plan import plan_run
-from tasks.preemption import Preempted
 from tasks.report import (
     publish_summary,
     record_failure,

@@ -5,10 +5,10 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from infra import clusterbench
-from infra.clusterbench import BenchResult
-from infra.providers import Cluster, get_provider
-from infra.spec import ClusterSpec
+from infra.analysis import clusterbench
+from infra.analysis.clusterbench import BenchResult
+from infra.compute.providers import Cluster, get_provider
+from infra.job.spec import ClusterSpec
 from tasks.node_output import node_line_sink
 from tasks.policy import TRANSIENT_RETRIES
 

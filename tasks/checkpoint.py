@@ -6,8 +6,8 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
-from infra.checkpoints import CheckpointStore
-from infra.providers import Cluster, get_provider
+from infra.checkpoints.commit import CheckpointStore
+from infra.compute.providers import Cluster, get_provider
 from infra.storage import open_store
 from tasks.node_output import last_event, node_line_sink
 from tasks.policy import TRANSIENT_RETRIES

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from prefect import get_run_logger, task
 
-from infra.lease import LEASE_FILE, RENEWALS_PER_TTL, LeaseKeeper
+from infra.compute.providers import Cluster, Provider, get_provider
+from infra.job.spec import JobSpec
+from infra.lifecycle.lease import LEASE_FILE, RENEWALS_PER_TTL, LeaseKeeper
 from infra.node.sync import STOP_FILE
-from infra.providers import Cluster, Provider, get_provider
-from infra.spec import JobSpec
 from tasks.policy import NO_RETRIES, TRANSIENT_RETRIES
 
 _lease_keepers: dict[str, LeaseKeeper] = {}

@@ -16,8 +16,8 @@ from typing import Any
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
+from infra.compute.access.remote import Runner
 from infra.node.events import Throttle, parse
-from infra.remote import Runner
 from infra.workload.progress import LogRecognizer, MetricsFile, Point, StepClock, is_progress_bar, point_from_record
 from infra.workspace import run_dir
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 
 from infra.dataset.planning import freeze
-from infra.plan import Plan, plan_job
-from infra.spec import JobSpec
+from infra.job.plan import Plan, plan_job
+from infra.job.spec import JobSpec
 from tasks.policy import TRANSIENT_RETRIES
 
 

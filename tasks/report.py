@@ -9,18 +9,19 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from infra.breakdown import StepBreakdown
+from infra.analysis.breakdown import StepBreakdown
+from infra.analysis.charts import markdown_image, run_chart_png
+from infra.analysis.predict import what_if
+from infra.analysis.predict_report import facts_from_summary
+from infra.checkpoints.steps import step_name
+from infra.compute.failover import attempts_of
+from infra.compute.providers import Cluster
 from infra.dataset.gate import DatasetValidation
 from infra.dataset.reporting import dataset_fact, expectation_rows
-from infra.failover import attempts_of
-from infra.plan import Plan
-from infra.predict import what_if
-from infra.predict_report import facts_from_summary
-from infra.providers import Cluster
-from infra.recovery import RECOVERY_PHASES
-from infra.summary import BILLED_PHASES, PHASES, RunSummary
+from infra.job.plan import Plan
+from infra.job.summary import BILLED_PHASES, PHASES, RunSummary
+from infra.lifecycle.recovery import RECOVERY_PHASES
 from infra.workspace import run_dir
-from tasks.charts import markdown_image, run_chart_png
 from tasks.node_output import read_loss_curve
 from tasks.policy import NO_RETRIES
 from tasks.train import TrainOutcome
@@ -55,7 +56,7 @@ def record_training(summary: RunSummary, staged: list[dict[str, Any]], outcome: 
         summary.breakdown = StepBreakdown.from_dict(facts["breakdown"]).summary()
     summary.checkpoints = checkpoint_metrics(outcome.checkpoint_events, outcome.sync_events)
     summary.checkpoint_step = verified["step"]
-    summary.checkpoint = f"{checkpoint_url}/step-{verified['step']:08d}"
+    summary.checkpoint = f"{checkpoint_url}/{step_name(verified['step'])}"
 
 
 def _number(value: Any) -> float | None:

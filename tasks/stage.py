@@ -9,8 +9,8 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
+from infra.compute.providers import Cluster, Node, get_provider
 from infra.dataset.stagecache import node_cache_dir
-from infra.providers import Cluster, Node, get_provider
 from tasks.node_output import last_event, node_line_sink
 from tasks.policy import TRANSIENT_RETRIES
 

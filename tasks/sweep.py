@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prefect import get_run_logger, task
 
-from infra.providers import ClusterRecord
-from infra.sweep import sweep_clusters
+from infra.compute.providers import ClusterRecord
+from infra.lifecycle.sweep import sweep_clusters
 from tasks.policy import NO_RETRIES
 
 

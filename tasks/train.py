@@ -9,15 +9,15 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
+from infra.compute.access.remote import Process, RemoteError, Runner, last_error, wait_all
+from infra.compute.providers import Cluster, Node, get_provider
+from infra.job.spec import JobSpec
+from infra.lifecycle.preemption_watch import PreemptionWatch, TrainingError
 from infra.node.sync import STOP_FILE
-from infra.providers import Cluster, Node, get_provider
-from infra.remote import Process, RemoteError, Runner, last_error, wait_all
-from infra.spec import JobSpec
 from infra.workload.contract import NodeContext, render_command
 from infra.workload.progress import Point
 from tasks.node_output import TrainingProgress, node_line_sink
 from tasks.policy import NO_RETRIES
-from tasks.preemption import PreemptionWatch, TrainingError
 
 SYNC_FLUSH_TIMEOUT_S = 600.0
 # Beyond the flush deadline: the script's own exit (process group teardown, torchrun's agent shutting down).

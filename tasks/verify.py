@@ -8,11 +8,11 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
-from infra import clusterbench
-from infra.clusterbench import BenchResult
+from infra.analysis import clusterbench
+from infra.analysis.clusterbench import BenchResult
+from infra.compute.providers import Cluster, Node, get_provider
 from infra.dataset.stagecache import node_cache_dir
-from infra.providers import Cluster, Node, get_provider
-from infra.spec import JobSpec
+from infra.job.spec import JobSpec
 from tasks.node_output import last_event, node_line_sink
 from tasks.policy import TRANSIENT_RETRIES
 

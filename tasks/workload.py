@@ -12,10 +12,10 @@ from pathlib import Path
 
 from prefect import get_run_logger, task
 
-from infra.plan import Plan
-from infra.providers import Cluster, Node, get_provider
-from infra.remote import RemoteError
-from infra.spec import JobSpec
+from infra.compute.access.remote import RemoteError
+from infra.compute.providers import Cluster, Node, get_provider
+from infra.job.plan import Plan
+from infra.job.spec import JobSpec
 from infra.storage import open_store
 from infra.workload.code import pack
 from infra.workload.plan import code_archive_url

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from infra.dataset.synth import synthesize
-from infra.spec import JobSpec, parse_job
+from infra.job.spec import JobSpec, parse_job
 from infra.storage import open_store
 
 # The bundled trainer's options for a quick job; tests override what they need (steps=400, ckpt_every=20, ...).

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.netns_store import rclone_serve_s3
+from infra.compute.providers.netns.store import rclone_serve_s3
 
 # Normal-length keys: rclone's v4 signature check treats them like real AWS keys.
 ACCESS_KEY = "AKIATRAINPIPETEST001"

@@ -16,13 +16,13 @@ import pytest
 from aws_server import Ec2Server, moto_ec2
 from botocore.exceptions import ClientError
 
-from infra.catalog import Catalog, shipped_catalog
-from infra.failover import QuotaEverywhere
-from infra.providers import get_provider
-from infra.providers.aws import TAG_CLUSTER, TAG_CREATED, TAG_OWNER, TAG_RUN, AwsProvider
-from infra.providers.aws_errors import AuthError, classify
-from infra.providers.base import CapacityError, InvalidRequestError, QuotaError
-from infra.spec import ClusterSpec
+from infra.compute.catalog import Catalog, shipped_catalog
+from infra.compute.failover import QuotaEverywhere
+from infra.compute.providers import get_provider
+from infra.compute.providers.aws import TAG_CLUSTER, TAG_CREATED, TAG_OWNER, TAG_RUN, AwsProvider
+from infra.compute.providers.aws_errors import AuthError, classify
+from infra.compute.providers.base import CapacityError, InvalidRequestError, QuotaError
+from infra.job.spec import ClusterSpec
 
 REGIONS = ("us-east-1", "us-west-2")
 SSH_CIDR = "203.0.113.7/32"
@@ -259,8 +259,8 @@ def test_auth_and_invalid_requests_stop_at_once(aws: AwsProvider, code: str, err
 
 
 def test_catalog_refresh_rebuilds_the_aws_part(aws: AwsProvider, tmp_path: Path) -> None:
-    from infra.catalog import load_catalog
-    from infra.catalog.aws_refresh import refresh_aws
+    from infra.compute.catalog import load_catalog
+    from infra.compute.catalog.aws_refresh import refresh_aws
 
     path = refresh_aws(regions=("us-east-1",), refreshed=tmp_path, pricing=False)  # the Price List API is not simulated
     refreshed = load_catalog(tmp_path)

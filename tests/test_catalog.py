@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.catalog import CatalogError, CatalogFile, load_catalog, shipped_catalog, write_provider_part
+from infra.compute.catalog import CatalogError, CatalogFile, load_catalog, shipped_catalog, write_provider_part
 
 REQUIRED = {
     "aws": {"p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge", "p5e.48xlarge", "p5en.48xlarge", "g5.48xlarge",

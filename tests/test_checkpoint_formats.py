@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from infra.checkpoint_formats import (
+from infra.checkpoints.formats import (
     Detector,
     file_is_whole,
     files_open_for_writing,

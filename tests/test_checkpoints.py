@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.checkpoints import (
+from infra.checkpoints.commit import (
     FILES_PREFIX,
     CheckpointError,
     CheckpointStore,
@@ -271,7 +271,7 @@ def test_a_corrupt_manifest_or_a_missing_file_fails_verify_naming_it_and_resume_
 ) -> None:
     from typer.testing import CliRunner
 
-    from infra.summary import RunSummary
+    from infra.job.summary import RunSummary
     from tasks.report import record_resume
     from trainpipe.cli import app
 

@@ -19,7 +19,8 @@ from conftest import REPO, TRAINPIPE
 from jobs import job_config, make_dataset, write_config
 from typer.testing import CliRunner, Result
 
-from infra.checkpoints import CheckpointStore, step_name
+from infra.checkpoints.commit import CheckpointStore
+from infra.checkpoints.steps import step_name
 from infra.storage import open_store
 from trainpipe.cli import app
 

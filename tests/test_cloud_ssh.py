@@ -1,7 +1,8 @@
-"""Cloud nodes over SSH with pinned host keys: the key the orchestrator generates (infra.hostkeys), the boot script
-that installs it, what a launch records (simulated EC2 and GCE: the fingerprint, never the private key), the SSH
-settings a launch checks before paying for anything, and real OpenSSH servers (tests/sshd.py) serving the generated
-key or another one, reached by the providers' own pinned runners and by the bootstrap that follows a launch.
+"""Cloud nodes over SSH with pinned host keys: the key the orchestrator generates (infra.compute.access.hostkeys),
+the boot script that installs it, what a launch records (simulated EC2 and GCE: the fingerprint, never the private
+key), the SSH settings a launch checks before paying for anything, and real OpenSSH servers (tests/sshd.py) serving
+the generated key or another one, reached by the providers' own pinned runners and by the bootstrap that follows a
+launch.
 """
 
 from __future__ import annotations
@@ -26,16 +27,16 @@ import test_gcp_provider as gcp_tests
 from gce_server import GceServer
 from sshd import SshServer, fingerprint, keygen, require_sshd, start_server
 
-import infra.providers.cloud as cloud
-import infra.ssh
-from infra.hostkeys import HostKey, fingerprint_of, generate_host_key, install_script
-from infra.providers.aws import TAG_HOST_KEY, AwsProvider, user_data
-from infra.providers.base import Cluster, InvalidRequestError, LaunchError, Node
-from infra.providers.cloud import HOST_KEYS, MOUNT, CloudProvider, boot_script
-from infra.providers.gcp import META_HOST_KEY, GcpProvider, startup_script
-from infra.providers.hosts import HostUnreachableError
-from infra.providers.local import CLUSTER_TAG, NODE_TAG
-from infra.ssh import HostKeyError, SshRunner, close_connections
+import infra.compute.access.ssh
+import infra.compute.providers.cloud as cloud
+from infra.compute.access.hostkeys import HostKey, fingerprint_of, generate_host_key, install_script
+from infra.compute.access.ssh import HostKeyError, SshRunner, close_connections
+from infra.compute.providers.aws import TAG_HOST_KEY, AwsProvider, user_data
+from infra.compute.providers.base import Cluster, InvalidRequestError, LaunchError, Node
+from infra.compute.providers.cloud import HOST_KEYS, MOUNT, CloudProvider, boot_script
+from infra.compute.providers.gcp import META_HOST_KEY, GcpProvider, startup_script
+from infra.compute.providers.hosts import HostUnreachableError
+from infra.compute.providers.local import CLUSTER_TAG, NODE_TAG
 
 # The simulated clouds of the provider tests, with their fixtures (module-scoped servers start once here too).
 ec2_server = aws_tests.ec2_server
@@ -260,7 +261,7 @@ def test_without_the_key_file_nothing_is_launched_and_no_runner_is_made(aws: Aws
 def test_nodes_that_never_answer_are_torn_down(aws: AwsProvider, monkeypatch: pytest.MonkeyPatch) -> None:
     # The simulated instances have addresses with no machine behind them: bootstrap gives up, the launch is undone.
     monkeypatch.setattr(cloud, "BOOT_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(infra.ssh, "TCP_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(infra.compute.access.ssh, "TCP_TIMEOUT_S", 0.3)
     provider = AwsProvider(catalog=aws_tests.small_catalog())
     with pytest.raises(HostUnreachableError) as caught:
         provider.launch("tp-aws-silent", aws_tests.spec(regions=("us-east-1",)), "run-silent")
@@ -356,7 +357,7 @@ def test_bootstrap_waits_for_the_pinned_key_and_the_boot_script(nodes: Nodes, re
         provider = AwsProvider()
         provider.ssh_port, provider.boot_status = server.port, str(status)
 
-        with caplog.at_level(logging.INFO, logger="infra.providers.cloud"), ThreadPoolExecutor(1) as pool:
+        with caplog.at_level(logging.INFO, logger="infra.compute.providers.cloud"), ThreadPoolExecutor(1) as pool:
             booting = pool.submit(provider.bootstrap_nodes, cluster)
             deadline = time.monotonic() + 60
             while not any("not serving the pinned host key" in r.getMessage() for r in caplog.records):

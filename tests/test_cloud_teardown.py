@@ -38,14 +38,14 @@ from google.auth.credentials import AnonymousCredentials
 from jobs import job_config, make_dataset, write_config
 from sshd import require_sshd
 
-from infra.lease import Renewal
+from infra.compute.providers.aws import TAG_HEARTBEAT, AwsProvider
+from infra.compute.providers.cloud import lease_alive
+from infra.compute.providers.gcp import LABEL_HEARTBEAT, GcpProvider
+from infra.compute.providers.local import LocalProvider
+from infra.job.plan import cluster_name_for
+from infra.job.spec import ClusterSpec
+from infra.lifecycle.lease import Renewal
 from infra.node.events import parse
-from infra.plan import cluster_name_for
-from infra.providers.aws import TAG_HEARTBEAT, AwsProvider
-from infra.providers.cloud import lease_alive
-from infra.providers.gcp import LABEL_HEARTBEAT, GcpProvider
-from infra.providers.local import LocalProvider
-from infra.spec import ClusterSpec
 
 AWS_PREFIX, GCP_PREFIX = "127.77.1.", "127.77.2."
 REGION, ZONE = "us-east-1", "us-central1-a"

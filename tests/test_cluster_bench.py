@@ -17,13 +17,20 @@ from jobs import job_config, write_config
 from test_pipeline_e2e import tagged_processes
 
 import tasks.verify
-from infra import clusterbench
-from infra.catalog import shipped_catalog
-from infra.clusterbench import AllReduceFigure, ClusterMeasurement, DiskFigure, LinkFigure, compare, link_batches
+from infra.analysis import clusterbench
+from infra.analysis.clusterbench import (
+    AllReduceFigure,
+    ClusterMeasurement,
+    DiskFigure,
+    LinkFigure,
+    compare,
+    link_batches,
+)
+from infra.compute.catalog import shipped_catalog
+from infra.compute.providers import Cluster, Provider, get_provider
+from infra.job.plan import cluster_candidates
+from infra.job.spec import ClusterSpec, JobSpec, parse_job
 from infra.node import diskbench
-from infra.plan import cluster_candidates
-from infra.providers import Cluster, Provider, get_provider
-from infra.spec import ClusterSpec, JobSpec, parse_job
 
 QUICK = {"tcp_seconds": 1, "tcp_streams": 2, "allreduce_sizes_mb": [1, 4], "disk_bytes_mb": 16}
 IMPOSSIBLE_GBPS = 100000

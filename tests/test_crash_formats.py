@@ -22,7 +22,7 @@ from test_crash_consistency import kill_pid
 from test_syncer import SyncProcess
 from zygote import FORK_PER_LINE
 
-from infra.checkpoints import CheckpointManifest, CheckpointStore
+from infra.checkpoints.commit import CheckpointManifest, CheckpointStore
 from infra.storage import open_store
 
 KILL_POINTS = 6

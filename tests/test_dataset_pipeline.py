@@ -25,7 +25,7 @@ from test_cli import error_line, invoke
 
 from infra.dataset.snapshot import SNAPSHOT_KEY
 from infra.dataset.synth import synthesize
-from infra.spec import parse_job
+from infra.job.spec import parse_job
 from infra.storage import ObjectStore, open_store
 
 ROWS = 2000
@@ -290,7 +290,7 @@ def test_a_dataset_larger_than_the_nodes_disk_fails_at_plan_and_at_verify(
 def test_a_rerun_trains_on_its_snapshot_and_refuses_a_changed_dataset(
         workspace: Path, tmp_path: Path, s3_url: str) -> None:
     from infra.dataset.planning import freeze
-    from infra.plan import PlanError, plan_job
+    from infra.job.plan import PlanError, plan_job
 
     dataset_url = f"{s3_url}/teams/churn"
     make_dataset(dataset_url)

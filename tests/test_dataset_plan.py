@@ -12,8 +12,8 @@ from test_dataset_stage import freeze, stage, staged_event, tree
 
 from infra.dataset import snapshot as snapshots
 from infra.dataset.snapshot import take_snapshot
-from infra.plan import PlanError, cluster_candidates, fit_on_disks
-from infra.spec import ConfigError, parse_job
+from infra.job.plan import PlanError, cluster_candidates, fit_on_disks
+from infra.job.spec import ConfigError, parse_job
 from infra.storage import open_store
 
 

@@ -42,16 +42,16 @@ from jobs import job_config, make_dataset, write_config
 from test_cli import invoke
 from warm_flows import WarmFlows, alive, warm_flows
 
-from infra import netns
-from infra.checkpoints import CheckpointStore
-from infra.plan import cluster_name_for
-from infra.processes import tagged_processes
-from infra.providers import Provider, get_provider
-from infra.providers.aws import TAG_HEARTBEAT, AwsProvider
-from infra.providers.gcp import LABEL_CLUSTER, LABEL_HEARTBEAT, GcpProvider
-from infra.providers.local import CLUSTER_TAG, NODE_TAG
+from infra.checkpoints.commit import CheckpointStore
+from infra.compute.providers import Provider, get_provider
+from infra.compute.providers.aws import TAG_HEARTBEAT, AwsProvider
+from infra.compute.providers.gcp import LABEL_CLUSTER, LABEL_HEARTBEAT, GcpProvider
+from infra.compute.providers.local import CLUSTER_TAG, NODE_TAG
+from infra.compute.providers.netns import emulation as netns
+from infra.job.plan import cluster_name_for
+from infra.lifecycle.sweep import sweep_clusters
+from infra.node.processes import tagged_processes
 from infra.storage import open_store
-from infra.sweep import sweep_clusters
 
 PHASES = ("plan", "provision", "verify", "stage", "train", "sync", "teardown")
 # Where each phase begins, in the orchestrator's output (Prefect names task runs <task>-<3 hex>).

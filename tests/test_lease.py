@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from infra.lease import LEASE_FILE, LeaseKeeper
+from infra.compute.access.remote import Process
+from infra.compute.providers.base import Cluster
+from infra.compute.providers.local import LocalProvider
+from infra.job.spec import ClusterSpec
+from infra.lifecycle.lease import LEASE_FILE, LeaseKeeper
 from infra.node.events import parse
-from infra.providers.base import Cluster
-from infra.providers.local import LocalProvider
-from infra.remote import Process
-from infra.spec import ClusterSpec
 
 TTL_S = 2.0
 

@@ -24,13 +24,14 @@ from jobs import job_config, make_dataset, write_config
 from test_cluster_bench import bench_task_failure
 from test_pipeline_e2e import tagged_processes
 
-from infra import clusterbench, netns
-from infra.checkpoints import CheckpointStore
+from infra.analysis import clusterbench
+from infra.checkpoints.commit import CheckpointStore
+from infra.compute.providers import Cluster, InvalidRequestError, get_provider
+from infra.compute.providers.netns import emulation as netns
+from infra.compute.providers.netns.provider import NetnsProvider
+from infra.compute.providers.netns.store import NetnsStore
 from infra.dataset.synth import synthesize
-from infra.netns_store import NetnsStore
-from infra.providers import Cluster, InvalidRequestError, get_provider
-from infra.providers.netns import NetnsProvider
-from infra.spec import ClusterSpec, load_job, parse_job
+from infra.job.spec import ClusterSpec, load_job, parse_job
 from infra.storage import open_store
 
 QUICK_VERIFY = {"tcp_seconds": 1, "allreduce_sizes_mb": [1], "disk_bytes_mb": 8}

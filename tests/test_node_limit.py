@@ -19,13 +19,13 @@ from pathlib import Path
 from conftest import REPO
 from jobs import job_config, make_dataset, write_config
 
-from infra.plan import cluster_name_for
+from infra.job.plan import cluster_name_for
 from tasks.capacity import NODE_LIMIT
 
 LIMIT = 3  # nodes; every cluster here has 2
-RETRAIN = "import sys; from infra.spec import load_job; from flows.retrain import retrain; " \
+RETRAIN = "import sys; from infra.job.spec import load_job; from flows.retrain import retrain; " \
           "retrain(load_job(sys.argv[1]), sys.argv[2])"
-BENCH = "import sys; from infra.spec import load_job; from flows.cluster_bench import cluster_bench; " \
+BENCH = "import sys; from infra.job.spec import load_job; from flows.cluster_bench import cluster_bench; " \
         "cluster_bench(load_job(sys.argv[1]).cluster, bench_id=sys.argv[2])"
 
 

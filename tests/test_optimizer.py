@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from infra.catalog import Catalog, InstanceType, RegionOffer, shipped_catalog
-from infra.optimizer import NoCandidateError, candidates
-from infra.spec import ClusterSpec
+from infra.compute.catalog import Catalog, InstanceType, RegionOffer, shipped_catalog
+from infra.compute.optimizer import NoCandidateError, candidates
+from infra.job.spec import ClusterSpec
 
 GB = 10**9
 

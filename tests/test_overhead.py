@@ -7,7 +7,7 @@ import time
 import pytest
 
 from bench.overhead import split
-from infra.summary import RunSummary
+from infra.job.summary import RunSummary
 
 
 def test_the_summary_counts_overhead_from_the_command_start() -> None:

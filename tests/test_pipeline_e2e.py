@@ -17,9 +17,9 @@ import pytest
 from conftest import REPO, TRAINPIPE
 from jobs import job_config, make_dataset, write_config
 
-from infra.checkpoints import CheckpointStore
-from infra.providers.local import CLUSTER_TAG
-from infra.spec import parse_job
+from infra.checkpoints.commit import CheckpointStore
+from infra.compute.providers.local import CLUSTER_TAG
+from infra.job.spec import parse_job
 from infra.storage import open_store
 from trainer.checkpoint import inspect_checkpoint
 

@@ -1,4 +1,5 @@
-"""The what-if predictor on synthetic step breakdowns, table-driven: each row is one formula of infra.predict."""
+"""The what-if predictor on synthetic step breakdowns, table-driven: each row is one formula of
+infra.analysis.predict."""
 
 from __future__ import annotations
 
@@ -10,9 +11,8 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from infra.breakdown import StepBreakdown
-from infra.catalog import load_catalog
-from infra.predict import (
+from infra.analysis.breakdown import StepBreakdown
+from infra.analysis.predict import (
     GBIT,
     LOCAL_NVME_LABEL,
     LOCAL_READ_LATENCY_S,
@@ -26,8 +26,9 @@ from infra.predict import (
     predict,
     what_if,
 )
-from infra.predict_report import facts_from_summary
-from infra.spec import ClusterSpec
+from infra.analysis.predict_report import facts_from_summary
+from infra.compute.catalog import load_catalog
+from infra.job.spec import ClusterSpec
 from trainpipe.cli import app
 
 MEASURED = Hardware(network_gbps=10, store_gbps=8, local_disk_read_mb_s=1000, local_disk_write_mb_s=500,

@@ -21,12 +21,12 @@ import pytest
 from jobs import GPT_DEFAULTS, job_config, make_dataset
 from test_pipeline_e2e import tagged_processes
 
-from infra.catalog import shipped_catalog
-from infra.preemption import NOTICE_FILE, aws_notice, gcp_notice, read_notice
-from infra.providers.local import NODE_TAG
-from infra.recovery import Recoveries, RecoveryExhausted, narrowed
-from infra.recovery_spec import RecoverySpec
-from infra.spec import ClusterSpec, ConfigError, parse_job
+from infra.compute.catalog import shipped_catalog
+from infra.compute.providers.local import NODE_TAG
+from infra.job.recovery_spec import RecoverySpec
+from infra.job.spec import ClusterSpec, ConfigError, parse_job
+from infra.lifecycle.recovery import Recoveries, RecoveryExhausted, narrowed
+from infra.node.preemption import NOTICE_FILE, aws_notice, gcp_notice, read_notice
 
 # -- fake metadata services -------------------------------------------------------------------------------------
 

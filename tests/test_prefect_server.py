@@ -28,7 +28,7 @@ from test_pipeline_e2e import tagged_processes
 
 from flows.automations import DEAD_RUNS, SILENT_RUNS
 from flows.retrain import default_run_id
-from infra.plan import cluster_name_for
+from infra.job.plan import cluster_name_for
 
 RETRAIN = "retrain/retrain"
 NIGHTLY_CRON = "0 2 * * *"  # the schedule README.md documents

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from infra.breakdown import StepBreakdown
-from infra.failover import Attempt, NoCapacityAnywhere
-from infra.summary import RunSummary
+from infra.analysis.breakdown import StepBreakdown
+from infra.compute.failover import Attempt, NoCapacityAnywhere
+from infra.job.summary import RunSummary
 from tasks.report import _attempt_rows, _markdown, _what_if_rows, record_failure
 
 

@@ -12,9 +12,9 @@ from test_netns import require_netns
 from bench.repro import SCENARIOS, ReproConfig, ReproReport, ScenarioResult, run_repro
 from bench.repro_chart import repro_chart_png
 from bench.trainer_flags import ModelShape
-from infra.breakdown import StepBreakdown
-from infra.spec import JobSpec
-from infra.summary import load_summary
+from infra.analysis.breakdown import StepBreakdown
+from infra.job.spec import JobSpec
+from infra.job.summary import load_summary
 from infra.workspace import runs_dir
 
 

@@ -27,8 +27,8 @@ from jobs import job_config, write_config
 from servers import S3Server
 from sshd import keygen
 
+from infra.compute.providers.local import CLUSTER_TAG
 from infra.dataset.synth import synthesize
-from infra.providers.local import CLUSTER_TAG
 from infra.storage import open_store
 
 RUN_ID = "secrets-run"
@@ -186,7 +186,7 @@ def _tagged(process: psutil.Process, workspace: Path) -> bool:
 
 def test_the_s3_servers_key_pair_is_not_on_their_command_lines(s3_server: S3Server) -> None:
     """What `ps` shows every user of the machine: the servers of the tests and of NetnsStore are started alike
-    (infra.netns_store.rclone_serve_s3)."""
+    (infra.compute.providers.netns.store.rclone_serve_s3)."""
     lines = [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])]
     servers = [line for line in lines if "rclone" in line and " serve s3 " in line and str(s3_server.root) in line]
     assert servers, "the session's S3 server is not running"
@@ -195,8 +195,8 @@ def test_the_s3_servers_key_pair_is_not_on_their_command_lines(s3_server: S3Serv
 
 
 def test_the_netns_stores_key_pair_is_in_its_environment_not_its_command_line(tmp_path: Path) -> None:
-    from infra import netns
-    from infra.netns_store import STORE_TAG, NetnsStore
+    from infra.compute.providers.netns import emulation as netns
+    from infra.compute.providers.netns.store import STORE_TAG, NetnsStore
 
     if (why := netns.problem()) is not None:
         if os.environ.get("CI") == "true":

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.spec import ConfigError, load_job, parse_job
+from infra.job.spec import ConfigError, load_job, parse_job
 
 REPO = Path(__file__).resolve().parent.parent
 

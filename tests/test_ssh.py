@@ -14,9 +14,16 @@ from pathlib import Path
 import pytest
 from sshd import SshServer, keygen, ssh_servers
 
+from infra.compute.access.remote import RemoteError
+from infra.compute.access.ssh import (
+    HostKeyError,
+    SshAuthError,
+    SshConnectError,
+    SshRunner,
+    close_connections,
+    wait_for_ssh,
+)
 from infra.errors import is_transient
-from infra.remote import RemoteError
-from infra.ssh import HostKeyError, SshAuthError, SshConnectError, SshRunner, close_connections, wait_for_ssh
 
 # A command that reports a child it started, says when SIGTERM reaches it, and exits cleanly after it.
 TERM_AWARE = """
@@ -241,7 +248,7 @@ def test_known_hosts_verifies_and_refuses(servers: tuple[Path, list[SshServer]],
 def test_wrong_client_key_fails_once_without_retries(server: SshServer, tmp_path: Path,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     stranger = keygen(tmp_path / "stranger", "not-authorized")
-    caplog.set_level(logging.WARNING, logger="infra.ssh")
+    caplog.set_level(logging.WARNING, logger="infra.compute.access.ssh")
     started = time.monotonic()
     with pytest.raises(SshAuthError, match=r"key .*stranger .*was refused: add its public key"):
         runner_for(server, stranger).run(["true"])
@@ -253,7 +260,7 @@ def test_connection_refused_is_retried_then_fails_in_bounded_time(client_key: Pa
                                                                   caplog: pytest.LogCaptureFixture) -> None:
     from sshd import free_port
 
-    caplog.set_level(logging.WARNING, logger="infra.ssh")
+    caplog.set_level(logging.WARNING, logger="infra.compute.access.ssh")
     port = free_port()  # nothing listens there
     runner = SshRunner(node_name="node-z", host="127.0.0.1", port=port, user="root", key_file=str(client_key),
                        host_key="SHA256:" + "A" * 43, connect_timeout_s=2.0)
@@ -271,7 +278,7 @@ def test_connection_refused_is_retried_then_fails_in_bounded_time(client_key: Pa
 def test_a_booting_node_is_waited_for(servers: tuple[Path, list[SshServer]], caplog: pytest.LogCaptureFixture) -> None:
     """Connection refused while the node boots: the runner retries until sshd answers."""
     client_key, (_, other) = servers
-    caplog.set_level(logging.WARNING, logger="infra.ssh")
+    caplog.set_level(logging.WARNING, logger="infra.compute.access.ssh")
     other.stop()
     close_connections()
     booting = threading.Timer(2.0, other.start)

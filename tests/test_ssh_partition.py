@@ -26,18 +26,18 @@ from jobs import job_config, make_dataset
 from sshd import SshServer, ssh_servers
 from test_ssh_provider import cluster_processes, host_config
 
-import infra.providers.ssh as ssh_provider
-import infra.ssh
-from infra.checkpoints import CheckpointStore
-from infra.plan import cluster_name_for
-from infra.spec import parse_job
-from infra.ssh import close_connections
+import infra.compute.access.ssh
+import infra.compute.providers.ssh as ssh_provider
+from infra.checkpoints.commit import CheckpointStore
+from infra.compute.access.ssh import close_connections
+from infra.job.plan import cluster_name_for
+from infra.job.spec import parse_job
 from infra.storage import open_store
 
 KEEPALIVE_S = 1.0
 # Long enough (~20 s idle) that the partition, made at the first commit, is mostly found while training goes on.
 STEPS = 600
-KEEPALIVE_BOUND_S = KEEPALIVE_S * (infra.ssh.KEEPALIVE_MISSES + 1)
+KEEPALIVE_BOUND_S = KEEPALIVE_S * (infra.compute.access.ssh.KEEPALIVE_MISSES + 1)
 
 
 def require_nft() -> None:
@@ -69,7 +69,7 @@ def packets_dropped(port: int) -> Iterator[None]:
 
 
 class Said(logging.Handler):
-    """What infra.ssh logged (Prefect's logging setup leaves pytest's caplog without it)."""
+    """What infra.compute.access.ssh logged (Prefect's logging setup leaves pytest's caplog without it)."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
@@ -92,8 +92,8 @@ def test_a_node_whose_packets_are_dropped_mid_training_is_recovered_not_waited_o
     from flows.retrain import retrain
 
     require_nft()
-    monkeypatch.setattr(infra.ssh, "KEEPALIVE_S", KEEPALIVE_S)
-    monkeypatch.setattr(infra.ssh, "TCP_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(infra.compute.access.ssh, "KEEPALIVE_S", KEEPALIVE_S)
+    monkeypatch.setattr(infra.compute.access.ssh, "TCP_TIMEOUT_S", 0.5)
     monkeypatch.setattr(ssh_provider, "TEARDOWN_CONNECT_S", 2.0)
     monkeypatch.setattr(ssh_provider, "LAUNCH_CONNECT_S", 2.0)
     close_connections()  # connections opened before the patch would keep the 15 s keepalive
@@ -133,11 +133,11 @@ def test_a_node_whose_packets_are_dropped_mid_training_is_recovered_not_waited_o
     partitioner = threading.Thread(target=partition, name="partition", daemon=True)
     partitioner.start()
     said = Said()
-    logging.getLogger("infra.ssh").addHandler(said)
+    logging.getLogger("infra.compute.access.ssh").addHandler(said)
     try:
         summary = retrain(job, run_id)
     finally:
-        logging.getLogger("infra.ssh").removeHandler(said)
+        logging.getLogger("infra.compute.access.ssh").removeHandler(said)
     partitioner.join(timeout=60)
     assert not failures, failures
 

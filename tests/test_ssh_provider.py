@@ -22,14 +22,14 @@ import pytest
 from jobs import job_config, make_dataset
 from sshd import SshServer, ssh_servers
 
-from infra.bootstrap import bootstrap_node, build_wheel
-from infra.checkpoints import CheckpointStore
-from infra.preemption import NOTICE_FILE, Notice, write_notice
-from infra.providers import InvalidRequestError, get_provider
-from infra.providers.local import CLUSTER_TAG
-from infra.providers.ssh import RESERVATION, HostReservedError, SshProvider
-from infra.spec import ClusterSpec, ConfigError, parse_job
-from infra.ssh import SshRunner, close_connections
+from infra.checkpoints.commit import CheckpointStore
+from infra.compute.access.bootstrap import bootstrap_node, build_wheel
+from infra.compute.access.ssh import SshRunner, close_connections
+from infra.compute.providers import InvalidRequestError, get_provider
+from infra.compute.providers.local import CLUSTER_TAG
+from infra.compute.providers.ssh import RESERVATION, HostReservedError, SshProvider
+from infra.job.spec import ClusterSpec, ConfigError, parse_job
+from infra.node.preemption import NOTICE_FILE, Notice, write_notice
 from infra.storage import open_store
 
 Servers = tuple[Path, list[SshServer]]

@@ -20,8 +20,8 @@ import pytest
 import torch
 from test_trainer import REPO_ROOT, TINY_CONFIG, TINY_MODEL, TORCHRUN, VOCAB, _free_port, markov_shards, write_dataset
 
-from infra.breakdown import StepBreakdown
-from infra.checkpoints import CheckpointStore
+from infra.analysis.breakdown import StepBreakdown
+from infra.checkpoints.commit import CheckpointStore
 from infra.node.sync import Shipped, SyncState, read_state, state_path
 from infra.storage import open_store
 from infra.workload.contract import SYNC_DIR_VAR
@@ -266,8 +266,8 @@ def test_direct_mode_without_a_syncer_fails_naming_it(dataset: Path, tmp_path: P
 
 
 def test_the_syncer_polls_as_often_as_the_job_says() -> None:
-    from infra.providers import Cluster, Node
-    from infra.spec import JobSpec
+    from infra.compute.providers import Cluster, Node
+    from infra.job.spec import JobSpec
 
     node = Node("n0", 0, "127.0.0.1", "/w", "/w/data", "/w/ckpt", "python")
     cluster = Cluster("c", "local", "run", (node,), 0.0)

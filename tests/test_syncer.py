@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 from test_checkpoints import CONFIG_HASH, make_step, node_dirs
 
-from infra.checkpoints import FILES_PREFIX, Announcement, CheckpointRef, CheckpointStore, step_name
+from infra.checkpoints.commit import FILES_PREFIX, Announcement, CheckpointRef, CheckpointStore
+from infra.checkpoints.steps import step_name
 from infra.node import restore
 from infra.storage import open_store
 

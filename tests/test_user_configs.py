@@ -20,7 +20,7 @@ from servers import GcsServer, S3Server, create_gcs_bucket
 from test_cli import checkpoint_url, invoke  # noqa: F401 - checkpoint_url is a fixture used below
 
 from infra.dataset.synth import synthesize
-from infra.spec import ConfigError, load_job
+from infra.job.spec import ConfigError, load_job
 from infra.storage import open_store
 
 

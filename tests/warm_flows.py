@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _run(request: dict[str, object]) -> int:
-    from infra.spec import load_job
+    from infra.job.spec import load_job
 
     job = load_job(str(request["config"]))
     if request["flow"] == "retrain":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import threading
 import time
@@ -39,15 +38,14 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from infra.checkpoints import UPLOAD_LEASE, leased_step
-from infra.checkpoints import CheckpointError as StoreCheckpointError
+from infra.checkpoints.commit import UPLOAD_LEASE, leased_step
+from infra.checkpoints.commit import CheckpointError as StoreCheckpointError
+from infra.checkpoints.steps import parse_step_name, step_name
 from infra.node.sync import SyncError, read_state, state_path
 from infra.workload.contract import SYNC_DIR_VAR
 
 METADATA_NAME = ".metadata"
 MARKER_SUFFIX = ".complete"
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
-_MARKER = re.compile(r"^step-(\d{8})\.complete$")
 # Top-level keys of the DCP state dict; "extra" holds a JSON string so its keys need not be known to load it.
 _MODEL_KEY, _OPTIM_KEY, _EXTRA_KEY = "model", "optim", "extra"
 # direct saves as sync does; the trainer then also waits for the node's syncer to upload the step (wait_for_upload).
@@ -55,31 +53,28 @@ SAVE_MODES = ("async", "sync", "direct")
 # How often a direct-mode wait looks at the syncer's state file: small beside an upload, cheap (one small read).
 UPLOAD_POLL_S = 0.01
 WARMUP_DIR = ".writer-warmup"  # not a step: syncers never look at it
+# The trainer's public name for a step's dir (users' scripts, tests and benches import it); the naming is the store's.
+step_dir_name = step_name
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written, read or trusted; the message names the file and the fix."""
 
 
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
-
-
 def marker_path(ckpt_root: Path, step: int) -> Path:
-    return ckpt_root / f"{step_dir_name(step)}{MARKER_SUFFIX}"
+    return ckpt_root / f"{step_name(step)}{MARKER_SUFFIX}"
 
 
 def parse_step_dir(path: Path) -> int | None:
     """The step a `step-NNNNNNNN` directory name stands for, or None for any other name."""
-    match = _STEP_DIR.match(path.name)
-    return int(match.group(1)) if match else None
+    return parse_step_name(path.name)
 
 
 def complete_steps(ckpt_root: Path) -> list[int]:
     """Steps with a completion marker in ckpt_root, oldest first: the only ones a syncer may trust."""
     if not ckpt_root.is_dir():
         return []
-    return sorted(int(m.group(1)) for p in ckpt_root.iterdir() if (m := _MARKER.match(p.name)))
+    return sorted(step for p in ckpt_root.iterdir() if (step := parse_step_name(p.name, MARKER_SUFFIX)) is not None)
 
 
 def read_marker(ckpt_root: Path, step: int) -> dict[str, Any]:
@@ -215,7 +210,7 @@ class Checkpointer:
             # rank writes before DCP's planning collective, which this rank joins only after the unlink.
             marker_path(self.ckpt_root, step).unlink(missing_ok=True)
         state = _save_state(model, optimizer, extra)
-        writer = dcp.FileSystemWriter(self.ckpt_root / step_dir_name(step))
+        writer = dcp.FileSystemWriter(self.ckpt_root / step_name(step))
         if self._stager is None or blocking:
             dcp.save(state, storage_writer=writer)
             stall_s = time.perf_counter() - started
@@ -308,7 +303,7 @@ class Checkpointer:
             return [in_flight.done.result()]
         except Exception as exc:
             raise CheckpointError(
-                f"{self.ckpt_root / step_dir_name(in_flight.step)}: background save failed ({_cause(exc)}): "
+                f"{self.ckpt_root / step_name(in_flight.step)}: background save failed ({_cause(exc)}): "
                 "check the local disk (space, permissions)"
             ) from exc
 
@@ -333,7 +328,7 @@ class Checkpointer:
     def _complete(self, step: int, started: float, stall_s: float, mode: str) -> SaveRecord:
         """Marks this node's part of the step complete. DCP's save ends with a gather of every rank's write
         results on the coordinator, so when it returns on any rank every rank's files are fsynced on disk."""
-        step_dir = self.ckpt_root / step_dir_name(step)
+        step_dir = self.ckpt_root / step_name(step)
         files = sorted(p.name for p in step_dir.iterdir() if p.is_file())
         size = sum((step_dir / name).stat().st_size for name in files)
         if self.is_node_leader:
@@ -413,7 +408,7 @@ def save_checkpoint(
     """
     with Checkpointer(ckpt_root, "sync", keep_local) as checkpointer:
         checkpointer.save(step, model, optimizer, extra)
-    return ckpt_root / step_dir_name(step)
+    return ckpt_root / step_name(step)
 
 
 def prune_local(ckpt_root: Path, keep_local: int) -> list[int]:
@@ -432,7 +427,7 @@ def prune_local(ckpt_root: Path, keep_local: int) -> list[int]:
     for step in doomed:
         # Marker first: a step dir without a marker is ignored by syncers, a marker without its files is not.
         marker_path(ckpt_root, step).unlink()
-        shutil.rmtree(ckpt_root / step_dir_name(step))
+        shutil.rmtree(ckpt_root / step_name(step))
     return doomed
 
 

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from infra.breakdown import StepBreakdown
+from infra.analysis.breakdown import StepBreakdown
 from trainer.checkpoint import SaveRecord
 from trainer.step_timing import StepSplit
 

@@ -1,4 +1,5 @@
-"""Per-step timers of the training loop: where each step's wall time went, totalled as an infra.breakdown.StepBreakdown.
+"""Per-step timers of the training loop: where each step's wall time went, totalled as an
+infra.analysis.breakdown.StepBreakdown.
 
 What each figure means (seconds, summed over the steps this process ran; every interval lies inside one step):
 
@@ -49,7 +50,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from infra.breakdown import StepBreakdown
+from infra.analysis.breakdown import StepBreakdown
 
 Phase = Literal["data", "sync", "ckpt", "upload"]
 _PHASE_FIELDS: dict[str, str] = {

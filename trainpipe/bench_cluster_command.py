@@ -30,13 +30,13 @@ def cluster(
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the figures and verdict here")] = None,
 ) -> None:
     """TCP between nodes, all-reduce over the training backend and every node's disk, against the job's floors."""
-    # Imported here, not at the top: infra.plan brings pandas, which `trainpipe --help` need not wait for.
-    from infra.catalog import CatalogError
-    from infra.clusterbench import BenchError, bench_cluster, render_table
-    from infra.plan import cluster_name_for
-    from infra.providers import LaunchError, get_provider
-    from infra.remote import RemoteError
-    from infra.spec import ConfigError, load_job
+    # Imported here, not at the top: infra.job.plan brings pandas, which `trainpipe --help` need not wait for.
+    from infra.analysis.clusterbench import BenchError, bench_cluster, render_table
+    from infra.compute.access.remote import RemoteError
+    from infra.compute.catalog import CatalogError
+    from infra.compute.providers import LaunchError, get_provider
+    from infra.job.plan import cluster_name_for
+    from infra.job.spec import ConfigError, load_job
 
     try:
         job = load_job(config)

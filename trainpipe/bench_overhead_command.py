@@ -11,7 +11,7 @@ from trainpipe.bench_common import print_report
 from trainpipe.errors import exit_2_on, exit_on
 
 
-@exit_2_on("infra.spec:ConfigError")
+@exit_2_on("infra.job.spec:ConfigError")
 @exit_on(1, "bench.overhead:OverheadBenchError")
 def overhead(
     config: Annotated[Path, typer.Argument(help="job config YAML, run as `trainpipe run` runs it")],

@@ -12,13 +12,13 @@ from trainpipe.bench_common import CkptEvery, JsonTable, print_report, write_out
 from trainpipe.errors import exit_2_on
 
 if TYPE_CHECKING:
-    from infra.spec import JobSpec
+    from infra.job.spec import JobSpec
 
 
 def _run_retrain(job: JobSpec, run_id: str) -> dict[str, Any]:
     """The retrain flow, as `trainpipe run` runs it; a failed run still has its summary, which the caller reads."""
     from flows.retrain import retrain
-    from infra.summary import load_summary
+    from infra.job.summary import load_summary
     from infra.workspace import runs_dir
 
     try:

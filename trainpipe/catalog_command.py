@@ -25,8 +25,8 @@ def refresh(
     if provider not in REFRESHABLE:
         _fail(f"catalog refresh {provider}: only {', '.join(REFRESHABLE)} can be refreshed: use one of them")
     # Imported here, not at the top: the command line imports this module to register it, and `--help` need not wait.
-    from infra.catalog import load_catalog
-    from infra.catalog.aws_refresh import refresh_aws, refresh_errors
+    from infra.compute.catalog import load_catalog
+    from infra.compute.catalog.aws_refresh import refresh_aws, refresh_errors
 
     wanted = tuple(r for r in regions.split(",") if r) or None
     try:
@@ -40,7 +40,7 @@ def refresh(
 @catalog_app.command("show")
 def show(provider: Annotated[str, typer.Argument(help="aws, gcp, azure or nebius; default: all")] = "") -> None:
     """Every instance type with its hardware, and per region its prices and their source."""
-    from infra.catalog import CatalogError, load_catalog
+    from infra.compute.catalog import CatalogError, load_catalog
 
     try:
         catalog = load_catalog()

@@ -19,11 +19,11 @@ from trainpipe import bench_command, catalog_command, cp_command, predict_comman
 from trainpipe.errors import exit_2_on, resolve_errors
 
 if TYPE_CHECKING:
-    from infra.providers import ClusterRecord
-    from infra.spec import JobSpec
+    from infra.compute.providers import ClusterRecord
+    from infra.job.spec import JobSpec
 
-# The infra modules are imported inside the commands that use them, never here: infra.dataset and infra.plan bring
-# pandas, infra.spec pydantic, and `trainpipe --help` or `trainpipe down` should not wait ~0.5 s for them.
+# The infra modules are imported inside the commands that use them, never here: infra.dataset and infra.job.plan bring
+# pandas, infra.job.spec pydantic, and `trainpipe --help` or `trainpipe down` should not wait ~0.5 s for them.
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 dataset_app = typer.Typer(no_args_is_help=True, help="Inspect any dataset prefix; create and check token datasets.")
@@ -32,14 +32,14 @@ app.add_typer(dataset_app, name="dataset")
 app.add_typer(ckpt_app, name="ckpt")
 
 # By name: imported only once an exception comes through (see trainpipe.errors.exit_on).
-USER_ERRORS = ("infra.spec:ConfigError", "infra.plan:PlanError", "infra.dataset.manifest:DatasetError",
-               "infra.storage:StorageError", "infra.checkpoints:CheckpointError", "infra.providers:LaunchError")
+USER_ERRORS = ("infra.job.spec:ConfigError", "infra.job.plan:PlanError", "infra.dataset.manifest:DatasetError",
+               "infra.storage:StorageError", "infra.checkpoints.commit:CheckpointError",
+               "infra.compute.providers:LaunchError")
 user_errors_exit_2 = exit_2_on(*USER_ERRORS)
 
 ConfigArg = Annotated[Path, typer.Argument(help="job config YAML (see examples/local.yaml)")]
 RunIdOpt = Annotated[str | None, typer.Option("--run-id", help="reuse a run id to resume its checkpoints")]
 # What `trainpipe run` prints as the committed checkpoint: <checkpoints.url>/<run-id>/step-00001000.
-STEP_URL = re.compile(r"^(?P<root>.+)/step-(?P<step>\d{8,})/?$")
 
 
 def new_run_id(job: JobSpec) -> str:
@@ -50,8 +50,8 @@ def new_run_id(job: JobSpec) -> str:
 @user_errors_exit_2
 def plan(config: ConfigArg, run_id: RunIdOpt = None) -> None:
     """Validate the config, the dataset and the checkpoint store; print what would run. Launches nothing."""
-    from infra.plan import plan_job
-    from infra.spec import load_job
+    from infra.job.plan import plan_job
+    from infra.job.spec import load_job
 
     job = load_job(config)
     typer.echo(plan_job(job, run_id or new_run_id(job)).render())
@@ -63,9 +63,9 @@ def run(config: ConfigArg, run_id: RunIdOpt = None) -> None:
     """Run the whole pipeline as a Prefect flow and print its summary."""
     import psutil
 
-    from infra.plan import plan_job
-    from infra.spec import load_job
-    from infra.summary import LAUNCHED_AT_VAR, RunSummary, load_summary
+    from infra.job.plan import plan_job
+    from infra.job.spec import load_job
+    from infra.job.summary import LAUNCHED_AT_VAR, RunSummary, load_summary
     from infra.workspace import runs_dir
     from trainpipe.prefect_server import BackgroundServer
 
@@ -114,9 +114,9 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 @user_errors_exit_2
 def up(config: ConfigArg, run_id: RunIdOpt = None) -> None:
     """Launch the cluster only and print its nodes (tear it down with `trainpipe down NAME`)."""
-    from infra.plan import cluster_name_for
-    from infra.providers import get_provider
-    from infra.spec import load_job
+    from infra.compute.providers import get_provider
+    from infra.job.plan import cluster_name_for
+    from infra.job.spec import load_job
 
     job = load_job(config)
     run_id = run_id or new_run_id(job)
@@ -130,7 +130,7 @@ def up(config: ConfigArg, run_id: RunIdOpt = None) -> None:
 @user_errors_exit_2
 def down(name: Annotated[str, typer.Argument(help="cluster name, as `trainpipe status` shows it")]) -> None:
     """Tear down a cluster (idempotent)."""
-    from infra.providers import all_providers
+    from infra.compute.providers import all_providers
 
     removed = [p.name for p in all_providers() if p.terminate(name)]
     typer.echo(f"{name}: torn down on {', '.join(removed)}" if removed else f"{name}: nothing was running")
@@ -139,8 +139,8 @@ def down(name: Annotated[str, typer.Argument(help="cluster name, as `trainpipe s
 @app.command()
 def status() -> None:
     """Clusters trainpipe launched that still exist, and the latest runs."""
-    from infra.providers import all_providers
-    from infra.summary import load_summary
+    from infra.compute.providers import all_providers
+    from infra.job.summary import load_summary
     from infra.workspace import runs_dir
 
     records = [r for provider in all_providers() for r in provider.list_clusters()]
@@ -160,7 +160,7 @@ def sweep(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="only say what would be torn down")] = False,
 ) -> None:
     """Tear down clusters whose run is no longer running (what a killed orchestrator left behind)."""
-    from infra.sweep import sweep_clusters
+    from infra.lifecycle.sweep import sweep_clusters
 
     def say(record: ClusterRecord) -> None:
         typer.echo(f"{'would tear down' if dry_run else 'tearing down'} {record.name} ({record.provider}, "
@@ -237,9 +237,10 @@ def dataset_inspect(
 def split_step_url(url: str, step: int | None = None) -> tuple[str, int | None]:
     """(the run's checkpoint root, the step) from a run's root URL or a step's URL; a step given both ways must
     agree."""
-    from infra.checkpoints import CheckpointError
+    from infra.checkpoints.commit import CheckpointError
+    from infra.checkpoints.steps import PATTERN
 
-    found = STEP_URL.match(url)
+    found = re.match(rf"^(?P<root>.+)/{PATTERN}/?$", url)
     if found is None:
         return url, step
     in_url = int(found["step"])
@@ -252,7 +253,7 @@ def split_step_url(url: str, step: int | None = None) -> tuple[str, int | None]:
 @user_errors_exit_2
 def ckpt_ls(url: Annotated[str, typer.Argument(help="a run's checkpoint root URL, or one of its step URLs")]) -> None:
     """List committed and uncommitted steps."""
-    from infra.checkpoints import CheckpointStore
+    from infra.checkpoints.commit import CheckpointStore
     from infra.storage import open_store
 
     root, _ = split_step_url(url)
@@ -275,8 +276,8 @@ def ckpt_verify(
     step: Annotated[int | None, typer.Argument(help="default: the step in the URL, else the latest committed")] = None,
 ) -> None:
     """Check every file against the manifest, then open the checkpoint as its framework would."""
-    from infra.checkpoint_formats import check_loadable
-    from infra.checkpoints import CheckpointError, CheckpointStore
+    from infra.checkpoints.commit import CheckpointError, CheckpointStore
+    from infra.checkpoints.formats import check_loadable
     from infra.storage import open_store
 
     root, step = split_step_url(url, step)

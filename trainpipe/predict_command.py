@@ -15,9 +15,9 @@ import typer
 # The infra modules are imported where they are used: the command line imports this module to register the command,
 # and `trainpipe --help` should not wait for the catalog's and the job models' imports.
 if TYPE_CHECKING:
-    from infra.catalog import Catalog
-    from infra.predict import Target
-    from infra.predict_report import RunFacts
+    from infra.analysis.predict import Target
+    from infra.analysis.predict_report import RunFacts
+    from infra.compute.catalog import Catalog
 
 
 def _fail(message: str) -> NoReturn:
@@ -40,7 +40,7 @@ def summary_path(summary: str) -> Path:
 def _providers(catalog: Catalog, run_provider: str, asked: list[str] | None) -> list[str]:
     """Those asked for, else the run's when the catalog lists it (local, ssh: it does not), else every provider the
     catalog lists that a job config can name."""
-    from infra.spec import KNOWN_PROVIDERS
+    from infra.job.spec import KNOWN_PROVIDERS
 
     usable = [p for p in KNOWN_PROVIDERS if catalog.for_provider(p)]
     for name in asked or []:
@@ -53,9 +53,9 @@ def _providers(catalog: Catalog, run_provider: str, asked: list[str] | None) -> 
 def _candidate_targets(catalog: Catalog, facts: RunFacts, providers: list[str], accelerator: str | None,
                        compute_speedup: float) -> tuple[list[Target], list[str]]:
     """Catalog targets for each provider; a provider the floors leave empty becomes a note, not a failure."""
-    from infra.optimizer import NoCandidateError
-    from infra.predict import catalog_targets, ranks_per_node
-    from infra.spec import ClusterSpec
+    from infra.analysis.predict import catalog_targets, ranks_per_node
+    from infra.compute.optimizer import NoCandidateError
+    from infra.job.spec import ClusterSpec
 
     targets: list[Target] = []
     notes: list[str] = []
@@ -82,10 +82,10 @@ def predict(
     json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
 ) -> None:
     """Predict step time, job time and cost with 2× network, local NVMe and on every catalog candidate."""
-    from infra.catalog import CatalogError, load_catalog
-    from infra.predict import cheapest_meeting, what_if
-    from infra.predict_report import NoBreakdownError, facts_from_summary, render, to_json
-    from infra.summary import load_summary
+    from infra.analysis.predict import cheapest_meeting, what_if
+    from infra.analysis.predict_report import NoBreakdownError, facts_from_summary, render, to_json
+    from infra.compute.catalog import CatalogError, load_catalog
+    from infra.job.summary import load_summary
 
     path = summary_path(summary)
     try:

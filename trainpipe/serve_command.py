@@ -52,7 +52,7 @@ def submit(
     deployment: Annotated[str, typer.Option(help="FLOW/DEPLOYMENT to run")] = RETRAIN,
 ) -> None:
     """Start a run of the retrain deployment with this config (served by `trainpipe serve` or a worker)."""
-    from infra.spec import load_job  # pydantic: only for the command that reads a config
+    from infra.job.spec import load_job  # pydantic: only for the command that reads a config
 
     job = load_job(config)  # relative paths resolve here, against the submitter's directory
     from prefect.deployments import run_deployment

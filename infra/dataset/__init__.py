@@ -4,6 +4,9 @@ suite (expectations, gate, docs); planning puts these together. The bundled trai
 validate) is one format among them.
 
 Great Expectations is imported only when a suite is first loaded or run, so importing this package stays cheap.
+
+May import: storage and the shared infra modules; planning alone also reads the job's DatasetSpec (infra.job.spec),
+and the node agent never imports planning.
 """
 
 from infra.dataset.manifest import DatasetError, DatasetManifest, ShardInfo, load_manifest, write_manifest

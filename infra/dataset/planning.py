@@ -24,7 +24,7 @@ from infra.dataset.snapshot import (
     snapshot_url,
     take_snapshot,
 )
-from infra.spec import DatasetSpec
+from infra.job.spec import DatasetSpec
 from infra.storage import open_store
 
 

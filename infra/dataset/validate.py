@@ -77,6 +77,19 @@ def _per_row(line: Callable[[dict[str, Any]], str]) -> Callable[[dict[str, Any]]
     return describe
 
 
+def _columns_agree(column_a: str, column_b: str, line: Callable[[dict[str, Any]], str]) -> _Check:
+    """Each row's two columns hold the same value where both hold one (a missing value is another check's finding,
+    reported once there rather than twice); line names a row that disagrees."""
+    import great_expectations.expectations as gxe
+
+    return _Check(
+        gxe.ExpectColumnPairValuesToBeEqual(
+            column_A=column_a, column_B=column_b, ignore_row_if="either_value_is_missing"
+        ),
+        _per_row(line),
+    )
+
+
 def _short(digest: str) -> str:
     return f"{digest[:_HASH_SHOWN]}…"
 
@@ -149,30 +162,22 @@ def _shard_checks(store: ObjectStore, manifest: DatasetManifest, frame: pd.DataF
             gxe.ExpectColumnValuesToMatchRegex(column="name", regex=SHARD_NAME_RE.pattern),
             _per_row(lambda r: f"{r['name']}: not a shard-NNNNN.bin name in the manifest: re-create the dataset"),
         ),
-        _Check(
-            gxe.ExpectColumnPairValuesToBeEqual(
-                column_A="bytes", column_B="tokens_bytes", ignore_row_if="either_value_is_missing"
-            ),
-            _per_row(
-                lambda r: (
-                    f"{r['name']}: manifest says {r['bytes']} bytes but its tokens need {r['tokens_bytes']} "
-                    "(2 per token): re-create the dataset"
-                )
+        _columns_agree(
+            "bytes", "tokens_bytes",
+            lambda r: (
+                f"{r['name']}: manifest says {r['bytes']} bytes but its tokens need {r['tokens_bytes']} "
+                "(2 per token): re-create the dataset"
             ),
         ),
         _Check(
             gxe.ExpectColumnValuesToNotBeNull(column="actual_bytes"),
             _per_row(lambda r: f"{r['name']}: missing from {store.url}: re-create or re-upload the shard"),
         ),
-        _Check(
-            gxe.ExpectColumnPairValuesToBeEqual(
-                column_A="bytes", column_B="actual_bytes", ignore_row_if="either_value_is_missing"
-            ),
-            _per_row(
-                lambda r: (
-                    f"{r['name']}: size mismatch (manifest {r['bytes']} bytes, actual {r['actual_bytes']}): "
-                    "re-create or re-upload the shard"
-                )
+        _columns_agree(
+            "bytes", "actual_bytes",
+            lambda r: (
+                f"{r['name']}: size mismatch (manifest {r['bytes']} bytes, actual {r['actual_bytes']}): "
+                "re-create or re-upload the shard"
             ),
         ),
         _Check(
@@ -193,15 +198,11 @@ def _shard_checks(store: ObjectStore, manifest: DatasetManifest, frame: pd.DataF
     ]
     if deep:
         checks.append(
-            _Check(
-                gxe.ExpectColumnPairValuesToBeEqual(
-                    column_A="sha256", column_B="actual_sha256", ignore_row_if="either_value_is_missing"
-                ),
-                _per_row(
-                    lambda r: (
-                        f"{r['name']}: sha256 mismatch (manifest {_short(r['sha256'])}, actual "
-                        f"{_short(r['actual_sha256'])}): re-create or re-upload the shard"
-                    )
+            _columns_agree(
+                "sha256", "actual_sha256",
+                lambda r: (
+                    f"{r['name']}: sha256 mismatch (manifest {_short(r['sha256'])}, actual "
+                    f"{_short(r['actual_sha256'])}): re-create or re-upload the shard"
                 ),
             )
         )

@@ -16,9 +16,8 @@ import time
 from pathlib import Path
 
 from infra.node.events import emit, fail
-from infra.preemption import NOTICE_FILE, Notice, write_notice
-from infra.processes import hard_kill, tagged_processes
-from infra.providers.local import NODE_TAG
+from infra.node.preemption import NOTICE_FILE, Notice, write_notice
+from infra.node.processes import NODE_TAG, hard_kill, tagged_processes
 
 
 def main(argv: list[str]) -> int:

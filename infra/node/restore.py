@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from infra.checkpoint_formats import FORMATS, Detector
-from infra.checkpoints import CheckpointError, CheckpointStore, NoCommittedCheckpoint
+from infra.checkpoints.commit import CheckpointError, CheckpointStore, NoCommittedCheckpoint
+from infra.checkpoints.formats import FORMATS, Detector
 from infra.node.events import emit, fail
 from infra.node.sync import write_restored
 from infra.storage import StorageError, open_store

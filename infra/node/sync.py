@@ -1,7 +1,7 @@
 """`sync`: the node-side sidecar that ships complete checkpoints to the store while training goes on.
 
 The training script writes checkpoints into the node's checkpoint dir the way its framework does
-(infra.checkpoint_formats says which are complete). The syncer of node rank 0 is the coordinator: it sees each
+(infra.checkpoints.formats says which are complete). The syncer of node rank 0 is the coordinator: it sees each
 framework's completion signal (DCP's `.metadata`, HF's `trainer_state.json`, a closed Lightning `.ckpt`, a
 marker, ...), numbers the checkpoint, announces it in the store, ships its own part and, once every node named
 in the announcement has uploaded its record for this attempt, commits it (the manifest), moves `latest` and
@@ -28,18 +28,7 @@ from types import FrameType
 
 from pydantic import BaseModel, Field, ValidationError
 
-from infra.checkpoint_formats import (
-    FORMATS,
-    Detector,
-    Found,
-    file_is_whole,
-    files_open_for_writing,
-    own_required,
-    part_files,
-    part_settled,
-    required_files,
-)
-from infra.checkpoints import (
+from infra.checkpoints.commit import (
     UPLOAD_LEASE,
     Announcement,
     CheckpointError,
@@ -49,6 +38,17 @@ from infra.checkpoints import (
     clear_lease,
     step_name,
     write_lease,
+)
+from infra.checkpoints.formats import (
+    FORMATS,
+    Detector,
+    Found,
+    file_is_whole,
+    files_open_for_writing,
+    own_required,
+    part_files,
+    part_settled,
+    required_files,
 )
 from infra.node.events import emit, fail
 from infra.storage import StorageError, open_store

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from infra.checkpoints import CheckpointError, CheckpointStore
+from infra.checkpoints.commit import CheckpointError, CheckpointStore
 from infra.node.events import emit, fail
 from infra.storage import StorageError, open_store
 

@@ -1,11 +1,11 @@
 """`watch`: the node's lease watchdog and preemption watcher.
 
 A node that stops hearing from its orchestrator tears itself down; a node told it is about to be taken away
-(a spot notice: infra.preemption) stops its trainer with SIGTERM — the trainer saves at its next step boundary
+(a spot notice: infra.node.preemption) stops its trainer with SIGTERM — the trainer saves at its next step boundary
 within checkpoints.flush_deadline_s — then asks the syncer to flush, so the last save is committed before the
 node goes.
 
-The orchestrator renews a lease file on every node (infra.lease.LeaseKeeper). If the orchestrator dies —
+The orchestrator renews a lease file on every node (infra.lifecycle.lease.LeaseKeeper). If the orchestrator dies —
 SIGKILL, a lost machine, a network partition — renewals stop, and once the lease is older than its TTL the
 watchdog ends every process of its node (`--on-expire kill-node`, the local and ssh providers) or powers the
 machine off (`--on-expire shutdown`, cloud nodes launched to terminate on shutdown). This bounds how long a
@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 
 from infra.node.events import emit, fail
-from infra.preemption import (
+from infra.node.preemption import (
     AWS_IMDS,
     GCP_METADATA,
     NOTICE_FILE,
@@ -36,8 +36,7 @@ from infra.preemption import (
     read_notice,
     write_notice,
 )
-from infra.processes import kill_processes, tagged_processes
-from infra.providers.local import NODE_TAG
+from infra.node.processes import NODE_TAG, kill_processes, tagged_processes
 
 TRAINER_MARK = "torch.distributed.run"
 

@@ -3,6 +3,8 @@
 A job names its code, an optional setup and a command; trainpipe ships the code to every node, starts the command
 under torchrun there and tells it everything through the environment (contract); it follows the script's progress
 through its metrics file and its framework's own log lines (progress) and ships the checkpoints it writes
-(infra.checkpoint_formats). Nothing here knows any particular model: the bundled GPT in trainer/ is one user.
+(infra.checkpoints.formats). Nothing here knows any particular model: the bundled GPT in trainer/ is one user.
 Plain Python: no Prefect, no torch.
+
+May import: storage and the shared infra modules; the node agent and the trainer build on it.
 """

@@ -1,0 +1,62 @@
+"""EC2 error codes → the launch error classes failover acts on (capacity, quota, price, invalid)."""
+
+from __future__ import annotations
+
+from botocore.exceptions import ClientError, NoCredentialsError, NoRegionError
+
+from infra.compute.providers.base import CapacityError, InvalidRequestError, LaunchError, QuotaError
+
+# Another zone, region or a later try may have it.
+CAPACITY = frozenset({
+    "InsufficientInstanceCapacity", "InsufficientHostCapacity", "InsufficientReservedInstanceCapacity",
+    "MaxSpotInstanceCountExceeded", "SpotMaxPriceTooLow", "Unsupported", "UnfulfillableCapacity",
+    "InsufficientCapacity", "InsufficientFreeAddressesInSubnet",
+})
+# The account's limits in this region: more of the same here cannot succeed until the quota is raised.
+QUOTA = frozenset({
+    "VcpuLimitExceeded", "InstanceLimitExceeded", "MaxSpotFleetRequestCountExceeded", "ResourceLimitExceeded",
+    "PlacementGroupLimitExceeded", "SecurityGroupLimitExceeded", "NetworkInterfaceLimitExceeded",
+    "VolumeLimitExceeded", "RulesPerSecurityGroupLimitExceeded",
+})
+AUTH = frozenset({
+    "AuthFailure", "UnauthorizedOperation", "InvalidClientTokenId", "SignatureDoesNotMatch", "OptInRequired",
+    "Blocked", "PendingVerification", "ExpiredToken", "AccessDenied",
+})
+# Throttling is retried by botocore itself (its standard retry mode); what still escapes is a capacity-like delay.
+THROTTLED = frozenset({"RequestLimitExceeded", "Throttling", "ThrottlingException", "ServiceUnavailable"})
+
+
+class AuthError(InvalidRequestError):
+    """The credentials cannot do this: nothing elsewhere will succeed either."""
+
+
+def error_code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", "Unknown"))
+
+
+def classify(exc: Exception, doing: str) -> LaunchError:
+    """The launch error for a boto3 failure; the message is one line: what failed, the code, what to do."""
+    if isinstance(exc, NoCredentialsError):
+        return AuthError(f"aws: no credentials while trying to {doing}: configure them (aws configure, "
+                         "AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)")
+    if isinstance(exc, NoRegionError):
+        return InvalidRequestError(f"aws: no region while trying to {doing}: set cluster.regions or AWS_REGION")
+    if not isinstance(exc, ClientError):
+        # Connection drops and timeouts that outlived botocore's own retries: worth another try later.
+        error = LaunchError(f"aws: {doing} failed: {type(exc).__name__}: {exc}: check the network and retry")
+        error.transient = True
+        return error
+    code = error_code(exc)
+    message = " ".join(str(exc.response.get("Error", {}).get("Message", "")).split())
+    said = f"aws: {doing}: {code}: {message}"
+    if code in CAPACITY or code in THROTTLED:
+        return CapacityError(f"{said}: trying elsewhere")
+    if code in QUOTA:
+        return QuotaError(f"{said}: raise the quota in Service Quotas or ask for fewer/smaller nodes")
+    if code in AUTH:
+        return AuthError(f"{said}: check the credentials and their IAM permissions")
+    return InvalidRequestError(f"{said}: fix the request (config or catalog)")
+
+
+__all__ = ["AUTH", "CAPACITY", "QUOTA", "AuthError", "CapacityError", "InvalidRequestError", "LaunchError",
+           "QuotaError", "classify", "error_code"]

@@ -1,0 +1,174 @@
+"""The few operations every provider implements (SkyPilot's provision interface, in spirit).
+
+The flow only ever calls these: launch, describe, terminate, list_clusters, runner and
+preemption_notices. Launch failures are typed so failover can decide what to try next.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from infra.compute.access.remote import Runner
+from infra.job.spec import ClusterSpec
+
+
+class LaunchError(Exception):
+    """A cluster could not be launched; subclasses say whether trying elsewhere can help."""
+
+    transient = False
+
+
+class CapacityError(LaunchError):
+    """No capacity of this type here now: another zone, region or later may have it."""
+
+    transient = True
+
+
+class QuotaError(LaunchError):
+    """The account's quota forbids it: raise the quota or ask for less."""
+
+
+class PriceError(LaunchError):
+    """The price exceeds the cap (e.g. spot above max price)."""
+
+
+class InvalidRequestError(LaunchError):
+    """The request can never succeed as written: fix the config."""
+
+
+@dataclass(frozen=True)
+class Attempt:
+    candidate: str  # Candidate.key
+    instance_type: str
+    region: str
+    zone: str | None
+    market: str
+    outcome: str  # launched | capacity | quota | price | error | invalid | skipped
+    error: str | None
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    rank: int
+    address: str
+    workdir: str
+    data_dir: str
+    ckpt_dir: str
+    python: str
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.workdir.rstrip("/"), *parts])
+
+    @property
+    def sync_dir(self) -> str:
+        """trainpipe's own state for the node's checkpoint syncer: outside the script's checkpoint dir."""
+        return self.path("sync")
+
+    @property
+    def code_dir(self) -> str:
+        """Where the job's shipped code is unpacked: the training command's working dir."""
+        return self.path("code")
+
+    @property
+    def metrics_file(self) -> str:
+        return self.path("logs", "metrics.jsonl")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    provider: str
+    run_id: str
+    nodes: tuple[Node, ...]
+    created_at: float
+    owner: dict[str, Any] = field(default_factory=dict)
+    # What the cluster runs on and how it was obtained: the run summary's launch record and cost come from here.
+    instance_type: str | None = None
+    market: str = "on-demand"
+    price_per_hour: float = 0.0  # the whole cluster, USD
+    attempts: tuple[dict[str, Any], ...] = ()  # failover.Attempt.to_dict() of every launch attempt, in order
+
+    @property
+    def head(self) -> Node:
+        return self.nodes[0]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Cluster:
+        data = json.loads(text)
+        data["nodes"] = tuple(Node(**node) for node in data["nodes"])
+        data["attempts"] = tuple(data.get("attempts", ()))
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class ClusterRecord:
+    """What list_clusters reports: enough for the sweeper to decide whether the cluster is orphaned."""
+
+    name: str
+    provider: str
+    run_id: str
+    created_at: float
+    nodes: int
+    owner_alive: bool
+    processes: int
+
+
+@dataclass(frozen=True)
+class PreemptionNotice:
+    node: str
+    deadline: float
+    reason: str
+
+
+class Provider(ABC):
+    name: str
+    # Where a node's watcher (infra.node watch) looks for preemption notices: the cloud's metadata service, or
+    # the notice file the chaos injector raises on local and ssh nodes.
+    notice_source: str = "none"
+    # What a node's lease watchdog (infra.node watch --on-expire) does once its orchestrator has been silent for the
+    # lease TTL: end every process of the node, or power the machine off (a cloud then ends the instance for good).
+    lease_expiry: str = "kill-node"
+
+    @abstractmethod
+    def launch(self, cluster_name: str, spec: ClusterSpec, run_id: str) -> Cluster:
+        """Start every node or none: a partial launch is rolled back before raising LaunchError."""
+
+    @abstractmethod
+    def describe(self, cluster_name: str) -> Cluster | None: ...
+
+    @abstractmethod
+    def terminate(self, cluster_name: str) -> bool:
+        """Idempotent; True when something was running or left behind and is now gone."""
+
+    def terminate_keeping_data(self, cluster_name: str) -> bool:
+        """Terminate, except that a relaunch on the same machines finds their staged data again: a recovery's
+        teardown. A provider whose machines never come back (cloud instances) simply terminates."""
+        return self.terminate(cluster_name)
+
+    @abstractmethod
+    def list_clusters(self) -> list[ClusterRecord]: ...
+
+    @abstractmethod
+    def runner(self, cluster: Cluster, node: Node) -> Runner: ...
+
+    @abstractmethod
+    def preemption_notices(self, cluster: Cluster) -> list[PreemptionNotice]: ...
+
+    @abstractmethod
+    def nodes_alive(self, cluster: Cluster) -> dict[str, bool]:
+        """Per node, whether it is still there (a vanished node counts as preempted)."""
+
+    def heartbeat(self, cluster: Cluster) -> None:  # noqa: B027 - deliberately empty for most providers
+        """Stamp the cluster alive now, where a sweeper on any machine reads it (ClusterRecord.owner_alive). Nothing
+        to do where the owner is a process on the machine that keeps the cluster's record (local, netns, ssh)."""

@@ -1,0 +1,167 @@
+"""Everything that can be checked before a cluster is paid for, and what the run will do."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from infra.checkpoints.commit import CheckpointStore
+from infra.compute.catalog import CatalogError, load_catalog
+from infra.compute.optimizer import Candidate, NoCandidateError, candidates, render_candidates
+from infra.compute.providers import get_provider
+from infra.dataset.docs import write_data_docs
+from infra.dataset.manifest import DatasetError
+from infra.dataset.planning import CarriesValidation, DatasetPlan, ExpectationsFailed, plan_dataset
+from infra.dataset.stagecache import CACHE_DIR, cached_bytes
+from infra.job.spec import JobSpec
+from infra.storage import StorageError, open_store
+from infra.workload.plan import WorkloadError, WorkloadPlan, plan_workload
+from infra.workspace import local_clusters_dir, run_dir
+
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class PlanError(ValueError):
+    """The job cannot run as configured; one line naming the thing and the fix."""
+
+
+class DatasetCheckFailed(CarriesValidation, PlanError):
+    """The dataset's expectation suite failed: the plan's one line, and every expectation's result."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    run_id: str
+    cluster_name: str
+    provider: str
+    nodes: int
+    world_size: int
+    dataset_url: str
+    dataset: DatasetPlan
+    checkpoint_url: str
+    resume_step: int | None
+    workload: WorkloadPlan
+    candidates: tuple[Candidate, ...] = ()  # cloud providers: where to launch, in the order failover tries
+
+    def render(self) -> str:
+        resume = f"resume from committed step {self.resume_step}" if self.resume_step is not None else "start at step 0"
+        return "\n".join([
+            f"run {self.run_id} on {self.provider}: {self.nodes} nodes × {self.world_size // self.nodes} processes "
+            f"(cluster {self.cluster_name})",
+            *self.dataset.render_lines(),
+            f"  checkpoints: {self.checkpoint_url} — {resume}",
+            self.workload.render(),
+            *(f"  warning: {warning}" for warning in self.workload.warnings),
+            *self._render_candidates(),
+        ])
+
+    def _render_candidates(self) -> list[str]:
+        if not self.candidates:
+            return []
+        best = self.candidates[0]
+        return [f"  candidates: {len(self.candidates)}, cheapest {best.label()} — job ≤ ${best.job_cost:,.2f} "
+                f"(${best.cluster_per_hour:,.2f}/h × {best.hours:g} h, training.timeout_s)",
+                render_candidates(list(self.candidates))]
+
+
+def cluster_name_for(run_id: str) -> str:
+    return f"tp-{run_id}".lower().replace("_", "-").replace(".", "-")
+
+
+def checkpoint_url_for(job: JobSpec, run_id: str) -> str:
+    return f"{job.checkpoints.url}/{run_id}"
+
+
+def cluster_candidates(job: JobSpec) -> tuple[Candidate, ...]:
+    """Where a cloud cluster can run, cheapest first; a provider the catalog does not list (local) has none."""
+    try:
+        catalog = load_catalog()
+        if not catalog.for_provider(job.cluster.provider):
+            return ()
+        # The job's length is bounded by its timeout: the estimate is what the job can cost at most.
+        return tuple(candidates(job.cluster, catalog, hours=job.training.timeout_s / 3600))
+    except (CatalogError, NoCandidateError) as exc:
+        raise PlanError(str(exc)) from None
+
+
+def _size(count: int) -> str:
+    return f"{count / 1e9:,.2f} GB" if count >= 1e9 else f"{count / 1e6:,.1f} MB"
+
+
+def _local_disk(held: tuple[int, ...]) -> None:
+    """Local nodes share this machine's disk: together they must fit in what is free (cached objects count as
+    free: they are reused or evicted)."""
+    root = local_clusters_dir()
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    free = shutil.disk_usage(existing).free + cached_bytes(root.parent / CACHE_DIR)
+    if sum(held) > free:
+        raise PlanError(f"dataset: the {len(held)} local nodes would hold {_size(sum(held))} ({_size(max(held))} on "
+                        f"the largest) but {existing} has {_size(free)} free: free space, use dataset.shard: split, "
+                        "or a smaller selection (dataset.include/exclude)")
+
+
+def fit_on_disks(job: JobSpec, held: tuple[int, ...], found: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
+    """The candidates whose local disk holds a node's share of the dataset; an error naming both numbers when the
+    disk is known (catalog NVMe, this machine) and none does. Other disks are measured at verify."""
+    if job.dataset.access != "staged":
+        return found  # nothing is staged: the trainer reads the store
+    need = max(held)
+    if found:
+        fitting = tuple(c for c in found if not c.local_nvme_bytes or c.local_nvme_bytes >= need)
+        if not fitting:
+            largest = max(found, key=lambda c: c.local_nvme_bytes)
+            raise PlanError(f"dataset: a node would hold {_size(need)} but the largest local NVMe among the "
+                            f"{len(found)} candidates ({largest.instance_type}) is {_size(largest.local_nvme_bytes)}: "
+                            "use dataset.shard: split, more nodes, or instance types with more NVMe")
+        return fitting
+    if job.cluster.provider in ("local", "netns"):
+        _local_disk(held)
+    return found
+
+
+def _dataset(job: JobSpec, checkpoint_url: str, run_id: str) -> DatasetPlan:
+    try:
+        return plan_dataset(job.dataset, job.cluster.nodes, checkpoint_url, run_id)
+    except ExpectationsFailed as failed:
+        docs = write_data_docs(failed.validation, run_dir(run_id), run_id)
+        raise DatasetCheckFailed(f"{failed} (Data Docs: {_shown(docs)})", failed.validation) from None
+    except (DatasetError, StorageError) as exc:
+        raise PlanError(str(exc)) from None
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def plan_job(job: JobSpec, run_id: str) -> Plan:
+    if not RUN_ID.match(run_id):
+        raise PlanError(f"run id '{run_id}': use letters, digits, '.', '_' or '-' (at most 64)")
+    get_provider(job.cluster.provider)
+    found = cluster_candidates(job)
+    try:
+        workload = plan_workload(job.training.code, job.training.setup, job.training.command)
+    except WorkloadError as exc:
+        raise PlanError(str(exc)) from None
+    checkpoint_url = checkpoint_url_for(job, run_id)
+    try:
+        checkpoints = open_store(checkpoint_url)
+        checkpoints.check_writable()
+    except StorageError as exc:
+        raise PlanError(f"checkpoints.url: {exc}") from None
+    dataset = _dataset(job, checkpoint_url, run_id)
+    found = fit_on_disks(job, dataset.node_bytes, found)
+    if dataset.validation is not None:
+        write_data_docs(dataset.validation, run_dir(run_id), run_id)
+    latest = CheckpointStore(checkpoints).latest()
+    return Plan(
+        run_id=run_id, cluster_name=cluster_name_for(run_id), provider=job.cluster.provider,
+        nodes=job.cluster.nodes, world_size=job.cluster.nodes * job.cluster.procs_per_node,
+        dataset_url=job.dataset.url, dataset=dataset,
+        checkpoint_url=checkpoint_url, resume_step=latest.step if latest else None, workload=workload,
+        candidates=found,
+    )

@@ -1,0 +1,398 @@
+"""The job specification: what a retraining job needs, validated before anything is paid for.
+
+Every model here is also the Prefect parameter schema of the retrain flow, so field descriptions
+are what a user reads in the UI form.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from infra.checkpoints.formats import CheckpointFormat
+from infra.job.recovery_spec import ChaosSpec, RecoverySpec
+from infra.models import StrictModel
+from infra.storage import BACKENDS
+from infra.workload.code import ARCHIVE_SUFFIXES
+from infra.workload.contract import check_command
+
+KNOWN_PROVIDERS = ("local", "aws", "gcp", "ssh", "netns")
+CHAOS_PROVIDERS = ("local", "ssh", "netns")
+SpotPolicy = Literal["never", "prefer", "only"]
+
+
+class ConfigError(ValueError):
+    """A job config that cannot run; the message is one line naming the field and the fix."""
+
+
+def _to_url(value: str) -> str:
+    """Accept a URL or a local path; a path becomes an absolute file:// URL (relative to the cwd)."""
+    if "://" in value:
+        scheme = value.split("://", 1)[0]
+        # The store's own list: a backend added there is accepted here with no second list to keep in step.
+        if scheme not in BACKENDS:
+            raise ValueError(f"unknown scheme '{scheme}://': use one of " + ", ".join(f"{s}://" for s in BACKENDS))
+        return value.rstrip("/")
+    # The same path-to-URL rule as open_store's, so a spec's URL opens the very store the path names.
+    return "file://" + str(Path(value).expanduser().resolve())
+
+
+SSH_FINGERPRINT = r"^SHA256:[A-Za-z0-9+/]{43}$"
+
+
+def _readable_file(value: str, what: str, fix: str) -> str:
+    """An absolute path to a file this process can read (relative paths count from the cwd)."""
+    path = Path(value).expanduser().resolve()
+    if not path.is_file() or not os.access(path, os.R_OK):
+        raise ValueError(f"{what} {path}: not a readable file: {fix}")
+    return str(path)
+
+
+def _known_hosts_names(host: str, port: int) -> list[str]:
+    # How OpenSSH writes a host in known_hosts: bare for port 22, [host]:port otherwise.
+    return [host] if port == 22 else [f"[{host}]:{port}"]
+
+
+class SshHostSpec(StrictModel):
+    host: str = Field(min_length=1, description="Address or DNS name of the machine.")
+    port: int = Field(22, ge=1, le=65535, description="Its SSH port.")
+    user: str = Field(min_length=1, description="User to log in as (key authentication only).")
+    key_file: str = Field(description="Private key that logs in as that user (no passphrase; ssh-agent is not used).")
+    workdir: str = Field(description="Absolute path on the machine's local NVMe: each cluster gets "
+                         "<workdir>/<cluster>/{data,ckpt,logs}; the machine's reservation and its dataset cache "
+                         "(<workdir>/dataset-cache, kept across runs) live here.")
+    python: str = Field("python3", min_length=1, description="Python interpreter on the machine that has (or gets) "
+                        "trainpipe and torch installed, e.g. /opt/venv/bin/python.")
+    host_key: str | None = Field(None, description="Pinned SHA256 fingerprint of the machine's host key "
+                                 "(ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub on it); without it the key must "
+                                 "be in cluster.ssh.known_hosts.")
+
+    @field_validator("key_file")
+    @classmethod
+    def _key_readable(cls, value: str) -> str:
+        return _readable_file(value, "key file", "give the path of the private key that logs in to the host "
+                              "(ssh-keygen -t ed25519 creates one) and make it readable")
+
+    @field_validator("workdir")
+    @classmethod
+    def _absolute_workdir(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError(f"workdir '{value}' is not absolute: give the full path of a dir on the host's NVMe")
+        return value.rstrip("/") or "/"
+
+    @field_validator("host_key")
+    @classmethod
+    def _fingerprint_shape(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(SSH_FINGERPRINT, value):
+            raise ValueError(f"host_key '{value}' is not a SHA256 fingerprint: copy the 'SHA256:...' part of "
+                             "`ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub` run on the host")
+        return value
+
+
+class SshClusterSpec(StrictModel):
+    hosts: tuple[SshHostSpec, ...] = Field((), description="The machines, in rank order: a cluster of N nodes uses "
+                                           "the first N.")
+    known_hosts: str | None = Field(None, description="known_hosts file with the hosts' keys (for hosts without "
+                                    "host_key); unknown or changed keys are refused, never added.")
+
+    @field_validator("known_hosts")
+    @classmethod
+    def _known_hosts_readable(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        return _readable_file(value, "known_hosts file", "point cluster.ssh.known_hosts at an existing file "
+                              "(ssh-keyscan -p PORT HOST >> FILE, after checking the fingerprints)")
+
+    @model_validator(mode="after")
+    def _every_host_verifiable(self) -> SshClusterSpec:
+        seen: set[tuple[str, int, str]] = set()
+        for index, host in enumerate(self.hosts):
+            where = f"hosts[{index}] ({host.host}:{host.port})"
+            if (host.host, host.port, host.workdir) in seen:
+                raise ValueError(f"{where}: listed twice with the same workdir: two nodes would share one dir")
+            seen.add((host.host, host.port, host.workdir))
+            if host.host_key is None and not self._in_known_hosts(host):
+                source = (f"cluster.ssh.known_hosts ({self.known_hosts}) has no entry for it" if self.known_hosts
+                          else "cluster.ssh.known_hosts is not set")
+                raise ValueError(f"{where}: no way to verify its host key: {source}: set its host_key to the "
+                                 "SHA256 fingerprint or add it to known_hosts (ssh-keyscan, after checking the key)")
+        return self
+
+    def _in_known_hosts(self, host: SshHostSpec) -> bool:
+        if self.known_hosts is None:
+            return False
+        # Imported here: paramiko is only needed by ssh configs, and spec.py is imported by every command.
+        from paramiko.hostkeys import HostKeys
+
+        known = HostKeys(self.known_hosts)
+        return any(known.lookup(name) for name in _known_hosts_names(host.host, host.port))
+
+
+class VerifySpec(StrictModel):
+    """The verify stage's cluster bench: does the cluster deliver the network and disk the job pays for."""
+
+    bench: Literal["off", "warn", "fail"] = Field(
+        "warn", description="off: skip the bench; warn: log figures below expectation and train anyway; fail: stop "
+        "the run before training when a figure is below expectation.")
+    min_fraction: float = Field(0.8, gt=0, le=1, description="A measured figure below this fraction of what is "
+                                "expected (the job's floors, the catalog's figures) misses.")
+    tcp_streams: int = Field(4, ge=1, le=64, description="Parallel TCP streams per node-to-node link.")
+    tcp_seconds: float = Field(3.0, gt=0, le=60, description="How long each node-to-node TCP test sends.")
+    allreduce_sizes_mb: tuple[int, ...] = Field(
+        (1, 16, 64), min_length=1, description="All-reduce message sizes in MB; the largest gives the bus bandwidth "
+        "that is compared.")
+    disk_bytes_mb: int = Field(256, ge=1, description="Size of the file each node writes and reads back with direct "
+                               "I/O on its data dir, in MB.")
+    measure: Literal["needed", "all"] = Field(
+        "needed", description="needed: only the figures something holds the cluster to (a floor, the catalog's "
+        "figure for the instance type), so a run pays no seconds for figures reported only; all: every figure.")
+
+    @field_validator("bench", mode="before")
+    @classmethod
+    def _bench_from_yaml_bool(cls, value: object) -> object:
+        # YAML 1.1 reads a bare off/no/false as False (and on/yes/true as True) before we see the word.
+        if value is False:
+            return "off"
+        if value is True:
+            raise ValueError("bench: on/yes/true reads as a boolean and names no mode: use warn or fail "
+                             "(off, no or false turn the bench off)")
+        return value
+
+    @field_validator("allreduce_sizes_mb")
+    @classmethod
+    def _positive_sizes(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if any(size < 1 for size in value):
+            raise ValueError(f"allreduce_sizes_mb {list(value)}: every size must be at least 1 MB")
+        return value
+
+
+class NetnsClusterSpec(StrictModel):
+    """provider netns: an emulated multi-host cluster on this Linux machine (root), one network namespace a node."""
+
+    link_mbit: float | None = Field(None, gt=0, description="Shape every node's link (both directions) to this many "
+                                    "Mbit/s with tc tbf; none leaves the links unshaped.")
+
+
+class ClusterSpec(StrictModel):
+    provider: str = Field("local", description=f"Where nodes run: one of {', '.join(KNOWN_PROVIDERS)}.")
+    nodes: int = Field(2, ge=1, le=1024, description="Number of nodes (machines).")
+    procs_per_node: int = Field(1, ge=1, le=64, description="Training processes per node (one per GPU).")
+    accelerator: str | None = Field(None, description="GPU type each process needs (e.g. H100); none trains on CPU.")
+    min_network_gbps: float = Field(0.0, ge=0, description="Floor on the inter-node network bandwidth, in Gbit/s.")
+    local_nvme: bool = Field(False, description="Require node-local NVMe for data and checkpoints.")
+    instance_type: str | None = Field(None, description="Pin one instance type (e.g. p5.48xlarge); none lets the "
+                                      "optimizer pick the cheapest that meets the floors.")
+    spot: SpotPolicy = Field("never", description="never: on-demand only; prefer: spot first, on-demand when no spot "
+                             "launches; only: spot or nothing. (true/false mean prefer/never.)")
+    regions: tuple[str, ...] = Field((), description="Regions to consider, in order of preference; empty = any.")
+    zones: tuple[str, ...] = Field((), description="Zones to consider (e.g. us-east-1a); empty = any in the regions.")
+    max_price_per_hour: float | None = Field(None, gt=0, description="Price cap for the whole cluster, USD/hour.")
+    lease_ttl_s: float = Field(120.0, ge=10, description="Nodes tear themselves down after this long without "
+                               "hearing from the orchestrator (bounds how long a cluster outlives a dead run).")
+    ssh: SshClusterSpec | None = Field(None, description="provider ssh: the machines to use and how to reach them.")
+    verify: VerifySpec = Field(default_factory=VerifySpec, description="After provisioning: measure node-to-node "
+                               "network, all-reduce and local disk throughput against the floors and the catalog.")
+    netns: NetnsClusterSpec = Field(default_factory=NetnsClusterSpec, description="provider netns: how its emulated "
+                                    "links are shaped.")
+
+    @field_validator("provider")
+    @classmethod
+    def _known_provider(cls, value: str) -> str:
+        if value not in KNOWN_PROVIDERS:
+            raise ValueError(f"unknown provider '{value}': use one of {', '.join(KNOWN_PROVIDERS)}")
+        return value
+
+    @field_validator("spot", mode="before")
+    @classmethod
+    def _spot_from_bool(cls, value: object) -> object:
+        # Configs written before the three-way policy said `spot: true/false`.
+        return {True: "prefer", False: "never"}.get(value, value) if isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _ssh_hosts_for_ssh_provider(self) -> ClusterSpec:
+        if self.provider != "ssh":
+            return self
+        hosts = self.ssh.hosts if self.ssh else ()
+        if not hosts:
+            raise ValueError("provider ssh needs cluster.ssh.hosts: list the machines (host, user, key_file, "
+                             "workdir; see examples/ssh.yaml)")
+        if len(hosts) < self.nodes:
+            raise ValueError(f"cluster.nodes is {self.nodes} but cluster.ssh.hosts lists {len(hosts)}: add hosts "
+                             "or lower cluster.nodes")
+        return self
+
+
+class DatasetSpec(StrictModel):
+    url: str = Field(description="The dataset: any prefix of objects in any format (file://, s3://, gs:// or a path). "
+                     "At plan its listing is frozen as the run's snapshot; every node stages exactly those objects.")
+    include: tuple[str, ...] = Field((), description="Globs (relative to url; * also matches '/') selecting the files "
+                                     "to use; empty = every object under url.")
+    exclude: tuple[str, ...] = Field((), description="Globs of files to leave out, applied after include.")
+    shard: Literal["replicate", "split"] = Field(
+        "replicate", description="replicate: every node stages every file; split: each node stages a disjoint set of "
+        "files, balanced by bytes (listed in TRAINPIPE_DATA_SHARDS), as WebDataset and MDS readers expect per rank.")
+    expectations: str | list[dict[str, Any]] | None = Field(
+        None, description="Great Expectations checks of the tabular files (Parquet, CSV, JSONL, trainpipe tokens), "
+        "run before anything is launched: the path of an ExpectationSuite JSON file, or a list of expectations "
+        "({type: expect_..., column: ..., ...; optional files: glob}).")
+    validation: str = Field("full", description="full: expectations read every row; sample: sample_rows rows per file, "
+                            "read with ranged GETs.")
+    sample_rows: int = Field(1000, ge=1, description="Rows per file that validation: sample reads.")
+    access: Literal["staged", "remote"] = Field(
+        "staged", description="staged: every node copies the dataset to its local disk before training (fast); "
+        "remote: the trainer reads each batch from the store with ranged GETs, as a mounted object store does "
+        "(for comparisons: every step then waits on the store).")
+
+    @field_validator("url")
+    @classmethod
+    def _normalise_url(cls, value: str) -> str:
+        return _to_url(value)
+
+    @field_validator("validation")
+    @classmethod
+    def _known_validation(cls, value: str) -> str:
+        if value not in ("full", "sample"):
+            raise ValueError(f"unknown validation '{value}': use 'full' or 'sample'")
+        return value
+
+    @field_validator("include", "exclude")
+    @classmethod
+    def _non_empty_globs(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not glob.strip() for glob in value):
+            raise ValueError("an empty glob selects nothing: remove it")
+        return value
+
+    @field_validator("expectations")
+    @classmethod
+    def _suite_file_readable(cls, value: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        if isinstance(value, str):
+            return _readable_file(value, "expectation suite", "give the path of an ExpectationSuite JSON file, or "
+                                  "list the expectations inline")
+        return value
+
+
+class CheckpointSpec(StrictModel):
+    url: str = Field(description="Where committed checkpoints live; each run writes under <url>/<run-id>/.")
+    format: CheckpointFormat = Field(
+        "auto", description="How a complete checkpoint is recognised in TRAINPIPE_CHECKPOINT_DIR: dcp and torchtitan "
+        "(a folder with .metadata), hf (checkpoint-N/ with trainer_state.json), lightning (a closed .ckpt), marker "
+        "(X next to X.complete), file (one file overwritten in place), auto (whichever appears).")
+    keep: int = Field(3, ge=1, description="Committed checkpoints kept in the store (the newest is never deleted).")
+    flush_deadline_s: float = Field(
+        # torchrun's agent SIGKILLs its workers 30 s after forwarding SIGTERM to them.
+        20.0, gt=0, le=25, description="On SIGTERM (spot notice, cancel): seconds the script has to finish a last "
+        "save; whatever checkpoint is complete by then is committed."
+    )
+    sync_poll_s: float = Field(0.5, gt=0, le=10, description="How often each node's syncer looks for new "
+                               "checkpoints (lower it for a script that waits for its uploads).")
+
+    @field_validator("url")
+    @classmethod
+    def _normalise_url(cls, value: str) -> str:
+        return _to_url(value)
+
+
+class TrainingSpec(StrictModel):
+    code: str | None = Field(None, description="The training code, shipped to every node: a local dir, or an "
+                             "s3://, gs:// or file:// URL of a .tar.gz. None: the command runs from the nodes' "
+                             "environment (a module installed there, like the bundled trainer.train).")
+    setup: tuple[str, ...] = Field((), description="Shell commands run once per node in the code dir before "
+                                   "training, e.g. 'pip install -r requirements.txt'.")
+    command: tuple[str, ...] = Field(min_length=1, description="What torchrun starts on every node, in the code "
+                                     "dir: a .py of the code and its arguments, or [-m, module, ...]. Placeholders "
+                                     "{data_dir} {checkpoint_dir} {resume_from} {run_id} ... stand for the values "
+                                     "of the TRAINPIPE_* variables.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for setup and training.")
+    threads_per_proc: int = Field(1, ge=1, description="CPU threads per training process (OMP_NUM_THREADS).")
+    timeout_s: float = Field(3600, gt=0, description="Fail training that runs longer than this.")
+
+    @field_validator("code")
+    @classmethod
+    def _code_source(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if "://" in value:
+            url = _to_url(value)
+            if not url.endswith(ARCHIVE_SUFFIXES):
+                raise ValueError(f"code URL {url} is not a .tar.gz: pack the code (tar czf code.tar.gz -C dir .) "
+                                 "or give a local dir")
+            return url
+        return str(Path(value).expanduser().resolve())
+
+    @field_validator("command")
+    @classmethod
+    def _known_placeholders(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        check_command(value)
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _shell_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name):
+                raise ValueError(f"env name {name!r} is not a valid environment variable name")
+            if name.startswith("TRAINPIPE_"):
+                raise ValueError(f"env {name}: TRAINPIPE_* variables are set by trainpipe: use another name")
+        return value
+
+
+class JobSpec(StrictModel):
+    name: str = Field("retrain", pattern=r"^[a-z0-9][a-z0-9-]{0,39}$", description="Job name: lowercase, digits, '-'.")
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec)
+    dataset: DatasetSpec
+    checkpoints: CheckpointSpec
+    training: TrainingSpec
+    recovery: RecoverySpec = Field(default_factory=RecoverySpec)
+    chaos: ChaosSpec | None = Field(None, description="Preemptions to inject (local and ssh providers): for tests.")
+
+    @model_validator(mode="after")
+    def _chaos_fits(self) -> JobSpec:
+        if self.chaos is None:
+            return self
+        if self.cluster.provider not in CHAOS_PROVIDERS:
+            raise ValueError(f"chaos: the {self.cluster.provider} provider takes nodes away by itself: "
+                             f"remove chaos or use one of {', '.join(CHAOS_PROVIDERS)}")
+        for event in self.chaos.preempt:
+            if event.node >= self.cluster.nodes:
+                raise ValueError(f"chaos.preempt node {event.node}: the cluster has nodes 0-{self.cluster.nodes - 1}")
+        return self
+
+
+def _describe(error: dict[str, Any]) -> str:
+    where = ".".join(str(p) for p in error["loc"]) or "config"
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "missing":
+        return f"{where}: missing: add '{error['loc'][-1]}:' to the config"
+    if error["type"] == "extra_forbidden":
+        return f"{where}: unknown field: remove it or check its spelling"
+    got = error.get("input")
+    shown = "" if isinstance(got, dict | list) else f" (got {got!r})"
+    return f"{where}: {message}{shown}"
+
+
+def parse_job(data: dict[str, Any], source: str = "config") -> JobSpec:
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        more = len(exc.errors()) - 1
+        suffix = f" (and {more} more problem{'s' * (more > 1)})" if more else ""
+        raise ConfigError(f"{source}: {_describe(first)}{suffix}") from None
+
+
+def load_job(path: str | os.PathLike[str]) -> JobSpec:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such config file: pass the path of a job YAML (see examples/local.yaml)")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc.__class__.__name__}): fix the syntax") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping with cluster, dataset, checkpoints, training")
+    return parse_job(data, source=str(path))

@@ -1,0 +1,163 @@
+"""The record of one run: what ran, how long each phase took, what it produced. Written as summary.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+LAUNCHED_AT_VAR = "TRAINPIPE_LAUNCHED_AT"  # set by `trainpipe run`: when the command started, unix seconds
+PHASES = ("plan", "provision", "verify", "stage", "train", "sync", "teardown")
+# The cluster is paid for from the start of provisioning to the end of teardown: every phase but plan.
+BILLED_PHASES = PHASES[1:]
+
+
+@contextmanager
+def timed_into(seconds: dict[str, float], name: str) -> Iterator[None]:
+    """Adds the block's seconds to seconds[name] (phases run more than once add up), also when it fails."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[name] = round(seconds.get(name, 0.0) + time.perf_counter() - started, 3)
+
+
+@dataclass
+class RunSummary:
+    run_id: str
+    job: str
+    provider: str
+    nodes: int
+    status: str = "running"
+    error: str | None = None
+    phases: dict[str, float] = field(default_factory=dict)
+    steps: int = 0
+    start_step: int = 0  # the first step this run executed (1 unless it resumed)
+    initial_loss: float | None = None
+    final_loss: float | None = None
+    final_eval_loss: float | None = None
+    loss_floor: float | None = None
+    checkpoint: str | None = None
+    checkpoint_step: int | None = None
+    nodes_left: int | None = None
+    stage: dict[str, Any] = field(default_factory=dict)
+    dataset: dict[str, Any] = field(default_factory=dict)  # infra.dataset.planning.DatasetPlan.summary()
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)  # per step: stall, write, upload, commit
+    resumed_from_step: int | None = None  # the committed step this run restored (None: started fresh)
+    warnings: list[str] = field(default_factory=list)  # e.g. a damaged checkpoint skipped on resume
+    instance_type: str | None = None
+    market: str | None = None
+    price_per_hour: float | None = None  # the whole cluster, USD
+    cost_usd: float | None = None  # price_per_hour × the billed phases' seconds
+    attempts: list[dict[str, Any]] = field(default_factory=list)  # every launch attempt, in order
+    node_reports: dict[str, dict[str, Any]] = field(default_factory=dict)  # per node: mount, GPUs, interfaces
+    recoveries: list[dict[str, Any]] = field(default_factory=list)  # lifecycle.recovery.RecoveryRecord per preemption
+    cluster_bench: dict[str, Any] = field(default_factory=dict)  # the verify stage's figures and verdict
+    breakdown: dict[str, Any] = field(default_factory=dict)  # analysis.breakdown.StepBreakdown.summary(): where step
+    # time went (T_compute / T_network / T_io)
+    workload: dict[str, Any] = field(default_factory=dict)  # code, its sha256, command, config hash, setup_s
+    metrics: dict[str, Any] = field(default_factory=dict)  # what the script reported about the whole run
+    started_at: float = field(default_factory=time.time)  # the command's start where a command launched the run
+    finished_at: float | None = None
+    flow_started_s: float | None = None  # from started_at to the flow's own start (command, Prefect server, plan)
+    time_to_first_step_s: float | None = None  # from started_at to the end of the first training step
+    steps_s: float = 0.0  # the training steps' own time, every attempt's
+    overhead_s: float | None = None  # the run's wall time minus the steps' own time: what orchestration cost
+
+    def phase(self, name: str) -> AbstractContextManager[None]:
+        """Times a phase; the time is recorded even when the phase fails."""
+        return timed_into(self.phases, name)
+
+    def record_launch(self, instance_type: str | None, market: str, price_per_hour: float,
+                      attempts: list[dict[str, Any]]) -> None:
+        self.instance_type, self.market, self.price_per_hour = instance_type, market, price_per_hour
+        self.attempts.extend(attempts)  # a recovery launches again: its attempts follow the first launch's
+
+    def __post_init__(self) -> None:
+        if self.flow_started_s is None:
+            self.flow_started_s = round(time.time() - self.started_at, 3)
+
+    def trained(self, first_step_at: float | None, steps_s: float) -> None:
+        """An attempt's training steps: when its first ended, and how long they took."""
+        if first_step_at is not None and self.time_to_first_step_s is None:
+            self.time_to_first_step_s = round(first_step_at - self.started_at, 3)
+        self.steps_s = round(self.steps_s + steps_s, 3)
+
+    def finish(self) -> None:
+        """Stamps the end, the overhead and prices the run (the price is known only once a launch succeeded)."""
+        self.finished_at = time.time()
+        self.overhead_s = round(self.finished_at - self.started_at - self.steps_s, 3)
+        if self.price_per_hour is not None:
+            billed_s = sum(self.phases.get(name, 0.0) for name in BILLED_PHASES)
+            self.cost_usd = round(self.price_per_hour * billed_s / 3600, 4)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def write(self, directory: Path) -> Path:
+        directory.mkdir(parents=True, exist_ok=True)
+        target = directory / "summary.json"
+        tmp = directory / ".summary.json.tmp"
+        tmp.write_text(json.dumps(self.to_dict(), indent=2))
+        os.replace(tmp, target)
+        return target
+
+    def render(self) -> str:
+        """The few lines a person reads at the end of `make run`."""
+        lines = [f"run {self.run_id}: {self.status}" + (f" — {self.error}" if self.error else "")]
+        lines.append("  phases: " + ", ".join(f"{name} {self.phases[name]:.1f}s" for name in PHASES
+                                              if name in self.phases))
+        if self.stage:
+            lines.append(f"  staged: {self.stage.get('bytes', 0) / 1e6:.1f} MB per node at "
+                         f"{self.stage.get('mb_per_s', 0):.0f} MB/s (slowest node), "
+                         f"{self.stage.get('skipped_bytes', 0) / 1e6:.1f} MB already there")
+        if self.workload:
+            code = self.workload.get("code_sha256")
+            lines.append(f"  workload: {' '.join(self.workload['command'])}"
+                         + (f" (code sha256 {code[:12]}…" if code else " (no code shipped")
+                         + f", setup {self.workload['setup_s']:.1f}s)")
+        if self.initial_loss is not None and self.final_loss is not None:
+            floor = f" (floor {self.loss_floor:.3f})" if self.loss_floor is not None else ""
+            lines.append(f"  loss: {self.initial_loss:.3f} at step {self.start_step} → {self.final_loss:.3f} "
+                         f"at step {self.steps}{floor}")
+        if self.overhead_s is not None and self.finished_at is not None:
+            wall = self.finished_at - self.started_at
+            first = (f", first step after {self.time_to_first_step_s:.1f}s" if self.time_to_first_step_s is not None
+                     else "")
+            lines.append(f"  overhead: {self.overhead_s:.1f}s of {wall:.1f}s ({self.overhead_s / wall:.0%}) outside "
+                         f"the training steps' {self.steps_s:.1f}s{first}")
+        if self.breakdown:
+            shares = self.breakdown["shares"]
+            lines.append(f"  step time: compute {shares['T_compute']:.0%}, network {shares['T_network']:.0%}, "
+                         f"I/O {shares['T_io']:.0%} ({self.breakdown['dominant']})")
+        if self.attempts:
+            launched = [a for a in self.attempts if a["outcome"] == "launched"]
+            place = (launched[0]["zone"] or launched[0]["region"]) if launched else None
+            where = f"{self.nodes}× {self.instance_type} ({self.market}) in {place}" if place else "nothing launched"
+            lines.append(f"  cluster: {where} after {len(self.attempts)} launch attempt(s)"
+                         + (f", ${self.price_per_hour:.2f}/h, cost ${self.cost_usd:.4f}"
+                            if self.cost_usd is not None and self.price_per_hour is not None else ""))
+        lines.append(f"  checkpoint: {self.checkpoint or 'none committed'}"
+                     + (f" (resumed from step {self.resumed_from_step})" if self.resumed_from_step is not None else ""))
+        stalls = [c["stall_s"] for c in self.checkpoints if c.get("stall_s") is not None]
+        if stalls:
+            lines.append(f"  checkpoints: {len(stalls)} saved, training stalled {sum(stalls) / len(stalls):.3f}s "
+                         f"per checkpoint ({self.checkpoints[-1].get('mode')})")
+        for r in self.recoveries:
+            lines.append(f"  recovery {r['number']}: {r['node']} preempted ({r['reason']}) "
+                         f"at step {r['step_reached']}, "
+                         f"resumed from step {r['resumed_from_step']} after {r['notice_to_resume_s']:.1f}s, "
+                         f"{r['steps_lost']} steps redone")
+        lines.extend(f"  warning: {warning}" for warning in self.warnings)
+        if self.nodes_left is not None:
+            lines.append(f"  {self.nodes_left} nodes left running")
+        return "\n".join(lines)
+
+
+def load_summary(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())

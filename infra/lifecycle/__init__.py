@@ -1,0 +1,7 @@
+"""The run's lifecycle: the orchestrator's lease on its nodes (lease), the orphan sweeper (sweep) and the
+bookkeeping of recoveries from preemption (recovery) and the watch during training that tells a preemption
+from a failure (preemption_watch).
+
+May import: compute, job and everything below them. The node agent's side of the lease (its watchdog) lives in
+infra.node, which never imports this package.
+"""

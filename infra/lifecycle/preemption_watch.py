@@ -1,0 +1,139 @@
+"""During training: inject the job's chaos, watch for notices and vanished nodes, and name a preemption as such.
+
+A trainer that fails is a preemption when a node of the cluster got a notice or is gone — the failure is then
+the surviving nodes losing their peer, and the flow recovers instead of failing. A node that is gone for
+recovery.confirm_s while training still runs is a preemption too (the remaining nodes are stopped cleanly by
+the caller). Everything else is an ordinary training failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from infra.compute.access.remote import Runner
+from infra.compute.providers import Cluster, Node, Provider
+from infra.job.recovery_spec import PreemptSpec
+from infra.workload.progress import StepClock
+
+CHAOS_TRIGGER = "chaos-trigger"
+CHECK_INTERVAL_S = 2.0
+
+
+class TrainingProgress(Protocol):
+    """How far training got, as the flow follows it (tasks.node_output.TrainingProgress is the one in use)."""
+
+    last_step: int  # the newest step the head node reported
+    clock: StepClock
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+class Preempted(TrainingError):
+    """A node was taken away: the flow tears down, re-provisions and resumes from the latest commit."""
+
+    def __init__(self, node: str, reason: str, with_notice: bool, progress: TrainingProgress) -> None:
+        step_reached = progress.last_step
+        super().__init__(f"{node} preempted ({reason}) at step {step_reached}")
+        self.node, self.reason, self.with_notice, self.step_reached = node, reason, with_notice, step_reached
+        self.detected_at = time.time()
+        # How far this attempt's steps got before the node went: the run's overhead counts what they took.
+        self.first_step_at, self.steps_s = progress.clock.first_step_at, progress.clock.steps_s()
+
+
+@dataclass
+class _Injection:
+    event: PreemptSpec
+    node_name: str
+    runner: Runner
+    trigger_path: str
+    fired: bool = False
+
+
+class PreemptionWatch:
+    def __init__(self, provider: Provider, cluster: Cluster, runners: dict[str, Runner], progress: TrainingProgress,
+                 confirm_s: float, logger: logging.Logger | logging.LoggerAdapter[Any]) -> None:
+        self.provider, self.cluster, self.runners, self.progress = provider, cluster, runners, progress
+        self.confirm_s, self.logger = confirm_s, logger
+        self.injections: list[_Injection] = []
+        self.started = time.monotonic()
+        self._next_check = 0.0
+        self._notices: dict[str, str] = {}  # node → reason, as first seen
+        self._gone_since: dict[str, float] = {}
+
+    # -- chaos ---------------------------------------------------------------------------------------------------
+
+    def arm(self, events: list[PreemptSpec], node_argv: Callable[[Node, str, float], list[str]]) -> None:
+        """Start the chaos injector on each node an event of this attempt preempts (node_argv builds its argv)."""
+        for event in events:
+            node = self.cluster.nodes[event.node]
+            runner = self.runners[node.name]
+            trigger = node.path(CHAOS_TRIGGER)
+            runner.start(node_argv(node, trigger, event.notice_s), log_path=node.path("logs", "chaos.log"))
+            self.injections.append(_Injection(event, node.name, runner, trigger))
+            when = f"step {event.at_step}" if event.at_step is not None else f"{event.after_s:.0f}s into training"
+            self.logger.warning("chaos: %s will be preempted at %s (%s)", node.name, when,
+                                f"{event.notice_s:.0f}s notice" if event.notice_s else "no notice")
+
+    def _fire_due(self) -> None:
+        elapsed = time.monotonic() - self.started
+        for injection in self.injections:
+            event = injection.event
+            due = (event.at_step is not None and self.progress.last_step >= event.at_step) or (
+                event.after_s is not None and elapsed >= event.after_s)
+            if due and not injection.fired:
+                injection.fired = True
+                injection.runner.write_text(injection.trigger_path, f"{time.time():.3f}\n")
+                self.logger.warning("chaos: preempting %s now (step %d)", injection.node_name,
+                                    self.progress.last_step)
+
+    # -- detection -----------------------------------------------------------------------------------------------
+
+    def _look(self, confirm_s: float) -> Preempted | None:
+        """Notices and liveness now; a Preempted once a node has been gone for confirm_s."""
+        for notice in self.provider.preemption_notices(self.cluster):
+            if notice.node not in self._notices:
+                self._notices[notice.node] = notice.reason
+                self.logger.warning("%s: preemption notice (%s), %.0fs left", notice.node, notice.reason,
+                                    notice.deadline - time.time())
+        now = time.monotonic()
+        for node, alive in self.provider.nodes_alive(self.cluster).items():
+            if alive:
+                self._gone_since.pop(node, None)
+                continue
+            since = self._gone_since.setdefault(node, now)
+            if now - since >= confirm_s:
+                reason = self._notices.get(node, "vanished without notice")
+                return Preempted(node, reason, node in self._notices, self.progress)
+        return None
+
+    def poll(self) -> None:
+        """Called from the wait loop: fires due chaos, and raises Preempted for a node confirmed gone."""
+        self._fire_due()
+        if time.monotonic() < self._next_check:
+            return
+        self._next_check = time.monotonic() + CHECK_INTERVAL_S
+        preempted = self._look(self.confirm_s)
+        if preempted is not None:
+            raise preempted
+
+    def explain(self, failure: TrainingError) -> TrainingError:
+        """A trainer failed: a preemption when a node got a notice or goes missing within confirm_s, else itself.
+
+        The failure confirms a missing node at once: no need to watch it stay gone."""
+        deadline = time.monotonic() + self.confirm_s
+        while True:
+            preempted = self._look(confirm_s=0.0)
+            if preempted is not None:
+                return preempted
+            noticed = next(iter(self._notices.items()), None)
+            if noticed is not None:
+                return Preempted(noticed[0], noticed[1], True, self.progress)
+            if time.monotonic() >= deadline:
+                return failure
+            time.sleep(0.5)

@@ -1,0 +1,113 @@
+"""Bookkeeping for recoveries from preemption: when to give up, where to go next, and what each one cost.
+
+For each recovery the run summary gets: the node and reason, the step training had reached and the committed
+step it resumed from (steps_lost is the work redone), and the time from the detection to training resumed,
+split into teardown, provision, verify, stage and restore, with the extra cost of that time at the cluster's price.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from infra.compute.catalog import Catalog
+from infra.compute.optimizer import NoCandidateError, candidates
+from infra.job.recovery_spec import RecoverySpec
+from infra.job.spec import ClusterSpec
+from infra.job.summary import timed_into
+
+RECOVERY_PHASES = ("teardown", "provision", "verify", "stage", "restore")
+
+
+class RecoveryExhausted(RuntimeError):
+    """No recovery left (max_recoveries or the deadline): the run fails, its commits stay for a later rerun."""
+
+
+@dataclass
+class RecoveryRecord:
+    number: int
+    node: str
+    reason: str
+    with_notice: bool
+    step_reached: int
+    detected_at: float
+    resumed_from_step: int | None = None
+    seconds: dict[str, float] = field(default_factory=dict)  # per RECOVERY_PHASES
+    reused_bytes: int = 0  # staged data the relaunched nodes still had (same machines): not downloaded again
+    notice_to_resume_s: float | None = None
+    steps_lost: int | None = None
+    extra_cost_usd: float | None = None
+    time_to_first_step_s: float | None = None  # from detection to the end of the first step trained after it
+
+    def phase(self, name: str) -> AbstractContextManager[None]:
+        return timed_into(self.seconds, name)
+
+    def resumed(self, step: int | None, price_per_hour: float) -> None:
+        """Training restarts now, from the committed step `step` (None: from scratch)."""
+        self.resumed_from_step = step
+        self.notice_to_resume_s = round(time.time() - self.detected_at, 3)
+        # The step training restarts at is step + 1; everything after the commit up to step_reached is redone.
+        self.steps_lost = max(0, self.step_reached - (step or 0))
+        self.extra_cost_usd = round(price_per_hour * self.notice_to_resume_s / 3600, 4)
+
+    def first_step(self, at: float | None) -> None:
+        """The relaunched training's first step ended at `at` (unix time)."""
+        if at is not None:
+            self.time_to_first_step_s = round(at - self.detected_at, 3)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Recoveries:
+    def __init__(self, policy: RecoverySpec) -> None:
+        self.policy = policy
+        self.started = time.monotonic()
+        self.records: list[RecoveryRecord] = []
+        self.blocked: list[tuple[str, str | None]] = []  # (region, zone or None for the whole region)
+        self._preempted_in: list[tuple[str, str | None]] = []
+
+    def begin(self, node: str, reason: str, with_notice: bool, step_reached: int, detected_at: float) -> RecoveryRecord:
+        """A new recovery, or RecoveryExhausted naming why not."""
+        if len(self.records) >= self.policy.max_recoveries:
+            raise RecoveryExhausted(f"{node} preempted ({reason}) after {len(self.records)} recoveries: "
+                                    "recovery.max_recoveries is spent: raise it or rerun with the same run id")
+        elapsed = time.monotonic() - self.started
+        if elapsed >= self.policy.deadline_s:
+            raise RecoveryExhausted(f"{node} preempted ({reason}) {elapsed:.0f}s into the run, past "
+                                    "recovery.deadline_s: raise it or rerun with the same run id")
+        record = RecoveryRecord(len(self.records) + 1, node, reason, with_notice, step_reached, detected_at)
+        self.records.append(record)
+        return record
+
+    def block(self, region: str | None, zone: str | None) -> None:
+        """Learn from where the preempted cluster ran: eager_next_region leaves its region at once; same_zone_first
+        tries the same zone once more and leaves the zone after a second preemption there."""
+        if region is None:
+            return  # a provider without regions (local, ssh): nowhere else to go
+        if self.policy.failover == "eager_next_region":
+            self.blocked.append((region, None))
+        elif (region, zone) in self._preempted_in:
+            self.blocked.append((region, zone))
+        self._preempted_in.append((region, zone))
+
+
+def narrowed(spec: ClusterSpec, catalog: Catalog, blocked: list[tuple[str, str | None]]) -> ClusterSpec:
+    """The cluster spec with the blocked regions and zones taken out of where failover may launch."""
+    if not blocked:
+        return spec
+    regions_out = {region for region, zone in blocked if zone is None}
+    zones_out = {zone for _, zone in blocked if zone is not None}
+    try:
+        found = candidates(spec, catalog, hours=1.0)
+    except NoCandidateError:
+        return spec  # plan already refused this spec; nothing to narrow
+    kept = [c for c in found if c.region not in regions_out and (c.zone is None or c.zone not in zones_out)]
+    if not kept:
+        raise RecoveryExhausted(f"every candidate region/zone is blocked after preemptions ({sorted(regions_out)} "
+                                f"{sorted(zones_out)}): widen cluster.regions/zones or use failover same_zone_first")
+    regions = tuple(dict.fromkeys(c.region for c in kept))
+    zones = tuple(dict.fromkeys(c.zone for c in kept if c.zone is not None))
+    return spec.model_copy(update={"regions": regions, "zones": zones})
