@@ -15,6 +15,7 @@ import boto3
 import pytest
 from aws_server import Ec2Server, moto_ec2
 from botocore.exceptions import ClientError
+from provider_checks import assert_reports_launched_cluster
 
 from infra.compute.catalog import Catalog, shipped_catalog
 from infra.compute.failover import QuotaEverywhere
@@ -154,12 +155,7 @@ def test_launch_describe_tags_groups_then_teardown_leaves_nothing(aws: AwsProvid
     [placement] = ec2.describe_placement_groups(GroupNames=["tp-aws-basic"])["PlacementGroups"]
     assert placement["Strategy"] == "cluster"
 
-    described = aws.describe("tp-aws-basic")
-    assert described is not None and [n.address for n in described.nodes] == [n.address for n in cluster.nodes]
-    assert aws.nodes_alive(cluster) == {n.name: True for n in cluster.nodes}
-    [record] = [r for r in aws.list_clusters() if r.name == "tp-aws-basic"]
-    assert (record.run_id, record.nodes, record.owner_alive) == ("run-basic", 2, True)
-    assert aws.preemption_notices(cluster) == []
+    assert_reports_launched_cluster(aws, cluster, "tp-aws-basic", "run-basic")
 
     calls.clear()
     assert aws.terminate("tp-aws-basic") is True

@@ -106,15 +106,20 @@ def test_bench_transfer_smoke(tmp_path: Path) -> None:
     rows = {(r["store"], r["direction"], r["client"], r["engine"], "CRC64NVME" in r["note"]): r
             for r in json.loads(out.read_text())["rows"]}
     trainpipe = {("trainpipe", "native"), ("trainpipe", "python")}
+    trainpipe_and_s5cmd = (("trainpipe", "native"), ("s5cmd", ""))
     assert set(rows) == {("s3", d, c, e, False) for d in ("download", "upload")
                          for c, e in {*trainpipe, ("s5cmd", "")}} | {
-        ("s3", "download", "local cp", "", False), ("s3", "download", "trainpipe", "native", True)} | {
+        ("s3", "download", "local cp", "", False), ("s3", "download", "trainpipe", "native", True),
+        ("s3", "download", "s5cmd", "", True)} | {
         ("gcs", d, c, e, False) for d in ("download", "upload") for c, e in {*trainpipe, ("transfer_manager", "")}}
     for row in rows.values():
         assert len(row["mb_per_s"]) == 1 and row["mb_per_s"][0] > 0 and not row["note"].startswith("failed"), row
         assert row["client_cpu_s_per_gb"] > 0, row
         assert (row["server_cpu_s_per_gb"] > 0) == (row["client"] != "local cp"), row
     assert rows[("s3", "download", "s5cmd", "", False)]["vs_s5cmd"] == 1.0
+    # The native engine on CRC-keeping objects is compared with s5cmd on those same objects.
+    crc_row, crc_peer = (rows[("s3", "download", client, engine, True)] for client, engine in trainpipe_and_s5cmd)
+    assert crc_row["vs_s5cmd"] == pytest.approx(crc_row["median"] / crc_peer["median"], abs=0.01)
     assert "no XML multipart" in rows[("gcs", "upload", "trainpipe", "native", False)]["note"]
     assert "trainpipe" in result.output and "engine" in result.output and "of ceil" in result.output
 

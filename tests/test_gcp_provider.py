@@ -22,6 +22,7 @@ from google.api_core import exceptions
 from google.auth import exceptions as auth_exceptions
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
+from provider_checks import assert_reports_launched_cluster
 
 import infra.compute.providers.gcp as gcp_module
 from infra.compute.access.hostkeys import generate_host_key
@@ -157,12 +158,7 @@ def test_launch_describe_labels_placement_then_teardown_leaves_nothing(gcp: GcpP
     # The exact owner (launching process) rides in the metadata; the label only holds a sanitised copy.
     assert metadata(instances[0])[LABEL_OWNER] == cluster.owner["owner"] and "@" in cluster.owner["owner"]
 
-    described = gcp.describe("tp-gcp-basic")
-    assert described is not None and [n.address for n in described.nodes] == [n.address for n in cluster.nodes]
-    assert gcp.nodes_alive(cluster) == {n.name: True for n in cluster.nodes}
-    [record] = [r for r in gcp.list_clusters() if r.name == "tp-gcp-basic"]
-    assert (record.run_id, record.nodes, record.owner_alive) == ("run-basic", 2, True)
-    assert gcp.preemption_notices(cluster) == []
+    assert_reports_launched_cluster(gcp, cluster, "tp-gcp-basic", "run-basic")
 
     # GCE refuses to delete a placement policy that instances use: the teardown must delete them first.
     with pytest.raises(exceptions.BadRequest) as in_use:

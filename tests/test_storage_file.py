@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from infra.storage import ObjectNotFound, ObjectStore, StorageError, open_store
-from infra.storage.local import TEMP_SUFFIX, FileStore, write_all, write_atomically
+from infra.storage.files import TEMP_SUFFIX, write_all, write_atomically
+from infra.storage.local import FileStore
 
 ODD_KEYS = ["with space/a b.bin", "ünï/cödé-✓.txt", "plus+sign/a+b=c.dat"]
 

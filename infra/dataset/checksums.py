@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Protocol
 
 from infra.storage.base import ObjectStore
-from infra.storage.transfer import call_with_retries
+from infra.storage.retry import call_with_retries
 
 _CHUNK = 8 << 20
 

@@ -21,7 +21,7 @@ import pandas as pd
 
 from infra.dataset.manifest import DATASET_FORMAT, MANIFEST_KEY
 from infra.storage.base import ObjectStore
-from infra.storage.transfer import call_with_retries
+from infra.storage.retry import call_with_retries
 
 TABULAR = ("parquet", "csv", "jsonl", "tokens")
 TOKEN_COLUMN = "token"

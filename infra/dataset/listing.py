@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from infra.storage.base import ObjectStore
-from infra.storage.transfer import call_with_retries
+from infra.storage.retry import call_with_retries
 
 _MD5_ETAG = re.compile(r"^[0-9a-f]{32}$")
 CHECKSUM_ALGORITHMS = ("md5", "crc32c", "sha256")

@@ -17,7 +17,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from infra.checkpoints.formats import CheckpointFormat
 from infra.job.recovery_spec import ChaosSpec, RecoverySpec
 from infra.models import StrictModel
-from infra.storage import BACKENDS
+from infra.storage import BACKENDS, as_url
 from infra.workload.code import ARCHIVE_SUFFIXES
 from infra.workload.contract import check_command
 
@@ -38,8 +38,7 @@ def _to_url(value: str) -> str:
         if scheme not in BACKENDS:
             raise ValueError(f"unknown scheme '{scheme}://': use one of " + ", ".join(f"{s}://" for s in BACKENDS))
         return value.rstrip("/")
-    # The same path-to-URL rule as open_store's, so a spec's URL opens the very store the path names.
-    return "file://" + str(Path(value).expanduser().resolve())
+    return as_url(value)
 
 
 SSH_FINGERPRINT = r"^SHA256:[A-Za-z0-9+/]{43}$"

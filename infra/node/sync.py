@@ -52,7 +52,8 @@ from infra.checkpoints.formats import (
 )
 from infra.node.events import emit, fail
 from infra.storage import StorageError, open_store
-from infra.storage.transfer import RetryPolicy, call_with_retries, sha256_file
+from infra.storage.checksum import sha256_file
+from infra.storage.retry import RetryPolicy, call_with_retries
 
 log = logging.getLogger(__name__)
 

@@ -18,6 +18,7 @@ __all__ = [
     "ObjectNotFound",
     "ObjectStore",
     "StorageError",
+    "as_url",
     "open_store",
 ]
 
@@ -34,10 +35,14 @@ def _supported() -> str:
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
+def as_url(location: str) -> str:
+    """A store URL as it is; a plain local path (no '://') as file:// of its absolute path (relative to the cwd)."""
+    return location if "://" in location else "file://" + str(Path(location).expanduser().resolve())
+
+
 def open_store(url: str) -> ObjectStore:
-    """The store rooted at url; a plain local path (no '://') means file:// of its absolute path."""
-    if "://" not in url:
-        url = "file://" + str(Path(url).expanduser().resolve())
+    """The store rooted at url (a plain local path: see as_url)."""
+    url = as_url(url)
     scheme = url.split("://", 1)[0]
     target = BACKENDS.get(scheme)
     if target is None:

@@ -34,7 +34,7 @@ from google.resumable_media.common import DataCorruption, InvalidResponse
 from infra.storage.base import ChecksumMismatch, ObjectInfo, ObjectNotFound, ObjectStore, StorageError
 from infra.storage.checksum import CRC32C, Checksum, check, checksum_file
 from infra.storage.cloud import BucketKeys, TransientStorageError, nothing_to_read, split_bucket_url, translating
-from infra.storage.local import os_errors_named
+from infra.storage.files import os_errors_named
 from infra.storage.pool import Threaded
 from infra.storage.records import FileJob, TransferConfig
 from infra.storage.retry import call_with_retries

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from infra.storage.base import StorageError
 from infra.storage.checksum import Checksum, check, checksum_file
-from infra.storage.local import os_errors_named
+from infra.storage.files import os_errors_named
 from infra.storage.records import FileResult
 from infra.storage.verified import VerifiedFiles
 

@@ -12,8 +12,8 @@ from typing import Protocol, runtime_checkable
 
 from infra.storage.base import ObjectStore, StorageError
 from infra.storage.checksum import Checksum
+from infra.storage.files import os_errors_named
 from infra.storage.landing import Landing
-from infra.storage.local import os_errors_named
 from infra.storage.pool import Pending, Pool, Threaded
 from infra.storage.records import FileJob, FileResult, TransferConfig
 

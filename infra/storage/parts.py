@@ -25,8 +25,8 @@ from infra.storage.checksum import (
     checksum_bytes,
     checksum_file,
 )
+from infra.storage.files import os_errors_named, write_all
 from infra.storage.landing import Landing
-from infra.storage.local import os_errors_named, write_all
 from infra.storage.pool import Pool
 from infra.storage.records import FileResult, TransferConfig
 from infra.storage.retry import call_with_retries, one_line

@@ -29,7 +29,7 @@ from infra.storage import s3_native
 from infra.storage.base import ChecksumMismatch, ObjectInfo, ObjectNotFound, ObjectStore, StorageError
 from infra.storage.checksum import CRC32C, CRC64NVME, Checksum
 from infra.storage.cloud import BucketKeys, TransientStorageError, nothing_to_read, split_bucket_url, translating
-from infra.storage.local import os_errors_named, write_all, write_atomically
+from infra.storage.files import os_errors_named, write_all, write_atomically
 from infra.storage.records import FileJob, TransferConfig
 
 log = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ from pathlib import Path
 from infra.errors import is_transient
 from infra.storage.base import ObjectNotFound, ObjectStore, StorageError
 from infra.storage.checksum import Checksum, checksum_file, checksum_or_none, sha256_file
+from infra.storage.files import is_safe_key, os_errors_named
 from infra.storage.landing import PART_SUFFIX, Landing
-from infra.storage.local import is_safe_key, os_errors_named
 from infra.storage.native import NativeFetch, NativePut, NativeTransfers, uses_native
 from infra.storage.parts import MultipartUploads, PartFetch, PartPut
 from infra.storage.pool import TICK_S, Pool, Progress, Threaded

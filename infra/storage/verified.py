@@ -16,7 +16,7 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from infra.storage.local import write_all, write_atomically
+from infra.storage.files import write_all, write_atomically
 
 log = logging.getLogger(__name__)
 
