@@ -382,9 +382,9 @@ def bench_s3(config: BenchConfig, scratch: Path, servers: ModuleType, echo: Call
             # The server does more per GET of an object with a CRC (it reads the CRC back), so the peer downloads
             # these objects too and the native engine is compared with it there.
             _seed_with_crcs(meter, data, server)
-        os.sync()  # the dataset and the seeded bucket on disk before any timing: no run pays another's writeback
             sources += [(client, engine, CRC_BUCKET, STORED_CRC_NOTE) for client, engine in clients
                         if (client, engine) in (("trainpipe", "native"), ("s5cmd", ""))]
+        os.sync()  # the dataset and the seeded bucket on disk before any timing: no run pays another's writeback
         for client, engine, bucket, note in sources:
             argv = download_argv(client, engine, bucket, "data/", dest, server.endpoint)
             rows.append(row := Row("s3", "download", client, engine, note=note))
