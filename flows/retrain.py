@@ -39,6 +39,7 @@ from tasks.report import (
     record_training,
     record_workload,
 )
+from tasks.results import Staged
 from tasks.stage import restore_checkpoint, stage_dataset
 from tasks.train import TrainLaunch, TrainOutcome, run_training
 from tasks.verify import bench_cluster, verify_node
@@ -110,7 +111,7 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
 
 def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: RunSummary, cluster_name: str,
                        resume_step: int | None, recovery: RecoveryRecord | None
-                       ) -> tuple[Cluster, list[dict[str, Any]], TrainOutcome]:
+                       ) -> tuple[Cluster, list[Staged], TrainOutcome]:
     """provision → verify → stage (+ code, setup, restore) → train, once; a recovery records how long each step
     took it."""
     with summary.phase("provision"), _timed(recovery, "provision"):
@@ -124,7 +125,7 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: 
         probes = verify_node.map(unmapped(cluster), cluster.nodes, need_bytes).result()
         summary.cluster_bench = bench_cluster(job, cluster)
     attempt = recovery.number if recovery is not None else 0
-    launch = TrainLaunch(plan.checkpoint_url, plan.dataset_url, probes[0]["free_port"], plan.workload.config_hash,
+    launch = TrainLaunch(plan.checkpoint_url, plan.dataset_url, probes[0].free_port, plan.workload.config_hash,
                          attempt=attempt, attempt_id=f"{attempt}-{uuid.uuid4().hex[:8]}")
     with summary.phase("stage"):
         # The code and the setup go their own way beside the dataset: neither waits for the other.
@@ -142,10 +143,10 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: 
     if restored:
         record_resume(summary, restored, initial=recovery is None)
     if recovery is not None:
-        recovery.reused_bytes = sum(s["skipped_bytes"] for s in staged)
-        recovery.resumed(restored[0]["step"] if restored else None, cluster.price_per_hour)
+        recovery.reused_bytes = sum(s.skipped_bytes for s in staged)
+        recovery.resumed(restored[0].step if restored else None, cluster.price_per_hour)
     with summary.phase("train"):
-        resume_from = {node.name: r["path"] for node, r in zip(cluster.nodes, restored, strict=False)}
+        resume_from = {node.name: r.path for node, r in zip(cluster.nodes, restored, strict=False)}
         outcome = run_training(job, cluster, replace(launch, resume_from=resume_from))
     return cluster, staged, outcome
 

@@ -1,0 +1,82 @@
+"""What the tasks return: the node agents' JSON events, parsed once at the task boundary into typed records.
+
+The node commands (infra.node) print one JSON event per line; the tasks pick the one that carries their result and
+turn it into one of these, so flows and the report read named fields instead of keys a typo would miss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A node's `probe` event: it answers, and what it has (verify)."""
+
+    host: str
+    python: str
+    platform: str
+    cpus: int | None
+    free_bytes: dict[str, int]  # per probed dir
+    free_port: int  # the head node's is the rendezvous port
+    problems: tuple[str, ...] = ()
+
+    @classmethod
+    def from_event(cls, event: Mapping[str, Any]) -> Probe:
+        return cls(host=event["host"], python=event["python"], platform=event["platform"], cpus=event["cpus"],
+                   free_bytes=dict(event["free_bytes"]), free_port=event["free_port"],
+                   problems=tuple(event["problems"]))
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A node's `staged` event: its share of the dataset is in its data dir."""
+
+    files: int
+    bytes: int  # fetched from the store
+    skipped_files: int  # reused from the node's cache or data dir
+    skipped_bytes: int
+    node_bytes: int  # what the node holds
+    seconds: float
+    mb_per_s: float  # of the fetch
+
+    @classmethod
+    def from_event(cls, event: Mapping[str, Any]) -> Staged:
+        return cls(files=event["files"], bytes=event["bytes"], skipped_files=event["skipped_files"],
+                   skipped_bytes=event["skipped_bytes"], node_bytes=event["node_bytes"], seconds=event["seconds"],
+                   mb_per_s=event["mb_per_s"])
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A node's `restored` event: the latest committed checkpoint is in its checkpoint dir."""
+
+    step: int
+    path: str  # on the node: the script's TRAINPIPE_RESUME_FROM
+    name: str = ""
+    bytes: int = 0
+    seconds: float = 0.0
+    config_hash: str | None = None
+    warnings: tuple[str, ...] = ()  # newer commits skipped as damaged
+
+    @classmethod
+    def from_event(cls, event: Mapping[str, Any]) -> Restored:
+        return cls(step=event["step"], path=event["path"], name=event.get("name", ""), bytes=event.get("bytes", 0),
+                   seconds=event.get("seconds", 0.0), config_hash=event.get("config_hash"),
+                   warnings=tuple(event.get("warnings", ())))
+
+
+@dataclass(frozen=True)
+class Verified:
+    """The head node's `verified` event: the committed checkpoint's every byte checks out."""
+
+    step: int
+    files: int
+    bytes: int
+    seconds: float
+
+    @classmethod
+    def from_event(cls, event: Mapping[str, Any]) -> Verified:
+        return cls(step=event["step"], files=event["files"], bytes=event["bytes"], seconds=event["seconds"])
