@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,16 @@ from infra.lifecycle.recovery import RECOVERY_PHASES
 from infra.workspace import run_dir
 from tasks.node_output import read_loss_curve
 from tasks.policy import NO_RETRIES
-from tasks.results import Restored, Staged, Verified
+from tasks.results import (
+    CheckpointSave,
+    Committed,
+    Restored,
+    Staged,
+    Uploaded,
+    Verified,
+    checkpoint_saves,
+    sync_results,
+)
 from tasks.train import TrainOutcome
 from tasks.workload import NodeReady
 
@@ -123,24 +132,24 @@ def record_resume(summary: RunSummary, restored: Sequence[Restored | Mapping[str
         summary.warnings.append(f"resumed from step {step}: {warning}")
 
 
-def checkpoint_metrics(trainer_events: list[dict[str, Any]], sync_events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def checkpoint_metrics(trainer_events: Iterable[CheckpointSave | Mapping[str, Any]],
+                       sync_events: Iterable[Uploaded | Committed | Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One row per checkpoint step: the trainer's stall and local write (head node), the slowest node's upload,
-    and the commit time (from the step being complete locally to its manifest in the store)."""
+    and the commit time (from the step being complete locally to its manifest in the store).
+
+    Takes the train task's typed results; raw events (as read off a node's output) are parsed the same way."""
     rows: dict[int, dict[str, Any]] = {}
-    for event in trainer_events:
-        if event.get("event") == "checkpoint":
-            rows.setdefault(event["step"], {"step": event["step"]}).update(
-                mode=event["mode"], stall_s=event["stall_s"], write_s=event["write_s"], local_bytes=event["bytes"])
-    for event in sync_events:
-        if event["event"] not in ("uploaded", "committed"):
-            continue
-        row = rows.setdefault(event["step"], {"step": event["step"]})
-        if event["event"] == "uploaded":
-            row["upload_s"] = max(row.get("upload_s", 0.0), event["seconds"])
-            rates = [r for r in (row.get("upload_mb_per_s"), event["mb_per_s"]) if r is not None]
+    for save in checkpoint_saves(trainer_events):
+        rows.setdefault(save.step, {"step": save.step}).update(
+            mode=save.mode, stall_s=save.stall_s, write_s=save.write_s, local_bytes=save.bytes)
+    for event in sync_results(sync_events):
+        row = rows.setdefault(event.step, {"step": event.step})
+        if isinstance(event, Uploaded):
+            row["upload_s"] = max(row.get("upload_s", 0.0), event.seconds)
+            rates = [r for r in (row.get("upload_mb_per_s"), event.mb_per_s) if r is not None]
             row["upload_mb_per_s"] = min(rates) if rates else None
-        elif event["event"] == "committed":
-            row.update(commit_s=event["commit_s"], committed_bytes=event["bytes"])
+        else:
+            row.update(commit_s=event.commit_s, committed_bytes=event.bytes)
     return [rows[step] for step in sorted(rows)]
 
 

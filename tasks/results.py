@@ -6,7 +6,7 @@ turn it into one of these, so flows and the report read named fields instead of 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,3 +80,63 @@ class Verified:
     @classmethod
     def from_event(cls, event: Mapping[str, Any]) -> Verified:
         return cls(step=event["step"], files=event["files"], bytes=event["bytes"], seconds=event["seconds"])
+
+
+@dataclass(frozen=True)
+class CheckpointSave:
+    """The script's `checkpoint` record (trainer.checkpoint) in its metrics file: one local save on the head node."""
+
+    step: int
+    mode: str
+    stall_s: float  # training stopped for this long
+    write_s: float
+    bytes: int
+
+    @classmethod
+    def from_event(cls, event: Mapping[str, Any]) -> CheckpointSave:
+        return cls(step=event["step"], mode=event["mode"], stall_s=event["stall_s"], write_s=event["write_s"],
+                   bytes=event["bytes"])
+
+
+@dataclass(frozen=True)
+class Uploaded:
+    """A syncer's `uploaded` event: one node's part of a checkpoint step is in the store."""
+
+    step: int
+    seconds: float
+    mb_per_s: float | None
+
+    @classmethod
+    def from_event(cls, event: Mapping[str, Any]) -> Uploaded:
+        return cls(step=event["step"], seconds=event["seconds"], mb_per_s=event["mb_per_s"])
+
+
+@dataclass(frozen=True)
+class Committed:
+    """The coordinating syncer's `committed` event: the step's manifest is in the store."""
+
+    step: int
+    commit_s: float  # from the step complete locally to its manifest in the store
+    bytes: int
+
+    @classmethod
+    def from_event(cls, event: Mapping[str, Any]) -> Committed:
+        return cls(step=event["step"], commit_s=event["commit_s"], bytes=event["bytes"])
+
+
+def checkpoint_saves(records: Iterable[CheckpointSave | Mapping[str, Any]]) -> list[CheckpointSave]:
+    """The saves among the script's metrics records (its other records are steps and facts)."""
+    return [r if isinstance(r, CheckpointSave) else CheckpointSave.from_event(r) for r in records
+            if isinstance(r, CheckpointSave) or r.get("event") == "checkpoint"]
+
+
+def sync_results(events: Iterable[Uploaded | Committed | Mapping[str, Any]]) -> list[Uploaded | Committed]:
+    """The uploads and commits among the syncers' events (the rest, started, skipped, retention..., only log)."""
+    kinds: dict[str, type[Uploaded] | type[Committed]] = {"uploaded": Uploaded, "committed": Committed}
+    results: list[Uploaded | Committed] = []
+    for event in events:
+        if isinstance(event, Uploaded | Committed):
+            results.append(event)
+        elif event.get("event") in kinds:
+            results.append(kinds[event["event"]].from_event(event))
+    return results

@@ -19,6 +19,7 @@ from infra.workload.progress import Point
 from tasks.chaos import arm_chaos
 from tasks.node_output import TrainingProgress, node_line_sink
 from tasks.policy import NO_RETRIES
+from tasks.results import CheckpointSave, Committed, Uploaded, checkpoint_saves, sync_results
 
 SYNC_FLUSH_TIMEOUT_S = 600.0
 # Beyond the flush deadline: the script's own exit (process group teardown, torchrun's agent shutting down).
@@ -47,8 +48,8 @@ class TrainLaunch:
 class TrainOutcome:
     points: list[Point]
     facts: dict[str, Any]
-    checkpoint_events: list[dict[str, Any]]  # the script's (trainer.checkpoint's) saves
-    sync_events: list[dict[str, Any]]  # the syncers' uploads and commits
+    checkpoint_events: list[CheckpointSave]  # the script's (trainer.checkpoint's) saves
+    sync_events: list[Uploaded | Committed]  # the syncers' uploads and commits
     seconds: float
     first_step_at: float | None  # unix time the first step ended
     steps_s: float  # the training steps' own time
@@ -198,6 +199,7 @@ def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOu
         raise
     _stop_syncers(runners, syncers, cluster.nodes)
     metrics(force=True)
-    return TrainOutcome(points=progress.points, facts=progress.facts, checkpoint_events=progress.checkpoint_events,
-                        sync_events=sync_events, seconds=time.monotonic() - started,
+    return TrainOutcome(points=progress.points, facts=progress.facts,
+                        checkpoint_events=checkpoint_saves(progress.checkpoint_events),
+                        sync_events=sync_results(sync_events), seconds=time.monotonic() - started,
                         first_step_at=progress.clock.first_step_at, steps_s=progress.clock.steps_s())
