@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import replace
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from dataclasses import dataclass, replace
 from typing import Any
 
 from prefect import flow, unmapped
@@ -24,7 +24,7 @@ from infra.job.plan import Plan, cluster_name_for
 from infra.job.spec import JobSpec
 from infra.job.summary import LAUNCHED_AT_VAR, RunSummary
 from infra.lifecycle.preemption_watch import Preempted
-from infra.lifecycle.recovery import Recoveries, RecoveryRecord, narrowed
+from infra.lifecycle.recovery import RECOVERY_PHASES, Recoveries, RecoveryRecord, narrowed
 from infra.workspace import run_dir
 from tasks.capacity import nodes_held
 from tasks.checkpoint import latest_committed_step, verify_committed_checkpoint
@@ -39,6 +39,7 @@ from tasks.report import (
     record_training,
     record_workload,
 )
+from tasks.results import Staged
 from tasks.stage import restore_checkpoint, stage_dataset
 from tasks.train import TrainLaunch, TrainOutcome, run_training
 from tasks.verify import bench_cluster, verify_node
@@ -71,8 +72,9 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
                          started_at=launched_at())
     recoveries = Recoveries(job.recovery)
     start_loss_curve(run_id)
+    phase = Phases(summary)  # the run's own phases; a recovery's are timed into its record too
     try:
-        with summary.phase("plan"):
+        with phase("plan"):
             plan: Plan = plan_run(job, run_id)
             code_url = publish_code(job, plan)
         summary.dataset = plan.dataset.summary()
@@ -88,12 +90,12 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
                 # The nodes are gone or going: tear down what is left, launch again, resume from the last commit.
                 recovery = recoveries.begin(preempted.node, preempted.reason, preempted.with_notice,
                                             preempted.step_reached, preempted.detected_at)
-                with summary.phase("teardown"), _timed(recovery, "teardown"):
+                with Phases(summary, recovery)("teardown"):
                     teardown_cluster.with_options(task_run_name=f"recovery-{recovery.number}: teardown after "
                                                   f"{preempted}")(job.cluster.provider, cluster_name, keep_data=True)
                 job = _avoiding(job, plan, recoveries, summary.attempts)
                 resume_step = latest_committed_step(plan.checkpoint_url)
-        with summary.phase("sync"):
+        with phase("sync"):
             verified = verify_committed_checkpoint(cluster, plan.checkpoint_url, job.checkpoints.format)
         record_training(summary, staged, outcome, verified, plan.checkpoint_url)
         summary.status = "completed"
@@ -101,7 +103,7 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
         record_failure(summary, exc)
         raise
     finally:
-        with summary.phase("teardown"):
+        with phase("teardown"):  # the run's own teardown: no recovery's time to resume
             summary.nodes_left = teardown_cluster(job.cluster.provider, cluster_name)
         summary.recoveries = [r.to_dict() for r in recoveries.records]
         publish_summary(summary, run_dir(run_id))
@@ -110,30 +112,31 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
 
 def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: RunSummary, cluster_name: str,
                        resume_step: int | None, recovery: RecoveryRecord | None
-                       ) -> tuple[Cluster, list[dict[str, Any]], TrainOutcome]:
+                       ) -> tuple[Cluster, list[Staged], TrainOutcome]:
     """provision → verify → stage (+ code, setup, restore) → train, once; a recovery records how long each step
     took it."""
-    with summary.phase("provision"), _timed(recovery, "provision"):
+    phase = Phases(summary, recovery)
+    with phase("provision"):
         cluster = provision_cluster(job, cluster_name, summary.run_id)
     record_launch(summary, cluster)
     # Remote access reads every batch from the store: nothing is staged, so nodes need no room for the dataset.
     staging = job.dataset.access == "staged"
-    with summary.phase("verify"), _timed(recovery, "verify"):
+    with phase("verify"):
         # Each node needs room for what it will hold (split: its share), not the whole dataset.
         need_bytes = [plan.dataset.node_bytes[node.rank] if staging else 0 for node in cluster.nodes]
         probes = verify_node.map(unmapped(cluster), cluster.nodes, need_bytes).result()
         summary.cluster_bench = bench_cluster(job, cluster)
     attempt = recovery.number if recovery is not None else 0
-    launch = TrainLaunch(plan.checkpoint_url, plan.dataset_url, probes[0]["free_port"], plan.workload.config_hash,
+    launch = TrainLaunch(plan.checkpoint_url, plan.dataset_url, probes[0].free_port, plan.workload.config_hash,
                          attempt=attempt, attempt_id=f"{attempt}-{uuid.uuid4().hex[:8]}")
-    with summary.phase("stage"):
+    with phase("stage"):
         # The code and the setup go their own way beside the dataset: neither waits for the other.
         preparing = prepare_node.map(unmapped(job), unmapped(cluster), cluster.nodes, unmapped(code_url),
                                      unmapped(plan.workload.code_sha256), unmapped(launch))
-        with _timed(recovery, "stage"):
+        with phase.recovery_part("stage"):
             staged = (stage_dataset.map(unmapped(cluster), cluster.nodes, unmapped(plan.dataset.snapshot_url),
                                         unmapped(plan.dataset.shard)).result() if staging else [])
-        with _timed(recovery, "restore"):
+        with phase.recovery_part("restore"):
             restored = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.checkpoint_url),
                                                unmapped(job.checkpoints.format)).result()
                         if resume_step is not None else [])
@@ -142,10 +145,10 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: 
     if restored:
         record_resume(summary, restored, initial=recovery is None)
     if recovery is not None:
-        recovery.reused_bytes = sum(s["skipped_bytes"] for s in staged)
-        recovery.resumed(restored[0]["step"] if restored else None, cluster.price_per_hour)
-    with summary.phase("train"):
-        resume_from = {node.name: r["path"] for node, r in zip(cluster.nodes, restored, strict=False)}
+        recovery.reused_bytes = sum(s.skipped_bytes for s in staged)
+        recovery.resumed(restored[0].step if restored else None, cluster.price_per_hour)
+    with phase("train"):
+        resume_from = {node.name: r.path for node, r in zip(cluster.nodes, restored, strict=False)}
         outcome = run_training(job, cluster, replace(launch, resume_from=resume_from))
     return cluster, staged, outcome
 
@@ -168,9 +171,31 @@ def _trained(summary: RunSummary, recovery: RecoveryRecord | None, first_step_at
         recovery.first_step(first_step_at)
 
 
-def _timed(recovery: RecoveryRecord | None, phase: str) -> AbstractContextManager[None]:
-    """A recovery's share of a phase: recorded on the recovery too, so its time to resume can be split."""
-    return recovery.phase(phase) if recovery is not None else nullcontext()
+@dataclass(frozen=True)
+class Phases:
+    """One context manager per pipeline phase: `with phase("verify"):` times it into the run summary and, within a
+    recovery, into the recovery's record too, so its time to resume can be split by phase.
+
+    The stage phase is the exception: the summary times it whole (code, setup, dataset and restore side by side),
+    while a recovery splits it into the dataset's staging and the checkpoint's restore (recovery_part)."""
+
+    summary: RunSummary
+    recovery: RecoveryRecord | None = None
+
+    def __call__(self, name: str) -> AbstractContextManager[None]:
+        stack = ExitStack()
+        stack.enter_context(self.summary.phase(name))
+        if name in _WHOLE_IN_RECOVERY:
+            stack.enter_context(self.recovery_part(name))
+        return stack
+
+    def recovery_part(self, name: str) -> AbstractContextManager[None]:
+        """A part of a phase only a recovery times on its own (the summary's phase around it times it whole)."""
+        return self.recovery.phase(name) if self.recovery is not None else nullcontext()
+
+
+# The phases a recovery times exactly as the summary does; its stage and restore are parts of the summary's stage.
+_WHOLE_IN_RECOVERY = tuple(name for name in RECOVERY_PHASES if name not in ("stage", "restore"))
 
 
 def _avoiding(job: JobSpec, plan: Plan, recoveries: Recoveries, attempts: list[dict[str, Any]]) -> JobSpec:

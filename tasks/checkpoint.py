@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import get_run_logger, task
 
 from infra.checkpoints.commit import CheckpointStore
@@ -11,6 +9,7 @@ from infra.compute.providers import Cluster, get_provider
 from infra.storage import open_store
 from tasks.node_output import last_event, node_line_sink
 from tasks.policy import TRANSIENT_RETRIES
+from tasks.results import Verified
 
 
 class NoCheckpointError(RuntimeError):
@@ -18,7 +17,7 @@ class NoCheckpointError(RuntimeError):
 
 
 @task(name="verify-committed-checkpoint", **TRANSIENT_RETRIES)
-def verify_committed_checkpoint(cluster: Cluster, checkpoint_url: str, checkpoint_format: str) -> dict[str, Any]:
+def verify_committed_checkpoint(cluster: Cluster, checkpoint_url: str, checkpoint_format: str) -> Verified:
     """Runs on the head node, so checksumming reads the store over the cluster's network, not the orchestrator's."""
     if CheckpointStore(open_store(checkpoint_url)).latest() is None:
         raise NoCheckpointError(
@@ -29,7 +28,7 @@ def verify_committed_checkpoint(cluster: Cluster, checkpoint_url: str, checkpoin
     runner = get_provider(cluster.provider).runner(cluster, head)
     result = runner.run([head.python, "-m", "infra.node", "verify-ckpt", "--url", checkpoint_url], timeout=3600,
                         on_line=node_line_sink(get_run_logger(), head.name))
-    return last_event(result.output, "verified")
+    return Verified.from_event(last_event(result.output, "verified"))
 
 
 @task(name="find-latest-commit", **TRANSIENT_RETRIES)

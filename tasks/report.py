@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,28 +25,38 @@ from infra.lifecycle.recovery import RECOVERY_PHASES
 from infra.workspace import run_dir
 from tasks.node_output import read_loss_curve
 from tasks.policy import NO_RETRIES
+from tasks.results import (
+    CheckpointSave,
+    Committed,
+    Restored,
+    Staged,
+    Uploaded,
+    Verified,
+    checkpoint_saves,
+    sync_results,
+)
 from tasks.train import TrainOutcome
 from tasks.workload import NodeReady
 
 FINAL_LOSS_WINDOW = 10  # the final loss averages this many logged points: one noisy batch does not decide it
 
 
-def record_training(summary: RunSummary, staged: list[dict[str, Any]], outcome: TrainOutcome,
-                    verified: dict[str, Any], checkpoint_url: str) -> None:
+def record_training(summary: RunSummary, staged: list[Staged], outcome: TrainOutcome,
+                    verified: Verified, checkpoint_url: str) -> None:
     """What the script reported (points, facts, saves), what the syncers did, and the committed checkpoint."""
     if staged:  # nothing is staged when the trainer reads the dataset from the store (dataset.access remote)
         summary.stage = {
-            "bytes": max(s["bytes"] for s in staged),
-            "skipped_bytes": max(s["skipped_bytes"] for s in staged),
-            "mb_per_s": min(s["mb_per_s"] for s in staged),
-            "seconds": max(s["seconds"] for s in staged),
+            "bytes": max(s.bytes for s in staged),
+            "skipped_bytes": max(s.skipped_bytes for s in staged),
+            "mb_per_s": min(s.mb_per_s for s in staged),
+            "seconds": max(s.seconds for s in staged),
         }
     curve = read_loss_curve(run_dir(summary.run_id))  # every attempt's points, in the order they came
     losses = [point.loss for point in outcome.points if point.loss is not None]
     if curve:
         summary.start_step, summary.initial_loss = curve[0]
     # A last attempt that resumed at the final step trains none: the committed step is how far the run got.
-    summary.steps = max([point.step for point in outcome.points] + [verified["step"]])
+    summary.steps = max([point.step for point in outcome.points] + [verified.step])
     if losses:
         summary.final_loss = sum(losses[-FINAL_LOSS_WINDOW:]) / len(losses[-FINAL_LOSS_WINDOW:])
     facts = outcome.facts
@@ -55,8 +66,8 @@ def record_training(summary: RunSummary, staged: list[dict[str, Any]], outcome: 
     if isinstance(facts.get("breakdown"), dict):
         summary.breakdown = StepBreakdown.from_dict(facts["breakdown"]).summary()
     summary.checkpoints = checkpoint_metrics(outcome.checkpoint_events, outcome.sync_events)
-    summary.checkpoint_step = verified["step"]
-    summary.checkpoint = f"{checkpoint_url}/{step_name(verified['step'])}"
+    summary.checkpoint_step = verified.step
+    summary.checkpoint = f"{checkpoint_url}/{step_name(verified.step)}"
 
 
 def _number(value: Any) -> float | None:
@@ -77,7 +88,7 @@ def record_workload(summary: RunSummary, plan: Plan, ready: list[NodeReady], cod
 def record_launch(summary: RunSummary, cluster: Cluster) -> None:
     summary.record_launch(cluster.instance_type, cluster.market, cluster.price_per_hour, list(cluster.attempts))
     # What bootstrap found on each node (providers that bootstrap over SSH put it on the cluster record).
-    summary.node_reports = dict(cluster.owner.get("bootstrap", {}))
+    summary.node_reports = dict(cluster.bootstrap_reports)
 
 
 def record_failure(summary: RunSummary, exc: BaseException) -> None:
@@ -101,41 +112,44 @@ def record_dataset_failure(summary: RunSummary, exc: BaseException) -> None:
 # -------------------------------------------------------------------------------------------------------------
 
 
-def record_resume(summary: RunSummary, restored: list[dict[str, Any]],
+def record_resume(summary: RunSummary, restored: Sequence[Restored | Mapping[str, Any]],
                   logger: logging.Logger | logging.LoggerAdapter[Any] | None = None, initial: bool = True) -> None:
     """Which committed step every node restored, and why newer ones were skipped (a damaged checkpoint).
 
     initial: the run's own start (its resumed_from_step); a recovery's restore only adds its warnings."""
     logger = logger or get_run_logger()
-    steps = {r["step"] for r in restored}
+    # The flow passes the restore tasks' results; a `restored` event read straight off a node's output (as the
+    # checkpoint tests do) is parsed here, once, the same way the task does.
+    restores = [r if isinstance(r, Restored) else Restored.from_event(r) for r in restored]
+    steps = {r.step for r in restores}
     if len(steps) != 1:
         raise RuntimeError(f"nodes restored different checkpoint steps {sorted(steps)}: rerun to restore again")
     step = steps.pop()
     if initial:
         summary.resumed_from_step = step
-    for warning in sorted({w for r in restored for w in r.get("warnings", [])}):
+    for warning in sorted({w for r in restores for w in r.warnings}):
         logger.warning("resume fell back to step %d: %s", step, warning)
         summary.warnings.append(f"resumed from step {step}: {warning}")
 
 
-def checkpoint_metrics(trainer_events: list[dict[str, Any]], sync_events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def checkpoint_metrics(trainer_events: Iterable[CheckpointSave | Mapping[str, Any]],
+                       sync_events: Iterable[Uploaded | Committed | Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One row per checkpoint step: the trainer's stall and local write (head node), the slowest node's upload,
-    and the commit time (from the step being complete locally to its manifest in the store)."""
+    and the commit time (from the step being complete locally to its manifest in the store).
+
+    Takes the train task's typed results; raw events (as read off a node's output) are parsed the same way."""
     rows: dict[int, dict[str, Any]] = {}
-    for event in trainer_events:
-        if event.get("event") == "checkpoint":
-            rows.setdefault(event["step"], {"step": event["step"]}).update(
-                mode=event["mode"], stall_s=event["stall_s"], write_s=event["write_s"], local_bytes=event["bytes"])
-    for event in sync_events:
-        if event["event"] not in ("uploaded", "committed"):
-            continue
-        row = rows.setdefault(event["step"], {"step": event["step"]})
-        if event["event"] == "uploaded":
-            row["upload_s"] = max(row.get("upload_s", 0.0), event["seconds"])
-            rates = [r for r in (row.get("upload_mb_per_s"), event["mb_per_s"]) if r is not None]
+    for save in checkpoint_saves(trainer_events):
+        rows.setdefault(save.step, {"step": save.step}).update(
+            mode=save.mode, stall_s=save.stall_s, write_s=save.write_s, local_bytes=save.bytes)
+    for event in sync_results(sync_events):
+        row = rows.setdefault(event.step, {"step": event.step})
+        if isinstance(event, Uploaded):
+            row["upload_s"] = max(row.get("upload_s", 0.0), event.seconds)
+            rates = [r for r in (row.get("upload_mb_per_s"), event.mb_per_s) if r is not None]
             row["upload_mb_per_s"] = min(rates) if rates else None
-        elif event["event"] == "committed":
-            row.update(commit_s=event["commit_s"], committed_bytes=event["bytes"])
+        else:
+            row.update(commit_s=event.commit_s, committed_bytes=event.bytes)
     return [rows[step] for step in sorted(rows)]
 
 

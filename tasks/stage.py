@@ -13,6 +13,7 @@ from infra.compute.providers import Cluster, Node, get_provider
 from infra.dataset.stagecache import node_cache_dir
 from tasks.node_output import last_event, node_line_sink
 from tasks.policy import TRANSIENT_RETRIES
+from tasks.results import Restored, Staged
 
 
 def _progress_artifact(node: Node, what: str) -> Callable[[dict[str, Any]], None]:
@@ -43,7 +44,7 @@ def _progress_artifact(node: Node, what: str) -> Callable[[dict[str, Any]], None
 
 @task(name="stage-dataset", **TRANSIENT_RETRIES)
 def stage_dataset(cluster: Cluster, node: Node, snapshot_url: str, shard: str,
-                  timeout_s: float = 3600) -> dict[str, Any]:
+                  timeout_s: float = 3600) -> Staged:
     """Mirror the node's files of the run's dataset snapshot into its data dir; <workdir>/data-files.txt lists them.
 
     Its `staged` event: files and node_bytes (what the node holds), bytes (fetched), skipped_files and skipped_bytes
@@ -55,12 +56,12 @@ def stage_dataset(cluster: Cluster, node: Node, snapshot_url: str, shard: str,
                          "--dest", node.data_dir, "--workdir", node.workdir,
                          "--cache", node_cache_dir(cluster.provider, node.workdir), "--run", cluster.run_id],
                         timeout=timeout_s, on_line=sink)
-    return last_event(result.output, "staged")
+    return Staged.from_event(last_event(result.output, "staged"))
 
 
 @task(name="restore-checkpoint", **TRANSIENT_RETRIES)
 def restore_checkpoint(cluster: Cluster, node: Node, checkpoint_url: str, checkpoint_format: str,
-                       timeout_s: float = 3600) -> dict[str, Any]:
+                       timeout_s: float = 3600) -> Restored:
     """Download the latest committed checkpoint into the node's checkpoint dir (the whole union of every node's
     files, under the name the script saved it as); returns its step and local path (TRAINPIPE_RESUME_FROM)."""
     runner = get_provider(cluster.provider).runner(cluster, node)
@@ -68,4 +69,4 @@ def restore_checkpoint(cluster: Cluster, node: Node, checkpoint_url: str, checkp
     result = runner.run([node.python, "-m", "infra.node", "restore", "--url", checkpoint_url, "--dest", node.ckpt_dir,
                          "--sync-dir", node.sync_dir, "--format", checkpoint_format], timeout=timeout_s,
                         on_line=sink)
-    return last_event(result.output, "restored")
+    return Restored.from_event(last_event(result.output, "restored"))

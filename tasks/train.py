@@ -16,8 +16,10 @@ from infra.lifecycle.preemption_watch import PreemptionWatch, TrainingError
 from infra.node.sync import STOP_FILE
 from infra.workload.contract import NodeContext, render_command
 from infra.workload.progress import Point
+from tasks.chaos import arm_chaos
 from tasks.node_output import TrainingProgress, node_line_sink
 from tasks.policy import NO_RETRIES
+from tasks.results import CheckpointSave, Committed, Uploaded, checkpoint_saves, sync_results
 
 SYNC_FLUSH_TIMEOUT_S = 600.0
 # Beyond the flush deadline: the script's own exit (process group teardown, torchrun's agent shutting down).
@@ -46,8 +48,8 @@ class TrainLaunch:
 class TrainOutcome:
     points: list[Point]
     facts: dict[str, Any]
-    checkpoint_events: list[dict[str, Any]]  # the script's (trainer.checkpoint's) saves
-    sync_events: list[dict[str, Any]]  # the syncers' uploads and commits
+    checkpoint_events: list[CheckpointSave]  # the script's (trainer.checkpoint's) saves
+    sync_events: list[Uploaded | Committed]  # the syncers' uploads and commits
     seconds: float
     first_step_at: float | None  # unix time the first step ended
     steps_s: float  # the training steps' own time
@@ -89,11 +91,6 @@ def syncer_argv(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch)
         "--poll", str(job.checkpoints.sync_poll_s), "--stop-file", f"{node.sync_dir}/{STOP_FILE}",
         "--metrics-file", node.metrics_file,
     ]
-
-
-def chaos_argv(node: Node, trigger: str, notice_s: float) -> list[str]:
-    return [node.python, "-m", "infra.node", "chaos", "--trigger", trigger, "--workdir", node.workdir,
-            "--notice-s", str(notice_s)]
 
 
 def failure_tail(process: Process, lines: int = FAILURE_LINES) -> str:
@@ -186,8 +183,7 @@ def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOu
                 torchrun_argv(job, cluster, node, launch), env=env, cwd=code_dir[node.name],
                 on_line=node_line_sink(logger, node.name, follow=progress.follow if node == cluster.head else None),
                 log_path=node.path("logs", "train.log"))
-        if job.chaos is not None:
-            watch.arm([event for event in job.chaos.preempt if event.attempt == launch.attempt], chaos_argv)
+        arm_chaos(job, launch.attempt, watch)  # tests and drills only: nothing without the job's `chaos:` section
         _wait_all(trainers, started + job.training.timeout_s, watch, metrics)
     except BaseException:
         # SIGTERM first: each script finishes its save in flight (and a last one if the deadline allows) ...
@@ -203,6 +199,7 @@ def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOu
         raise
     _stop_syncers(runners, syncers, cluster.nodes)
     metrics(force=True)
-    return TrainOutcome(points=progress.points, facts=progress.facts, checkpoint_events=progress.checkpoint_events,
-                        sync_events=sync_events, seconds=time.monotonic() - started,
+    return TrainOutcome(points=progress.points, facts=progress.facts,
+                        checkpoint_events=checkpoint_saves(progress.checkpoint_events),
+                        sync_events=sync_results(sync_events), seconds=time.monotonic() - started,
                         first_step_at=progress.clock.first_step_at, steps_s=progress.clock.steps_s())

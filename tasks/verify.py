@@ -15,6 +15,7 @@ from infra.dataset.stagecache import node_cache_dir
 from infra.job.spec import JobSpec
 from tasks.node_output import last_event, node_line_sink
 from tasks.policy import TRANSIENT_RETRIES
+from tasks.results import Probe
 
 
 class NodeCheckError(RuntimeError):
@@ -22,17 +23,17 @@ class NodeCheckError(RuntimeError):
 
 
 @task(name="verify-node", **TRANSIENT_RETRIES)
-def verify_node(cluster: Cluster, node: Node, need_bytes: int) -> dict[str, Any]:
+def verify_node(cluster: Cluster, node: Node, need_bytes: int) -> Probe:
     """need_bytes: what the node will hold of the dataset; its cached objects count as free (reused or evicted)."""
     runner = get_provider(cluster.provider).runner(cluster, node)
     result = runner.run([node.python, "-m", "infra.node", "probe", "--dir", node.data_dir, "--dir", node.ckpt_dir,
                          "--need-bytes", str(need_bytes), "--cache", node_cache_dir(cluster.provider, node.workdir)],
                         timeout=120, check=False)
-    probe = last_event(result.output, "probe")
-    if probe["problems"]:
-        raise NodeCheckError(f"{node.name}: " + "; ".join(probe["problems"]))
-    get_run_logger().info("%s ok: python %s, %s cpus, %.1f GB free for data", node.name, probe["python"],
-                          probe["cpus"], probe["free_bytes"][node.data_dir] / 1e9)
+    probe = Probe.from_event(last_event(result.output, "probe"))
+    if probe.problems:
+        raise NodeCheckError(f"{node.name}: " + "; ".join(probe.problems))
+    get_run_logger().info("%s ok: python %s, %s cpus, %.1f GB free for data", node.name, probe.python,
+                          probe.cpus, probe.free_bytes[node.data_dir] / 1e9)
     return probe
 
 
@@ -57,7 +58,8 @@ def enforce_verdict(result: BenchResult, mode: str, logger: logging.Logger | log
 def bench_cluster(job: JobSpec, cluster: Cluster) -> dict[str, Any]:
     """Measure node-to-node TCP, all-reduce and local disk throughput, and hold them to the floors and the catalog.
 
-    Retried only on transient errors (a dropped connection to a node); a verdict is never retried.
+    Retried only on transient errors (a dropped connection to a node); a verdict is never retried. Returns the run
+    summary's cluster_bench section as it is written (BenchResult.to_dict() is already the typed result's JSON).
     """
     logger = get_run_logger()
     mode = job.cluster.verify.bench

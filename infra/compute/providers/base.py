@@ -97,6 +97,14 @@ class Cluster:
     attempts: tuple[dict[str, Any], ...] = ()  # failover.Attempt.to_dict() of every launch attempt, in order
 
     @property
+    def bootstrap_reports(self) -> dict[str, dict[str, Any]]:
+        """What bootstrap found on each node (mount, GPUs, interfaces), by node name: the public part of owner.
+
+        Providers that bootstrap over SSH keep it in owner["bootstrap"] beside their private keys; this is where
+        everyone else reads it, so no caller depends on how a provider lays out its record."""
+        return dict(self.owner.get("bootstrap", {}))
+
+    @property
     def head(self) -> Node:
         return self.nodes[0]
 
