@@ -46,8 +46,10 @@ def teardown_automations(sweep_deployment_id: UUID, silence_s: int) -> list[Auto
 
 
 def _definition(automation: Automation) -> tuple[object, ...]:
-    return (automation.description, automation.enabled, automation.trigger.model_dump(mode="json", exclude={"id"}),
-            [action.model_dump(mode="json") for action in automation.actions])
+    # Python mode, not JSON: the trigger's `after`, `expect` and `for_each` are sets, and a JSON dump lists a set in
+    # its iteration order, which two equal sets need not share (it depends on the hash seed and insertion order).
+    return (automation.description, automation.enabled, automation.trigger.model_dump(exclude={"id"}),
+            [action.model_dump() for action in automation.actions])
 
 
 def install(automations: list[Automation]) -> list[UUID]:
