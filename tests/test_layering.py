@@ -5,7 +5,9 @@ A lower layer never imports a higher one:
 * the node agent (infra.node), which runs on every node, never reaches orchestration: infra.job, infra.compute,
   infra.lifecycle, infra.analysis, the CLI (trainpipe), flows or tasks; checked through everything it imports
   in turn, since a node runs whatever the agent's imports pull in;
-* storage (infra.storage) never imports compute (infra.compute, the providers among it);
+* storage (infra.storage) never imports compute (infra.compute, the providers among it), nor any other room of
+  infra or the trainer (only infra.errors, the shared leaf that says which failures are transient): it is the
+  bottom layer;
 * nothing under infra/ or trainer/ imports Prefect, flows or tasks.
 
 Imports inside functions count (they run too); so does `from package import module`.
@@ -19,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("infra", "trainer", "tasks", "flows", "trainpipe", "trainpipe_sdk", "bench")
+STORAGE_MAY_IMPORT = ("infra.storage", "infra.errors")
 ORCHESTRATION = ("infra.job", "infra.compute", "infra.lifecycle", "infra.analysis", "trainpipe", "flows", "tasks")
 
 
@@ -32,6 +35,10 @@ def violation(importer: str, imported: str) -> str | None:
         return "the node agent imports orchestration"
     if _within(importer, "infra.storage") and _within(imported, "infra.compute"):
         return "storage imports compute"
+    below_storage = any(_within(imported, p) for p in STORAGE_MAY_IMPORT)
+    if _within(importer, "infra.storage") and not below_storage and (
+            _within(imported, "trainer") or _within(imported, "infra")):
+        return "storage imports a layer above it"
     if (_within(importer, "infra") or _within(importer, "trainer")) and any(
             _within(imported, p) for p in ("prefect", "flows", "tasks")):
         return "plain Python (infra, trainer) imports Prefect, flows or tasks"
@@ -92,6 +99,8 @@ def test_rule_catches_upward_imports() -> None:
     assert violation("infra.node.watch", "infra.compute.providers.local") == "the node agent imports orchestration"
     assert violation("infra.node", "tasks.train") == "the node agent imports orchestration"
     assert violation("infra.storage.s3", "infra.compute.providers") == "storage imports compute"
+    assert violation("infra.storage.transfer", "infra.job.spec") == "storage imports a layer above it"
+    assert violation("infra.storage.transfer", "infra.storage.pool") is None
     assert violation("infra.checkpoints.commit", "prefect") is not None
     assert violation("trainer.train", "flows.retrain") is not None
     assert violation("infra.dataset.stagecache", "prefect.tasks") is not None

@@ -2,6 +2,8 @@
 
 Callers never branch on the scheme; a backend joins by adding one line to BACKENDS. Backends are
 imported on first use so a node that only reads file:// never needs boto3 or google-cloud-storage.
+Storage is a bottom layer: it may import the standard library, its clients (boto3, awscrt, google-cloud-storage)
+itself and infra.errors, never compute, the job, the node agent or Prefect (tests/test_layering.py holds it to that).
 """
 
 from __future__ import annotations

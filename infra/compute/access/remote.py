@@ -28,6 +28,8 @@ class RemoteError(Exception):
 
 @dataclass(frozen=True)
 class RunResult:
+    """A finished node command: its exit status and what it printed (stdout and stderr together)."""
+
     returncode: int
     output: str
 

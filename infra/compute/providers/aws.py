@@ -94,7 +94,6 @@ def launch_token(cluster_name: str, candidate: Candidate, rank: int, after: tupl
 
 class AwsProvider(CloudProvider):
     name = "aws"
-    notice_source = "aws"
     key_hint = "the private key of the EC2 key pair TRAINPIPE_AWS_KEY_NAME names"
     boot_log = "/var/log/cloud-init-output.log"
 

@@ -116,6 +116,11 @@ class CloudProvider(Provider):
         self.boot_status = BOOT_STATUS
 
     @property
+    def notice_source(self) -> str:  # type: ignore[override]
+        """A cloud's nodes read preemption notices from that cloud's metadata service, named as the cloud."""
+        return self.name
+
+    @property
     def catalog(self) -> Catalog:
         if self._catalog is None:
             self._catalog = load_catalog()

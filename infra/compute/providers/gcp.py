@@ -272,7 +272,6 @@ class _Stamp:
 
 class GcpProvider(CloudProvider):
     name = "gcp"
-    notice_source = "gcp"
     key_hint = "a private key whose public key is in TRAINPIPE_GCP_SSH_KEYS (or the project's ssh-keys metadata)"
     boot_log = "`journalctl -u google-startup-scripts`"
 
