@@ -20,8 +20,8 @@ from provider_checks import assert_reports_launched_cluster
 from infra.compute.catalog import Catalog, shipped_catalog
 from infra.compute.failover import QuotaEverywhere
 from infra.compute.providers import get_provider
-from infra.compute.providers.aws import TAG_CLUSTER, TAG_CREATED, TAG_OWNER, TAG_RUN, AwsProvider
-from infra.compute.providers.aws_errors import AuthError, classify
+from infra.compute.providers.aws.errors import AuthError, classify
+from infra.compute.providers.aws.provider import TAG_CLUSTER, TAG_CREATED, TAG_OWNER, TAG_RUN, AwsProvider
 from infra.compute.providers.base import CapacityError, InvalidRequestError, QuotaError
 from infra.job.spec import ClusterSpec
 

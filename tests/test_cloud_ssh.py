@@ -31,10 +31,10 @@ import infra.compute.access.ssh
 import infra.compute.providers.cloud as cloud
 from infra.compute.access.hostkeys import HostKey, fingerprint_of, generate_host_key, install_script
 from infra.compute.access.ssh import HostKeyError, SshRunner, close_connections
-from infra.compute.providers.aws import TAG_HOST_KEY, AwsProvider, user_data
+from infra.compute.providers.aws.provider import TAG_HOST_KEY, AwsProvider, user_data
 from infra.compute.providers.base import Cluster, InvalidRequestError, LaunchError, Node
 from infra.compute.providers.cloud import HOST_KEYS, MOUNT, CloudProvider, boot_script
-from infra.compute.providers.gcp import META_HOST_KEY, GcpProvider, startup_script
+from infra.compute.providers.gcp.provider import META_HOST_KEY, GcpProvider, startup_script
 from infra.compute.providers.hosts import HostUnreachableError
 from infra.compute.providers.local import CLUSTER_TAG, NODE_TAG
 

@@ -38,9 +38,9 @@ from google.auth.credentials import AnonymousCredentials
 from jobs import job_config, make_dataset, write_config
 from sshd import require_sshd
 
-from infra.compute.providers.aws import TAG_HEARTBEAT, AwsProvider
+from infra.compute.providers.aws.provider import TAG_HEARTBEAT, AwsProvider
 from infra.compute.providers.cloud import lease_alive
-from infra.compute.providers.gcp import LABEL_HEARTBEAT, GcpProvider
+from infra.compute.providers.gcp.provider import LABEL_HEARTBEAT, GcpProvider
 from infra.compute.providers.local import LocalProvider
 from infra.job.plan import cluster_name_for
 from infra.job.spec import ClusterSpec

@@ -24,13 +24,14 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
 from provider_checks import assert_reports_launched_cluster
 
-import infra.compute.providers.gcp as gcp_module
+import infra.compute.providers.gcp.provider as gcp_module
 from infra.compute.access.hostkeys import generate_host_key
 from infra.compute.catalog import Catalog, shipped_catalog
 from infra.compute.failover import QuotaEverywhere
 from infra.compute.providers import get_provider
 from infra.compute.providers.base import CapacityError, InvalidRequestError, LaunchError, QuotaError
-from infra.compute.providers.gcp import (
+from infra.compute.providers.gcp.errors import AuthError, classify, is_transient, operation_error
+from infra.compute.providers.gcp.provider import (
     LABEL_CLUSTER,
     LABEL_CREATED,
     LABEL_OWNER,
@@ -42,7 +43,6 @@ from infra.compute.providers.gcp import (
     resource_name,
     startup_script,
 )
-from infra.compute.providers.gcp_errors import AuthError, classify, is_transient, operation_error
 from infra.job.spec import ClusterSpec
 
 REGIONS = ("us-central1", "europe-west4")
@@ -283,7 +283,7 @@ def test_a_refused_second_insert_rolls_back_the_first(gcp: GcpProvider, gce: Gce
 def test_transient_api_errors_are_retried_with_the_same_request_id(gcp: GcpProvider, gce: GceServer,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     gce.fail("backendError", zone="us-central1-a", http_status=503, times=2)
-    with caplog.at_level(logging.WARNING, logger="infra.compute.providers.gcp"):
+    with caplog.at_level(logging.WARNING, logger="infra.compute.providers.gcp.provider"):
         cluster = gcp.launch("tp-gcp-retry", spec(regions=("us-central1",)), "run-retry")
     assert [a.outcome for a in gcp.last_attempts] == ["launched"] and len(cluster.nodes) == 2
     posts = gce.calls("POST", "/zones/us-central1-a/instances$")

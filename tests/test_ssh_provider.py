@@ -27,7 +27,7 @@ from infra.compute.access.bootstrap import bootstrap_node, build_wheel
 from infra.compute.access.ssh import SshRunner, close_connections
 from infra.compute.providers import InvalidRequestError, get_provider
 from infra.compute.providers.local import CLUSTER_TAG
-from infra.compute.providers.ssh import RESERVATION, HostReservedError, SshProvider
+from infra.compute.providers.ssh.provider import RESERVATION, HostReservedError, SshProvider
 from infra.job.spec import ClusterSpec, ConfigError, parse_job
 from infra.node.preemption import NOTICE_FILE, Notice, write_notice
 from infra.storage import open_store

@@ -40,9 +40,9 @@ def summary_path(summary: str) -> Path:
 def _providers(catalog: Catalog, run_provider: str, asked: list[str] | None) -> list[str]:
     """Those asked for, else the run's when the catalog lists it (local, ssh: it does not), else every provider the
     catalog lists that a job config can name."""
-    from infra.job.spec import KNOWN_PROVIDERS
+    from infra.compute.providers.registry import PROVIDER_NAMES
 
-    usable = [p for p in KNOWN_PROVIDERS if catalog.for_provider(p)]
+    usable = [p for p in PROVIDER_NAMES if catalog.for_provider(p)]
     for name in asked or []:
         if name not in usable:
             _fail(f"--provider {name}: the catalog has no instance types of it that a job can use: use one of "

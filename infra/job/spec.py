@@ -1,7 +1,8 @@
 """The job specification: what a retraining job needs, validated before anything is paid for.
 
 Every model here is also the Prefect parameter schema of the retrain flow, so field descriptions
-are what a user reads in the UI form.
+are what a user reads in the UI form. A provider's own section (cluster.ssh, cluster.netns) is defined, and checked
+against the cluster, in that provider's package; the names and what each supports come from its registry.
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from infra.checkpoints.formats import CheckpointFormat
+from infra.compute.providers.netns.config import NetnsClusterSpec
+from infra.compute.providers.registry import CHAOS_PROVIDERS, PROVIDER_NAMES
+from infra.compute.providers.ssh.config import SshClusterSpec
 from infra.job.recovery_spec import ChaosSpec, RecoverySpec
-from infra.models import StrictModel
+from infra.models import StrictModel, readable_file
 from infra.storage import BACKENDS, as_url
 from infra.workload.code import ARCHIVE_SUFFIXES
 from infra.workload.contract import check_command
 
-KNOWN_PROVIDERS = ("local", "aws", "gcp", "ssh", "netns")
-CHAOS_PROVIDERS = ("local", "ssh", "netns")
 SpotPolicy = Literal["never", "prefer", "only"]
 
 
@@ -39,97 +41,6 @@ def _to_url(value: str) -> str:
             raise ValueError(f"unknown scheme '{scheme}://': use one of " + ", ".join(f"{s}://" for s in BACKENDS))
         return value.rstrip("/")
     return as_url(value)
-
-
-SSH_FINGERPRINT = r"^SHA256:[A-Za-z0-9+/]{43}$"
-
-
-def _readable_file(value: str, what: str, fix: str) -> str:
-    """An absolute path to a file this process can read (relative paths count from the cwd)."""
-    path = Path(value).expanduser().resolve()
-    if not path.is_file() or not os.access(path, os.R_OK):
-        raise ValueError(f"{what} {path}: not a readable file: {fix}")
-    return str(path)
-
-
-def _known_hosts_names(host: str, port: int) -> list[str]:
-    # How OpenSSH writes a host in known_hosts: bare for port 22, [host]:port otherwise.
-    return [host] if port == 22 else [f"[{host}]:{port}"]
-
-
-class SshHostSpec(StrictModel):
-    host: str = Field(min_length=1, description="Address or DNS name of the machine.")
-    port: int = Field(22, ge=1, le=65535, description="Its SSH port.")
-    user: str = Field(min_length=1, description="User to log in as (key authentication only).")
-    key_file: str = Field(description="Private key that logs in as that user (no passphrase; ssh-agent is not used).")
-    workdir: str = Field(description="Absolute path on the machine's local NVMe: each cluster gets "
-                         "<workdir>/<cluster>/{data,ckpt,logs}; the machine's reservation and its dataset cache "
-                         "(<workdir>/dataset-cache, kept across runs) live here.")
-    python: str = Field("python3", min_length=1, description="Python interpreter on the machine that has (or gets) "
-                        "trainpipe and torch installed, e.g. /opt/venv/bin/python.")
-    host_key: str | None = Field(None, description="Pinned SHA256 fingerprint of the machine's host key "
-                                 "(ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub on it); without it the key must "
-                                 "be in cluster.ssh.known_hosts.")
-
-    @field_validator("key_file")
-    @classmethod
-    def _key_readable(cls, value: str) -> str:
-        return _readable_file(value, "key file", "give the path of the private key that logs in to the host "
-                              "(ssh-keygen -t ed25519 creates one) and make it readable")
-
-    @field_validator("workdir")
-    @classmethod
-    def _absolute_workdir(cls, value: str) -> str:
-        if not value.startswith("/"):
-            raise ValueError(f"workdir '{value}' is not absolute: give the full path of a dir on the host's NVMe")
-        return value.rstrip("/") or "/"
-
-    @field_validator("host_key")
-    @classmethod
-    def _fingerprint_shape(cls, value: str | None) -> str | None:
-        if value is not None and not re.match(SSH_FINGERPRINT, value):
-            raise ValueError(f"host_key '{value}' is not a SHA256 fingerprint: copy the 'SHA256:...' part of "
-                             "`ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub` run on the host")
-        return value
-
-
-class SshClusterSpec(StrictModel):
-    hosts: tuple[SshHostSpec, ...] = Field((), description="The machines, in rank order: a cluster of N nodes uses "
-                                           "the first N.")
-    known_hosts: str | None = Field(None, description="known_hosts file with the hosts' keys (for hosts without "
-                                    "host_key); unknown or changed keys are refused, never added.")
-
-    @field_validator("known_hosts")
-    @classmethod
-    def _known_hosts_readable(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        return _readable_file(value, "known_hosts file", "point cluster.ssh.known_hosts at an existing file "
-                              "(ssh-keyscan -p PORT HOST >> FILE, after checking the fingerprints)")
-
-    @model_validator(mode="after")
-    def _every_host_verifiable(self) -> SshClusterSpec:
-        seen: set[tuple[str, int, str]] = set()
-        for index, host in enumerate(self.hosts):
-            where = f"hosts[{index}] ({host.host}:{host.port})"
-            if (host.host, host.port, host.workdir) in seen:
-                raise ValueError(f"{where}: listed twice with the same workdir: two nodes would share one dir")
-            seen.add((host.host, host.port, host.workdir))
-            if host.host_key is None and not self._in_known_hosts(host):
-                source = (f"cluster.ssh.known_hosts ({self.known_hosts}) has no entry for it" if self.known_hosts
-                          else "cluster.ssh.known_hosts is not set")
-                raise ValueError(f"{where}: no way to verify its host key: {source}: set its host_key to the "
-                                 "SHA256 fingerprint or add it to known_hosts (ssh-keyscan, after checking the key)")
-        return self
-
-    def _in_known_hosts(self, host: SshHostSpec) -> bool:
-        if self.known_hosts is None:
-            return False
-        # Imported here: paramiko is only needed by ssh configs, and spec.py is imported by every command.
-        from paramiko.hostkeys import HostKeys
-
-        known = HostKeys(self.known_hosts)
-        return any(known.lookup(name) for name in _known_hosts_names(host.host, host.port))
 
 
 class VerifySpec(StrictModel):
@@ -170,15 +81,8 @@ class VerifySpec(StrictModel):
         return value
 
 
-class NetnsClusterSpec(StrictModel):
-    """provider netns: an emulated multi-host cluster on this Linux machine (root), one network namespace a node."""
-
-    link_mbit: float | None = Field(None, gt=0, description="Shape every node's link (both directions) to this many "
-                                    "Mbit/s with tc tbf; none leaves the links unshaped.")
-
-
 class ClusterSpec(StrictModel):
-    provider: str = Field("local", description=f"Where nodes run: one of {', '.join(KNOWN_PROVIDERS)}.")
+    provider: str = Field("local", description=f"Where nodes run: one of {', '.join(PROVIDER_NAMES)}.")
     nodes: int = Field(2, ge=1, le=1024, description="Number of nodes (machines).")
     procs_per_node: int = Field(1, ge=1, le=64, description="Training processes per node (one per GPU).")
     accelerator: str | None = Field(None, description="GPU type each process needs (e.g. H100); none trains on CPU.")
@@ -193,7 +97,8 @@ class ClusterSpec(StrictModel):
     max_price_per_hour: float | None = Field(None, gt=0, description="Price cap for the whole cluster, USD/hour.")
     lease_ttl_s: float = Field(120.0, ge=10, description="Nodes tear themselves down after this long without "
                                "hearing from the orchestrator (bounds how long a cluster outlives a dead run).")
-    ssh: SshClusterSpec | None = Field(None, description="provider ssh: the machines to use and how to reach them.")
+    ssh: SshClusterSpec = Field(default_factory=SshClusterSpec, description="provider ssh: the machines to use and "
+                                "how to reach them.")
     verify: VerifySpec = Field(default_factory=VerifySpec, description="After provisioning: measure node-to-node "
                                "network, all-reduce and local disk throughput against the floors and the catalog.")
     netns: NetnsClusterSpec = Field(default_factory=NetnsClusterSpec, description="provider netns: how its emulated "
@@ -202,8 +107,8 @@ class ClusterSpec(StrictModel):
     @field_validator("provider")
     @classmethod
     def _known_provider(cls, value: str) -> str:
-        if value not in KNOWN_PROVIDERS:
-            raise ValueError(f"unknown provider '{value}': use one of {', '.join(KNOWN_PROVIDERS)}")
+        if value not in PROVIDER_NAMES:
+            raise ValueError(f"unknown provider '{value}': use one of {', '.join(PROVIDER_NAMES)}")
         return value
 
     @field_validator("spot", mode="before")
@@ -213,16 +118,11 @@ class ClusterSpec(StrictModel):
         return {True: "prefer", False: "never"}.get(value, value) if isinstance(value, bool) else value
 
     @model_validator(mode="after")
-    def _ssh_hosts_for_ssh_provider(self) -> ClusterSpec:
-        if self.provider != "ssh":
-            return self
-        hosts = self.ssh.hosts if self.ssh else ()
-        if not hosts:
-            raise ValueError("provider ssh needs cluster.ssh.hosts: list the machines (host, user, key_file, "
-                             "workdir; see examples/ssh.yaml)")
-        if len(hosts) < self.nodes:
-            raise ValueError(f"cluster.nodes is {self.nodes} but cluster.ssh.hosts lists {len(hosts)}: add hosts "
-                             "or lower cluster.nodes")
+    def _provider_section_fits(self) -> ClusterSpec:
+        # A provider's own section is the field named after it (infra.compute.providers.registry).
+        check_fits = getattr(getattr(self, self.provider, None), "check_fits", None)
+        if check_fits is not None:
+            check_fits(self.nodes)
         return self
 
 
@@ -270,7 +170,7 @@ class DatasetSpec(StrictModel):
     @classmethod
     def _suite_file_readable(cls, value: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
         if isinstance(value, str):
-            return _readable_file(value, "expectation suite", "give the path of an ExpectationSuite JSON file, or "
+            return readable_file(value, "expectation suite", "give the path of an ExpectationSuite JSON file, or "
                                   "list the expectations inline")
         return value
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from infra.compute.access.remote import Runner
-from infra.job.spec import ClusterSpec
+
+if TYPE_CHECKING:  # the job spec imports the providers' config sections, which import this package
+    from infra.job.spec import ClusterSpec
 
 
 class LaunchError(Exception):

@@ -24,7 +24,7 @@ from infra.compute.access.bootstrap import WheelSource
 from infra.compute.access.hostkeys import HostKey
 from infra.compute.catalog import Catalog
 from infra.compute.optimizer import Candidate
-from infra.compute.providers.aws_errors import CapacityError, InvalidRequestError, LaunchError, classify, error_code
+from infra.compute.providers.aws.errors import CapacityError, InvalidRequestError, LaunchError, classify, error_code
 from infra.compute.providers.base import Cluster, ClusterRecord, Node, PreemptionNotice
 from infra.compute.providers.cloud import HOST_KEYS, MOUNT, CloudProvider, boot_script, lease_alive
 from infra.compute.providers.launcher import launcher_stamp

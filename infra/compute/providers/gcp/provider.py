@@ -39,7 +39,7 @@ from infra.compute.catalog import Catalog
 from infra.compute.optimizer import Candidate
 from infra.compute.providers.base import Cluster, ClusterRecord, Node, PreemptionNotice
 from infra.compute.providers.cloud import HOST_KEYS, MOUNT, CloudProvider, boot_script, lease_alive
-from infra.compute.providers.gcp_errors import (
+from infra.compute.providers.gcp.errors import (
     CapacityError,
     InvalidRequestError,
     LaunchError,

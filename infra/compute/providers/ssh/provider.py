@@ -37,7 +37,8 @@ from infra.compute.providers.base import (
 )
 from infra.compute.providers.hosts import in_parallel, launch_error
 from infra.compute.providers.launcher import launcher, launcher_alive
-from infra.job.spec import ClusterSpec, SshHostSpec
+from infra.compute.providers.ssh.config import SshHostSpec
+from infra.job.spec import ClusterSpec
 from infra.node.preemption import NOTICE_FILE, parse_notice
 from infra.node.processes import CLUSTER_TAG, NODE_TAG
 from infra.workspace import workspace_dir

@@ -1,0 +1,14 @@
+"""The job's `cluster.netns:` section: how the emulated links between the namespaces are shaped."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from infra.models import StrictModel
+
+
+class NetnsClusterSpec(StrictModel):
+    """provider netns: an emulated multi-host cluster on this Linux machine (root), one network namespace a node."""
+
+    link_mbit: float | None = Field(None, gt=0, description="Shape every node's link (both directions) to this many "
+                                    "Mbit/s with tc tbf; none leaves the links unshaped.")

@@ -1,0 +1,110 @@
+"""The job's `cluster.ssh:` section: the machines, how to log in and how their host keys are verified.
+
+Validated with the rest of the job spec, before anything runs: every key file readable, every workdir absolute,
+every host key verifiable (pinned or in known_hosts), and at least as many hosts as the cluster has nodes.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import Field, field_validator, model_validator
+
+from infra.models import StrictModel, readable_file
+
+SSH_FINGERPRINT = r"^SHA256:[A-Za-z0-9+/]{43}$"
+
+
+def _known_hosts_names(host: str, port: int) -> list[str]:
+    # How OpenSSH writes a host in known_hosts: bare for port 22, [host]:port otherwise.
+    return [host] if port == 22 else [f"[{host}]:{port}"]
+
+
+class SshHostSpec(StrictModel):
+    host: str = Field(min_length=1, description="Address or DNS name of the machine.")
+    port: int = Field(22, ge=1, le=65535, description="Its SSH port.")
+    user: str = Field(min_length=1, description="User to log in as (key authentication only).")
+    key_file: str = Field(description="Private key that logs in as that user (no passphrase; ssh-agent is not used).")
+    workdir: str = Field(description="Absolute path on the machine's local NVMe: each cluster gets "
+                         "<workdir>/<cluster>/{data,ckpt,logs}; the machine's reservation and its dataset cache "
+                         "(<workdir>/dataset-cache, kept across runs) live here.")
+    python: str = Field("python3", min_length=1, description="Python interpreter on the machine that has (or gets) "
+                        "trainpipe and torch installed, e.g. /opt/venv/bin/python.")
+    host_key: str | None = Field(None, description="Pinned SHA256 fingerprint of the machine's host key "
+                                 "(ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub on it); without it the key must "
+                                 "be in cluster.ssh.known_hosts.")
+
+    @field_validator("key_file")
+    @classmethod
+    def _key_readable(cls, value: str) -> str:
+        return readable_file(value, "key file", "give the path of the private key that logs in to the host "
+                              "(ssh-keygen -t ed25519 creates one) and make it readable")
+
+    @field_validator("workdir")
+    @classmethod
+    def _absolute_workdir(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError(f"workdir '{value}' is not absolute: give the full path of a dir on the host's NVMe")
+        return value.rstrip("/") or "/"
+
+    @field_validator("host_key")
+    @classmethod
+    def _fingerprint_shape(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(SSH_FINGERPRINT, value):
+            raise ValueError(f"host_key '{value}' is not a SHA256 fingerprint: copy the 'SHA256:...' part of "
+                             "`ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub` run on the host")
+        return value
+
+
+class SshClusterSpec(StrictModel):
+    hosts: tuple[SshHostSpec, ...] = Field((), description="The machines, in rank order: a cluster of N nodes uses "
+                                           "the first N.")
+    known_hosts: str | None = Field(None, description="known_hosts file with the hosts' keys (for hosts without "
+                                    "host_key); unknown or changed keys are refused, never added.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_no_hosts(cls, value: object) -> object:
+        # Configs dumped while the section was optional say `ssh: null`.
+        return {} if value is None else value
+
+    @field_validator("known_hosts")
+    @classmethod
+    def _known_hosts_readable(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        return readable_file(value, "known_hosts file", "point cluster.ssh.known_hosts at an existing file "
+                              "(ssh-keyscan -p PORT HOST >> FILE, after checking the fingerprints)")
+
+    @model_validator(mode="after")
+    def _every_host_verifiable(self) -> SshClusterSpec:
+        seen: set[tuple[str, int, str]] = set()
+        for index, host in enumerate(self.hosts):
+            where = f"hosts[{index}] ({host.host}:{host.port})"
+            if (host.host, host.port, host.workdir) in seen:
+                raise ValueError(f"{where}: listed twice with the same workdir: two nodes would share one dir")
+            seen.add((host.host, host.port, host.workdir))
+            if host.host_key is None and not self._in_known_hosts(host):
+                source = (f"cluster.ssh.known_hosts ({self.known_hosts}) has no entry for it" if self.known_hosts
+                          else "cluster.ssh.known_hosts is not set")
+                raise ValueError(f"{where}: no way to verify its host key: {source}: set its host_key to the "
+                                 "SHA256 fingerprint or add it to known_hosts (ssh-keyscan, after checking the key)")
+        return self
+
+    def _in_known_hosts(self, host: SshHostSpec) -> bool:
+        if self.known_hosts is None:
+            return False
+        # Imported here: paramiko is only needed by ssh configs, and spec.py is imported by every command.
+        from paramiko.hostkeys import HostKeys
+
+        known = HostKeys(self.known_hosts)
+        return any(known.lookup(name) for name in _known_hosts_names(host.host, host.port))
+
+    def check_fits(self, nodes: int) -> None:
+        """Raise ValueError naming the fix unless these hosts can hold a cluster of `nodes` nodes."""
+        if not self.hosts:
+            raise ValueError("provider ssh needs cluster.ssh.hosts: list the machines (host, user, key_file, "
+                             "workdir; see examples/ssh.yaml)")
+        if len(self.hosts) < nodes:
+            raise ValueError(f"cluster.nodes is {nodes} but cluster.ssh.hosts lists {len(self.hosts)}: add hosts "
+                             "or lower cluster.nodes")
