@@ -35,8 +35,15 @@ JOBS = {
 RESUMED = re.compile(r"\[tp-[\w-]+-node-(\d)\] node (\d): resum\w* from (\S+) at step (\d+)")
 
 
-def cli(*args: str, env: dict[str, str], timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([TRAINPIPE, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+def cli(*args: str, env: dict[str, str], timeout: float = 540) -> subprocess.CompletedProcess[str]:
+    """Runs trainpipe; a run that hangs fails with its own output, inside pytest's 600 s (which would show none)."""
+    try:
+        return subprocess.run([TRAINPIPE, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as hung:
+        # POSIX hands back what was read so far as bytes, whatever `text` said.
+        output = "".join(part.decode(errors="replace") if isinstance(part, bytes) else part
+                         for part in (hung.stdout or b"", hung.stderr or b""))
+        pytest.fail(f"trainpipe {' '.join(args)} still ran after {timeout:.0f} s:\n{output[-8000:]}")
 
 
 @pytest.mark.parametrize("example", sorted(JOBS))

@@ -97,7 +97,9 @@ def _run_cli(args: list[str], env: dict[str, str], timeout: float = 600) -> subp
 
 
 def test_sigkilled_run_is_swept_and_rerun_resumes(workspace: Path, tmp_path: Path, dataset_url: str) -> None:
-    config = job_config(tmp_path, dataset_url, steps=400)
+    # Orphans go on training and committing until the sweep; 50 ms a step keeps the 360 steps after the first commit
+    # (>= 18 s) well beyond the few seconds of `status` and `sweep`, however fast the machine computes.
+    config = job_config(tmp_path, dataset_url, steps=400, step_delay_s=0.05)
     config_path = write_config(tmp_path / "job.yaml", config)
     env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": str(tmp_path / "prefect"),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}

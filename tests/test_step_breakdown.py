@@ -91,6 +91,14 @@ def test_exactly_one_data_source_is_required(capsys: pytest.CaptureFixture[str])
         assert "--data-dir" in capsys.readouterr().err
 
 
+def test_a_negative_step_delay_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["--data-dir", "d", "--ckpt-dir", "c", "--metrics-file", "m"]
+    assert parse_args([*common, "--step-delay-s", "0.05"]).step_delay_s == 0.05
+    with pytest.raises(SystemExit):
+        parse_args([*common, "--step-delay-s", "-1"])
+    assert "--step-delay-s must be >= 0 (got -1.0)" in capsys.readouterr().err
+
+
 # --- real torchrun jobs ---------------------------------------------------------------------------------
 
 

@@ -104,6 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     parser.add_argument("--log-every", type=int, default=10, help="metrics every this many steps")
     parser.add_argument("--eval-batches", type=int, default=8, help="held-out batches for the final eval loss")
+    parser.add_argument("--step-delay-s", type=float, default=0.0,
+                        help="sleep this long in each step, standing in for a bigger model's compute (demos, tests)")
     parser.add_argument("--resume-from", type=Path, default=_env_path("TRAINPIPE_RESUME_FROM"),
                         help="step dir holding every node's files (default: $TRAINPIPE_RESUME_FROM)")
     parser.add_argument(
@@ -113,6 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("steps", "ckpt_every", "keep_local", "batch_size", "threads", "log_every", "eval_batches"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})")
+    if args.step_delay_s < 0:
+        parser.error(f"--step-delay-s must be >= 0 (got {args.step_delay_s})")
     if args.d_model % args.n_heads:
         parser.error(f"--n-heads {args.n_heads} must divide --d-model {args.d_model}")
     if args.data_dir is not None and args.data_url is not None:
@@ -353,6 +357,7 @@ def train(args: argparse.Namespace) -> None:
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), GRAD_CLIP_NORM)
             optimizer.step()
+            time.sleep(args.step_delay_s)
             if step == start_step:
                 checkpointer.prepare(ddp_model, optimizer)
             with timer.phase("sync"):
