@@ -88,7 +88,7 @@ def record_workload(summary: RunSummary, plan: Plan, ready: list[NodeReady], cod
 def record_launch(summary: RunSummary, cluster: Cluster) -> None:
     summary.record_launch(cluster.instance_type, cluster.market, cluster.price_per_hour, list(cluster.attempts))
     # What bootstrap found on each node (providers that bootstrap over SSH put it on the cluster record).
-    summary.node_reports = dict(cluster.bootstrap_reports)
+    summary.node_reports = dict(cluster.bootstrap)
 
 
 def record_failure(summary: RunSummary, exc: BaseException) -> None:

@@ -372,7 +372,7 @@ def test_bootstrap_waits_for_the_pinned_key_and_the_boot_script(nodes: Nodes, re
         assert server.fingerprint == host_key.fingerprint, "sshd serves the installed key"
         node = cluster.nodes[0]
         report = provider.last_reports[node.name]
-        assert booted.owner["bootstrap"] == {node.name: report.to_dict()}, "reports travel with the record"
+        assert booted.bootstrap == {node.name: report.to_dict()}, "reports travel with the record"
         assert booted.owner[HOST_KEYS] == cluster.owner[HOST_KEYS]
         assert report.node == node.name and report.mount.path == str(workdir.resolve())
         assert report.installed is False and report.trainpipe_version

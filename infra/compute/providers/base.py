@@ -91,20 +91,16 @@ class Cluster:
     run_id: str
     nodes: tuple[Node, ...]
     created_at: float
+    # The provider's own state (pids, regions, instance ids, host keys): opaque to everyone but that provider.
     owner: dict[str, Any] = field(default_factory=dict)
     # What the cluster runs on and how it was obtained: the run summary's launch record and cost come from here.
     instance_type: str | None = None
     market: str = "on-demand"
     price_per_hour: float = 0.0  # the whole cluster, USD
     attempts: tuple[dict[str, Any], ...] = ()  # failover.Attempt.to_dict() of every launch attempt, in order
-
-    @property
-    def bootstrap_reports(self) -> dict[str, dict[str, Any]]:
-        """What bootstrap found on each node (mount, GPUs, interfaces), by node name: the public part of owner.
-
-        Providers that bootstrap over SSH keep it in owner["bootstrap"] beside their private keys; this is where
-        everyone else reads it, so no caller depends on how a provider lays out its record."""
-        return dict(self.owner.get("bootstrap", {}))
+    # What bootstrap found on each node (mount, GPUs, interfaces) by node name, for providers that bootstrap nodes
+    # over SSH; public, unlike owner: the run summary reports it.
+    bootstrap: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def head(self) -> Node:
@@ -118,6 +114,8 @@ class Cluster:
         data = json.loads(text)
         data["nodes"] = tuple(Node(**node) for node in data["nodes"])
         data["attempts"] = tuple(data.get("attempts", ()))
+        # Records written before bootstrap had its own field kept it in the provider's owner state.
+        data.setdefault("bootstrap", data.get("owner", {}).pop("bootstrap", {}))
         return cls(**data)
 
 

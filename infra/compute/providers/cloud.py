@@ -212,7 +212,7 @@ class CloudProvider(Provider):
 
     def bootstrap_nodes(self, cluster: Cluster) -> Cluster:
         """Every node reached over SSH once booted (pinned host key, boot script done) and bootstrapped: the cluster
-        with the reports in owner["bootstrap"], as the ssh provider records them. A failure on any node raises the
+        with the reports in its bootstrap field, as the ssh provider records them. A failure on any node raises the
         LaunchError that says whether trying again can help, naming every node that failed."""
         wheel = self._wheel_source()
         outcomes = in_parallel(list(cluster.nodes), lambda node: self._bootstrap_node(cluster, node, wheel))
@@ -225,7 +225,7 @@ class CloudProvider(Provider):
             raise type(errors[0])("; ".join(str(e) for e in errors)) from failures[0][1]
         self.last_reports = {node.name: report for node, report, _ in outcomes}
         reports = {name: report.to_dict() for name, report in self.last_reports.items()}
-        return replace(cluster, owner={**cluster.owner, "bootstrap": reports})
+        return replace(cluster, bootstrap=reports)
 
     def _wheel_source(self) -> WheelSource:
         if self._wheel is not None:

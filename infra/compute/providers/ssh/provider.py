@@ -199,8 +199,8 @@ class SshProvider(Provider):
         attempt = Attempt(candidate="ssh", instance_type=SSH_TYPE, region=socket.gethostname(), zone=None,
                           market="on-demand", outcome="launched", error=None,
                           seconds=round(time.monotonic() - started, 3))
-        owner = {**cluster.owner, "bootstrap": {name: r.to_dict() for name, r in self.last_reports.items()}}
-        cluster = replace(cluster, owner=owner, attempts=(attempt.to_dict(),))
+        cluster = replace(cluster, bootstrap={name: r.to_dict() for name, r in self.last_reports.items()},
+                          attempts=(attempt.to_dict(),))
         self._write_record(cluster)
         return cluster
 
