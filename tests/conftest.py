@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
@@ -17,6 +18,21 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 TRAINPIPE = str(Path(sys.executable).with_name("trainpipe"))
+# Below pytest's own timeout (pyproject: 600 s), which kills the test without a word of what the command printed.
+CLI_TIMEOUT_S = 540.0
+
+
+def run_trainpipe(*args: str, env: dict[str, str] | None = None, cwd: Path = REPO,
+                  timeout: float = CLI_TIMEOUT_S, program: str = TRAINPIPE) -> subprocess.CompletedProcess[str]:
+    """The installed console script in its own process; one that hangs fails the test with what it printed."""
+    try:
+        return subprocess.run([program, *args], cwd=cwd, env=dict(os.environ) if env is None else env,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as hung:
+        # POSIX hands back what was read so far as bytes, whatever `text` said.
+        output = "".join(part.decode(errors="replace") if isinstance(part, bytes) else part
+                         for part in (hung.stdout or b"", hung.stderr or b""))
+        pytest.fail(f"trainpipe {' '.join(args)} still ran after {timeout:.0f} s:\n{output[-8000:]}")
 
 
 @pytest.fixture(scope="session", autouse=True)

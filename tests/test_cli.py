@@ -8,14 +8,14 @@ store, checkpoints real torch.distributed.checkpoint output. No Prefect, no torc
 from __future__ import annotations
 
 import json
-import os
 import subprocess
+import sys
 import uuid
 import warnings
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TRAINPIPE
+from conftest import run_trainpipe
 from jobs import job_config, make_dataset, write_config
 from typer.testing import CliRunner, Result
 
@@ -27,8 +27,7 @@ from trainpipe.cli import app
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """The installed console script in its own process; TRAINPIPE_HOME comes from the `workspace` fixture."""
-    return subprocess.run([TRAINPIPE, *args], cwd=REPO, env=dict(os.environ), capture_output=True, text=True,
-                          timeout=timeout)
+    return run_trainpipe(*args, timeout=timeout)
 
 
 def invoke(*args: str) -> Result:
@@ -235,3 +234,11 @@ def test_ckpt_verify_without_checkpoints_is_one_line_exit_2(workspace: Path, tmp
     result = invoke("ckpt", "verify", url)
     assert result.exit_code == 2, result.output
     assert error_line(result.stderr) == f"error: {url}: no committed checkpoint: train first or check the URL"
+
+
+def test_a_command_that_outlives_its_timeout_fails_the_test_with_what_it_printed(tmp_path: Path) -> None:
+    # A stand-in script that prints, then hangs: the helper must fail (not hang the test, not lose the output).
+    hanging = tmp_path / "hang.py"
+    hanging.write_text("import sys, time\nprint('started, now stuck', flush=True)\ntime.sleep(60)\n")
+    with pytest.raises(pytest.fail.Exception, match=r"(?s)still ran after 2 s:.*started, now stuck"):
+        run_trainpipe(str(hanging), timeout=2, program=sys.executable)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, TRAINPIPE
+from conftest import REPO, run_trainpipe
 
 EXAMPLES = REPO / "examples"
 # How each job is shortened for the test, and when its node 1 is taken away: at a step (read from the job's own
@@ -35,15 +35,8 @@ JOBS = {
 RESUMED = re.compile(r"\[tp-[\w-]+-node-(\d)\] node (\d): resum\w* from (\S+) at step (\d+)")
 
 
-def cli(*args: str, env: dict[str, str], timeout: float = 540) -> subprocess.CompletedProcess[str]:
-    """Runs trainpipe; a run that hangs fails with its own output, inside pytest's 600 s (which would show none)."""
-    try:
-        return subprocess.run([TRAINPIPE, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as hung:
-        # POSIX hands back what was read so far as bytes, whatever `text` said.
-        output = "".join(part.decode(errors="replace") if isinstance(part, bytes) else part
-                         for part in (hung.stdout or b"", hung.stderr or b""))
-        pytest.fail(f"trainpipe {' '.join(args)} still ran after {timeout:.0f} s:\n{output[-8000:]}")
+def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return run_trainpipe(*args, env=env)
 
 
 @pytest.mark.parametrize("example", sorted(JOBS))

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TRAINPIPE
+from conftest import run_trainpipe
 from jobs import job_config, make_dataset, write_config
 
 PROBE = """
@@ -38,13 +38,11 @@ if os.environ["RANK"] == "0":
 """
 
 
-def run(config: dict, tmp_path: Path, workspace: Path, *args: str, timeout: float = 600
-        ) -> subprocess.CompletedProcess[str]:
+def run(config: dict, tmp_path: Path, workspace: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": str(tmp_path / "prefect"),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     path = write_config(tmp_path / "job.yaml", config)
-    return subprocess.run([TRAINPIPE, "run", str(path), *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return run_trainpipe("run", str(path), *args, env=env)
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import REPO, TRAINPIPE
+from conftest import CLI_TIMEOUT_S, REPO, TRAINPIPE, run_trainpipe
 from jobs import job_config, make_dataset, write_config
 
 from infra.checkpoints.commit import CheckpointStore
@@ -92,8 +92,9 @@ def test_flow_trains_commits_and_tears_down(prefect_server: None, workspace: Pat
     assert not any((workspace / "clusters").iterdir()), "node directories outlived the run"
 
 
-def _run_cli(args: list[str], env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([TRAINPIPE, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+def _run_cli(args: list[str], env: dict[str, str], timeout: float = CLI_TIMEOUT_S
+             ) -> subprocess.CompletedProcess[str]:
+    return run_trainpipe(*args, env=env, timeout=timeout)
 
 
 def test_sigkilled_run_is_swept_and_rerun_resumes(workspace: Path, tmp_path: Path, dataset_url: str) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, TRAINPIPE
+from conftest import REPO, TRAINPIPE, run_trainpipe
 from google.api_core.exceptions import Conflict
 from servers import GcsServer, S3Server, create_gcs_bucket
 from test_cli import checkpoint_url, invoke  # noqa: F401 - checkpoint_url is a fixture used below
@@ -29,8 +29,7 @@ def bucket_of(url: str) -> str:
 
 
 def plan(config: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([TRAINPIPE, "plan", str(config)], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=180)
+    return run_trainpipe("plan", str(config), env=env, timeout=180)
 
 
 def make_bucket(cloud: str, url: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
