@@ -9,11 +9,14 @@ from pathlib import Path
 
 import pytest
 from test_checkpoints import CONFIG_HASH, make_step, node_dirs, node_files
+from test_syncer import both_running, is_event
+from typer.testing import CliRunner
 
 from infra.checkpoints.commit import CheckpointManifest, CheckpointStore, manifest_key
 from infra.checkpoints.steps import step_name
 from infra.node import restore
 from infra.storage import open_store
+from trainpipe.cli import app
 
 OLD, NEW = "0-dead0000", "1-live1111"
 
@@ -78,6 +81,8 @@ def test_a_damaged_step_is_set_aside_and_its_retrain_commits_only_the_new_attemp
         [restored] = [json.loads(line) for line in captured.out.splitlines() if '"restored"' in line]
         assert restored["step"] == 200
         assert local_bytes([dest] * 2, 200).items() >= local_bytes(old, 200).items()
+        # What the node had fetched of 300 before its damage showed is gone: the retrain writes a clean folder.
+        assert sorted(p.name for p in dest.iterdir()) == [step_name(200)]
         [warning] = restored["warnings"]
         assert "step 300" in warning and checkpoints.store.url_for(damaged_key) in warning
         assert f"restore: warning: {warning}" in captured.err
@@ -90,6 +95,9 @@ def test_a_damaged_step_is_set_aside_and_its_retrain_commits_only_the_new_attemp
     assert [m.step for m in checkpoints.committed()] == [200, 100]
     assert dict(pointer(checkpoints)) == {"step": 200, "manifest": manifest_key(200), "attempt": OLD}
     assert [(s.step, s.committed) for s in checkpoints.list_steps()] == [(100, True), (200, True), (300, False)]
+    listing = CliRunner().invoke(app, ["ckpt", "ls", checkpoints.store.url])
+    assert listing.exit_code == 0 and "<- latest" in listing.stdout.splitlines()[1]
+    assert f"step      300  set aside     {len(note.keys)} files  (attempt {OLD}" in listing.stdout
     # Retention with keep 1 keeps 200, the newest good commit: the damaged 300 no longer looks newer.
     assert checkpoints.apply_retention(1) == [100]
 
@@ -150,3 +158,35 @@ def test_a_commit_of_another_attempt_is_not_the_new_commit(tmp_path: Path, check
     # A restarted committer of the new attempt gets its own commit back, and sets nothing more aside.
     assert checkpoints.try_commit(300, nodes=2, world_size=2, config_hash=CONFIG_HASH, attempt=NEW) == manifest
     assert len(checkpoints.set_aside_notes()) == 1
+
+
+def test_the_resumed_attempts_syncer_commits_the_retrain_and_keeps_the_set_aside_files(tmp_path: Path) -> None:
+    """The same story through the real restore on each node and the real syncers (file:// only: the store's side is
+    proven on both above)."""
+    checkpoints = CheckpointStore(open_store(f"file://{tmp_path / 'store' / 'run-1'}"))
+    old = node_dirs(tmp_path / "old")
+    for step in (100, 200, 300):
+        commit(checkpoints, old, step, OLD)
+    damage(checkpoints, checkpoints.manifest(300), "flipped")
+    dirs = [tmp_path / f"node-{rank}" / "ckpt" for rank in (0, 1)]
+    for ckpt_dir in dirs:
+        assert restore.main(["--url", checkpoints.store.url, "--dest", str(ckpt_dir),
+                             "--sync-dir", str(ckpt_dir.parent / "sync")]) == 0
+    [note] = checkpoints.set_aside_notes()
+    kept = {key: checkpoints.store.get_bytes(key) for key in note.keys}
+
+    stop = tmp_path / "stop"
+    with both_running(tmp_path, dirs, checkpoints.store.url, "--stop-file", str(stop), attempt=NEW, keep=1) as syncers:
+        for step in (300, 400):
+            for rank in (0, 1):
+                make_step(dirs[rank], step, rank)
+            committed = syncers[0].wait_for(is_event("committed", step))
+            manifest = checkpoints.verify(step)
+            assert manifest.attempt == NEW and committed["files"] == len(manifest.files)
+            assert stored_bytes(checkpoints, manifest) == local_bytes(dirs, step)
+        stop.touch()
+        assert [syncer.finish() for syncer in syncers] == [0, 0]
+    retention = [event["deleted"] for event in syncers[0].events() if event["event"] == "retention"]
+    assert retention == [[100, 200], [300]]
+    assert [m.step for m in checkpoints.committed()] == [400] and pointer(checkpoints)["attempt"] == NEW
+    assert {key: checkpoints.store.get_bytes(key) for key in note.keys} == kept

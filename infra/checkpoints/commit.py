@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import re
+import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -736,6 +737,8 @@ class CheckpointStore:
         A step skipped for damage the store itself shows is set aside (the warning says where), so the attempt
         that resumes below it retrains that step into a clean commit, and nothing counts the damaged one again.
         A download whose bytes differ while the store's copy verifies is only skipped: that damage was in transit.
+        What the node holds of a skipped checkpoint (this download's part, a survivor's own copy) is removed, so the
+        retrain of its step starts from an empty folder instead of mixing its files with those.
         """
         warnings = []
         skipped: set[int] = set()
@@ -743,6 +746,7 @@ class CheckpointStore:
         for step, objects in sorted(self._scan().items(), reverse=True):
             if not objects.has_manifest:
                 continue
+            manifest = None
             try:
                 manifest = self._read_manifest(step)
                 if manifest is None:
@@ -761,9 +765,22 @@ class CheckpointStore:
             log.warning("%s", warning)
             warnings.append(warning)
             skipped.add(step)
+            if manifest is not None:
+                _discard(Path(dest_dir) / manifest.ref.name)
         if not committed_seen and not warnings:
             raise NoCommittedCheckpoint(f"{self.store.url}: no committed checkpoint: train first or check the URL")
         raise CheckpointError(
             f"{self.store.url}: every committed checkpoint is damaged ({'; '.join(warnings)}): "
             "start from scratch or repair the store"
         )
+
+
+def _discard(path: Path) -> None:
+    """Remove a skipped checkpoint's local folder or file, saying so."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+    else:
+        return
+    log.warning("removed %s: the checkpoint it holds was skipped", path)
