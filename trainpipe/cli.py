@@ -266,6 +266,9 @@ def ckpt_ls(url: Annotated[str, typer.Argument(help="a run's checkpoint root URL
         mark = "committed" if step.committed else "uncommitted"
         star = "  <- latest" if latest and step.step == latest.step else ""
         typer.echo(f"step {step.step:>8}  {mark:<11}  {step.files:>3} files  {step.bytes / 1e6:9.2f} MB{star}")
+    for note in checkpoints.set_aside_notes():
+        typer.echo(f"step {note.step:>8}  set aside   {len(note.keys):>3} files  (attempt {note.attempt}, "
+                   f"{note.set_aside_at}): {note.reason}")
 
 
 @ckpt_app.command("verify")

@@ -251,7 +251,8 @@ class Syncer:
         started = time.monotonic()
         write_lease(config.sync_dir, UPLOAD_LEASE, step)
         try:
-            files = call_with_retries(lambda: self.checkpoints.upload_files(root, step, sorted(before)),
+            files = call_with_retries(lambda: self.checkpoints.upload_files(root, step, sorted(before),
+                                                                            config.attempt),
                                       f"upload of {config.ckpt_dir / ref.name}", STEP_RETRY)
         except (StorageError, OSError):
             if self._listing(ref)[1] != before:
