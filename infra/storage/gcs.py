@@ -25,6 +25,7 @@ from typing import Any
 import google.auth.exceptions
 import requests.adapters
 import requests.exceptions
+import urllib3.exceptions
 from google.api_core import exceptions as api_exceptions
 from google.cloud import storage
 from google.cloud.storage import transfer_manager
@@ -74,6 +75,7 @@ _CLIENT_ERRORS = (
     MediaDataCorruption,
     MediaInvalidResponse,
     requests.exceptions.RequestException,
+    urllib3.exceptions.HTTPError,  # a body streamed by transfer_manager's chunks fails as urllib3's own
     ConnectionError,
     TimeoutError,
 )
@@ -122,7 +124,7 @@ def translate(exc: Exception, url: str, action: str) -> StorageError:
             f"{url}: no Google credentials: set GOOGLE_APPLICATION_CREDENTIALS or run "
             "`gcloud auth application-default login`"
         )
-    if isinstance(exc, requests.exceptions.Timeout) or (
+    if isinstance(exc, requests.exceptions.Timeout | urllib3.exceptions.TimeoutError) or (
             isinstance(exc, requests.exceptions.ConnectionError) and "timed out" in detail):
         # No byte for the timeout (requests reports one mid-body as a ConnectionError).
         return StalledRequest(f"{url}: cannot {action}: stalled: {type(exc).__name__}: {detail}")
@@ -296,7 +298,7 @@ class GcsStore(ObjectStore):
             fetch = partial(transfer_manager.download_chunks_concurrently, blob, str(path),
                             chunk_size=config.part_size, worker_type=transfer_manager.THREAD,
                             max_workers=config.workers, crc32c_checksum=True,
-                            download_kwargs={"raw_download": True, "timeout": self.timeout})
+                            download_kwargs={"raw_download": True, **self._one_try})
         call_with_retries(lambda: self._call(key, "read", fetch), f"GET {url}", config.retry, job.cancel)
         job.on_bytes(size)
         stored = Checksum(CRC32C, blob.crc32c) if blob.crc32c else None
