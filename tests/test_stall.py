@@ -165,19 +165,13 @@ def _copy_through(url: str, proxy: StallingProxy, tmp_path: Path, config: Transf
 
 @pytest.mark.parametrize("direction", ["download", "upload"])
 @pytest.mark.parametrize("engine", ["native", "python"])
-def test_stalled_s3_request_is_retried_within_the_bound(
-    s3_proxy: tuple[str, StallingProxy], tmp_path: Path, engine: str, direction: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    url, proxy = s3_proxy
-    _copy_through(url, proxy, tmp_path, CONFIG.but(engine=engine), caplog, direction, s3._connections.clear)
-
-
-@pytest.mark.parametrize("direction", ["download", "upload"])
-@pytest.mark.parametrize("engine", ["native", "python"])
-def test_stalled_gcs_request_is_retried_within_the_bound(
-    gcs_proxy: tuple[str, StallingProxy], tmp_path: Path, engine: str, direction: str, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_stalled_request_is_retried_within_the_bound(
+    scheme: str, engine: str, direction: str, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+    request: pytest.FixtureRequest,
 ) -> None:
     from infra.storage import gcs
 
-    url, proxy = gcs_proxy
-    _copy_through(url, proxy, tmp_path, CONFIG.but(engine=engine), caplog, direction, gcs._clients.clear)
+    url, proxy = request.getfixturevalue("s3_proxy" if scheme == "s3" else "gcs_proxy")
+    clients = s3._connections if scheme == "s3" else gcs._clients
+    _copy_through(url, proxy, tmp_path, CONFIG.but(engine=engine), caplog, direction, clients.clear)
