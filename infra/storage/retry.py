@@ -41,29 +41,35 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
+def gave_up(what: str, attempts: int, exc: BaseException) -> StorageError:
+    return StorageError(f"{what}: failed {attempts} times, last with {one_line(exc)}: "
+                        "check the network and the store, then run again")
+
+
+def log_retry(what: str, exc: BaseException, attempt: int, policy: RetryPolicy, delay: float) -> None:
+    log.warning("%s failed (%s): retry %d/%d in %.2fs", what, one_line(exc), attempt, policy.attempts - 1, delay)
+
+
 def call_with_retries(
     call: Callable[[], T],
     what: str,
     policy: RetryPolicy = DEFAULT_RETRY,
     cancel: threading.Event | None = None,
+    retryable: Callable[[BaseException], bool] = is_transient,
 ) -> T:
-    """call(), retried with backoff while it fails transiently; what names the operation in logs and errors."""
+    """call(), retried with backoff while it fails transiently (or as retryable says); what names the operation in
+    logs and errors."""
     attempt = 1
     while True:
         try:
             return call()
         except Exception as exc:
-            if not is_transient(exc):
+            if not retryable(exc):
                 raise
             if attempt >= policy.attempts:
-                raise StorageError(
-                    f"{what}: failed {attempt} times, last with {one_line(exc)}: "
-                    "check the network and the store, then run again"
-                ) from exc
+                raise gave_up(what, attempt, exc) from exc
             delay = policy.delay_s(attempt)
-            log.warning(
-                "%s failed (%s): retry %d/%d in %.2fs", what, one_line(exc), attempt, policy.attempts - 1, delay
-            )
+            log_retry(what, exc, attempt, policy, delay)
             if cancel is None:
                 time.sleep(delay)
             elif cancel.wait(delay):

@@ -172,6 +172,7 @@ def download(store: ObjectStore, files: Sequence[FileSpec], dest_dir: Path, conf
     cache dir, infra.storage.verified) for the next run to skip.
     """
     started = time.monotonic()
+    store = store.with_stall_timeout(config.stall_timeout_s)
     dest_dir = Path(dest_dir)
     _checked_keys([spec.key for spec in files], store.url)
     with os_errors_named(str(dest_dir), "create"):
@@ -219,6 +220,7 @@ def upload(src_dir: Path, rel_paths: Sequence[str], store: ObjectStore, config: 
     Returns each file's CRC (FileResult.crc), under its key: the checksum the store was given to check.
     """
     started = time.monotonic()
+    store = store.with_stall_timeout(config.stall_timeout_s)
     src_dir = Path(src_dir)
     _checked_keys(rel_paths, str(src_dir))
     if keys is None:
