@@ -17,6 +17,7 @@ from infra.dataset.planning import CarriesValidation, DatasetPlan, ExpectationsF
 from infra.dataset.stagecache import CACHE_DIR, cached_bytes
 from infra.job.secrets import BlockReader, SecretMissing, resolve_secrets
 from infra.job.spec import JobSpec
+from infra.job.store_access import store_access_problem
 from infra.storage import StorageError, open_store
 from infra.workload.plan import WorkloadError, WorkloadPlan, plan_workload
 from infra.workspace import local_clusters_dir, run_dir
@@ -149,6 +150,8 @@ def plan_job(job: JobSpec, run_id: str, secret_blocks: BlockReader | None = None
         resolve_secrets(job.training.secrets, secret_blocks)  # that each is there; the values are not kept
     except SecretMissing as exc:
         raise PlanError(str(exc)) from None
+    if (problem := store_access_problem(job)) is not None:
+        raise PlanError(problem)
     found = cluster_candidates(job)
     try:
         workload = plan_workload(job.training.code, job.training.setup, job.training.command)

@@ -16,6 +16,8 @@ import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from infra.checkpoints.formats import CheckpointFormat
+from infra.compute.providers.aws.config import AwsClusterSpec
+from infra.compute.providers.gcp.config import GcpClusterSpec
 from infra.compute.providers.netns.config import NetnsClusterSpec
 from infra.compute.providers.registry import CHAOS_PROVIDERS, PROVIDER_NAMES
 from infra.compute.providers.ssh.config import SshClusterSpec
@@ -104,6 +106,10 @@ class ClusterSpec(StrictModel):
                                "network, all-reduce and local disk throughput against the floors and the catalog.")
     netns: NetnsClusterSpec = Field(default_factory=NetnsClusterSpec, description="provider netns: how its emulated "
                                     "links are shaped.")
+    aws: AwsClusterSpec = Field(default_factory=AwsClusterSpec, description="provider aws: the instance profile "
+                                "the nodes reach their stores with.")
+    gcp: GcpClusterSpec = Field(default_factory=GcpClusterSpec, description="provider gcp: the service account the "
+                                "nodes reach their stores with.")
 
     @field_validator("provider")
     @classmethod
