@@ -20,6 +20,7 @@ from tasks.chaos import arm_chaos
 from tasks.node_output import TrainingProgress, node_line_sink
 from tasks.policy import NO_RETRIES
 from tasks.results import CheckpointSave, Committed, Uploaded, checkpoint_saves, sync_results
+from tasks.secrets import job_secrets
 
 SYNC_FLUSH_TIMEOUT_S = 600.0
 # Beyond the flush deadline: the script's own exit (process group teardown, torchrun's agent shutting down).
@@ -64,9 +65,10 @@ def node_context(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch
 
 
 def workload_env(job: JobSpec, context: NodeContext) -> dict[str, str]:
-    """Everything the script's processes (and the setup commands) get in their environment."""
+    """Everything the script's processes (and the setup commands) get in their environment; the job's secrets are
+    resolved here, as each node command starts, and kept nowhere else."""
     return {"OMP_NUM_THREADS": str(job.training.threads_per_proc), "PYTHONUNBUFFERED": "1",
-            **job.training.env, **context.environment()}
+            **job.training.env, **job_secrets(job), **context.environment()}
 
 
 def torchrun_argv(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch) -> list[str]:

@@ -135,6 +135,7 @@ def test_launch_describe_tags_groups_then_teardown_leaves_nothing(aws: AwsProvid
         assert params["InstanceInitiatedShutdownBehavior"] == "terminate"
         assert params["Placement"] == {"GroupName": "tp-aws-basic"}
         assert "InstanceMarketOptions" not in params
+        assert "IamInstanceProfile" not in params  # none named: the nodes get no credentials (plan refuses s3://)
         [nic] = params["NetworkInterfaces"]
         assert nic["InterfaceType"] == "efa" and nic["SubnetId"] and nic["Groups"]
         assert "mdadm --create /dev/md0" in base64.b64decode(params["UserData"]).decode()
@@ -167,6 +168,22 @@ def test_launch_describe_tags_groups_then_teardown_leaves_nothing(aws: AwsProvid
     assert aws.nodes_alive(cluster) == {n.name: False for n in cluster.nodes}
     assert aws.terminate("tp-aws-basic") is False  # idempotent
 
+
+
+def test_nodes_carry_the_instance_profile_the_cluster_names(aws: AwsProvider, ec2_server: Ec2Server) -> None:
+    """The nodes reach the dataset and checkpoints with their own credentials: the instance profile of
+    cluster.aws.instance_profile, which the instances carry (by name, or by ARN)."""
+    iam = boto3.client("iam", region_name="us-east-1", endpoint_url=ec2_server.endpoint)  # moto serves IAM too
+    arn = iam.create_instance_profile(InstanceProfileName="tp-test-node")["InstanceProfile"]["Arn"]
+    calls = record_calls(aws)
+    aws.launch("tp-aws-profile", spec(regions=("us-east-1",), aws={"instance_profile": "tp-test-node"}), "run-prof")
+    try:
+        runs = [params for _, op, params in calls if op == "RunInstances"]
+        assert [p["IamInstanceProfile"] for p in runs] == [{"Name": "tp-test-node"}] * 2
+        assert [i["IamInstanceProfile"]["Arn"] for i in live(aws, "us-east-1", "tp-aws-profile")] == [arn] * 2
+    finally:
+        assert aws.terminate("tp-aws-profile")
+    assert spec(aws={"instance_profile": arn}).aws.iam_instance_profile() == {"Arn": arn}
 
 def test_spot_parameters_and_idempotent_relaunch(aws: AwsProvider) -> None:
     calls = record_calls(aws)

@@ -54,7 +54,10 @@ def plan(config: ConfigArg, run_id: RunIdOpt = None) -> None:
     from infra.job.spec import load_job
 
     job = load_job(config)
-    typer.echo(plan_job(job, run_id or new_run_id(job)).render())
+    blocks = None
+    if any(ref.prefect_secret for ref in job.training.secrets.values()):
+        from tasks.secrets import read_secret_block as blocks  # Prefect only for a job that names its blocks
+    typer.echo(plan_job(job, run_id or new_run_id(job), secret_blocks=blocks).render())
 
 
 @app.command()

@@ -15,7 +15,9 @@ from infra.dataset.docs import write_data_docs
 from infra.dataset.manifest import DatasetError
 from infra.dataset.planning import CarriesValidation, DatasetPlan, ExpectationsFailed, plan_dataset
 from infra.dataset.stagecache import CACHE_DIR, cached_bytes
+from infra.job.secrets import BlockReader, SecretMissing, resolve_secrets
 from infra.job.spec import JobSpec
+from infra.job.store_access import store_access_problem
 from infra.storage import StorageError, open_store
 from infra.workload.plan import WorkloadError, WorkloadPlan, plan_workload
 from infra.workspace import local_clusters_dir, run_dir
@@ -138,10 +140,18 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
-def plan_job(job: JobSpec, run_id: str) -> Plan:
+def plan_job(job: JobSpec, run_id: str, secret_blocks: BlockReader | None = None) -> Plan:
+    """secret_blocks reads Prefect Secret blocks (the flow's plan has one); without it those the job names are
+    checked by the flow's plan, still before anything is launched."""
     if not RUN_ID.match(run_id):
         raise PlanError(f"run id '{run_id}': use letters, digits, '.', '_' or '-' (at most 64)")
     get_provider(job.cluster.provider)
+    try:
+        resolve_secrets(job.training.secrets, secret_blocks)  # that each is there; the values are not kept
+    except SecretMissing as exc:
+        raise PlanError(str(exc)) from None
+    if (problem := store_access_problem(job)) is not None:
+        raise PlanError(problem)
     found = cluster_candidates(job)
     try:
         workload = plan_workload(job.training.code, job.training.setup, job.training.command)

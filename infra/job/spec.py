@@ -13,13 +13,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from infra.checkpoints.formats import CheckpointFormat
+from infra.compute.providers.aws.config import AwsClusterSpec
+from infra.compute.providers.gcp.config import GcpClusterSpec
 from infra.compute.providers.netns.config import NetnsClusterSpec
 from infra.compute.providers.registry import CHAOS_PROVIDERS, PROVIDER_NAMES
 from infra.compute.providers.ssh.config import SshClusterSpec
 from infra.job.recovery_spec import ChaosSpec, RecoverySpec
+from infra.job.secrets import SecretRef
 from infra.models import StrictModel, readable_file
 from infra.storage import BACKENDS, as_url
 from infra.workload.code import ARCHIVE_SUFFIXES
@@ -103,6 +106,10 @@ class ClusterSpec(StrictModel):
                                "network, all-reduce and local disk throughput against the floors and the catalog.")
     netns: NetnsClusterSpec = Field(default_factory=NetnsClusterSpec, description="provider netns: how its emulated "
                                     "links are shaped.")
+    aws: AwsClusterSpec = Field(default_factory=AwsClusterSpec, description="provider aws: the instance profile "
+                                "the nodes reach their stores with.")
+    gcp: GcpClusterSpec = Field(default_factory=GcpClusterSpec, description="provider gcp: the service account the "
+                                "nodes reach their stores with.")
 
     @field_validator("provider")
     @classmethod
@@ -206,7 +213,14 @@ class TrainingSpec(StrictModel):
                                      "dir: a .py of the code and its arguments, or [-m, module, ...]. Placeholders "
                                      "{data_dir} {checkpoint_dir} {resume_from} {run_id} ... stand for the values "
                                      "of the TRAINPIPE_* variables.")
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for setup and training.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for setup and training. Its "
+                                "values are flow-run parameters, shown in the Prefect UI: put tokens and keys in "
+                                "training.secrets.")
+    secrets: dict[str, SecretRef] = Field(
+        default_factory=dict, description="Environment variables for setup and training whose values are secret: "
+        "each names where its value is kept, {env: VARIABLE} (the orchestrator's environment) or {prefect_secret: "
+        "block-name} (a Prefect Secret block). Resolved when the run starts the node commands; the value is never a "
+        "flow parameter, in the summary or on a command line.")
     threads_per_proc: int = Field(1, ge=1, description="CPU threads per training process (OMP_NUM_THREADS).")
     timeout_s: float = Field(3600, gt=0, description="Fail training that runs longer than this.")
 
@@ -229,15 +243,22 @@ class TrainingSpec(StrictModel):
         check_command(value)
         return value
 
-    @field_validator("env")
+    @field_validator("env", "secrets")
     @classmethod
-    def _shell_names(cls, value: dict[str, str]) -> dict[str, str]:
+    def _shell_names(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         for name in value:
             if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name):
-                raise ValueError(f"env name {name!r} is not a valid environment variable name")
+                raise ValueError(f"{info.field_name} name {name!r} is not a valid environment variable name")
             if name.startswith("TRAINPIPE_"):
-                raise ValueError(f"env {name}: TRAINPIPE_* variables are set by trainpipe: use another name")
+                raise ValueError(f"{info.field_name} {name}: TRAINPIPE_* variables are set by trainpipe: use another "
+                                 "name")
         return value
+
+    @model_validator(mode="after")
+    def _secrets_apart_from_env(self) -> TrainingSpec:
+        if both := sorted(self.env.keys() & self.secrets.keys()):
+            raise ValueError(f"{both[0]} is in both env and secrets: keep it in secrets only")
+        return self
 
 
 class JobSpec(StrictModel):

@@ -282,6 +282,8 @@ class AwsProvider(CloudProvider):
         }
         if self._key_name:
             request["KeyName"] = self._key_name
+        if (profile := spec.aws.iam_instance_profile()) is not None:
+            request["IamInstanceProfile"] = profile  # the nodes' own credentials for the dataset and checkpoints
         if candidate.spot:
             spot: dict[str, Any] = {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}
             if spec.max_price_per_hour is not None:
