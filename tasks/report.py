@@ -238,6 +238,15 @@ def _markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _eval_rows(summary: RunSummary) -> list[dict[str, Any]]:
+    """The evaluation's metrics, beside the champion's value of the promoted metric when a gate compared them."""
+    gate = summary.promotion
+    return [{"metric": key, "value": value,
+             "champion": gate.get("champion_value") if gate.get("metric") == key else None,
+             "decision": ("promoted" if gate["promoted"] else "kept the champion") if gate.get("metric") == key
+             else ""} for key, value in summary.eval.get("metrics", {}).items()]
+
+
 def _markdown(summary: RunSummary, curve: list[tuple[int, float]]) -> str:
     """What ran where, how long each phase took, how fast data moved, how far the loss fell, what was committed."""
     facts = [f"job **{summary.job}** on **{summary.provider}**, {summary.nodes} nodes"]
@@ -267,7 +276,10 @@ def _markdown(summary: RunSummary, curve: list[tuple[int, float]]) -> str:
     checkpoint = f"[{summary.checkpoint}]({summary.checkpoint})" if summary.checkpoint else "none"
     facts += [f"committed checkpoint: {checkpoint}", f"nodes left running after teardown: {summary.nodes_left}"]
     chart = markdown_image(run_chart_png(curve, summary.phases, summary.loss_floor), "loss curve and time per phase")
-    sections = {"Phases": _phase_rows(summary), "Dataset expectations": expectation_rows(summary.dataset),
+    if summary.promotion:
+        facts.append(f"{summary.promotion['model']}@{summary.promotion['alias']}: {summary.promotion['reason']}")
+    sections = {"Phases": _phase_rows(summary), "Evaluation": _eval_rows(summary),
+                "Dataset expectations": expectation_rows(summary.dataset),
                 "Step time": _breakdown_rows(summary),
                 "What if (predicted from this run; `trainpipe predict` adds the catalog)": _what_if_rows(summary),
                 "Checkpoints": _checkpoint_rows(summary),
@@ -290,6 +302,7 @@ def publish_summary(summary: RunSummary, directory: Path) -> Path:
                           description=f"run {summary.run_id}: seconds per phase")
     tables = {"dataset-expectations": (expectation_rows(summary.dataset), "per expectation of dataset.expectations: "
                                        "success, rows, unexpected count and values, failed files"),
+              "evaluation": (_eval_rows(summary), "the evaluation's metrics and the promotion gate's decision"),
               "step-time": (_breakdown_rows(summary), "T_compute, T_network, T_io of the training steps"),
               "launch-attempts": (_attempt_rows(summary), "every launch attempt, in order"),
               "checkpoints": (_checkpoint_rows(summary), "per checkpoint: training stall, write, upload, commit"),

@@ -24,6 +24,7 @@ from infra.compute.providers.ssh.config import SshClusterSpec
 from infra.job.recovery_spec import ChaosSpec, RecoverySpec
 from infra.job.secrets import SecretRef
 from infra.models import StrictModel, readable_file
+from infra.registry.refs import NAME, parse_model_ref
 from infra.storage import BACKENDS, as_url
 from infra.workload.code import ARCHIVE_SUFFIXES
 from infra.workload.contract import check_command
@@ -251,7 +252,8 @@ class TrainingSpec(StrictModel):
     @field_validator("init_from")
     @classmethod
     def _checkpoint_ref(cls, value: str | None) -> str | None:
-        if value is None or MODEL_REF.match(value):
+        # MODEL@ALIAS is the registry's; anything else is a URL or a path.
+        if value is None or parse_model_ref(value) is not None:
             return value
         return _to_url(value)
 
@@ -273,9 +275,6 @@ class TrainingSpec(StrictModel):
         return self
 
 
-# A registry reference, MODEL@ALIAS; anything else in init_from is a URL or a path.
-MODEL_REF = re.compile(r"^[a-z0-9][a-z0-9._-]*@[a-z0-9][a-z0-9._-]*$")
-NAME = r"^[a-z0-9][a-z0-9._-]{0,63}$"
 # The evaluate command's own placeholders, beside every training one.
 EVAL_PLACEHOLDERS = ("checkpoint", "eval_file")
 
@@ -300,9 +299,10 @@ class EvaluateSpec(StrictModel):
 class PromoteSpec(StrictModel):
     """The promotion gate: move MODEL@ALIAS to the new checkpoint only when its metric beats the champion's."""
 
-    model: str = Field(pattern=NAME, description="The model name in the registry (lowercase, digits, '.', '_', '-'); "
+    model: str = Field(pattern=rf"^{NAME}$", description="The model name in the registry (letters, digits, '.', '_', "
+                       "'-'); "
                        "its aliases live under <checkpoints.url>/_registry/<model>/.")
-    alias: str = Field("production", pattern=NAME, description="The alias the run may move (e.g. production).")
+    alias: str = Field("production", pattern=rf"^{NAME}$", description="The alias the run may move (e.g. production).")
     metric: str = Field("eval_loss", min_length=1, description="The key of the evaluate file's JSON compared "
                         "with the champion's (the checkpoint the alias points at now).")
     mode: Literal["min", "max"] = Field("min", description="min: lower is better (a loss); max: higher is better "

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 LAUNCHED_AT_VAR = "TRAINPIPE_LAUNCHED_AT"  # set by `trainpipe run`: when the command started, unix seconds
-PHASES = ("plan", "provision", "verify", "stage", "train", "sync", "teardown")
+PHASES = ("plan", "provision", "verify", "stage", "train", "sync", "evaluate", "promote", "teardown")
 # The cluster is paid for from the start of provisioning to the end of teardown: every phase but plan.
 BILLED_PHASES = PHASES[1:]
 
@@ -62,6 +62,9 @@ class RunSummary:
     # time went (T_compute / T_network / T_io)
     workload: dict[str, Any] = field(default_factory=dict)  # code, its sha256, command, config hash, setup_s
     metrics: dict[str, Any] = field(default_factory=dict)  # what the script reported about the whole run
+    init_from: str | None = None  # training.init_from's step URL when the run warm-started from it
+    eval: dict[str, Any] = field(default_factory=dict)  # tasks.evaluate.Evaluation: checkpoint, step, metrics, seconds
+    promotion: dict[str, Any] = field(default_factory=dict)  # tasks.promote.Decision, and decided_after_training_s
     started_at: float = field(default_factory=time.time)  # the command's start where a command launched the run
     finished_at: float | None = None
     flow_started_s: float | None = None  # from started_at to the flow's own start (command, Prefect server, plan)
@@ -142,6 +145,14 @@ class RunSummary:
             lines.append(f"  cluster: {where} after {len(self.attempts)} launch attempt(s)"
                          + (f", ${self.price_per_hour:.2f}/h, cost ${self.cost_usd:.4f}"
                             if self.cost_usd is not None and self.price_per_hour is not None else ""))
+        if self.init_from:
+            lines.append(f"  warm start: {self.init_from}")
+        if self.eval:
+            lines.append("  eval: " + ", ".join(f"{k} {v:.4f}" for k, v in self.eval["metrics"].items())
+                         + f" ({self.eval['seconds']:.1f}s)")
+        if self.promotion:
+            lines.append(f"  {'promoted' if self.promotion['promoted'] else 'not promoted'}: "
+                         f"{self.promotion['model']}@{self.promotion['alias']}: {self.promotion['reason']}")
         lines.append(f"  checkpoint: {self.checkpoint or 'none committed'}"
                      + (f" (resumed from step {self.resumed_from_step})" if self.resumed_from_step is not None else ""))
         stalls = [c["stall_s"] for c in self.checkpoints if c.get("stall_s") is not None]
