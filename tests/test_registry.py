@@ -3,10 +3,13 @@ retention protection, lineage and evaluations, on file://, rclone's S3 and the G
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from registry_checks import check_race, commit_step
+from test_checkpoints import make_step, node_dirs
+from test_syncer import SyncProcess, is_event
 
 from infra.checkpoints.commit import CheckpointStore
 from infra.checkpoints.lineage import Lineage
@@ -121,3 +124,39 @@ def test_two_promoters_race_s3(s3_url: str, tmp_path: Path) -> None:
 
 def test_two_promoters_race_gcs(gs_url: str, tmp_path: Path) -> None:
     check_race(f"{gs_url}/ckpts", tmp_path)
+
+
+def test_the_syncer_records_lineage_and_retention_spares_what_an_alias_holds(tmp_path: Path) -> None:
+    """Through the real syncer process: every manifest carries --lineage; keep=1 deletes old steps but not the one
+    production points at (the registry is found at the parent of the run's URL)."""
+    root = f"file://{tmp_path}/store"
+    checkpoints = CheckpointStore(open_store(f"{root}/run-1"))
+    ckpt_dir = node_dirs(tmp_path, nodes=1)[0]
+    lineage_file = tmp_path / "lineage.json"
+    lineage_file.write_text(json.dumps(LINEAGE))
+    stop = tmp_path / "stop"
+    syncer = SyncProcess(tmp_path, ckpt_dir, checkpoints.store.url, 0, "--stop-file", str(stop), "--lineage",
+                         str(lineage_file), nodes=1, keep=1)
+    try:
+        make_step(ckpt_dir, 100, 0, world_size=1)
+        syncer.wait_for(is_event("committed", 100))
+        Registry(root).promote("m", "production", f"{root}/run-1", metrics={}, reason="first", who="t")
+        for step in (200, 300):
+            make_step(ckpt_dir, step, 0, world_size=1)
+            syncer.wait_for(is_event("committed", step))
+        syncer.wait_for(is_event("retention"))
+        stop.touch()
+        assert syncer.finish() == 0
+    finally:
+        syncer.finish(timeout=0)
+    assert [manifest.step for manifest in checkpoints.committed()] == [300, 100]
+    assert all(manifest.lineage == Lineage.model_validate(LINEAGE) for manifest in checkpoints.committed())
+
+
+def test_the_syncer_refuses_a_lineage_file_that_is_not_one(tmp_path: Path) -> None:
+    bad = tmp_path / "lineage.json"
+    bad.write_text('{"run_id": "x"}')
+    syncer = SyncProcess(tmp_path, node_dirs(tmp_path, nodes=1)[0], f"file://{tmp_path}/store/run-1", 0,
+                         "--lineage", str(bad), nodes=1)
+    assert syncer.finish() == 2
+    assert f"--lineage {bad}: not a Lineage" in syncer.err.read_text()
