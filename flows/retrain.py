@@ -20,6 +20,7 @@ from prefect.states import Completed, State
 
 from infra.compute.catalog import load_catalog
 from infra.compute.providers import Cluster
+from infra.dataset.snapshot import snapshot_digest
 from infra.job.plan import Plan, cluster_name_for
 from infra.job.spec import JobSpec
 from infra.job.summary import LAUNCHED_AT_VAR, RunSummary
@@ -169,9 +170,23 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: 
     with phase("train"):
         resume_from = {node.name: r.path for node, r in zip(cluster.nodes, restored, strict=False)}
         init_from = {node.name: w.path for node, w in zip(cluster.nodes, warm, strict=False)}
-        launch = replace(launch, resume_from=resume_from, init_from=init_from)
+        launch = replace(launch, resume_from=resume_from, init_from=init_from,
+                         lineage=lineage_of(plan, cluster, summary, launch.attempt_id))
         outcome = run_training(job, cluster, launch)
     return cluster, staged, outcome, launch
+
+
+def lineage_of(plan: Plan, cluster: Cluster, summary: RunSummary, attempt_id: str) -> dict[str, Any]:
+    """Where this run's checkpoints come from (infra.checkpoints.lineage.Lineage): every manifest records it."""
+    links = summary.cluster_bench.get("measurement", {}).get("links", []) if summary.cluster_bench else []
+    return {
+        "run_id": plan.run_id, "attempt": attempt_id,
+        "dataset": {"url": plan.dataset.url, "snapshot_digest": snapshot_digest(plan.dataset.snapshot)},
+        "code_sha256": plan.workload.code_sha256, "config_hash": plan.workload.config_hash,
+        "parent": plan.init_from.url if plan.init_from is not None else None,
+        "cluster": {"provider": cluster.provider, "instance_type": cluster.instance_type, "nodes": len(cluster.nodes),
+                    "network_gbps": min((link["gbps"] for link in links), default=None)},
+    }
 
 
 def evaluate_and_promote(job: JobSpec, plan: Plan, cluster: Cluster, launch: TrainLaunch, step: int,

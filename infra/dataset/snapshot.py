@@ -6,6 +6,7 @@ stages exactly these bytes. An object that changed or vanished since is an error
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
 import logging
 import threading
@@ -53,6 +54,12 @@ class DatasetSnapshot(StrictModel):
 
     def file_url(self, file: SnapshotFile) -> str:
         return f"{self.url}/{file.key}"
+
+
+def snapshot_digest(snapshot: DatasetSnapshot) -> str:
+    """sha256 of what a snapshot holds (each file's key, size and checksum): equal digests, equal bytes."""
+    listing = json.dumps([file.model_dump(mode="json") for file in snapshot.files], sort_keys=True)
+    return hashlib.sha256(listing.encode()).hexdigest()
 
 
 def snapshot_url(checkpoint_url: str) -> str:
