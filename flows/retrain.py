@@ -37,13 +37,14 @@ from tasks.promote import Decision, promote_checkpoint
 from tasks.report import (
     publish_summary,
     record_failure,
+    record_inputs,
     record_launch,
     record_resume,
     record_training,
     record_workload,
 )
 from tasks.results import Staged
-from tasks.stage import restore_checkpoint, stage_dataset
+from tasks.stage import restore_checkpoint, stage_node
 from tasks.train import TrainLaunch, TrainOutcome, run_training
 from tasks.verify import bench_cluster, verify_node
 from tasks.workload import agreed_code_hash, prepare_node, publish_code
@@ -136,7 +137,8 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: 
     staging = job.dataset.access == "staged"
     with phase("verify"):
         # Each node needs room for what it will hold (split: its share), not the whole dataset.
-        need_bytes = [plan.dataset.node_bytes[node.rank] if staging else 0 for node in cluster.nodes]
+        need_bytes = [(plan.dataset.node_bytes[node.rank] if staging else 0) + plan.inputs_bytes
+                      for node in cluster.nodes]
         probes = verify_node.map(unmapped(cluster), cluster.nodes, need_bytes).result()
         summary.cluster_bench = bench_cluster(job, cluster)
     attempt = recovery.number if recovery is not None else 0
@@ -147,8 +149,13 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: 
         preparing = prepare_node.map(unmapped(job), unmapped(cluster), cluster.nodes, unmapped(code_url),
                                      unmapped(plan.workload.code_sha256), unmapped(launch))
         with phase.recovery_part("stage"):
-            staged = (stage_dataset.map(unmapped(cluster), cluster.nodes, unmapped(plan.dataset.snapshot_url),
-                                        unmapped(plan.dataset.shard)).result() if staging else [])
+            # The dataset and the inputs one after the other on each node, through its one cache.
+            inputs = {name: input_plan.snapshot_url for name, input_plan in plan.inputs.items()}
+            nodes_staged = (stage_node.map(unmapped(cluster), cluster.nodes,
+                                           unmapped(plan.dataset.snapshot_url if staging else None),
+                                           unmapped(plan.dataset.shard), unmapped(inputs)).result()
+                            if staging or inputs else [])
+            staged = [s.dataset for s in nodes_staged if s.dataset is not None]
         with phase.recovery_part("restore"):
             restored = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.checkpoint_url),
                                                unmapped(job.checkpoints.format)).result()
@@ -162,10 +169,12 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: 
     if warm:
         summary.init_from = plan.init_from.url if plan.init_from is not None else None
     record_workload(summary, plan, ready, agreed_code_hash(ready))
+    record_inputs(summary, plan, nodes_staged)
     if restored:
         record_resume(summary, restored, initial=recovery is None)
     if recovery is not None:
-        recovery.reused_bytes = sum(s.skipped_bytes for s in staged)
+        recovery.reused_bytes = sum(s.skipped_bytes for s in staged) + sum(
+            i.skipped_bytes for n in nodes_staged for i in n.inputs.values())
         recovery.resumed(restored[0].step if restored else None, cluster.price_per_hour)
     with phase("train"):
         resume_from = {node.name: r.path for node, r in zip(cluster.nodes, restored, strict=False)}

@@ -30,6 +30,7 @@ from tasks.results import (
     Committed,
     Restored,
     Staged,
+    StagedNode,
     Uploaded,
     Verified,
     checkpoint_saves,
@@ -68,6 +69,25 @@ def record_training(summary: RunSummary, staged: list[Staged], outcome: TrainOut
     summary.checkpoints = checkpoint_metrics(outcome.checkpoint_events, outcome.sync_events)
     summary.checkpoint_step = verified.step
     summary.checkpoint = f"{checkpoint_url}/{step_name(verified.step)}"
+
+
+def record_inputs(summary: RunSummary, plan: Plan, staged: Sequence[StagedNode]) -> None:
+    """Each input's plan and how its staging went: the latest attempt's (a recovery stages again, from the cache)."""
+    for name, input_plan in plan.inputs.items():
+        each = [node.inputs[name] for node in staged if name in node.inputs]
+        record = input_plan.summary()
+        if each:
+            record.update(fetched_bytes=max(s.bytes for s in each), reused_bytes=max(s.skipped_bytes for s in each),
+                          seconds=max(s.seconds for s in each), mb_per_s=min(s.mb_per_s for s in each))
+        summary.inputs[name] = record
+
+
+def _input_rows(summary: RunSummary) -> list[dict[str, Any]]:
+    return [{"input": name, "url": record["url"], "files": record["files"], "MB": round(record["bytes"] / 1e6, 3),
+             "fetched MB": round(record.get("fetched_bytes", 0) / 1e6, 3),
+             "reused MB": round(record.get("reused_bytes", 0) / 1e6, 3), "seconds": record.get("seconds"),
+             "MB/s": record.get("mb_per_s"), "snapshot": record["snapshot"]}
+            for name, record in summary.inputs.items()]
 
 
 def _number(value: Any) -> float | None:
@@ -279,6 +299,7 @@ def _markdown(summary: RunSummary, curve: list[tuple[int, float]]) -> str:
     if summary.promotion:
         facts.append(f"{summary.promotion['model']}@{summary.promotion['alias']}: {summary.promotion['reason']}")
     sections = {"Phases": _phase_rows(summary), "Evaluation": _eval_rows(summary),
+                "Inputs": _input_rows(summary),
                 "Dataset expectations": expectation_rows(summary.dataset),
                 "Step time": _breakdown_rows(summary),
                 "What if (predicted from this run; `trainpipe predict` adds the catalog)": _what_if_rows(summary),
@@ -300,7 +321,9 @@ def publish_summary(summary: RunSummary, directory: Path) -> Path:
                              description=f"run {summary.run_id}")
     create_table_artifact(_phase_rows(summary), key=f"{artifact_key}-phases",
                           description=f"run {summary.run_id}: seconds per phase")
-    tables = {"dataset-expectations": (expectation_rows(summary.dataset), "per expectation of dataset.expectations: "
+    tables = {"inputs": (_input_rows(summary), "per input: size, bytes fetched and reused from the nodes' cache, "
+                         "seconds and MB/s of its staging"),
+              "dataset-expectations": (expectation_rows(summary.dataset), "per expectation of dataset.expectations: "
                                        "success, rows, unexpected count and values, failed files"),
               "evaluation": (_eval_rows(summary), "the evaluation's metrics and the promotion gate's decision"),
               "step-time": (_breakdown_rows(summary), "T_compute, T_network, T_io of the training steps"),

@@ -88,5 +88,5 @@ def test_the_gate_promotes_the_first_run_then_only_a_better_metric(tmp_path: Pat
     maxed = decide(spec.model_copy(update={"mode": "max"}), Evaluation(first, 20, {"eval_loss": 1.5}, [], 1.0),
                    champion, root)
     assert not maxed.promoted
-    with pytest.raises(PromotionError, match="promote.metric 'eval_loss': the evaluate file holds only acc, f1"):
+    with pytest.raises(PromotionError, match=r"promote.metric 'eval_loss': the evaluate file holds only acc, f1"):
         decide(spec, Evaluation(first, 20, {"acc": 0.9, "f1": 0.8}, [], 1.0), champion, root)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 import shutil
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.checkpoints.commit import CheckpointError, CheckpointStore
@@ -13,10 +14,10 @@ from infra.compute.optimizer import Candidate, NoCandidateError, candidates, ren
 from infra.compute.providers import get_provider
 from infra.dataset.docs import write_data_docs
 from infra.dataset.manifest import DatasetError
-from infra.dataset.planning import CarriesValidation, DatasetPlan, ExpectationsFailed, plan_dataset
+from infra.dataset.planning import CarriesValidation, DatasetPlan, ExpectationsFailed, plan_dataset, plan_input
 from infra.dataset.stagecache import CACHE_DIR, cached_bytes
 from infra.job.secrets import BlockReader, SecretMissing, resolve_secrets
-from infra.job.spec import JobSpec
+from infra.job.spec import InputSpec, JobSpec
 from infra.job.store_access import store_access_problem
 from infra.registry import CheckpointTarget, RegistryError, resolve_checkpoint
 from infra.storage import StorageError, open_store
@@ -48,6 +49,12 @@ class Plan:
     workload: WorkloadPlan
     candidates: tuple[Candidate, ...] = ()  # cloud providers: where to launch, in the order failover tries
     init_from: CheckpointTarget | None = None  # training.init_from resolved: the weights a fresh start begins from
+    inputs: dict[str, DatasetPlan] = field(default_factory=dict)  # name -> its plan (snapshot, files, bytes)
+
+    @property
+    def inputs_bytes(self) -> int:
+        """What every node holds of the inputs once staged (each input is replicated)."""
+        return sum(plan.bytes for plan in self.inputs.values())
 
     def render(self) -> str:
         resume = f"resume from committed step {self.resume_step}" if self.resume_step is not None else "start at step 0"
@@ -55,6 +62,7 @@ class Plan:
             f"run {self.run_id} on {self.provider}: {self.nodes} nodes × {self.world_size // self.nodes} processes "
             f"(cluster {self.cluster_name})",
             *self.dataset.render_lines(),
+            *(line for plan in self.inputs.values() for line in plan.render_lines()),
             f"  checkpoints: {self.checkpoint_url} — {resume}",
             *([f"  warm start: {self.init_from.url}" + (" (not restored: the run resumes its own checkpoint)"
                                                        if self.resume_step is not None else "")]
@@ -97,40 +105,70 @@ def _size(count: int) -> str:
     return f"{count / 1e9:,.2f} GB" if count >= 1e9 else f"{count / 1e6:,.1f} MB"
 
 
-def _local_disk(held: tuple[int, ...]) -> None:
+def _local_disk(held: tuple[int, ...], what: str) -> None:
     """Local nodes share this machine's disk: together they must fit in what is free (cached objects count as
     free: they are reused or evicted)."""
     root = local_clusters_dir()
     existing = next(p for p in (root, *root.parents) if p.exists())
     free = shutil.disk_usage(existing).free + cached_bytes(root.parent / CACHE_DIR)
     if sum(held) > free:
-        raise PlanError(f"dataset: the {len(held)} local nodes would hold {_size(sum(held))} ({_size(max(held))} on "
+        raise PlanError(f"{what}: the {len(held)} local nodes would hold {_size(sum(held))} ({_size(max(held))} on "
                         f"the largest) but {existing} has {_size(free)} free: free space, use dataset.shard: split, "
                         "or a smaller selection (dataset.include/exclude)")
 
 
-def fit_on_disks(job: JobSpec, held: tuple[int, ...], found: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
-    """The candidates whose local disk holds a node's share of the dataset; an error naming both numbers when the
-    disk is known (catalog NVMe, this machine) and none does. Other disks are measured at verify."""
+def fit_on_disks(job: JobSpec, held: tuple[int, ...], found: tuple[Candidate, ...],
+                 inputs_bytes: int = 0) -> tuple[Candidate, ...]:
+    """The candidates whose local disk holds a node's share of the dataset and every input (inputs_bytes); an error
+    naming both numbers when the disk is known (catalog NVMe, this machine) and none does. Other disks are measured
+    at verify."""
     if job.dataset.access != "staged":
-        return found  # nothing is staged: the trainer reads the store
+        held = tuple(0 for _ in held)  # the trainer reads the dataset from the store: only the inputs are staged
+    held = tuple(share + inputs_bytes for share in held)
+    if not any(held):
+        return found
+    what = "dataset and inputs" if inputs_bytes else "dataset"
     need = max(held)
     if found:
         fitting = tuple(c for c in found if not c.local_nvme_bytes or c.local_nvme_bytes >= need)
         if not fitting:
             largest = max(found, key=lambda c: c.local_nvme_bytes)
-            raise PlanError(f"dataset: a node would hold {_size(need)} but the largest local NVMe among the "
+            raise PlanError(f"{what}: a node would hold {_size(need)} but the largest local NVMe among the "
                             f"{len(found)} candidates ({largest.instance_type}) is {_size(largest.local_nvme_bytes)}: "
                             "use dataset.shard: split, more nodes, or instance types with more NVMe")
         return fitting
     if job.cluster.provider in ("local", "netns"):
-        _local_disk(held)
+        _local_disk(held, what)
     return found
 
 
+def resolve_input_url(ref: str, root_url: str) -> str:
+    """The URL of the committed checkpoint a '<model>@<alias>' input names, in the registry under root_url (the
+    job's checkpoints.url); PlanError when it names nothing."""
+    raise PlanError(f"input {ref}: model aliases are not supported yet: give the committed checkpoint's URL "
+                    "(as `trainpipe run` printed it) instead")
+
+
+def input_specs(job: JobSpec) -> dict[str, InputSpec]:
+    """Every input as a prefix: a model alias resolved to the checkpoint it points at now."""
+    return {name: entry if isinstance(entry, InputSpec)
+            else InputSpec(url=resolve_input_url(entry, job.checkpoints.url))
+            for name, entry in job.inputs.items()}
+
+
 def _dataset(job: JobSpec, checkpoint_url: str, run_id: str) -> DatasetPlan:
+    return _prefix(lambda: plan_dataset(job.dataset, job.cluster.nodes, checkpoint_url, run_id), run_id)
+
+
+def _inputs(job: JobSpec, checkpoint_url: str, run_id: str) -> dict[str, DatasetPlan]:
+    return {name: _prefix(lambda name=name, spec=spec: plan_input(name, spec, job.cluster.nodes, checkpoint_url,
+                                                                  run_id), run_id)
+            for name, spec in input_specs(job).items()}
+
+
+def _prefix(plan: Callable[[], DatasetPlan], run_id: str) -> DatasetPlan:
     try:
-        return plan_dataset(job.dataset, job.cluster.nodes, checkpoint_url, run_id)
+        return plan()
     except ExpectationsFailed as failed:
         docs = write_data_docs(failed.validation, run_dir(run_id), run_id)
         raise DatasetCheckFailed(f"{failed} (Data Docs: {_shown(docs)})", failed.validation) from None
@@ -179,7 +217,8 @@ def plan_job(job: JobSpec, run_id: str, secret_blocks: BlockReader | None = None
     except StorageError as exc:
         raise PlanError(f"checkpoints.url: {exc}") from None
     dataset = _dataset(job, checkpoint_url, run_id)
-    found = fit_on_disks(job, dataset.node_bytes, found)
+    inputs = _inputs(job, checkpoint_url, run_id)
+    found = fit_on_disks(job, dataset.node_bytes, found, sum(plan.bytes for plan in inputs.values()))
     if dataset.validation is not None:
         write_data_docs(dataset.validation, run_dir(run_id), run_id)
     latest = CheckpointStore(checkpoints).latest()
@@ -189,5 +228,5 @@ def plan_job(job: JobSpec, run_id: str, secret_blocks: BlockReader | None = None
         nodes=job.cluster.nodes, world_size=job.cluster.nodes * job.cluster.procs_per_node,
         dataset_url=job.dataset.url, dataset=dataset,
         checkpoint_url=checkpoint_url, resume_step=latest.step if latest else None, workload=workload,
-        candidates=found, init_from=init_from,
+        candidates=found, init_from=init_from, inputs=inputs,
     )

@@ -134,15 +134,14 @@ class ClusterSpec(StrictModel):
         return self
 
 
-class DatasetSpec(StrictModel):
-    url: str = Field(description="The dataset: any prefix of objects in any format (file://, s3://, gs:// or a path). "
-                     "At plan its listing is frozen as the run's snapshot; every node stages exactly those objects.")
+class PrefixSpec(StrictModel):
+    """A prefix of objects in any format, frozen at plan as the run's snapshot: the dataset, and each input."""
+
+    url: str = Field(description="Any prefix of objects in any format (file://, s3://, gs:// or a path). At plan its "
+                     "listing is frozen as the run's snapshot; every node stages exactly those objects.")
     include: tuple[str, ...] = Field((), description="Globs (relative to url; * also matches '/') selecting the files "
                                      "to use; empty = every object under url.")
     exclude: tuple[str, ...] = Field((), description="Globs of files to leave out, applied after include.")
-    shard: Literal["replicate", "split"] = Field(
-        "replicate", description="replicate: every node stages every file; split: each node stages a disjoint set of "
-        "files, balanced by bytes (listed in TRAINPIPE_DATA_SHARDS), as WebDataset and MDS readers expect per rank.")
     expectations: str | list[dict[str, Any]] | None = Field(
         None, description="Great Expectations checks of the tabular files (Parquet, CSV, JSONL, trainpipe tokens), "
         "run before anything is launched: the path of an ExpectationSuite JSON file, or a list of expectations "
@@ -150,10 +149,6 @@ class DatasetSpec(StrictModel):
     validation: str = Field("full", description="full: expectations read every row; sample: sample_rows rows per file, "
                             "read with ranged GETs.")
     sample_rows: int = Field(1000, ge=1, description="Rows per file that validation: sample reads.")
-    access: Literal["staged", "remote"] = Field(
-        "staged", description="staged: every node copies the dataset to its local disk before training (fast); "
-        "remote: the trainer reads each batch from the store with ranged GETs, as a mounted object store does "
-        "(for comparisons: every step then waits on the store).")
 
     @field_validator("url")
     @classmethod
@@ -181,6 +176,39 @@ class DatasetSpec(StrictModel):
             return readable_file(value, "expectation suite", "give the path of an ExpectationSuite JSON file, or "
                                   "list the expectations inline")
         return value
+
+
+class DatasetSpec(PrefixSpec):
+    url: str = Field(description="The dataset: any prefix of objects in any format (file://, s3://, gs:// or a path). "
+                     "At plan its listing is frozen as the run's snapshot; every node stages exactly those objects.")
+    shard: Literal["replicate", "split"] = Field(
+        "replicate", description="replicate: every node stages every file; split: each node stages a disjoint set of "
+        "files, balanced by bytes (listed in TRAINPIPE_DATA_SHARDS), as WebDataset and MDS readers expect per rank.")
+    access: Literal["staged", "remote"] = Field(
+        "staged", description="staged: every node copies the dataset to its local disk before training (fast); "
+        "remote: the trainer reads each batch from the store with ranged GETs, as a mounted object store does "
+        "(for comparisons: every step then waits on the store).")
+
+
+INPUT_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+# "<model>@<alias>": a model in the checkpoint store's registry (resolved at plan, infra.job.plan.resolve_input_url)
+MODEL_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class InputSpec(PrefixSpec):
+    """One more prefix besides the dataset (base model weights, a tokenizer, an eval set), staged whole to every node:
+    TRAINPIPE_INPUT_<NAME> and {input_<name>} name its folder there."""
+
+    url: str = Field(description="The input: any prefix of objects in any format (file://, s3://, gs:// or a path), "
+                     "frozen at plan as the run's snapshot of it and staged whole to every node's local disk, "
+                     "through the same cache as the dataset.")
+
+
+def _input_entry(value: object) -> object:
+    """An input given as a string: a model alias ('model@alias') stays one; a URL or path is {url: ...}."""
+    if isinstance(value, str) and not MODEL_REF.match(value):
+        return {"url": value}
+    return value
 
 
 class CheckpointSpec(StrictModel):
@@ -317,6 +345,12 @@ class JobSpec(StrictModel):
     dataset: DatasetSpec
     checkpoints: CheckpointSpec
     training: TrainingSpec
+    inputs: dict[str, InputSpec | str] = Field(
+        default_factory=dict, description="Prefixes besides the dataset, by name ([a-z][a-z0-9_]*): base model "
+        "weights, a tokenizer, an eval set. Each is {url, include, exclude, expectations} (or just its URL), or a "
+        "model alias 'model@alias' of the checkpoint store's registry; frozen at plan like the dataset, held to the "
+        "manifests it carries, staged whole to every node and named there by TRAINPIPE_INPUT_<NAME> and "
+        "{input_<name>}.")
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
     chaos: ChaosSpec | None = Field(None, description="Preemptions to inject (local and ssh providers): for tests.")
     evaluate: EvaluateSpec | None = Field(None, description="Evaluate the committed checkpoint on the cluster before "
@@ -330,6 +364,30 @@ class JobSpec(StrictModel):
         if self.promote is not None and self.evaluate is None:
             raise ValueError("promote needs metrics to compare: add an evaluate: {command: [...]} section that "
                              f"writes {self.promote.metric} to TRAINPIPE_EVAL_FILE, or remove promote")
+        return self
+
+    @field_validator("inputs", mode="before")
+    @classmethod
+    def _input_entries(cls, value: object) -> object:
+        if not isinstance(value, dict):
+            return value
+        for name in value:
+            if not isinstance(name, str) or not INPUT_NAME.match(name):
+                raise ValueError(f"input name {name!r}: use lowercase letters, digits and '_', starting with a letter "
+                                 "(it becomes TRAINPIPE_INPUT_<NAME> and {input_<name>})")
+        return {name: _input_entry(entry) for name, entry in value.items()}
+
+    @model_validator(mode="after")
+    def _input_placeholders_declared(self) -> JobSpec:
+        try:
+            check_command(self.training.command, inputs=self.inputs)
+        except ValueError as exc:
+            raise ValueError(f"training.{exc}") from None
+        if self.evaluate is not None:  # an eval set is an input too: {input_<name>}
+            try:
+                check_command(self.evaluate.command, inputs=self.inputs, extra=EVAL_PLACEHOLDERS)
+            except ValueError as exc:
+                raise ValueError(f"evaluate.{exc}") from None
         return self
 
     @model_validator(mode="after")

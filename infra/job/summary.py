@@ -47,6 +47,9 @@ class RunSummary:
     nodes_left: int | None = None
     stage: dict[str, Any] = field(default_factory=dict)
     dataset: dict[str, Any] = field(default_factory=dict)  # infra.dataset.planning.DatasetPlan.summary()
+    # per input: its DatasetPlan.summary() and its staging: fetched_bytes, reused_bytes (from the node's cache),
+    # seconds (the most on any node) and mb_per_s (the slowest node's)
+    inputs: dict[str, dict[str, Any]] = field(default_factory=dict)
     checkpoints: list[dict[str, Any]] = field(default_factory=list)  # per step: stall, write, upload, commit
     resumed_from_step: int | None = None  # the committed step this run restored (None: started fresh)
     warnings: list[str] = field(default_factory=list)  # e.g. a damaged checkpoint skipped on resume
@@ -119,6 +122,7 @@ class RunSummary:
             lines.append(f"  staged: {self.stage.get('bytes', 0) / 1e6:.1f} MB per node at "
                          f"{self.stage.get('mb_per_s', 0):.0f} MB/s (slowest node), "
                          f"{self.stage.get('skipped_bytes', 0) / 1e6:.1f} MB already there")
+        lines.extend(f"  input {name}: {fact}" for name, fact in input_facts(self.inputs).items())
         if self.workload:
             code = self.workload.get("code_sha256")
             lines.append(f"  workload: {' '.join(self.workload['command'])}"
@@ -168,6 +172,19 @@ class RunSummary:
         if self.nodes_left is not None:
             lines.append(f"  {self.nodes_left} nodes left running")
         return "\n".join(lines)
+
+
+def input_facts(inputs: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """One line per input: how much every node holds and how its staging went (the summary's and the report's)."""
+    facts = {}
+    for name, record in inputs.items():
+        line = f"{record['bytes'] / 1e6:,.1f} MB ({record['files']:,} files) from {record['url']}"
+        if "seconds" in record:
+            line += (f"; staged in {record['seconds']:.1f}s, {record['fetched_bytes'] / 1e6:,.1f} MB fetched at "
+                     f"{record['mb_per_s']} MB/s (slowest node), {record['reused_bytes'] / 1e6:,.1f} MB reused from "
+                     "the cache")
+        facts[name] = line
+    return facts
 
 
 def load_summary(path: Path) -> dict[str, Any]:

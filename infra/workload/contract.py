@@ -12,6 +12,8 @@ command that stand for the same values.
     TRAINPIPE_RUN_ID          the same across recoveries and reruns of one run
     TRAINPIPE_ATTEMPT         0 for the run's first launch, then one more per recovery
     TRAINPIPE_NODE_RANK, TRAINPIPE_NUM_NODES, TRAINPIPE_NODE_IPS (comma-separated, in rank order)
+    TRAINPIPE_INPUT_<NAME>    the node-local dir holding the staged input <name> (a mirror of its url's tree), one
+                              per entry of the job's inputs; {input_<name>} in a command
 
 plus torchrun's own (RANK, LOCAL_RANK, WORLD_SIZE, ...). An argument that is only an empty `{resume_from}` (or
 `{init_from}`) is dropped together with the option right before it, so `--resume_from_checkpoint {resume_from}`
@@ -21,11 +23,18 @@ disappears on a fresh start. `{{` and `}}` are literal braces.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 
 SYNC_DIR_VAR = "TRAINPIPE_SYNC_DIR"  # the node syncer's state: read by trainpipe's own checkpoint helpers
 _PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([^{}]*)\}")
+INPUTS_DIR = "inputs"  # under a node's workdir: one folder per input
+INPUT_PREFIX = "input_"
+
+
+def input_dir(workdir: str, name: str) -> str:
+    """Where input `name` is staged on a node (its TRAINPIPE_INPUT_<NAME>)."""
+    return "/".join([workdir.rstrip("/"), INPUTS_DIR, name])
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,7 @@ class NodeContext:
     node_ips: tuple[str, ...]
     sync_dir: str
     init_from: str = ""
+    inputs: dict[str, str] = field(default_factory=dict)  # input name -> its dir on this node
 
     def values(self) -> dict[str, str]:
         """Placeholder name -> value."""
@@ -61,6 +71,7 @@ class NodeContext:
             "node_rank": str(self.node_rank),
             "num_nodes": str(self.num_nodes),
             "node_ips": ",".join(self.node_ips),
+            **{f"{INPUT_PREFIX}{name}": path for name, path in self.inputs.items()},
         }
 
     def environment(self) -> dict[str, str]:
@@ -69,7 +80,7 @@ class NodeContext:
         return env
 
 
-PLACEHOLDERS: tuple[str, ...] = tuple(NodeContext.__dataclass_fields__.keys() - {"sync_dir"})
+PLACEHOLDERS: tuple[str, ...] = tuple(NodeContext.__dataclass_fields__.keys() - {"sync_dir", "inputs"})
 
 
 def placeholders_in(argument: str) -> list[str]:
@@ -77,16 +88,20 @@ def placeholders_in(argument: str) -> list[str]:
     return [match.group(1) for match in _PLACEHOLDER.finditer(argument) if match.group(1) is not None]
 
 
-def check_command(command: Sequence[str], extra: Sequence[str] = ()) -> None:
-    """ValueError naming the argument for a placeholder that is not one of PLACEHOLDERS (or `extra`: a command
-    other than training's, like evaluate's {checkpoint})."""
-    known = (*PLACEHOLDERS, *extra)
+def check_command(command: Sequence[str], inputs: Collection[str] | None = None, extra: Sequence[str] = ()) -> None:
+    """ValueError naming the argument for a placeholder that is not one of PLACEHOLDERS (or extra), nor
+    {input_<name>} of a declared input (inputs None: of any input, for a command checked before the job's inputs
+    are known)."""
     for index, argument in enumerate(command):
         for name in placeholders_in(argument):
-            if name not in known:
-                raise ValueError(f"command[{index}] {argument!r}: unknown placeholder {{{name}}}: use one of "
-                                 + ", ".join(f"{{{p}}}" for p in sorted(known))
-                                 + " (write {{ or }} for a literal brace)")
+            if name in PLACEHOLDERS or name in extra:
+                continue
+            if name.startswith(INPUT_PREFIX) and (inputs is None or name.removeprefix(INPUT_PREFIX) in inputs):
+                continue
+            known = sorted([*PLACEHOLDERS, *extra, *(f"{INPUT_PREFIX}{n}" for n in sorted(inputs or ()))])
+            hint = (" (an input placeholder names an entry of inputs:)" if name.startswith(INPUT_PREFIX) else "")
+            raise ValueError(f"command[{index}] {argument!r}: unknown placeholder {{{name}}}{hint}: use one of "
+                             + ", ".join(f"{{{p}}}" for p in known) + " (write {{ or }} for a literal brace)")
 
 
 def _substitute(argument: str, values: dict[str, str]) -> str:
