@@ -90,3 +90,14 @@ def test_the_gate_promotes_the_first_run_then_only_a_better_metric(tmp_path: Pat
     assert not maxed.promoted
     with pytest.raises(PromotionError, match=r"promote.metric 'eval_loss': the evaluate file holds only acc, f1"):
         decide(spec, Evaluation(first, 20, {"acc": 0.9, "f1": 0.8}, [], 1.0), champion, root)
+
+
+def test_a_model_alias_input_is_the_prefix_of_the_checkpoint_it_points_at(tmp_path: Path) -> None:
+    from infra.job.plan import resolve_input_url
+
+    root = f"file://{tmp_path}/ckpt"
+    step = _committed(root, "night-1", 10)
+    Registry(root).promote("gpt", "production", step, metrics={}, reason="test", who="t")
+    prefix = resolve_input_url("gpt@production", root)
+    assert prefix.startswith(f"{step}/") and "jobs.py" in [key.rsplit("/", 1)[-1]
+                                                           for key in (o.key for o in open_store(prefix).list())]

@@ -144,9 +144,14 @@ def fit_on_disks(job: JobSpec, held: tuple[int, ...], found: tuple[Candidate, ..
 
 def resolve_input_url(ref: str, root_url: str) -> str:
     """The URL of the committed checkpoint a '<model>@<alias>' input names, in the registry under root_url (the
-    job's checkpoints.url); PlanError when it names nothing."""
-    raise PlanError(f"input {ref}: model aliases are not supported yet: give the committed checkpoint's URL "
-                    "(as `trainpipe run` printed it) instead")
+    job's checkpoints.url): the prefix holding that step's files, as the script saved them; PlanError when it names
+    nothing committed."""
+    try:
+        target = resolve_checkpoint(ref, root_url)
+        manifest = CheckpointStore(open_store(target.run_url)).manifest(target.step)
+    except (RegistryError, CheckpointError, StorageError) as exc:
+        raise PlanError(f"input {exc}") from None
+    return f"{target.url}/{manifest.files_prefix}".rstrip("/")
 
 
 def input_specs(job: JobSpec) -> dict[str, InputSpec]:

@@ -191,8 +191,6 @@ class DatasetSpec(PrefixSpec):
 
 
 INPUT_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
-# "<model>@<alias>": a model in the checkpoint store's registry (resolved at plan, infra.job.plan.resolve_input_url)
-MODEL_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 class InputSpec(PrefixSpec):
@@ -206,7 +204,8 @@ class InputSpec(PrefixSpec):
 
 def _input_entry(value: object) -> object:
     """An input given as a string: a model alias ('model@alias') stays one; a URL or path is {url: ...}."""
-    if isinstance(value, str) and not MODEL_REF.match(value):
+    # "<model>@<alias>": a model in the checkpoint store's registry (resolved at plan, plan.resolve_input_url)
+    if isinstance(value, str) and parse_model_ref(value) is None:
         return {"url": value}
     return value
 
