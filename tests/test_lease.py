@@ -8,11 +8,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from infra.compute.access.remote import LocalRunner, Process
+from infra.compute.access.remote import LocalRunner, Process, RemoteError
 from infra.compute.providers.base import Cluster, Node
 from infra.compute.providers.local import LocalProvider
 from infra.job.spec import ClusterSpec
@@ -154,4 +156,41 @@ def test_a_node_that_gets_no_lease_at_start_fails_the_start(tmp_path: Path) -> N
         assert failed.value.transient, "a refused connection is worth the provision's retry"
         assert not [t for t in threading.enumerate() if t.name.startswith(f"renew-node leases of {cluster.name}")]
     finally:
+        provider.terminate(cluster.name)
+
+
+def renewing(cluster: Cluster) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == f"renew-node leases of {cluster.name}"]
+
+
+class NoWatchdog(LocalRunner):
+    def start(self, argv: Sequence[str], **kwargs: Any) -> Process:
+        raise RemoteError(f"{self.node_name}: cannot start '{argv[0]}': no such file")
+
+
+class WatchdogsFail(LocalProvider):
+    def runner(self, cluster: Cluster, node: Node) -> LocalRunner:
+        runner = super().runner(cluster, node)
+        return NoWatchdog(runner.node_name, runner.workdir, runner.tags)
+
+
+def test_a_provision_retry_leaves_one_lease_keeper_and_a_failed_start_none(tmp_path: Path) -> None:
+    from tasks.cluster import _lease_keepers, _start_lease, _stop_lease
+
+    provider = LocalProvider(tmp_path / "clusters")
+    cluster = provider.launch("tp-lease-retry", ClusterSpec(nodes=2), "lease-retry")
+    try:
+        _start_lease(provider, cluster, ttl_s=60)
+        first = _lease_keepers[cluster.name]
+        _start_lease(provider, cluster, ttl_s=60)  # what a retried provision does after tearing the first down
+        assert _lease_keepers[cluster.name] is not first
+        assert len(renewing(cluster)) == 1, "the first attempt's keeper still renews leases"
+        _stop_lease(cluster.name)
+
+        failing = WatchdogsFail(tmp_path / "clusters")
+        with pytest.raises(RemoteError, match="cannot start"):
+            _start_lease(failing, cluster, ttl_s=60)
+        assert cluster.name not in _lease_keepers and renewing(cluster) == []
+    finally:
+        _stop_lease(cluster.name)
         provider.terminate(cluster.name)
