@@ -5,7 +5,6 @@ Real processes on a real local cluster; only the TTLs are shortened so the test 
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from said import listening
 
 from infra.compute.access.remote import LocalRunner, Process, RemoteError
 from infra.compute.providers.base import Cluster, Node
@@ -22,17 +22,6 @@ from infra.lifecycle.lease import LEASE_FILE, LeaseError, LeaseKeeper
 from infra.node.events import parse
 
 TTL_S = 2.0
-
-
-class Said(logging.Handler):
-    """What the lease keeper logged (Prefect's logging setup can leave pytest's caplog without it)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
 
 
 @pytest.fixture
@@ -121,19 +110,18 @@ def test_a_node_whose_lease_write_blocks_or_fails_does_not_starve_the_others(tmp
     cluster = provider.launch("tp-lease-stuck", ClusterSpec(nodes=3), "lease-stuck")
     blocked, failing, healthy = cluster.nodes
     provider.stuck = {blocked.name: "blocks", failing.name: "fails"}
-    said = Said()
-    logging.getLogger("infra.lifecycle.lease").addHandler(said)
     keeper = LeaseKeeper(provider, cluster, interval_s=0.2).start()
     try:
-        provider.broken.set()
-        frozen = {node.name: lease_of(node) for node in (blocked, failing)}
-        renewed, deadline = [lease_of(healthy)], time.monotonic() + 60
-        while len(set(renewed)) < 4:  # three renewals of the healthy node after its peers broke
-            assert time.monotonic() < deadline, f"the healthy node's lease was renewed only at {sorted(set(renewed))}"
-            time.sleep(0.05)
-            renewed.append(lease_of(healthy))
+        with listening("infra.lifecycle.lease") as said:
+            provider.broken.set()
+            frozen = {node.name: lease_of(node) for node in (blocked, failing)}
+            renewed, deadline = [lease_of(healthy)], time.monotonic() + 60
+            while len(set(renewed)) < 4:  # three renewals of the healthy node after its peers broke
+                assert time.monotonic() < deadline, f"the healthy node's lease was renewed only at {set(renewed)}"
+                time.sleep(0.05)
+                renewed.append(lease_of(healthy))
         assert {node.name: lease_of(node) for node in (blocked, failing)} == frozen
-        warned = [r.getMessage() for r in said.records]
+        warned = said.messages
         assert any(blocked.name in m and "still blocked" in m for m in warned), warned
         assert any(failing.name in m and "connection refused" in m for m in warned), warned
         # The blocked node holds one write in flight, not one more per round.
@@ -141,7 +129,6 @@ def test_a_node_whose_lease_write_blocks_or_fails_does_not_starve_the_others(tmp
     finally:
         provider.released.set()
         keeper.stop()
-        logging.getLogger("infra.lifecycle.lease").removeHandler(said)
         provider.terminate(cluster.name)
 
 

@@ -8,13 +8,13 @@ terminate, which raises the way a cloud's control plane does when it cannot be r
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
 from jobs import job_config
 from prefect import flow
+from said import listening
 
 import tasks.cluster
 from flows.retrain import run_closed
@@ -23,17 +23,6 @@ from infra.job.spec import ClusterSpec, parse_job
 from infra.job.summary import RunSummary
 from infra.lifecycle.recovery import Recoveries
 from infra.workspace import run_dir
-
-
-class Said(logging.Handler):
-    """What a logger said (Prefect's logging setup leaves pytest's caplog without it)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 class FailingTeardown(LocalProvider):
@@ -55,17 +44,12 @@ def test_a_transient_teardown_failure_is_retried_with_backoff_and_logged(
     provider = FailingTeardown(tmp_path / "clusters", ConnectionError("control plane unreachable"), failures=1)
     cluster = provider.launch("tp-flaky-teardown", ClusterSpec(nodes=1), "flaky-teardown")
     monkeypatch.setattr(tasks.cluster, "get_provider", lambda name: provider)
-    said = Said()
-
     @flow(name="teardown")
     def teardown() -> int:
         return tasks.cluster.teardown_cluster("local", cluster.name)
 
-    logging.getLogger("prefect.trainpipe.retry").addHandler(said)
-    try:
+    with listening("prefect.trainpipe.retry") as said:
         assert teardown() == 0
-    finally:
-        logging.getLogger("prefect.trainpipe.retry").removeHandler(said)
     assert provider.calls == 2 and provider.describe(cluster.name) is None
     assert any("teardown-cluster failed transiently" in m and "control plane unreachable" in m
                for m in said.messages), said.messages
