@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
-from prefect import flow, unmapped
+from prefect import flow, get_run_logger, unmapped
 from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as current_flow_run
 from prefect.states import State
@@ -73,7 +75,12 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
     recoveries = Recoveries(job.recovery)
     start_loss_curve(run_id)
     phase = Phases(summary)  # the run's own phases; a recovery's are timed into its record too
-    try:
+
+    def own_teardown() -> int:
+        with phase("teardown"):  # the run's own teardown: no recovery's time to resume
+            return teardown_cluster(job.cluster.provider, cluster_name)
+
+    with run_closed(summary, own_teardown, recoveries, run_dir(run_id)):
         with phase("plan"):
             plan: Plan = plan_run(job, run_id)
             code_url = publish_code(job, plan)
@@ -99,15 +106,39 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
             verified = verify_committed_checkpoint(cluster, plan.checkpoint_url, job.checkpoints.format)
         record_training(summary, staged, outcome, verified, plan.checkpoint_url)
         summary.status = "completed"
+    return summary.to_dict()
+
+
+@contextmanager
+def run_closed(summary: RunSummary, teardown: Callable[[], int], recoveries: Recoveries,
+               directory: Path) -> Iterator[None]:
+    """Around a run: its failure recorded, then — whatever happened — the cluster torn down and the summary published.
+
+    A teardown that fails (after its own retries) is logged and recorded in the summary, and the summary is published
+    all the same. It is raised only when the run itself succeeded (nodes may be left: the run has not); when the run
+    failed, the run's own error is the one raised, not hidden behind the teardown's."""
+    failed = False
+    try:
+        yield
     except BaseException as exc:
+        failed = True
         record_failure(summary, exc)
         raise
     finally:
-        with phase("teardown"):  # the run's own teardown: no recovery's time to resume
-            summary.nodes_left = teardown_cluster(job.cluster.provider, cluster_name)
+        teardown_error: Exception | None = None
+        try:
+            summary.nodes_left = teardown()
+        except Exception as exc:
+            teardown_error = exc
+            summary.teardown_error = f"{type(exc).__name__}: {exc}"
+            get_run_logger().error("teardown of run %s failed: %s: `trainpipe status` shows what is left, `trainpipe "
+                                   "down` ends it", summary.run_id, summary.teardown_error)
+            if not failed:
+                record_failure(summary, exc)
         summary.recoveries = [r.to_dict() for r in recoveries.records]
-        publish_summary(summary, run_dir(run_id))
-    return summary.to_dict()
+        publish_summary(summary, directory)
+        if teardown_error is not None and not failed:
+            raise teardown_error
 
 
 def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: RunSummary, cluster_name: str,

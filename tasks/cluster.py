@@ -8,20 +8,35 @@ from infra.compute.providers import Cluster, Provider, get_provider
 from infra.job.spec import JobSpec
 from infra.lifecycle.lease import LEASE_FILE, RENEWALS_PER_TTL, LeaseKeeper
 from infra.node.sync import STOP_FILE
-from tasks.policy import NO_RETRIES, TRANSIENT_RETRIES
+from tasks.policy import TRANSIENT_RETRIES
 
 _lease_keepers: dict[str, LeaseKeeper] = {}
 
 
 def _start_lease(provider: Provider, cluster: Cluster, ttl_s: float) -> None:
-    """Start every node's watchdog, then keep its lease fresh from this process for as long as it lives."""
+    """Start every node's watchdog, then keep its lease fresh from this process for as long as it lives.
+
+    One keeper per cluster name: a retried provision replaces the keeper of the attempt it tore down (else that
+    keeper would renew leases for ever, in a long-lived `trainpipe serve` above all), and a start that fails stops
+    the keeper it began."""
+    _stop_lease(cluster.name)
     _lease_keepers[cluster.name] = LeaseKeeper(provider, cluster, ttl_s / RENEWALS_PER_TTL).start()
-    for node in cluster.nodes:
-        provider.runner(cluster, node).start(
-            [node.python, "-m", "infra.node", "watch", "--lease", node.path(LEASE_FILE), "--ttl", str(ttl_s),
-             "--on-expire", provider.lease_expiry, "--notice-source", provider.notice_source, "--workdir", node.workdir,
-             "--stop-sync-file", f"{node.sync_dir}/{STOP_FILE}"],
-            log_path=node.path("logs", "watch.log"))
+    try:
+        for node in cluster.nodes:
+            provider.runner(cluster, node).start(
+                [node.python, "-m", "infra.node", "watch", "--lease", node.path(LEASE_FILE), "--ttl", str(ttl_s),
+                 "--on-expire", provider.lease_expiry, "--notice-source", provider.notice_source,
+                 "--workdir", node.workdir, "--stop-sync-file", f"{node.sync_dir}/{STOP_FILE}"],
+                log_path=node.path("logs", "watch.log"))
+    except BaseException:
+        _stop_lease(cluster.name)
+        raise
+
+
+def _stop_lease(cluster_name: str) -> None:
+    keeper = _lease_keepers.pop(cluster_name, None)
+    if keeper is not None:
+        keeper.stop()
 
 
 @task(name="provision-cluster", **TRANSIENT_RETRIES)
@@ -31,6 +46,7 @@ def provision_cluster(job: JobSpec, cluster_name: str, run_id: str) -> Cluster:
     if provider.describe(cluster_name) is not None:
         # A crashed earlier attempt of this run left it: start clean rather than adopt half-dead processes.
         logger.warning("cluster %s is left from an earlier attempt: tearing it down first", cluster_name)
+        _stop_lease(cluster_name)
         provider.terminate(cluster_name)
     cluster = provider.launch(cluster_name, job.cluster, run_id)
     _start_lease(provider, cluster, job.cluster.lease_ttl_s)
@@ -38,16 +54,15 @@ def provision_cluster(job: JobSpec, cluster_name: str, run_id: str) -> Cluster:
     return cluster
 
 
-@task(name="teardown-cluster", **NO_RETRIES)
+@task(name="teardown-cluster", **TRANSIENT_RETRIES)
 def teardown_cluster(provider_name: str, cluster_name: str, keep_data: bool = False) -> int:
-    """Terminate (idempotent) and return how many nodes are still alive afterwards: the answer must be 0.
+    """Terminate (idempotent, so a transient failure is retried with backoff) and return how many nodes are still
+    alive afterwards: the answer must be 0.
 
     keep_data: a recovery's teardown, after which the same machines (where the provider has them) keep their
     staged data for the relaunch."""
     provider = get_provider(provider_name)
-    keeper = _lease_keepers.pop(cluster_name, None)
-    if keeper is not None:
-        keeper.stop()
+    _stop_lease(cluster_name)
     if keep_data:
         provider.terminate_keeping_data(cluster_name)
     else:

@@ -45,6 +45,7 @@ class RunSummary:
     checkpoint: str | None = None
     checkpoint_step: int | None = None
     nodes_left: int | None = None
+    teardown_error: str | None = None  # the run's own teardown failed: what it left needs `trainpipe down`
     stage: dict[str, Any] = field(default_factory=dict)
     dataset: dict[str, Any] = field(default_factory=dict)  # infra.dataset.planning.DatasetPlan.summary()
     checkpoints: list[dict[str, Any]] = field(default_factory=list)  # per step: stall, write, upload, commit
@@ -156,6 +157,9 @@ class RunSummary:
         lines.extend(f"  warning: {warning}" for warning in self.warnings)
         if self.nodes_left is not None:
             lines.append(f"  {self.nodes_left} nodes left running")
+        if self.teardown_error is not None:
+            lines.append(f"  teardown failed: {self.teardown_error}: `trainpipe status` shows what is left, "
+                         "`trainpipe down` ends it")
         return "\n".join(lines)
 
 
