@@ -18,6 +18,7 @@ from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as current_flow_run
 from prefect.states import State
 
+from infra.cancel import CANCEL, signals_cancel
 from infra.compute.catalog import load_catalog
 from infra.compute.providers import Cluster
 from infra.job.plan import Plan, cluster_name_for
@@ -52,6 +53,8 @@ def default_run_id(job_name: str, flow_run_id: str) -> str:
 
 def teardown_on_crash(flow: Any, flow_run: Any, state: State[Any]) -> None:
     """Cancellation and crash skip the flow's finally; this hook tears the cluster down from the parameters alone."""
+    if state.is_cancelled() or state.is_cancelling():
+        CANCEL.cancel(f"Prefect cancelled flow run {flow_run.id}")  # what may still wait in this process stops
     job = JobSpec.model_validate(flow_run.parameters["job"])
     run_id = flow_run.parameters.get("run_id") or default_run_id(job.name, str(flow_run.id))
     flow_run_logger(flow_run, flow).warning("run %s ended %s: tearing down its cluster", run_id, state.type.value)
@@ -61,8 +64,11 @@ def teardown_on_crash(flow: Any, flow_run: Any, state: State[Any]) -> None:
 @flow(name="retrain", on_cancellation=[teardown_on_crash], on_crashed=[teardown_on_crash], log_prints=True)
 def retrain(job: JobSpec, run_id: str | None = None) -> dict[str, Any]:
     """Run one retraining job from nothing to a committed checkpoint, and leave nothing running."""
-    # Its nodes count against the global node limit for the whole run, so runs together never exceed it.
-    with nodes_held(job.cluster.nodes):
+    CANCEL.reset()  # a process that runs flows one after another (tests, `serve`): this run starts uncancelled
+    # SIGTERM (a Prefect cancel among them) and SIGINT (Ctrl-C) cancel the token every wait below checks, then unwind
+    # this thread as Prefect does; a second one skips the checkpoint flush. Its nodes count against the global node
+    # limit for the whole run, so runs together never exceed it.
+    with signals_cancel(), nodes_held(job.cluster.nodes):
         return run_job(job, run_id or default_run_id(job.name, str(current_flow_run.id)))
 
 
@@ -71,11 +77,13 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
     summary = RunSummary(run_id=run_id, job=job.name, provider=job.cluster.provider, nodes=job.cluster.nodes,
                          started_at=launched_at())
     recoveries = Recoveries(job.recovery)
+    checkpoint_url: str | None = None  # known once planned: a failed or cancelled run names its latest commit
     start_loss_curve(run_id)
     phase = Phases(summary)  # the run's own phases; a recovery's are timed into its record too
     try:
         with phase("plan"):
             plan: Plan = plan_run(job, run_id)
+            checkpoint_url = plan.checkpoint_url
             code_url = publish_code(job, plan)
         summary.dataset = plan.dataset.summary()
         resume_step, recovery = plan.resume_step, None
@@ -100,10 +108,11 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
         record_training(summary, staged, outcome, verified, plan.checkpoint_url)
         summary.status = "completed"
     except BaseException as exc:
-        record_failure(summary, exc)
+        record_failure(summary, exc, checkpoint_url, cancelled=CANCEL.reason if CANCEL.cancelled else None)
         raise
     finally:
-        with phase("teardown"):  # the run's own teardown: no recovery's time to resume
+        # The run's own teardown (no recovery's time to resume), which a second Ctrl-C does not interrupt.
+        with CANCEL.shield(), phase("teardown"):
             summary.nodes_left = teardown_cluster(job.cluster.provider, cluster_name)
         summary.recoveries = [r.to_dict() for r in recoveries.records]
         publish_summary(summary, run_dir(run_id))

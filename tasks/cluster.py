@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prefect import get_run_logger, task
 
+from infra.cancel import CANCEL
 from infra.compute.providers import Cluster, Provider, get_provider
 from infra.job.spec import JobSpec
 from infra.lifecycle.lease import LEASE_FILE, RENEWALS_PER_TTL, LeaseKeeper
@@ -48,10 +49,11 @@ def teardown_cluster(provider_name: str, cluster_name: str, keep_data: bool = Fa
     keeper = _lease_keepers.pop(cluster_name, None)
     if keeper is not None:
         keeper.stop()
-    if keep_data:
-        provider.terminate_keeping_data(cluster_name)
-    else:
-        provider.terminate(cluster_name)
+    with CANCEL.shield():  # a cancel asks for this teardown: its waits keep their own deadlines
+        if keep_data:
+            provider.terminate_keeping_data(cluster_name)
+        else:
+            provider.terminate(cluster_name)
     left = provider.describe(cluster_name)
     alive = sum(provider.nodes_alive(left).values()) if left else 0
     get_run_logger().info("teardown of %s: %d nodes left running", cluster_name, alive)
