@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from prefect import get_run_logger, task
+import logging
 
+from prefect import get_run_logger, task
+from prefect.exceptions import MissingContextError
+
+from infra.cancel import CANCEL
 from infra.compute.providers import Cluster, Provider, get_provider
 from infra.job.spec import JobSpec
 from infra.lifecycle.lease import LEASE_FILE, RENEWALS_PER_TTL, LeaseKeeper
@@ -63,11 +67,20 @@ def teardown_cluster(provider_name: str, cluster_name: str, keep_data: bool = Fa
     staged data for the relaunch."""
     provider = get_provider(provider_name)
     _stop_lease(cluster_name)
-    if keep_data:
-        provider.terminate_keeping_data(cluster_name)
-    else:
-        provider.terminate(cluster_name)
+    with CANCEL.shield():  # a cancel asks for this teardown: its waits keep their own deadlines
+        if keep_data:
+            provider.terminate_keeping_data(cluster_name)
+        else:
+            provider.terminate(cluster_name)
     left = provider.describe(cluster_name)
     alive = sum(provider.nodes_alive(left).values()) if left else 0
-    get_run_logger().info("teardown of %s: %d nodes left running", cluster_name, alive)
+    _logger().info("teardown of %s: %d nodes left running", cluster_name, alive)
     return alive
+
+
+def _logger() -> logging.Logger | logging.LoggerAdapter:
+    """The task's logger; the flow's crash and cancellation hooks call teardown outside any run context."""
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger(__name__)

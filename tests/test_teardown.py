@@ -23,6 +23,7 @@ from infra.job.spec import ClusterSpec, parse_job
 from infra.job.summary import RunSummary
 from infra.lifecycle.recovery import Recoveries
 from infra.workspace import run_dir
+from tasks.report import record_failure
 
 
 class FailingTeardown(LocalProvider):
@@ -82,7 +83,8 @@ def test_a_teardown_failure_after_a_successful_run_fails_it_once_the_summary_is_
 
     @flow(name="closed-run")
     def closed() -> None:
-        with run_closed(summary, teardown, Recoveries(parse_job(job_config(Path("/tmp"), "file:///d")).recovery),
+        recoveries = Recoveries(parse_job(job_config(Path("/tmp"), "file:///d")).recovery)
+        with run_closed(summary, teardown, lambda exc: record_failure(summary, exc, None), recoveries,
                         run_dir(summary.run_id)):
             summary.status = "completed"
 
@@ -91,3 +93,14 @@ def test_a_teardown_failure_after_a_successful_run_fails_it_once_the_summary_is_
     published: dict[str, Any] = json.loads((run_dir(summary.run_id) / "summary.json").read_text())
     assert published["status"] == "failed" and published["error"] == "RuntimeError: EC2 said no"
     assert published["teardown_error"] == "RuntimeError: EC2 said no"
+
+
+def test_the_crash_hooks_teardown_runs_outside_any_run_context(workspace: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flow's crash and cancellation hooks call teardown_cluster.fn with no task or flow run around it: it tears
+    down and answers instead of raising MissingContextError at its last line (which hid whether it had worked)."""
+    provider = LocalProvider(tmp_path / "clusters")
+    cluster = provider.launch("tp-crash-hook", ClusterSpec(nodes=1), "crash-hook")
+    monkeypatch.setattr(tasks.cluster, "get_provider", lambda name: provider)
+    assert tasks.cluster.teardown_cluster.fn("local", cluster.name) == 0
+    assert provider.describe(cluster.name) is None

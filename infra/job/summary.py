@@ -97,6 +97,11 @@ class RunSummary:
             billed_s = sum(self.phases.get(name, 0.0) for name in BILLED_PHASES)
             self.cost_usd = round(self.price_per_hour * billed_s / 3600, 4)
 
+    def resume_hint(self, config: str = "CONFIG") -> str:
+        """What continues a failed or cancelled run: the same run id resumes from its latest commit."""
+        start = f"from step {self.checkpoint_step}" if self.checkpoint_step is not None else "from the start"
+        return f"trainpipe run {config} --run-id {self.run_id} (resumes {start})"
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -145,6 +150,8 @@ class RunSummary:
                             if self.cost_usd is not None and self.price_per_hour is not None else ""))
         lines.append(f"  checkpoint: {self.checkpoint or 'none committed'}"
                      + (f" (resumed from step {self.resumed_from_step})" if self.resumed_from_step is not None else ""))
+        if self.status in ("failed", "cancelled"):
+            lines.append(f"  resume: {self.resume_hint()}")
         stalls = [c["stall_s"] for c in self.checkpoints if c.get("stall_s") is not None]
         if stalls:
             lines.append(f"  checkpoints: {len(stalls)} saved, training stalled {sum(stalls) / len(stalls):.3f}s "

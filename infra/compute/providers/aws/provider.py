@@ -20,6 +20,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
+from infra.cancel import CANCEL
 from infra.compute.access.bootstrap import WheelSource
 from infra.compute.access.hostkeys import HostKey
 from infra.compute.catalog import Catalog
@@ -191,7 +192,7 @@ class AwsProvider(CloudProvider):
                 return
             if time.monotonic() > deadline:
                 raise CapacityError(f"aws: {', '.join(ids)} not {state} after {WAIT_S:.0f}s: trying elsewhere")
-            time.sleep(delay)
+            CANCEL.wait(delay)
             delay = min(delay * 2, 15.0)
 
     def _image(self, region: str) -> str:
