@@ -124,17 +124,19 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
 @contextmanager
 def run_closed(summary: RunSummary, teardown: Callable[[], int], record: Callable[[BaseException], None],
                recoveries: Recoveries, directory: Path) -> Iterator[None]:
-    """Around a run: its failure recorded, then — whatever happened — the cluster torn down and the summary published.
+    """Around a run: whatever happened, the cluster torn down, then its failure recorded and the summary published.
 
-    A teardown that fails (after its own retries) is logged and recorded in the summary, and the summary is published
-    all the same. It is raised only when the run itself succeeded (nodes may be left: the run has not); when the run
-    failed, the run's own error is the one raised, not hidden behind the teardown's."""
-    failed = False
+    The failure is recorded after the teardown: until the nodes are gone their syncers may still commit (a second
+    Ctrl-C skips the flush, not the syncers already uploading), and the summary names the latest commit that exists
+    once nothing can add another. A teardown that fails (after its own retries) is logged and recorded in the
+    summary, and the summary is published all the same. It is raised only when the run itself succeeded (nodes may be
+    left: the run has not); when the run failed, the run's own error is the one raised, not hidden behind the
+    teardown's."""
+    failure: BaseException | None = None
     try:
         yield
     except BaseException as exc:
-        failed = True
-        record(exc)
+        failure = exc
         raise
     finally:
         teardown_error: Exception | None = None
@@ -145,11 +147,11 @@ def run_closed(summary: RunSummary, teardown: Callable[[], int], record: Callabl
             summary.teardown_error = f"{type(exc).__name__}: {exc}"
             get_run_logger().error("teardown of run %s failed: %s: `trainpipe status` shows what is left, `trainpipe "
                                    "down` ends it", summary.run_id, summary.teardown_error)
-            if not failed:
-                record(exc)
+        if failure is not None or teardown_error is not None:
+            record(failure or teardown_error)
         summary.recoveries = [r.to_dict() for r in recoveries.records]
         publish_summary(summary, directory)
-        if teardown_error is not None and not failed:
+        if teardown_error is not None and failure is None:
             raise teardown_error
 
 
