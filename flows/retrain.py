@@ -9,15 +9,18 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
-from prefect import flow, unmapped
+from prefect import flow, get_run_logger, unmapped
 from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as current_flow_run
 from prefect.states import State
 
+from infra.cancel import CANCEL, signals_cancel
 from infra.compute.catalog import load_catalog
 from infra.compute.providers import Cluster
 from infra.job.plan import Plan, cluster_name_for
@@ -52,6 +55,8 @@ def default_run_id(job_name: str, flow_run_id: str) -> str:
 
 def teardown_on_crash(flow: Any, flow_run: Any, state: State[Any]) -> None:
     """Cancellation and crash skip the flow's finally; this hook tears the cluster down from the parameters alone."""
+    if state.is_cancelled() or state.is_cancelling():
+        CANCEL.cancel(f"Prefect cancelled flow run {flow_run.id}")  # what may still wait in this process stops
     job = JobSpec.model_validate(flow_run.parameters["job"])
     run_id = flow_run.parameters.get("run_id") or default_run_id(job.name, str(flow_run.id))
     flow_run_logger(flow_run, flow).warning("run %s ended %s: tearing down its cluster", run_id, state.type.value)
@@ -61,8 +66,11 @@ def teardown_on_crash(flow: Any, flow_run: Any, state: State[Any]) -> None:
 @flow(name="retrain", on_cancellation=[teardown_on_crash], on_crashed=[teardown_on_crash], log_prints=True)
 def retrain(job: JobSpec, run_id: str | None = None) -> dict[str, Any]:
     """Run one retraining job from nothing to a committed checkpoint, and leave nothing running."""
-    # Its nodes count against the global node limit for the whole run, so runs together never exceed it.
-    with nodes_held(job.cluster.nodes):
+    CANCEL.reset()  # a process that runs flows one after another (tests, `serve`): this run starts uncancelled
+    # SIGTERM (a Prefect cancel among them) and SIGINT (Ctrl-C) cancel the token every wait below checks, then unwind
+    # this thread as Prefect does; a second one skips the checkpoint flush. Its nodes count against the global node
+    # limit for the whole run, so runs together never exceed it.
+    with signals_cancel(), nodes_held(job.cluster.nodes):
         return run_job(job, run_id or default_run_id(job.name, str(current_flow_run.id)))
 
 
@@ -71,11 +79,22 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
     summary = RunSummary(run_id=run_id, job=job.name, provider=job.cluster.provider, nodes=job.cluster.nodes,
                          started_at=launched_at())
     recoveries = Recoveries(job.recovery)
+    checkpoint_url: str | None = None  # known once planned: a failed or cancelled run names its latest commit
     start_loss_curve(run_id)
     phase = Phases(summary)  # the run's own phases; a recovery's are timed into its record too
-    try:
+
+    def own_teardown() -> int:
+        # The run's own teardown (no recovery's time to resume), which a second Ctrl-C does not interrupt.
+        with CANCEL.shield(), phase("teardown"):
+            return teardown_cluster(job.cluster.provider, cluster_name)
+
+    def recorded(exc: BaseException) -> None:
+        record_failure(summary, exc, checkpoint_url, cancelled=CANCEL.reason if CANCEL.cancelled else None)
+
+    with run_closed(summary, own_teardown, recorded, recoveries, run_dir(run_id)):
         with phase("plan"):
             plan: Plan = plan_run(job, run_id)
+            checkpoint_url = plan.checkpoint_url
             code_url = publish_code(job, plan)
         summary.dataset = plan.dataset.summary()
         resume_step, recovery = plan.resume_step, None
@@ -99,15 +118,39 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
             verified = verify_committed_checkpoint(cluster, plan.checkpoint_url, job.checkpoints.format)
         record_training(summary, staged, outcome, verified, plan.checkpoint_url)
         summary.status = "completed"
+    return summary.to_dict()
+
+
+@contextmanager
+def run_closed(summary: RunSummary, teardown: Callable[[], int], record: Callable[[BaseException], None],
+               recoveries: Recoveries, directory: Path) -> Iterator[None]:
+    """Around a run: its failure recorded, then — whatever happened — the cluster torn down and the summary published.
+
+    A teardown that fails (after its own retries) is logged and recorded in the summary, and the summary is published
+    all the same. It is raised only when the run itself succeeded (nodes may be left: the run has not); when the run
+    failed, the run's own error is the one raised, not hidden behind the teardown's."""
+    failed = False
+    try:
+        yield
     except BaseException as exc:
-        record_failure(summary, exc)
+        failed = True
+        record(exc)
         raise
     finally:
-        with phase("teardown"):  # the run's own teardown: no recovery's time to resume
-            summary.nodes_left = teardown_cluster(job.cluster.provider, cluster_name)
+        teardown_error: Exception | None = None
+        try:
+            summary.nodes_left = teardown()
+        except Exception as exc:
+            teardown_error = exc
+            summary.teardown_error = f"{type(exc).__name__}: {exc}"
+            get_run_logger().error("teardown of run %s failed: %s: `trainpipe status` shows what is left, `trainpipe "
+                                   "down` ends it", summary.run_id, summary.teardown_error)
+            if not failed:
+                record(exc)
         summary.recoveries = [r.to_dict() for r in recoveries.records]
-        publish_summary(summary, run_dir(run_id))
-    return summary.to_dict()
+        publish_summary(summary, directory)
+        if teardown_error is not None and not failed:
+            raise teardown_error
 
 
 def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: RunSummary, cluster_name: str,

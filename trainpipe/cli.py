@@ -79,6 +79,10 @@ def run(config: ConfigArg, run_id: RunIdOpt = None) -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     job = load_job(config)
     run_id = run_id or new_run_id(job)
+    # Before and after the flow Ctrl-C and SIGTERM end the command at once; within it they cancel the run (flush,
+    # commit, teardown: flows.retrain). Prefect re-sends its SIGTERM here once the flow has unwound.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _exit_on_signal)
     server = BackgroundServer().start()
     try:
         # Fail on bad input before the flow starts, so the user sees one line rather than a flow traceback.
@@ -89,29 +93,44 @@ def run(config: ConfigArg, run_id: RunIdOpt = None) -> None:
         raise typer.Exit(2) from None
     server.wait()
     from flows.retrain import retrain
+    from infra.cancel import CANCEL
 
-    # Prefect turns SIGTERM into a graceful flow shutdown, then re-sends it to the handler it found. Python's
-    # default handler would end the process without atexit, leaking Prefect's ephemeral server process.
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    failure: Exception | None = None
+    failure: BaseException | None = None
+    summary: RunSummary | None = None
     try:
         retrain(job, run_id)
     except resolve_errors(*USER_ERRORS):
         raise
-    except Exception as exc:  # the flow already logged the traceback; the user gets the summary and one line
+    except (Exception, SystemExit) as exc:  # the flow already logged the traceback; the user gets the summary and
+        # one line. SystemExit: the cancelling signal, re-sent by Prefect once the flow unwound.
+        if isinstance(exc, SystemExit) and not CANCEL.cancelled:
+            raise
         failure = exc
     finally:
         summary_path = runs_dir() / run_id / "summary.json"
         if summary_path.is_file():
-            typer.echo(RunSummary(**load_summary(summary_path)).render())
+            summary = RunSummary(**load_summary(summary_path))
+            typer.echo(summary.render())
             typer.echo(f"summary: {summary_path}")
-    if failure is not None:
+    if failure is None:
+        return
+    if summary is not None and summary.status in ("failed", "cancelled"):
+        what = (f"cancelled ({summary.error})" if summary.status == "cancelled"
+                else f"failed: {type(failure).__name__}: {failure}")
+        typer.echo(f"error: run {run_id} {what}; latest committed checkpoint: {summary.checkpoint or 'none'}; "
+                   f"resume: {summary.resume_hint(str(config))}", err=True)
+    else:
         typer.echo(f"error: run {run_id} failed: {type(failure).__name__}: {failure}", err=True)
-        raise typer.Exit(1)
+    raise typer.Exit(128 + (CANCEL.signum or signal.SIGTERM) if CANCEL.cancelled else 1)
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
+def _exit_on_signal(signum: int, frame: object) -> None:
+    """Outside the flow (planning, the server's start; Prefect's re-sent SIGTERM after it): end the command. Python's
+    default handler for SIGTERM would end the process without atexit, leaking Prefect's temporary server."""
+    from infra.cancel import CANCEL
+
+    CANCEL.cancel(f"{signal.Signals(signum).name} received", signum)
+    raise SystemExit(128 + (CANCEL.signum or signum))
 
 
 @app.command()
