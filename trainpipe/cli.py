@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from trainpipe import bench_command, catalog_command, cp_command, predict_command, serve_command
+from trainpipe import bench_command, catalog_command, cp_command, model_command, predict_command, serve_command
 from trainpipe.errors import exit_2_on, resolve_errors
 
 if TYPE_CHECKING:
+    from infra.checkpoints.commit import CheckpointManifest, CheckpointStore
     from infra.compute.providers import ClusterRecord
     from infra.job.spec import JobSpec
 
@@ -34,7 +35,7 @@ app.add_typer(ckpt_app, name="ckpt")
 # By name: imported only once an exception comes through (see trainpipe.errors.exit_on).
 USER_ERRORS = ("infra.job.spec:ConfigError", "infra.job.plan:PlanError", "infra.dataset.manifest:DatasetError",
                "infra.storage:StorageError", "infra.checkpoints.commit:CheckpointError",
-               "infra.compute.providers:LaunchError")
+               "infra.compute.providers:LaunchError", "infra.registry.refs:RegistryError")
 user_errors_exit_2 = exit_2_on(*USER_ERRORS)
 
 ConfigArg = Annotated[Path, typer.Argument(help="job config YAML (see examples/local.yaml)")]
@@ -314,7 +315,25 @@ def ckpt_verify(
         except ValueError as exc:
             raise CheckpointError(f"step {manifest.step}: {exc}") from None
     typer.echo(json.dumps({"step": manifest.step, "name": manifest.ref.name, "files": len(manifest.files),
-                           "loaded": loaded}))
+                           "loaded": loaded, "eval": _eval_of(checkpoints, manifest.step),
+                           "ancestors": _ancestors(checkpoints.store.url, manifest)}))
+
+
+def _eval_of(checkpoints: CheckpointStore, step: int) -> dict[str, float] | None:
+    record = checkpoints.eval(step)
+    return record.metrics if record else None
+
+
+def _ancestors(run_url: str, manifest: CheckpointManifest) -> list[str]:
+    """The step URLs the manifest's lineage descends from, nearest first; RegistryError naming one that is gone."""
+    if manifest.lineage is None or manifest.lineage.parent is None:
+        return []
+    from infra.checkpoints.steps import step_name
+    from infra.registry import registry_root_of
+    from infra.registry.chain import lineage_chain
+
+    chain = lineage_chain(f"{run_url}/{step_name(manifest.step)}", registry_root_of(run_url))
+    return [found.target.url for found in reversed(chain[:-1])]
 
 
 app.command("serve")(serve_command.serve)
@@ -323,6 +342,7 @@ app.command("cp")(user_errors_exit_2(cp_command.cp))
 app.command("predict")(predict_command.predict)
 app.add_typer(bench_command.bench_app, name="bench")
 app.add_typer(catalog_command.catalog_app, name="catalog")
+app.add_typer(model_command.model_app, name="model")
 
 
 def main() -> None:
