@@ -9,15 +9,18 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
-from prefect import flow, unmapped
+from prefect import flow, get_run_logger, unmapped
 from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as current_flow_run
 from prefect.states import Completed, State
 
+from infra.cancel import CANCEL, signals_cancel
 from infra.compute.catalog import load_catalog
 from infra.compute.providers import Cluster
 from infra.dataset.snapshot import snapshot_digest
@@ -56,6 +59,8 @@ def default_run_id(job_name: str, flow_run_id: str) -> str:
 
 def teardown_on_crash(flow: Any, flow_run: Any, state: State[Any]) -> None:
     """Cancellation and crash skip the flow's finally; this hook tears the cluster down from the parameters alone."""
+    if state.is_cancelled() or state.is_cancelling():
+        CANCEL.cancel(f"Prefect cancelled flow run {flow_run.id}")  # what may still wait in this process stops
     job = JobSpec.model_validate(flow_run.parameters["job"])
     run_id = flow_run.parameters.get("run_id") or default_run_id(job.name, str(flow_run.id))
     flow_run_logger(flow_run, flow).warning("run %s ended %s: tearing down its cluster", run_id, state.type.value)
@@ -68,8 +73,11 @@ def retrain(job: JobSpec, run_id: str | None = None) -> Any:
 
     The run ends Completed with its summary as the result; with promote, the state is named Promoted or Kept
     champion and its message says why."""
-    # Its nodes count against the global node limit for the whole run, so runs together never exceed it.
-    with nodes_held(job.cluster.nodes):
+    CANCEL.reset()  # a process that runs flows one after another (tests, `serve`): this run starts uncancelled
+    # SIGTERM (a Prefect cancel among them) and SIGINT (Ctrl-C) cancel the token every wait below checks, then unwind
+    # this thread as Prefect does; a second one skips the checkpoint flush. Its nodes count against the global node
+    # limit for the whole run, so runs together never exceed it.
+    with signals_cancel(), nodes_held(job.cluster.nodes):
         summary = run_job(job, run_id or default_run_id(job.name, str(current_flow_run.id)))
     gate = summary.get("promotion")
     if not gate:
@@ -83,11 +91,22 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
     summary = RunSummary(run_id=run_id, job=job.name, provider=job.cluster.provider, nodes=job.cluster.nodes,
                          started_at=launched_at())
     recoveries = Recoveries(job.recovery)
+    checkpoint_url: str | None = None  # known once planned: a failed or cancelled run names its latest commit
     start_loss_curve(run_id)
     phase = Phases(summary)  # the run's own phases; a recovery's are timed into its record too
-    try:
+
+    def own_teardown() -> int:
+        # The run's own teardown (no recovery's time to resume), which a second Ctrl-C does not interrupt.
+        with CANCEL.shield(), phase("teardown"):
+            return teardown_cluster(job.cluster.provider, cluster_name)
+
+    def recorded(exc: BaseException) -> None:
+        record_failure(summary, exc, checkpoint_url, cancelled=CANCEL.reason if CANCEL.cancelled else None)
+
+    with run_closed(summary, own_teardown, recorded, recoveries, run_dir(run_id)):
         with phase("plan"):
             plan: Plan = plan_run(job, run_id)
+            checkpoint_url = plan.checkpoint_url
             code_url = publish_code(job, plan)
         summary.dataset = plan.dataset.summary()
         resume_step, recovery = plan.resume_step, None
@@ -113,15 +132,41 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
         last_step_at = next((p.at for p in reversed(outcome.points) if p.at is not None), None)
         evaluate_and_promote(job, plan, cluster, launch, verified.step, summary, phase, last_step_at)
         summary.status = "completed"
+    return summary.to_dict()
+
+
+@contextmanager
+def run_closed(summary: RunSummary, teardown: Callable[[], int], record: Callable[[BaseException], None],
+               recoveries: Recoveries, directory: Path) -> Iterator[None]:
+    """Around a run: whatever happened, the cluster torn down, then its failure recorded and the summary published.
+
+    The failure is recorded after the teardown: until the nodes are gone their syncers may still commit (a second
+    Ctrl-C skips the flush, not the syncers already uploading), and the summary names the latest commit that exists
+    once nothing can add another. A teardown that fails (after its own retries) is logged and recorded in the
+    summary, and the summary is published all the same. It is raised only when the run itself succeeded (nodes may be
+    left: the run has not); when the run failed, the run's own error is the one raised, not hidden behind the
+    teardown's."""
+    failure: BaseException | None = None
+    try:
+        yield
     except BaseException as exc:
-        record_failure(summary, exc)
+        failure = exc
         raise
     finally:
-        with phase("teardown"):  # the run's own teardown: no recovery's time to resume
-            summary.nodes_left = teardown_cluster(job.cluster.provider, cluster_name)
+        teardown_error: Exception | None = None
+        try:
+            summary.nodes_left = teardown()
+        except Exception as exc:
+            teardown_error = exc
+            summary.teardown_error = f"{type(exc).__name__}: {exc}"
+            get_run_logger().error("teardown of run %s failed: %s: `trainpipe status` shows what is left, `trainpipe "
+                                   "down` ends it", summary.run_id, summary.teardown_error)
+        if failure is not None or teardown_error is not None:
+            record(failure or teardown_error)
         summary.recoveries = [r.to_dict() for r in recoveries.records]
-        publish_summary(summary, run_dir(run_id))
-    return summary.to_dict()
+        publish_summary(summary, directory)
+        if teardown_error is not None and failure is None:
+            raise teardown_error
 
 
 def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: RunSummary, cluster_name: str,

@@ -125,7 +125,7 @@ def _wait_all(trainers: dict[str, Process], deadline: float, watch: PreemptionWa
               poll: Any) -> None:
     """Wait for every trainer; the first failure, a preemption or the deadline stops the rest and raises."""
     def each_round() -> None:
-        poll()
+        watch.reading(poll.runner.node_name, poll)  # the head gone without notice is the watch's call, not a failure
         watch.poll()
 
     wait_all(

@@ -45,6 +45,7 @@ class RunSummary:
     checkpoint: str | None = None
     checkpoint_step: int | None = None
     nodes_left: int | None = None
+    teardown_error: str | None = None  # the run's own teardown failed: what it left needs `trainpipe down`
     stage: dict[str, Any] = field(default_factory=dict)
     dataset: dict[str, Any] = field(default_factory=dict)  # infra.dataset.planning.DatasetPlan.summary()
     # per input: its DatasetPlan.summary() and its staging: fetched_bytes, reused_bytes (from the node's cache),
@@ -101,6 +102,11 @@ class RunSummary:
         if self.price_per_hour is not None:
             billed_s = sum(self.phases.get(name, 0.0) for name in BILLED_PHASES)
             self.cost_usd = round(self.price_per_hour * billed_s / 3600, 4)
+
+    def resume_hint(self, config: str = "CONFIG") -> str:
+        """What continues a failed or cancelled run: the same run id resumes from its latest commit."""
+        start = f"from step {self.checkpoint_step}" if self.checkpoint_step is not None else "from the start"
+        return f"trainpipe run {config} --run-id {self.run_id} (resumes {start})"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -159,6 +165,8 @@ class RunSummary:
                          f"{self.promotion['model']}@{self.promotion['alias']}: {self.promotion['reason']}")
         lines.append(f"  checkpoint: {self.checkpoint or 'none committed'}"
                      + (f" (resumed from step {self.resumed_from_step})" if self.resumed_from_step is not None else ""))
+        if self.status in ("failed", "cancelled"):
+            lines.append(f"  resume: {self.resume_hint()}")
         stalls = [c["stall_s"] for c in self.checkpoints if c.get("stall_s") is not None]
         if stalls:
             lines.append(f"  checkpoints: {len(stalls)} saved, training stalled {sum(stalls) / len(stalls):.3f}s "
@@ -171,6 +179,9 @@ class RunSummary:
         lines.extend(f"  warning: {warning}" for warning in self.warnings)
         if self.nodes_left is not None:
             lines.append(f"  {self.nodes_left} nodes left running")
+        if self.teardown_error is not None:
+            lines.append(f"  teardown failed: {self.teardown_error}: `trainpipe status` shows what is left, "
+                         "`trainpipe down` ends it")
         return "\n".join(lines)
 
 

@@ -26,7 +26,7 @@ import random
 import re
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
 
@@ -65,7 +65,6 @@ class AliasMove:
     run_id: str | None
     seq: int = 0  # its number in the alias's history, from 1
     rollback_of: int | None = None  # the move a rollback undid
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ref(self) -> str:
@@ -98,7 +97,9 @@ class Registry:
         except ObjectNotFound:
             return None
         try:
-            return AliasMove(**json.loads(raw))
+            record = json.loads(raw)
+            # Keys a newer trainpipe added are left out, so an older one still reads the history.
+            return AliasMove(**{f.name: record[f.name] for f in fields(AliasMove) if f.name in record})
         except (ValueError, TypeError) as exc:
             raise RegistryError(f"{self.store.url_for(key)}: corrupt alias move ({exc}): restore it from a copy; "
                                 "moves are never rewritten, so nothing else is at stake") from None
