@@ -1,4 +1,5 @@
-"""Plan: validate everything that can be checked before a node is launched, and freeze the run's dataset snapshot."""
+"""Plan: validate everything that can be checked before a node is launched, and freeze the run's dataset and input
+snapshots."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tasks.secrets import read_secret_block
 def plan_run(job: JobSpec, run_id: str) -> Plan:
     plan = plan_job(job, run_id, secret_blocks=read_secret_block)
     # From here on every node, recovery and rerun of this run id stages exactly these objects.
-    freeze(plan.dataset, plan.checkpoint_url)
+    for prefix in (plan.dataset, *plan.inputs.values()):
+        freeze(prefix, plan.checkpoint_url)
     get_run_logger().info("plan:\n%s", plan.render())
     return plan

@@ -33,6 +33,7 @@ from tasks.results import (
     Committed,
     Restored,
     Staged,
+    StagedNode,
     Uploaded,
     Verified,
     checkpoint_saves,
@@ -73,6 +74,25 @@ def record_training(summary: RunSummary, staged: list[Staged], outcome: TrainOut
     summary.checkpoints = checkpoint_metrics(outcome.checkpoint_events, outcome.sync_events)
     summary.checkpoint_step = verified.step
     summary.checkpoint = f"{checkpoint_url}/{step_name(verified.step)}"
+
+
+def record_inputs(summary: RunSummary, plan: Plan, staged: Sequence[StagedNode]) -> None:
+    """Each input's plan and how its staging went: the latest attempt's (a recovery stages again, from the cache)."""
+    for name, input_plan in plan.inputs.items():
+        each = [node.inputs[name] for node in staged if name in node.inputs]
+        record = input_plan.summary()
+        if each:
+            record.update(fetched_bytes=max(s.bytes for s in each), reused_bytes=max(s.skipped_bytes for s in each),
+                          seconds=max(s.seconds for s in each), mb_per_s=min(s.mb_per_s for s in each))
+        summary.inputs[name] = record
+
+
+def _input_rows(summary: RunSummary) -> list[dict[str, Any]]:
+    return [{"input": name, "url": record["url"], "files": record["files"], "MB": round(record["bytes"] / 1e6, 3),
+             "fetched MB": round(record.get("fetched_bytes", 0) / 1e6, 3),
+             "reused MB": round(record.get("reused_bytes", 0) / 1e6, 3), "seconds": record.get("seconds"),
+             "MB/s": record.get("mb_per_s"), "snapshot": record["snapshot"]}
+            for name, record in summary.inputs.items()]
 
 
 def _number(value: Any) -> float | None:
@@ -264,6 +284,15 @@ def _markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _eval_rows(summary: RunSummary) -> list[dict[str, Any]]:
+    """The evaluation's metrics, beside the champion's value of the promoted metric when a gate compared them."""
+    gate = summary.promotion
+    return [{"metric": key, "value": value,
+             "champion": gate.get("champion_value") if gate.get("metric") == key else None,
+             "decision": ("promoted" if gate["promoted"] else "kept the champion") if gate.get("metric") == key
+             else ""} for key, value in summary.eval.get("metrics", {}).items()]
+
+
 def _markdown(summary: RunSummary, curve: list[tuple[int, float]]) -> str:
     """What ran where, how long each phase took, how fast data moved, how far the loss fell, what was committed."""
     facts = [f"job **{summary.job}** on **{summary.provider}**, {summary.nodes} nodes"]
@@ -293,7 +322,11 @@ def _markdown(summary: RunSummary, curve: list[tuple[int, float]]) -> str:
     checkpoint = f"[{summary.checkpoint}]({summary.checkpoint})" if summary.checkpoint else "none"
     facts += [f"committed checkpoint: {checkpoint}", f"nodes left running after teardown: {summary.nodes_left}"]
     chart = markdown_image(run_chart_png(curve, summary.phases, summary.loss_floor), "loss curve and time per phase")
-    sections = {"Phases": _phase_rows(summary), "Dataset expectations": expectation_rows(summary.dataset),
+    if summary.promotion:
+        facts.append(f"{summary.promotion['model']}@{summary.promotion['alias']}: {summary.promotion['reason']}")
+    sections = {"Phases": _phase_rows(summary), "Evaluation": _eval_rows(summary),
+                "Inputs": _input_rows(summary),
+                "Dataset expectations": expectation_rows(summary.dataset),
                 "Step time": _breakdown_rows(summary),
                 "What if (predicted from this run; `trainpipe predict` adds the catalog)": _what_if_rows(summary),
                 "Checkpoints": _checkpoint_rows(summary),
@@ -314,8 +347,11 @@ def publish_summary(summary: RunSummary, directory: Path) -> Path:
                              description=f"run {summary.run_id}")
     create_table_artifact(_phase_rows(summary), key=f"{artifact_key}-phases",
                           description=f"run {summary.run_id}: seconds per phase")
-    tables = {"dataset-expectations": (expectation_rows(summary.dataset), "per expectation of dataset.expectations: "
+    tables = {"inputs": (_input_rows(summary), "per input: size, bytes fetched and reused from the nodes' cache, "
+                         "seconds and MB/s of its staging"),
+              "dataset-expectations": (expectation_rows(summary.dataset), "per expectation of dataset.expectations: "
                                        "success, rows, unexpected count and values, failed files"),
+              "evaluation": (_eval_rows(summary), "the evaluation's metrics and the promotion gate's decision"),
               "step-time": (_breakdown_rows(summary), "T_compute, T_network, T_io of the training steps"),
               "launch-attempts": (_attempt_rows(summary), "every launch attempt, in order"),
               "checkpoints": (_checkpoint_rows(summary), "per checkpoint: training stall, write, upload, commit"),

@@ -15,7 +15,7 @@ from infra.compute.providers import Cluster, Node, get_provider
 from infra.job.spec import JobSpec
 from infra.lifecycle.preemption_watch import PreemptionWatch, TrainingError
 from infra.node.sync import STOP_FILE
-from infra.workload.contract import NodeContext, render_command
+from infra.workload.contract import NodeContext, input_dir, render_command
 from infra.workload.progress import Point
 from tasks.chaos import arm_chaos
 from tasks.node_output import TrainingProgress, node_line_sink
@@ -44,6 +44,7 @@ class TrainLaunch:
     attempt: int = 0  # 0 for the run's first launch, one more per recovery (TRAINPIPE_ATTEMPT)
     attempt_id: str = ""  # unique per launch, reruns included: commits take only this attempt's records
     resume_from: dict[str, str] = field(default_factory=dict)  # node name → restored checkpoint on that node
+    init_from: dict[str, str] = field(default_factory=dict)  # node name → training.init_from restored on that node
     lineage: dict[str, Any] | None = None  # a Lineage: the syncers record it in every manifest they commit
 
 
@@ -62,8 +63,10 @@ def node_context(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch
     return NodeContext(
         data_dir=node.data_dir, data_url=launch.dataset_url, data_shards=node.path("data-files.txt"),
         checkpoint_dir=node.ckpt_dir, resume_from=launch.resume_from.get(node.name, ""),
+        init_from=launch.init_from.get(node.name, ""),
         metrics_file=node.metrics_file, run_id=cluster.run_id, attempt=launch.attempt, node_rank=node.rank,
-        num_nodes=len(cluster.nodes), node_ips=tuple(n.address for n in cluster.nodes), sync_dir=node.sync_dir)
+        num_nodes=len(cluster.nodes), node_ips=tuple(n.address for n in cluster.nodes), sync_dir=node.sync_dir,
+        inputs={name: input_dir(node.workdir, name) for name in job.inputs})
 
 
 def workload_env(job: JobSpec, context: NodeContext) -> dict[str, str]:
