@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from servers import free_port
 
-from infra.storage import open_store, s3
+from infra.storage import open_store, s3, s3_native
 from infra.storage.checksum import Checksum, checksum_bytes
 from infra.storage.s3 import MIN_PART_SIZE
 from infra.storage.transfer import FileSpec, RetryPolicy, TransferConfig, download, upload
@@ -90,6 +90,13 @@ class StallingProxy:
         self._listener.close()
         for sock in self._held:
             sock.close()
+
+
+@pytest.fixture(autouse=True)
+def _crt_log_bridged() -> None:
+    """The CRT's log bridge is on before the test runs: pytest's capture then sees what the CRT's loggers pass on
+    (it attaches to the loggers that do not propagate as each phase begins), as a host program's handler would."""
+    s3_native._bridge_crt_log()
 
 
 def _port(endpoint: str) -> int:
