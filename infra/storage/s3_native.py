@@ -329,6 +329,9 @@ class CrtGet:
     def poll(self) -> None:
         self.watch.saw(self.growth())
         if not self.watch.stalled():
+            # Bytes arriving that have not landed yet still count as moving for the pool's own deadline
+            # (infra.storage.pool: a part can take minutes to land on a slow, shared link).
+            self.growth.on_bytes(0)
             return
         stalled = self.watch.error(self.what)
         attempt = self._take_attempt()
