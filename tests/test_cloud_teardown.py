@@ -51,8 +51,9 @@ AWS_PREFIX, GCP_PREFIX = "127.77.1.", "127.77.2."
 REGION, ZONE = "us-east-1", "us-central1-a"
 TTL_S = 10.0  # the shortest lease a job may have
 # The watchdog polls once a second; the stand-in's power-off starts an interpreter that calls the API; the test
-# polls the simulated cloud.
-EXPIRY_SLACK_S = 5.0
+# polls the simulated cloud. On 2 loaded cores an interpreter's start alone can take seconds: within twice the TTL
+# still tells an expired lease from nodes that were never ended (the wait for them gives up at TTL + 60 s).
+EXPIRY_SLACK_S = TTL_S
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +159,7 @@ def test_a_killed_orchestrators_nodes_end_when_their_lease_expires(
               f"after its last lease renewal (lease TTL {TTL_S:g}s)")
         assert after_renewal_s <= TTL_S + EXPIRY_SLACK_S, f"{after_renewal_s:.1f}s is beyond the lease TTL"
         for address, node in stand_ins.nodes.items():
-            wait_for(lambda a=address: not stand_ins.processes_of(a), 10, f"{address} powering off")
+            wait_for(lambda a=address: not stand_ins.processes_of(a), 60, f"{address} powering off")
             events = [e for e in map(parse, (node.root / "mnt/trainpipe/trainpipe/logs/watch.log").read_text()
                                      .splitlines()) if e]
             expired = [e for e in events if e["event"] == "lease-expired"]
