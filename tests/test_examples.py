@@ -22,15 +22,20 @@ from conftest import REPO, run_trainpipe
 EXAMPLES = REPO / "examples"
 # How each job is shortened for the test, and when its node 1 is taken away: at a step (read from the job's own
 # progress output) past the first commit and well before the end, so a loaded machine's slow start-up cannot move it.
+# The node goes a while after that step is reached (the head's metrics are read every second, then the injector acts):
+# a job with steps of a few milliseconds would finish first, so the fast ones sleep per step, which leaves the
+# preemption seconds to land in (the window: steps from at_step to the end × the delay).
 JOBS = {
     "own-script": {"command": ["train.py", "--steps", "400", "--save-every", "40", "--step-delay-s", "0.05"],
                    "at_step": 200},
     "hf-trainer": {"command": ["train.py", "--data_dir", "{data_dir}", "--output_dir", "{checkpoint_dir}",
                                "--resume_from_checkpoint", "{resume_from}", "--max_steps", "120", "--save_steps", "10"],
                    "at_step": 50},
+    # Without its delay (~3 ms a step) the node went ~150 steps past at_step: at 300 of 600 it sometimes went after
+    # the last commit (the resumed run then had nothing to do) or during the final flush (the run hung).
     "lightning": {"command": ["train.py", "--data-dir", "{data_dir}", "--ckpt-dir", "{checkpoint_dir}", "--ckpt-path",
-                              "{resume_from}", "--max-steps", "600", "--save-every", "40"],
-                  "at_step": 300},
+                              "{resume_from}", "--max-steps", "300", "--save-every", "20", "--step-delay-s", "0.04"],
+                  "at_step": 100},
 }
 RESUMED = re.compile(r"\[tp-[\w-]+-node-(\d)\] node (\d): resum\w* from (\S+) at step (\d+)")
 
