@@ -33,6 +33,7 @@ from infra.storage.http import HttpStore
 log = logging.getLogger(__name__)
 
 PEER_PORT_BASE = 47400  # node rank r serves on PEER_PORT_BASE + r (distinct on one host: local and netns nodes)
+SHARE_DIR = "fanout"  # under the node's workdir: what its peer server serves, each file under its checksum's name
 WAIT_S = 120.0  # how long a node waits for a file its owner has not published yet
 CONNECT_GRACE_S = 15.0  # a peer's server may still be starting: refused connections are retried this long
 _POLL_FIRST_S, _POLL_MAX_S = 0.05, 1.0
