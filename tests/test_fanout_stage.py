@@ -26,6 +26,7 @@ from infra.node.events import parse
 from infra.node.fanout import shares
 from infra.storage import open_store
 from infra.storage.http import PASS_ENV, USER_ENV
+from tasks.fanout import decide
 
 MB = 1 << 20
 NODES = 3
@@ -192,3 +193,15 @@ def test_a_peer_killed_mid_exchange_its_share_comes_from_the_store(
         assert tree(node.workdir / "data") == files
     unique = sum(snapshot_files.values())
     assert store.served <= 1.05 * (unique + sum(snapshot_files[c] for c in owed)), store.served
+
+
+@pytest.mark.parametrize(("mode", "nodes", "gbps", "on"), [
+    ("on", 2, None, True), ("off", 4, 10.0, False), ("on", 1, None, False),
+    ("auto", 4, None, False),  # no bench: no node-to-node figure, so off
+    ("auto", 4, 0.4, False), ("auto", 4, 25.0, True),
+])
+def test_fanout_is_decided_from_the_spec_and_the_cluster_bench(mode: str, nodes: int, gbps: float | None,
+                                                               on: bool) -> None:
+    bench = {"mode": "off"} if gbps is None else {"measurement": {"links": [{"gbps": gbps}, {"gbps": gbps * 2}]}}
+    decided, why = decide(mode, nodes, bench)
+    assert decided is on and why

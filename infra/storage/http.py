@@ -13,7 +13,6 @@ import base64
 import email.utils
 import http.client
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote, urlsplit
@@ -124,11 +123,3 @@ class HttpStore(ObjectStore):
     def delete(self, key: str) -> None:
         raise self._read_only(key)
 
-
-def reachable(host: str, port: int, timeout_s: float = 2.0) -> bool:
-    """Whether something accepts TCP connections at host:port."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
