@@ -30,6 +30,7 @@ from infra.job.summary import LAUNCHED_AT_VAR, RunSummary
 from infra.lifecycle.preemption_watch import Preempted
 from infra.lifecycle.recovery import RECOVERY_PHASES, Recoveries, RecoveryRecord, narrowed
 from infra.workspace import run_dir
+from tasks import fanout
 from tasks.capacity import nodes_held
 from tasks.checkpoint import latest_committed_step, verify_committed_checkpoint
 from tasks.cluster import provision_cluster, teardown_cluster
@@ -196,10 +197,15 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: 
         with phase.recovery_part("stage"):
             # The dataset and the inputs one after the other on each node, through its one cache.
             inputs = {name: input_plan.snapshot_url for name, input_plan in plan.inputs.items()}
-            nodes_staged = (stage_node.map(unmapped(cluster), cluster.nodes,
-                                           unmapped(plan.dataset.snapshot_url if staging else None),
-                                           unmapped(plan.dataset.shard), unmapped(inputs)).result()
-                            if staging or inputs else [])
+            fan, why = fanout.decide(job.dataset.fanout, len(cluster.nodes), summary.cluster_bench)
+            summary.dataset["fanout"] = {"on": fan, "why": why}
+            get_run_logger().info("fan-out staging: %s", why)
+            with (fanout.peer_servers(cluster) if fan and (staging or inputs) else nullcontext(([], None))) as peers:
+                nodes_staged = (stage_node.map(unmapped(cluster), cluster.nodes,
+                                               unmapped(plan.dataset.snapshot_url if staging else None),
+                                               unmapped(plan.dataset.shard), unmapped(inputs),
+                                               peers=unmapped(peers[0]), peer_env=unmapped(peers[1])).result()
+                                if staging or inputs else [])
             staged = [s.dataset for s in nodes_staged if s.dataset is not None]
         with phase.recovery_part("restore"):
             restored = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.checkpoint_url),

@@ -56,6 +56,10 @@ def record_training(summary: RunSummary, staged: list[Staged], outcome: TrainOut
             "skipped_bytes": max(s.skipped_bytes for s in staged),
             "mb_per_s": min(s.mb_per_s for s in staged),
             "seconds": max(s.seconds for s in staged),
+            # Per node, by rank: with fan-out the store serves each byte about once to the whole cluster.
+            "store_bytes": [s.store_bytes for s in staged],
+            "peer_bytes": [s.peer_bytes for s in staged],
+            "fallback_files": sum(s.fallback_files for s in staged),
         }
     curve = read_loss_curve(run_dir(summary.run_id))  # every attempt's points, in the order they came
     losses = [point.loss for point in outcome.points if point.loss is not None]

@@ -41,12 +41,17 @@ class Staged:
     node_bytes: int  # what the node holds
     seconds: float
     mb_per_s: float  # of the fetch
+    # Where the fetched bytes came from (fan-out: the node's share and fallbacks from the store, the rest from peers)
+    store_bytes: int = 0
+    peer_bytes: int = 0
+    fallback_files: int = 0  # fan-out: files a peer owed that came from the store instead
 
     @classmethod
     def from_event(cls, event: Mapping[str, Any]) -> Staged:
         return cls(files=event["files"], bytes=event["bytes"], skipped_files=event["skipped_files"],
                    skipped_bytes=event["skipped_bytes"], node_bytes=event["node_bytes"], seconds=event["seconds"],
-                   mb_per_s=event["mb_per_s"])
+                   mb_per_s=event["mb_per_s"], store_bytes=event["store_bytes"], peer_bytes=event["peer_bytes"],
+                   fallback_files=event["fallback_files"])
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from infra.compute.providers import Cluster, Node, get_provider
 from infra.dataset.stagecache import node_cache_dir
 from infra.node.events import parse
+from infra.node.fanout import SHARE_DIR
 from infra.workload.contract import INPUTS_DIR
 from tasks.node_output import last_event, node_line_sink
 from tasks.policy import TRANSIENT_RETRIES
@@ -50,13 +51,16 @@ def _progress_artifact(node: Node, what: str) -> Callable[[dict[str, Any]], None
 
 @task(name="stage-data", **TRANSIENT_RETRIES)
 def stage_node(cluster: Cluster, node: Node, snapshot_url: str | None, shard: str, inputs: dict[str, str],
-               timeout_s: float = 3600) -> StagedNode:
+               timeout_s: float = 3600, peers: list[str] | None = None,
+               peer_env: dict[str, str] | None = None) -> StagedNode:
     """Mirror the node's files of the run's dataset snapshot into its data dir (<workdir>/data-files.txt lists them;
     snapshot_url None: the dataset is read from the store, not staged), and each input's snapshot (inputs: name ->
     snapshot URL) whole into <workdir>/inputs/<name>, through the node's one cache.
 
     Each `staged` (`input-staged`) event: files and node_bytes (what the node holds), bytes (fetched), skipped_files
-    and skipped_bytes (reused from the node's cache or data dir), seconds and mb_per_s (of the fetch)."""
+    and skipped_bytes (reused from the node's cache or data dir), seconds and mb_per_s (of the fetch).
+
+    peers (fan-out, tasks/fanout.py): every node's peer server URL by rank; peer_env their credentials."""
     runner = get_provider(cluster.provider).runner(cluster, node)
     sink = node_line_sink(get_run_logger(), node.name, on_event=_progress_artifact(node, "stage"))
     dataset = (["--snapshot", snapshot_url, "--dest", node.data_dir] if snapshot_url is not None else [])
@@ -65,8 +69,9 @@ def stage_node(cluster: Cluster, node: Node, snapshot_url: str | None, shard: st
                          *(["--inputs-dir", node.path(INPUTS_DIR)] if inputs else []),
                          "--rank", str(node.rank), "--nodes", str(len(cluster.nodes)), "--shard", shard,
                          "--workdir", node.workdir,
-                         "--cache", node_cache_dir(cluster.provider, node.workdir), "--run", cluster.run_id],
-                        timeout=timeout_s, on_line=sink)
+                         "--cache", node_cache_dir(cluster.provider, node.workdir), "--run", cluster.run_id,
+                         *(["--peers", ",".join(peers), "--share-dir", node.path(SHARE_DIR)] if peers else [])],
+                        env=peer_env, timeout=timeout_s, on_line=sink)
     staged = {event["name"]: Staged.from_event(event) for event in map(parse, result.output.splitlines())
               if event is not None and event["event"] == "input-staged"}
     if missing := sorted(inputs.keys() - staged.keys()):

@@ -10,9 +10,10 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,3 +136,46 @@ def create_gcs_bucket(server: GcsServer, name: str) -> str:
                             client_options={"api_endpoint": server.host})
     client.create_bucket(name)
     return f"gs://{name}"
+
+
+class CountingProxy:
+    """A TCP proxy on a free loopback port in front of 127.0.0.1:upstream_port that counts the bytes the upstream
+    sends back: what a store served, counted at the store's side rather than by its clients."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.served = 0
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, count: bool) -> None:
+        try:
+            while chunk := src.recv(256 << 10):
+                if count:
+                    with self._lock:
+                        self.served += len(chunk)
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        for sock in (src, dst):
+            with suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._listener.close()

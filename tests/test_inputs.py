@@ -85,6 +85,7 @@ def test_an_input_is_staged_verified_to_every_node_and_reused_from_the_cache(wor
     (tmp_path / "base").mkdir()
     config = _config(tmp_path, ["probe.py", "--model", "{input_base}"], {"base": _base(tmp_path / "base")})
     config["training"].update(code=str(code), env={"PROBE_OUT": str(probes)})
+    config["dataset"]["fanout"] = "on"  # the dataset and the input: each node fetches a share, the peers the rest
     env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": str(tmp_path / "prefect"),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     path = write_config(tmp_path / "job.yaml", config)
@@ -107,6 +108,10 @@ def test_an_input_is_staged_verified_to_every_node_and_reused_from_the_cache(wor
         assert base["seconds"] > 0 and base["snapshot"].endswith(f"/{night}/_inputs/base/snapshot.json")
         if night == "night-1":
             assert base["fetched_bytes"] == size and base["mb_per_s"] > 0
+            stage = summary["stage"]
+            assert summary["dataset"]["fanout"] == {"on": True, "why": "dataset.fanout is on"}
+            assert stage["fallback_files"] == 0 and all(n > 0 for n in stage["peer_bytes"]), stage
+            assert sum(stage["store_bytes"]) == sum(stage["peer_bytes"]) == stage["bytes"], "the store read once"
         else:
             assert (base["fetched_bytes"], base["reused_bytes"]) == (0, size), "the second night reuses the cache"
         assert f"input base: {size / 1e6:,.1f} MB" in result.stdout

@@ -188,6 +188,14 @@ class DatasetSpec(PrefixSpec):
         "staged", description="staged: every node copies the dataset to its local disk before training (fast); "
         "remote: the trainer reads each batch from the store with ranged GETs, as a mounted object store does "
         "(for comparisons: every step then waits on the store).")
+    fanout: Literal["auto", "on", "off"] = Field(
+        "auto", description="Fan-out staging of what every node needs whole (a replicated dataset, the inputs): the "
+        "store is read once per cluster, each node fetches a share and the nodes fill each other over the cluster "
+        "network (each node serves its share with rclone serve http, per-run credentials), every byte checked "
+        "against the snapshot; a peer slow or gone is replaced by the store for what it owed. on: whenever there "
+        "are 2+ nodes; auto: when there are 2+ nodes and the cluster bench's slowest node-to-node link is at least "
+        "1 Gbit/s (faster than one node's store reads usually are); with cluster.verify.bench off, auto is off; off: "
+        "every node reads everything from the store.")
 
 
 INPUT_NAME = re.compile(r"^[a-z][a-z0-9_]*$")

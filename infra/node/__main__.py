@@ -18,6 +18,7 @@ COMMANDS = {
     "allreduce-bench": "infra.node.allreduce_bench",
     "chaos": "infra.node.chaos",
     "code": "infra.node.code",
+    "peer-serve": "infra.node.peerserve",
 }
 
 

@@ -27,6 +27,7 @@ from infra.dataset.manifest import DatasetError
 from infra.dataset.snapshot import DATASET, DatasetSnapshot, SnapshotFile, check_unchanged, read_snapshot
 from infra.dataset.stagecache import CacheBusy, ObjectCache, link_into
 from infra.node.events import Throttle, emit, fail
+from infra.node.fanout import CONNECT_GRACE_S, WAIT_S, Counts, Exchange
 from infra.storage import StorageError, open_store
 from infra.storage.base import ChecksumMismatch, ObjectStore
 from infra.storage.records import DEFAULT_CONFIG
@@ -109,33 +110,60 @@ class _Fetched:
                                     self.files_total, time.monotonic() - self.started))
 
 
-def _fetch_small(store: ObjectStore, snapshot: DatasetSnapshot, files: list[SnapshotFile], cache: ObjectCache,
-                 workers: int, fetched: _Fetched) -> None:
-    """Objects of at most one part: one GET each, checked in memory against the snapshot, straight into the cache.
+def _fetch_small_one(store: ObjectStore, snapshot: DatasetSnapshot, file: SnapshotFile, cache: ObjectCache) -> None:
+    """One GET, checked in memory against the snapshot, straight into the cache."""
+    data = call_with_retries(lambda: store.get_bytes(file.key), f"GET {store.url_for(file.key)}")
+    digest = hasher(file.checksum)
+    digest.update(data)
+    algorithm = file.checksum.partition(":")[0]
+    if len(data) != file.size or f"{algorithm}:{digest.hexdigest()}" != file.checksum:
+        raise _changed_during_staging(snapshot, file, "size" if len(data) != file.size else algorithm)
+    landed = cache.incoming / file.key
+    landed.parent.mkdir(parents=True, exist_ok=True)
+    landed.write_bytes(data)
+    cache.adopt(landed, file.checksum)
 
-    (The transfer engine would first HEAD every object whose sha256 it is not given: twice the requests.)"""
+
+def _fetch_small(store: ObjectStore, snapshot: DatasetSnapshot, files: list[SnapshotFile], cache: ObjectCache,
+                 workers: int, fetched: _Fetched, on_done: Callable[[SnapshotFile], None] | None = None) -> None:
+    """Objects of at most one part, one GET each (the transfer engine would first HEAD every object whose sha256 it
+    is not given: twice the requests)."""
     def fetch(file: SnapshotFile) -> None:
-        url = snapshot.file_url(file)
-        data = call_with_retries(lambda: store.get_bytes(file.key), f"GET {url}")
-        digest = hasher(file.checksum)
-        digest.update(data)
-        algorithm = file.checksum.partition(":")[0]
-        if len(data) != file.size or f"{algorithm}:{digest.hexdigest()}" != file.checksum:
-            raise _changed_during_staging(snapshot, file, "size" if len(data) != file.size else algorithm)
-        landed = cache.incoming / file.key
-        landed.parent.mkdir(parents=True, exist_ok=True)
-        landed.write_bytes(data)
-        cache.adopt(landed, file.checksum)
+        _fetch_small_one(store, snapshot, file, cache)
         fetched.add(file.size)
+        if on_done is not None:
+            on_done(file)
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
         list(pool.map(fetch, files))
 
 
+def _fetch_large(store: ObjectStore, snapshot: DatasetSnapshot, large: list[SnapshotFile], cache: ObjectCache,
+                 workers: int, progress: Callable[[Progress], None] | None) -> None:
+    """Objects of more than one part, through the transfer engine's parallel parts, then adopted into the cache."""
+    try:
+        download(store, [_spec(file) for file in large], cache.incoming, DEFAULT_CONFIG.but(workers=workers),
+                 progress=progress, state_dir=cache.root / "transfers")
+    except ChecksumMismatch as exc:
+        raise DatasetError(f"{exc}: the object changed after the run was planned: restore it, or start a new run "
+                           "(a new run id)") from None
+
+    def adopt(file: SnapshotFile) -> None:
+        landed = cache.incoming / file.key
+        if not file.checksum.startswith("sha256:") and not file_matches(landed, file.checksum):
+            landed.unlink()
+            raise _changed_during_staging(snapshot, file, file.checksum.partition(":")[0])
+        cache.adopt(landed, file.checksum)
+
+    with ThreadPoolExecutor(max_workers=_VERIFY_THREADS) as pool:
+        list(pool.map(adopt, large))
+
+
 def stage(snapshot: DatasetSnapshot, mine: list[SnapshotFile], data_dir: Path, cache: ObjectCache, *,
           run: str, workers: int, progress: Callable[[Progress], None] | None = None,
-          what: str = DATASET) -> dict[str, object]:
-    """Make data_dir the mirror of the node's files; returns the `staged` event's fields."""
+          what: str = DATASET, exchange: Exchange | None = None) -> dict[str, object]:
+    """Make data_dir the mirror of the node's files; returns the `staged` event's fields. With an exchange
+    (fan-out), the node fetches only its share from the store and the rest from its peers."""
     started = time.monotonic()
     store = open_store(snapshot.url)
     check_unchanged(snapshot, store, run, keys={file.key for file in mine}, what=what)
@@ -156,26 +184,18 @@ def stage(snapshot: DatasetSnapshot, mine: list[SnapshotFile], data_dir: Path, c
     fetch = list({file.checksum: file for file, hit in zip(mine, cached, strict=True) if not hit}.values())
     cache.make_room(sum(file.size for file in fetch), keep={cache.name(file.checksum) for file in mine})
     fetched = _Fetched(fetch, progress)
-    _fetch_small(store, snapshot, [f for f in fetch if f.size <= DEFAULT_PART_SIZE], cache, workers, fetched)
     large = [f for f in fetch if f.size > DEFAULT_PART_SIZE]
-    try:
-        download(store, [_spec(file) for file in large], cache.incoming, DEFAULT_CONFIG.but(workers=workers),
-                 progress=lambda p: fetched.report(p.bytes_done, p.files_done), state_dir=cache.root / "transfers")
-    except ChecksumMismatch as exc:
-        raise DatasetError(f"{exc}: the object changed after the run was planned: restore it, or start a new run "
-                           "(a new run id)") from None
-
-    def adopt(file: SnapshotFile) -> None:
-        landed = cache.incoming / file.key
-        if not file.checksum.startswith("sha256:") and not file_matches(landed, file.checksum):
-            landed.unlink()
-            raise _changed_during_staging(snapshot, file, file.checksum.partition(":")[0])
-        cache.adopt(landed, file.checksum)
-
-    with ThreadPoolExecutor(max_workers=_VERIFY_THREADS) as pool:
-        list(pool.map(adopt, large))
+    counts: Counts | None = None
+    if exchange is None:
+        _fetch_small(store, snapshot, [f for f in fetch if f.size <= DEFAULT_PART_SIZE], cache, workers, fetched)
+        _fetch_large(store, snapshot, large, cache, workers, lambda p: fetched.report(p.bytes_done, p.files_done))
+    else:
+        counts = exchange.run(mine, fetch, store, lambda own: _fetch_own(store, snapshot, own, cache, workers,
+                                                                         fetched, exchange.publish),
+                              lambda source, file: _fetch_one(source, snapshot, file, cache, workers, fetched))
     fetch_s = time.monotonic() - fetched.started
-    fetched.report(sum(f.size for f in large), len(large))
+    if exchange is None:
+        fetched.report(sum(f.size for f in large), len(large))
     # Nothing above is trusted after a crash until it is on disk: one flush for every file, before the index.
     os.sync()
     cache.save()
@@ -184,7 +204,32 @@ def stage(snapshot: DatasetSnapshot, mine: list[SnapshotFile], data_dir: Path, c
     total = sum(file.size for file in mine)
     return {"files": len(mine), "bytes": moved, "skipped_files": len(mine) - len(fetch), "skipped_bytes": total - moved,
             "node_bytes": total, "seconds": round(time.monotonic() - started, 3),
-            "mb_per_s": round(moved / 1e6 / fetch_s, 1) if fetch and fetch_s > 0 else 0.0}
+            "mb_per_s": round(moved / 1e6 / fetch_s, 1) if fetch and fetch_s > 0 else 0.0,
+            # Where the fetched bytes came from: the store, or (fan-out) the peers; fallbacks are store bytes too.
+            "store_bytes": counts.store_bytes if counts is not None else moved,
+            "peer_bytes": counts.peer_bytes if counts is not None else 0,
+            "fallback_files": counts.fallback_files if counts is not None else 0}
+
+
+def _fetch_one(store: ObjectStore, snapshot: DatasetSnapshot, file: SnapshotFile, cache: ObjectCache, workers: int,
+               fetched: _Fetched) -> None:
+    """One file from store (the snapshot's, or a peer's) into the cache, verified against the snapshot."""
+    if file.size <= DEFAULT_PART_SIZE:
+        _fetch_small_one(store, snapshot, file, cache)
+    else:
+        _fetch_large(store, snapshot, [file], cache, workers, None)
+    fetched.add(file.size)
+
+
+def _fetch_own(store: ObjectStore, snapshot: DatasetSnapshot, own: list[SnapshotFile], cache: ObjectCache,
+               workers: int, fetched: _Fetched, publish: Callable[[SnapshotFile], None]) -> None:
+    """A node's fan-out share from the store, each file published to its peers as soon as it is verified: the
+    small ones in parallel, then the large ones one by one (each in parallel parts)."""
+    _fetch_small(store, snapshot, [f for f in own if f.size <= DEFAULT_PART_SIZE], cache, workers, fetched, publish)
+    for file in own:
+        if file.size > DEFAULT_PART_SIZE:
+            _fetch_one(store, snapshot, file, cache, workers, fetched)
+            publish(file)
 
 
 def _input(text: str) -> tuple[str, str]:
@@ -209,6 +254,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--run", default="the run", help="run id, for error messages")
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--progress-interval", type=float, default=2.0)
+    parser.add_argument("--peers", help="fan-out: every node's peer server URL, comma-separated in rank order (this "
+                        "node's own included); credentials in TRAINPIPE_PEER_USER/TRAINPIPE_PEER_PASS")
+    parser.add_argument("--share-dir", type=Path, help="fan-out: the dir this node's peer server serves")
+    parser.add_argument("--peer-wait", type=float, default=WAIT_S,
+                        help="fan-out: seconds to wait for a file its owner has not published yet")
+    parser.add_argument("--peer-connect-grace", type=float, default=CONNECT_GRACE_S,
+                        help="fan-out: seconds a refused connection to a peer is retried (its server starting)")
     args = parser.parse_args(argv)
 
     throttle = Throttle(args.progress_interval)
@@ -217,6 +269,17 @@ def main(argv: list[str]) -> int:
         parser.error("--input needs --inputs-dir")
     if args.snapshot is not None and args.dest is None:
         parser.error("--snapshot needs --dest")
+    peers = args.peers.split(",") if args.peers else []
+    if peers and (args.share_dir is None or len(peers) != args.nodes):
+        parser.error(f"--peers needs --share-dir and one URL per node ({args.nodes}), got {len(peers)}")
+
+    def exchange(cache: ObjectCache) -> Exchange | None:
+        """A fresh exchange per snapshot (its own counts), when fanning out."""
+        if not peers:
+            return None
+        args.share_dir.mkdir(parents=True, exist_ok=True)
+        return Exchange(args.rank, peers, args.share_dir, cache, wait_s=args.peer_wait,
+                        connect_grace_s=args.peer_connect_grace)
 
     def reporter(what: str) -> Callable[[Progress], None]:
         def report(progress: Progress) -> None:
@@ -233,8 +296,10 @@ def main(argv: list[str]) -> int:
                 snapshot = read_snapshot(args.snapshot)
                 mine = assign(snapshot.files, args.shard, args.nodes)[args.rank]
                 args.dest.mkdir(parents=True, exist_ok=True)
+                # split: each node holds its own files, nothing to exchange.
                 staged = stage(snapshot, mine, args.dest, cache, run=args.run, workers=args.workers,
-                               progress=reporter(DATASET))
+                               progress=reporter(DATASET),
+                               exchange=exchange(cache) if args.shard == "replicate" else None)
                 _write_files_list(args.workdir / FILES_LIST, mine)
                 emit("staged", **staged)
             for name, url in args.input:
@@ -243,7 +308,7 @@ def main(argv: list[str]) -> int:
                 dest = args.inputs_dir / name
                 dest.mkdir(parents=True, exist_ok=True)
                 staged = stage(snapshot, list(snapshot.files), dest, cache, run=args.run, workers=args.workers,
-                               progress=reporter(what), what=what)
+                               progress=reporter(what), what=what, exchange=exchange(cache))
                 emit("input-staged", name=name, **staged)
     except (DatasetError, StorageError) as exc:
         return fail(str(exc))

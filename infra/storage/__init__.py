@@ -29,6 +29,7 @@ BACKENDS: dict[str, str] = {
     "file": "infra.storage.local:FileStore",
     "s3": "infra.storage.s3:S3Store",
     "gs": "infra.storage.gcs:GcsStore",
+    "http": "infra.storage.http:HttpStore",
 }
 
 

@@ -1,0 +1,171 @@
+"""Fan-out staging: the store is read once per cluster; every node fetches its share of the files every node needs
+and takes the rest from the share's owner over the cluster network.
+
+Each node serves its share dir read-only (`python -m infra.node peer-serve`: rclone serve http, per-run basic-auth
+credentials from the environment); a peer is an http:// store the transfer engine reads like any other, and each
+byte from it is checked against the snapshot's checksum exactly as a store's byte is. Shares are a balanced, disjoint
+split of the files by checksum (infra.dataset.assign), the same on every node. A file is published (hard-linked
+into the share dir under its checksum) as soon as it is verified, so peers take pieces while they arrive: a node
+polls the owner for each file it wants with backoff. A peer that cannot be reached, refuses, sends bad bytes or does
+not have a file within the wait bound is done with: what it owed comes from the store, with a `fanout-fallback`
+event naming it and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from infra.dataset.assign import assign
+from infra.dataset.manifest import DatasetError
+from infra.dataset.snapshot import SnapshotFile
+from infra.dataset.stagecache import ObjectCache, link_into
+from infra.node.events import emit
+from infra.storage.base import ObjectStore, StorageError
+from infra.storage.cloud import TransientStorageError
+from infra.storage.http import HttpStore
+
+log = logging.getLogger(__name__)
+
+PEER_PORT_BASE = 47400  # node rank r serves on PEER_PORT_BASE + r (distinct on one host: local and netns nodes)
+SHARE_DIR = "fanout"  # under the node's workdir: what its peer server serves, each file under its checksum's name
+WAIT_S = 120.0  # how long a node waits for a file its owner has not published yet
+CONNECT_GRACE_S = 15.0  # a peer's server may still be starting: refused connections are retried this long
+_POLL_FIRST_S, _POLL_MAX_S = 0.05, 1.0
+
+# Fetch one file from a store into the cache, verified against the snapshot; raises DatasetError or StorageError.
+Fetch = Callable[[ObjectStore, SnapshotFile], None]
+
+
+def peer_url(address: str, rank: int) -> str:
+    return f"http://{address}:{PEER_PORT_BASE + rank}"
+
+
+def shares(files: Sequence[SnapshotFile], nodes: int) -> dict[str, int]:
+    """checksum -> the rank that fetches it from the store; every node computes the same."""
+    unique = sorted({file.checksum: file for file in files}.values(), key=lambda f: f.key)
+    if not unique:
+        return {}
+    split = assign(unique, "split", min(nodes, len(unique)))
+    return {file.checksum: rank for rank, share in enumerate(split) for file in share}
+
+
+@dataclass
+class _Peer:
+    rank: int
+    store: HttpStore
+    gone: str | None = None  # why this node stopped asking it
+
+
+@dataclass
+class Counts:
+    store_bytes: int = 0
+    peer_bytes: int = 0
+    fallback_files: int = 0
+    fallback_bytes: int = 0
+    peers_gone: dict[int, str] = field(default_factory=dict)
+
+
+class Exchange:
+    """One stage's exchange on node `rank` among the peers (their URLs by rank, this node's own included)."""
+
+    def __init__(self, rank: int, peer_urls: Sequence[str], share_dir: Path, cache: ObjectCache, *,
+                 wait_s: float = WAIT_S, connect_grace_s: float = CONNECT_GRACE_S) -> None:
+        self.rank = rank
+        self.peers = [_Peer(r, HttpStore(url)) for r, url in enumerate(peer_urls)]
+        self.share_dir = share_dir
+        self.cache = cache
+        self.wait_s = wait_s
+        self.connect_grace_s = connect_grace_s
+        self.counts = Counts()
+        self._lock = threading.Lock()
+        self._cancel = threading.Event()
+        self._started = time.monotonic()
+
+    def publish(self, file: SnapshotFile) -> None:
+        link_into(self.cache.path(file.checksum), self.share_dir / self.cache.name(file.checksum))
+
+    def run(self, mine: Sequence[SnapshotFile], fetch: Sequence[SnapshotFile], store: ObjectStore,
+            fetch_own: Callable[[list[SnapshotFile]], None], fetch_one: Fetch) -> Counts:
+        """Publish what this node already holds of its share, fetch the rest of its share from the store (fetch_own
+        publishes through on_fetched), and every other file of `fetch` from its owner, in parallel."""
+        owner = shares(mine, len(self.peers))
+        wanted = {file.checksum for file in fetch}
+        for file in mine:
+            if owner[file.checksum] == self.rank and file.checksum not in wanted:
+                self.publish(file)
+        own = [file for file in fetch if owner[file.checksum] == self.rank]
+        others = [file for file in fetch if owner[file.checksum] != self.rank]
+        emit("fanout", rank=self.rank, peers=len(self.peers), own_files=len(own),
+             own_bytes=sum(f.size for f in own), peer_files=len(others))
+        with ThreadPoolExecutor(max_workers=max(1, min(8, len(others)))) as pool:
+            pulls = [pool.submit(self._from_peer, file, self.peers[owner[file.checksum]], store, fetch_one)
+                     for file in others]
+            try:
+                fetch_own(own)
+                with self._lock:
+                    self.counts.store_bytes += sum(f.size for f in own)
+            except BaseException:
+                self._cancel.set()
+                raise
+            for pull in pulls:
+                pull.result()
+        return self.counts
+
+    def _from_peer(self, file: SnapshotFile, peer: _Peer, store: ObjectStore, fetch_one: Fetch) -> None:
+        name = self.cache.name(file.checksum)
+        deadline = time.monotonic() + self.wait_s
+        delay = _POLL_FIRST_S
+        while peer.gone is None:
+            if self._cancel.is_set():
+                return
+            try:
+                info = peer.store.head(name)
+            except TransientStorageError as exc:
+                if time.monotonic() - self._started < self.connect_grace_s:
+                    log.info("peer %d: %s: retrying while its server starts", peer.rank, exc)
+                    info = None
+                else:
+                    self._give_up(peer, f"unreachable ({exc})")
+                    break
+            except StorageError as exc:
+                self._give_up(peer, str(exc))
+                break
+            if info is not None and info.size == file.size:
+                try:
+                    # The share dir holds each file under its checksum's name (one namespace for every snapshot).
+                    fetch_one(peer.store, file.model_copy(update={"key": name}))
+                except (DatasetError, StorageError) as exc:
+                    self._give_up(peer, f"{name}: {exc}")
+                    break
+                self.publish(file)
+                with self._lock:
+                    self.counts.peer_bytes += file.size
+                return
+            if time.monotonic() >= deadline:
+                self._give_up(peer, f"{name} not there within {self.wait_s:g}s")
+                break
+            time.sleep(delay)
+            delay = min(_POLL_MAX_S, delay * 2)
+        if self._cancel.is_set():
+            return
+        fetch_one(store, file)
+        self.publish(file)
+        with self._lock:
+            self.counts.store_bytes += file.size
+            self.counts.fallback_files += 1
+            self.counts.fallback_bytes += file.size
+
+    def _give_up(self, peer: _Peer, why: str) -> None:
+        with self._lock:
+            if peer.gone is not None:
+                return
+            peer.gone = why
+            self.counts.peers_gone[peer.rank] = why
+        log.warning("peer %d (%s): %s: what it owes comes from the store", peer.rank, peer.store.url, why)
+        emit("fanout-fallback", peer=peer.rank, url=peer.store.url, reason=why)

@@ -1,0 +1,60 @@
+"""Fan-out staging, the orchestrator's side: whether a cluster uses it, and every node's peer server around the
+stage (infra/node/fanout.py is the node's side)."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from infra.compute.access.remote import Process
+from infra.compute.providers import Cluster, get_provider
+from infra.node.fanout import PEER_PORT_BASE, SHARE_DIR, peer_url
+from infra.storage.http import PASS_ENV, USER_ENV
+
+log = logging.getLogger(__name__)
+
+# A node reading an object store rarely gets more than this; a cluster whose slowest node-to-node link is slower
+# gains nothing from filling its nodes from each other.
+AUTO_MIN_LINK_GBPS = 1.0
+
+
+def decide(mode: str, nodes: int, bench: dict[str, Any] | None) -> tuple[bool, str]:
+    """Whether the cluster fans out (dataset.fanout), and why: the run summary says it."""
+    if nodes < 2:
+        return False, "one node: nothing to exchange"
+    if mode != "auto":
+        return mode == "on", f"dataset.fanout is {mode}"
+    links = (bench or {}).get("measurement", {}).get("links", [])
+    if not links:
+        return False, "dataset.fanout auto: no node-to-node figure (cluster.verify.bench is off): fan-out is off"
+    slowest = min(link["gbps"] for link in links)
+    if slowest < AUTO_MIN_LINK_GBPS:
+        return False, (f"dataset.fanout auto: the slowest node-to-node link ({slowest:g} Gbit/s) is below "
+                       f"{AUTO_MIN_LINK_GBPS:g} Gbit/s: fan-out is off")
+    return True, f"dataset.fanout auto: the slowest node-to-node link is {slowest:g} Gbit/s: fan-out is on"
+
+
+@contextmanager
+def peer_servers(cluster: Cluster) -> Iterator[tuple[list[str], dict[str, str]]]:
+    """Every node serving its share dir on its cluster address (rank r: port PEER_PORT_BASE + r), with a pair of
+    credentials made for this stage and passed in the environment, never on a command line; yields the peers' URLs
+    by rank and that environment (the stagers need it too). Stopped on exit; teardown kills them anyway (they carry
+    the cluster's process tags)."""
+    env = {USER_ENV: f"run-{secrets.token_hex(4)}", PASS_ENV: secrets.token_urlsafe(24)}
+    provider = get_provider(cluster.provider)
+    started: list[tuple[str, Process]] = []
+    try:
+        for node in cluster.nodes:
+            runner = provider.runner(cluster, node)
+            started.append((node.name, runner.start(
+                [node.python, "-m", "infra.node", "peer-serve", "--dir", node.path(SHARE_DIR),
+                 "--addr", f"{node.address}:{PEER_PORT_BASE + node.rank}"],
+                env=env, log_path=node.path("logs", "peer-serve.log"))))
+        yield [peer_url(node.address, node.rank) for node in cluster.nodes], env
+    finally:
+        for name, process in started:
+            code = process.terminate(grace_s=5.0)
+            log.info("%s: peer server stopped (exit %s)", name, code)

@@ -1,0 +1,207 @@
+"""Fan-out staging on 3 local nodes (processes on loopback): the store (`rclone serve s3`, behind a proxy that counts
+what it serves) is read once per cluster; the nodes take the rest from each other's `peer-serve` (rclone serve http,
+per-run credentials), every byte checked against the snapshot. A peer whose server dies mid-exchange: what it owed
+comes from the store, and the nodes say so.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+from servers import CountingProxy, S3Server, _wait_for_port, free_port
+from test_dataset_stage import freeze, put_dataset, tree
+
+from infra.dataset.snapshot import read_snapshot
+from infra.node.events import parse
+from infra.node.fanout import shares
+from infra.storage import open_store
+from infra.storage.http import PASS_ENV, USER_ENV
+from tasks.fanout import decide
+
+MB = 1 << 20
+NODES = 3
+
+
+@dataclass
+class Node:
+    rank: int
+    workdir: Path
+    port: int = field(default_factory=free_port)
+    server: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@dataclass
+class Staging:
+    process: subprocess.Popen[str]
+    events: list[dict[str, object]] = field(default_factory=list)
+    output: list[str] = field(default_factory=list)
+    seen: threading.Condition = field(default_factory=threading.Condition)
+
+    def follow(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            with self.seen:
+                self.output.append(line)
+                if (event := parse(line)) is not None:
+                    self.events.append(event)
+                self.seen.notify_all()
+
+    def wait_for(self, name: str, timeout_s: float = 120.0) -> dict[str, object]:
+        with self.seen:
+            assert self.seen.wait_for(lambda: any(e["event"] == name for e in self.events) or
+                                      self.process.poll() is not None, timeout_s), f"no {name} in {timeout_s}s"
+        found = [e for e in self.events if e["event"] == name]
+        assert found, "".join(self.output)[-3000:]
+        return found[0]
+
+
+@pytest.fixture
+def credentials(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    pair = {USER_ENV: "run-" + secrets.token_hex(4), PASS_ENV: secrets.token_urlsafe(24)}
+    for name, value in pair.items():
+        monkeypatch.setenv(name, value)
+    return pair
+
+
+@pytest.fixture
+def dataset(s3_server: S3Server, s3_url: str, tmp_path: Path) -> tuple[str, dict[str, bytes]]:
+    """A dataset of a few MB (small files, one of more than one part, two files of the same bytes), frozen."""
+    files = {f"shard-{i:02d}.bin": os.urandom(150_000 + 40_000 * i) for i in range(9)}
+    files["big/weights.bin"] = os.urandom(9 * MB)
+    files["copy/shard-00.bin"] = files["shard-00.bin"]
+    store = open_store(f"{s3_url}/dataset")
+    put_dataset(store, tmp_path / "source", files)
+    return freeze(store, f"{s3_url}/ckpt/run-1"), files
+
+
+@contextmanager
+def counted_store(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[CountingProxy]:
+    """The nodes reach the store only through a counting proxy."""
+    proxy = CountingProxy(int(s3_server.endpoint.rsplit(":", 1)[1]))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+def start_server(node: Node) -> None:
+    log = node.workdir / "peer-serve.log"
+    node.workdir.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        node.server = subprocess.Popen(
+            [sys.executable, "-m", "infra.node", "peer-serve", "--dir", str(node.workdir / "share"), "--addr",
+             f"127.0.0.1:{node.port}"], cwd=REPO, env=dict(os.environ), stdout=out, stderr=subprocess.STDOUT)
+    _wait_for_port(node.port, node.server, log)
+
+
+def start_stage(snapshot_url: str, node: Node, nodes: list[Node], *, fanout: bool) -> Staging:
+    peers = ["--peers", ",".join(n.url for n in nodes), "--share-dir", str(node.workdir / "share"),
+             "--peer-connect-grace", "2", "--peer-wait", "60"] if fanout else []
+    process = subprocess.Popen(
+        [sys.executable, "-m", "infra.node", "stage", "--snapshot", snapshot_url, "--rank", str(node.rank),
+         "--nodes", str(len(nodes)), "--dest", str(node.workdir / "data"), "--workdir", str(node.workdir),
+         "--cache", str(node.workdir / "cache"), "--run", "run-1", "--workers", "8", *peers],
+        cwd=REPO, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    staging = Staging(process)
+    threading.Thread(target=staging.follow, daemon=True).start()
+    return staging
+
+
+def finished(staging: Staging) -> dict[str, object]:
+    assert staging.process.wait(timeout=240) == 0, "".join(staging.output)[-3000:]
+    return staging.wait_for("staged")
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[list[Node]]:
+    nodes = [Node(rank, tmp_path / f"node-{rank}") for rank in range(NODES)]
+    yield nodes
+    for node in nodes:
+        if node.server is not None and node.server.poll() is None:
+            node.server.kill()
+            node.server.wait()
+
+
+def stored_bytes(files: dict[str, bytes]) -> int:
+    return sum(len(data) for data in files.values())
+
+
+def test_fanout_reads_the_store_once_and_every_node_verifies(
+        dataset: tuple[str, dict[str, bytes]], s3_server: S3Server, cluster: list[Node], credentials: dict[str, str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    snapshot_url, files = dataset
+    unique = stored_bytes(files) - len(files["shard-00.bin"])  # the same bytes under two keys are fetched once
+    with counted_store(s3_server, monkeypatch) as store:
+        off = [finished(start_stage(snapshot_url, node, cluster, fanout=False)) for node in cluster]
+    assert store.served >= NODES * unique
+    assert all(event["store_bytes"] == unique and event["peer_bytes"] == 0 for event in off)
+
+    fresh = [Node(n.rank, n.workdir.with_name(f"on-{n.rank}")) for n in cluster]
+    cluster[:] = fresh  # the fixture stops these servers
+    for node in fresh:
+        start_server(node)
+    with counted_store(s3_server, monkeypatch) as store:
+        stagings = [start_stage(snapshot_url, node, fresh, fanout=True) for node in fresh]
+        on = [finished(staging) for staging in stagings]
+    assert store.served <= 1.05 * unique, [e for s in stagings for e in s.events if e["event"] == "fanout-fallback"]
+    assert sum(int(event["store_bytes"]) for event in on) == unique
+    assert sum(int(event["peer_bytes"]) for event in on) == (NODES - 1) * unique
+    assert all(event["fallback_files"] == 0 for event in on)
+    for node in fresh:
+        assert tree(node.workdir / "data") == files
+
+
+def test_a_peer_killed_mid_exchange_its_share_comes_from_the_store(
+        dataset: tuple[str, dict[str, bytes]], s3_server: S3Server, cluster: list[Node], credentials: dict[str, str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node 2's server is up but its share never arrives (its stager is slow to start); the others wait on it, then
+    its server is killed: they take its share from the store, finish, and say so."""
+    snapshot_url, files = dataset
+    for node in cluster:
+        start_server(node)
+    owner = shares(read_snapshot(snapshot_url).files, NODES)
+    owed = {checksum for checksum, rank in owner.items() if rank == 2}
+    snapshot_files = {f.checksum: f.size for f in read_snapshot(snapshot_url).files}
+    with counted_store(s3_server, monkeypatch) as store:
+        stagings = [start_stage(snapshot_url, node, cluster, fanout=True) for node in cluster[:2]]
+        for staging in stagings:
+            staging.wait_for("fanout")
+        assert cluster[2].server is not None
+        cluster[2].server.kill()
+        cluster[2].server.wait()
+        staged = [finished(staging) for staging in stagings]
+    for staging, event in zip(stagings, staged, strict=True):
+        fallbacks = [e for e in staging.events if e["event"] == "fanout-fallback"]
+        assert [e["peer"] for e in fallbacks] == [2], fallbacks
+        assert event["fallback_files"] == len(owed)
+    for node in cluster[:2]:
+        assert tree(node.workdir / "data") == files
+    unique = sum(snapshot_files.values())
+    assert store.served <= 1.05 * (unique + sum(snapshot_files[c] for c in owed)), store.served
+
+
+@pytest.mark.parametrize(("mode", "nodes", "gbps", "on"), [
+    ("on", 2, None, True), ("off", 4, 10.0, False), ("on", 1, None, False),
+    ("auto", 4, None, False),  # no bench: no node-to-node figure, so off
+    ("auto", 4, 0.4, False), ("auto", 4, 25.0, True),
+])
+def test_fanout_is_decided_from_the_spec_and_the_cluster_bench(mode: str, nodes: int, gbps: float | None,
+                                                               on: bool) -> None:
+    bench = {"mode": "off"} if gbps is None else {"measurement": {"links": [{"gbps": gbps}, {"gbps": gbps * 2}]}}
+    decided, why = decide(mode, nodes, bench)
+    assert decided is on and why
