@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -21,12 +21,16 @@ log = logging.getLogger(__name__)
 AUTO_MIN_LINK_GBPS = 1.0
 
 
-def decide(mode: str, nodes: int, bench: dict[str, Any] | None) -> tuple[bool, str]:
-    """Whether the cluster fans out (dataset.fanout), and why: the run summary says it."""
+def decide(mode: str, nodes: int, bench: dict[str, Any] | None, store_urls: Sequence[str] = ()) -> tuple[bool, str]:
+    """Whether the cluster fans out (dataset.fanout), and why: the run summary says it. store_urls: where the staged
+    bytes come from (the dataset's and the inputs' stores)."""
     if nodes < 2:
         return False, "one node: nothing to exchange"
     if mode != "auto":
         return mode == "on", f"dataset.fanout is {mode}"
+    if store_urls and all(url.startswith("file://") for url in store_urls):
+        # A path each node reads at its disk's speed (this machine's disk, or a shared mount): no egress to save.
+        return False, "dataset.fanout auto: the store is a local path (file://): fan-out is off"
     links = (bench or {}).get("measurement", {}).get("links", [])
     if not links:
         return False, "dataset.fanout auto: no node-to-node figure (cluster.verify.bench is off): fan-out is off"

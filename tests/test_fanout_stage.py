@@ -205,3 +205,10 @@ def test_fanout_is_decided_from_the_spec_and_the_cluster_bench(mode: str, nodes:
     bench = {"mode": "off"} if gbps is None else {"measurement": {"links": [{"gbps": gbps}, {"gbps": gbps * 2}]}}
     decided, why = decide(mode, nodes, bench)
     assert decided is on and why
+
+
+def test_auto_fanout_is_off_when_every_store_is_a_local_path() -> None:
+    fast = {"measurement": {"links": [{"gbps": 25.0}]}}
+    assert decide("auto", 4, fast, ["file:///data/ds", "file:///data/base"])[0] is False
+    assert decide("auto", 4, fast, ["file:///data/ds", "s3://bucket/base"])[0] is True
+    assert decide("on", 4, fast, ["file:///data/ds"])[0] is True
