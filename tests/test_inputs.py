@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 from conftest import run_trainpipe
-from jobs import job_config, make_dataset, write_config
+from jobs import COMMIT_TINY_CHECKPOINT, job_config, make_dataset, probe_project, write_config
 
 from infra.job.plan import PlanError, plan_job
 from infra.job.spec import ConfigError, InputSpec, parse_job
 
-PROBE = """
+PROBE = COMMIT_TINY_CHECKPOINT + """
 import hashlib, json, os, sys
 base = os.environ["TRAINPIPE_INPUT_BASE"]
 files = {}
@@ -27,14 +27,7 @@ told = {"env": base, "argv": sys.argv[1:], "files": files}
 out = os.path.join(os.environ["PROBE_OUT"], os.environ["TRAINPIPE_RUN_ID"] + "-" + os.environ["RANK"] + ".json")
 with open(out, "w") as handle:
     json.dump(told, handle)
-if os.environ["RANK"] == "0":
-    from trainpipe_sdk import mark_complete
-    result = os.path.join(os.environ["TRAINPIPE_CHECKPOINT_DIR"], "result.bin")
-    with open(result, "wb") as handle:
-        handle.write(b"weights")
-    mark_complete(result)
-    with open(os.environ["TRAINPIPE_METRICS_FILE"], "a") as metrics:
-        metrics.write(json.dumps({"step": 1, "loss": 1.0, "total_steps": 1}) + "\\n")
+commit_tiny_checkpoint([1.0])
 """
 BASE = {"config.json": b'{"n_layer": 1}', "weights/model.bin": os.urandom(300_000), "tokenizer.json": b"{}"}
 
@@ -77,11 +70,7 @@ def test_a_missing_input_or_an_alias_fails_the_plan(workspace: Path, tmp_path: P
 
 def test_an_input_is_staged_verified_to_every_node_and_reused_from_the_cache(workspace: Path,
                                                                           tmp_path: Path) -> None:
-    code = tmp_path / "project"
-    code.mkdir()
-    (code / "probe.py").write_text(PROBE)
-    probes = tmp_path / "probes"
-    probes.mkdir()
+    code, probes = probe_project(tmp_path, PROBE)
     (tmp_path / "base").mkdir()
     config = _config(tmp_path, ["probe.py", "--model", "{input_base}"], {"base": _base(tmp_path / "base")})
     config["training"].update(code=str(code), env={"PROBE_OUT": str(probes)})
