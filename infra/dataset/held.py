@@ -23,7 +23,9 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
@@ -38,6 +40,7 @@ READ_BUDGET = 1 << 30  # bytes read at plan for checksums, per prefix
 _MANIFEST_LIMIT = 64 << 20  # a manifest larger than this is not one
 _SAFETENSORS_HEADER_LIMIT = 100 << 20  # what the safetensors format itself allows
 _SHOWN = 3
+_THREADS = 8  # manifests and checksums read at once: a prefix of many MDS folders has one index.json each
 
 
 @dataclass(frozen=True)
@@ -147,18 +150,20 @@ def _parser(name: str) -> Callable[..., Iterator[Expected]] | None:
 def declared(store: ObjectStore, snapshot: DatasetSnapshot) -> list[Expected]:
     """Every file the snapshot's manifests name; DatasetError for a manifest that cannot be read."""
     sizes = {f.key: f.size for f in snapshot.files}
-    found: list[Expected] = []
-    for file in snapshot.files:
+
+    def named_by(file: SnapshotFile) -> list[Expected]:
         path = PurePosixPath(file.key)
         parse = _parser(path.name)
         if parse is None:
-            continue
+            return []
         if file.size > _MANIFEST_LIMIT:
             raise _unreadable(snapshot.file_url(file), f"{file.size} bytes: too large for a manifest")
         folder = "" if str(path.parent) == "." else str(path.parent)
         extra = (sizes,) if parse is _safetensors else ()
-        found.extend(parse(store, folder, file.key, store.get_bytes(file.key), *extra))
-    return found
+        return list(parse(store, folder, file.key, store.get_bytes(file.key), *extra))
+
+    with ThreadPoolExecutor(max_workers=_THREADS) as pool:
+        return [expected for found in pool.map(named_by, snapshot.files) for expected in found]
 
 
 class _Reader:
@@ -167,11 +172,13 @@ class _Reader:
     def __init__(self, store: ObjectStore) -> None:
         self.store = store
         self.left = READ_BUDGET
+        self._lock = threading.Lock()
 
     def checksum(self, file: SnapshotFile, algorithm: str) -> str | None:
-        if file.size > READ_LIMIT or file.size > self.left:
-            return None
-        self.left -= file.size
+        with self._lock:
+            if file.size > READ_LIMIT or file.size > self.left:
+                return None
+            self.left -= file.size
         return object_checksum(self.store, file.key, file.size, algorithm).partition(":")[2]
 
 
@@ -198,8 +205,10 @@ def check_held(store: ObjectStore, snapshot: DatasetSnapshot, what: str = DATASE
     expected = declared(store, snapshot)
     files = {f.key: f for f in snapshot.files}
     reader = _Reader(store)
-    problems = [f"{snapshot.url}/{e.key}: {problem}" for e in expected
-                if (problem := _problem(e, files.get(e.key), reader)) is not None]
+    with ThreadPoolExecutor(max_workers=_THREADS) as pool:
+        found = list(pool.map(lambda e: _problem(e, files.get(e.key), reader), expected))
+    problems = [f"{snapshot.url}/{e.key}: {problem}" for e, problem in zip(expected, found, strict=True)
+                if problem is not None]
     if problems:
         more = f" (and {len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
         raise DatasetError(f"{what} does not match its own manifest: {'; '.join(problems[:_SHOWN])}{more}: re-upload "
