@@ -80,6 +80,7 @@ def test_an_input_is_staged_verified_to_every_node_and_reused_from_the_cache(wor
     want = {name: hashlib.sha256(data).hexdigest() for name, data in BASE.items()}
     size = sum(len(data) for data in BASE.values()) + len((tmp_path / "base" / "SHA256SUMS").read_bytes())
 
+    digests: list[str] = []
     for night in ("night-1", "night-2"):
         result = run_trainpipe("run", str(path), "--run-id", night, env=env)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -94,8 +95,10 @@ def test_an_input_is_staged_verified_to_every_node_and_reused_from_the_cache(wor
         base = summary["inputs"]["base"]
         assert (base["files"], base["bytes"], base["held_to_manifest"]) == (4, size, 3)
         assert base["seconds"] > 0 and base["snapshot"].endswith(f"/{night}/_inputs/base/snapshot.json")
+        digests.append(base["snapshot_digest"])
         if night == "night-1":
             assert base["fetched_bytes"] == size and base["mb_per_s"] > 0
         else:
             assert (base["fetched_bytes"], base["reused_bytes"]) == (0, size), "the second night reuses the cache"
         assert f"input base: {size / 1e6:,.1f} MB" in result.stdout
+    assert digests[0] == digests[1] and digests[0].startswith("sha256:"), "the same bytes, the same snapshot digest"
