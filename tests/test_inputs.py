@@ -6,14 +6,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_trainpipe
+from conftest import REPO, run_trainpipe
 from jobs import COMMIT_TINY_CHECKPOINT, job_config, make_dataset, probe_project, write_config
+from test_dataset_stage import failure_line, tree
 
+from infra.dataset.snapshot import input_snapshot_key, save_snapshot, take_snapshot
 from infra.job.plan import PlanError, plan_job
 from infra.job.spec import ConfigError, InputSpec, parse_job
+from infra.node.events import parse
+from infra.storage import open_store
 
 PROBE = COMMIT_TINY_CHECKPOINT + """
 import hashlib, json, os, sys
@@ -102,3 +108,39 @@ def test_an_input_is_staged_verified_to_every_node_and_reused_from_the_cache(wor
             assert (base["fetched_bytes"], base["reused_bytes"]) == (0, size), "the second night reuses the cache"
         assert f"input base: {size / 1e6:,.1f} MB" in result.stdout
     assert digests[0] == digests[1] and digests[0].startswith("sha256:"), "the same bytes, the same snapshot digest"
+
+
+def test_the_node_stages_inputs_alone_through_its_cache_and_refuses_changed_bytes(tmp_path: Path) -> None:
+    """dataset.access remote: the stage command stages only the inputs; a second stage fetches nothing; an input
+    changed since plan is one line naming it."""
+    urls = {}
+    for name, files in (("base", BASE), ("tok", {"vocab.json": b'{"a": 1}'})):
+        store = open_store(f"file://{tmp_path}/src/{name}")
+        for key, data in files.items():
+            store.put_bytes(key, data)
+        urls[name] = save_snapshot(open_store(f"file://{tmp_path}/ckpt/run-1"), take_snapshot(store, what=name),
+                                   input_snapshot_key(name))
+    workdir = tmp_path / "node"
+
+    wanted = [part for name, url in urls.items() for part in ("--input", f"{name}={url}")]
+
+    def stage_inputs() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "infra.node", "stage", *wanted,
+             "--inputs-dir", str(workdir / "inputs"), "--rank", "0", "--nodes", "1", "--workdir", str(workdir),
+             "--cache", str(tmp_path / "cache"), "--run", "run-1"],
+            cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=300)
+
+    def events(result: subprocess.CompletedProcess[str]) -> dict[str, dict]:
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert '"event": "staged"' not in result.stdout, "no dataset was asked for"
+        return {e["name"]: e for e in map(parse, result.stdout.splitlines()) if e and e["event"] == "input-staged"}
+
+    first = events(stage_inputs())
+    assert tree(workdir / "inputs" / "base") == BASE and (first["base"]["bytes"], first["tok"]["files"]) == (
+        sum(map(len, BASE.values())), 1)
+    again = events(stage_inputs())
+    assert {n: (e["bytes"], e["skipped_files"]) for n, e in again.items()} == {"base": (0, 3), "tok": (0, 1)}
+
+    open_store(f"file://{tmp_path}/src/base").put_bytes("config.json", b'{"n_layer": 2}')
+    assert failure_line(stage_inputs()).startswith("inputs.base changed since run-1's snapshot: file://")
