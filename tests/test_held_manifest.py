@@ -83,7 +83,8 @@ def test_trainpipe_plan_exits_2_naming_the_flipped_shard(workspace: Path, tmp_pa
     assert f"{url}/shard-00001.bin: sha256" in result.stderr and "manifest.json says" in result.stderr, result.stderr
 
 
-def test_a_byte_flip_is_caught_on_s3_where_the_snapshot_holds_md5(s3_url: str, tmp_path: Path) -> None:
+def test_a_byte_flip_is_caught_on_s3_where_the_snapshot_holds_md5(s3_url: str, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     _tokens(tmp_path / "data")
     _damage(tmp_path / "data", "byte flipped")
     store = open_store(f"{s3_url}/tokens")
@@ -94,6 +95,12 @@ def test_a_byte_flip_is_caught_on_s3_where_the_snapshot_holds_md5(s3_url: str, t
 
     with pytest.raises(DatasetError, match=r"tokens/shard-00001\.bin: sha256 [0-9a-f]{12}… but manifest\.json says"):
         check_held(store, snapshot)
+    reads: list[tuple] = []
+    original = store.get_range
+    monkeypatch.setattr(store, "get_range", lambda *a: reads.append(a) or original(*a))
+    with pytest.raises(DatasetError, match=r"shard-00001\.bin"):
+        check_held(store, snapshot)
+    assert reads == [], "planning again in one process (the CLI, then the flow) reads no shard twice"
 
 
 def test_another_tools_manifest_json_is_not_judged(tmp_path: Path) -> None:

@@ -30,9 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
-from infra.dataset.checksums import object_checksum
 from infra.dataset.manifest import DATASET_FORMAT, MANIFEST_KEY, DatasetError, load_manifest
-from infra.dataset.snapshot import DATASET, DatasetSnapshot, SnapshotFile
+from infra.dataset.snapshot import DATASET, DatasetSnapshot, SnapshotFile, computed_checksum
 from infra.storage.base import ObjectStore
 
 READ_LIMIT = 64 << 20  # bytes: an object larger than this is not read at plan for its checksum
@@ -179,7 +178,7 @@ class _Reader:
             if file.size > READ_LIMIT or file.size > self.left:
                 return None
             self.left -= file.size
-        return object_checksum(self.store, file.key, file.size, algorithm).partition(":")[2]
+        return computed_checksum(self.store, file.key, file.size, file.etag, algorithm).partition(":")[2]
 
 
 def _short(digest: str) -> str:
