@@ -145,16 +145,19 @@ def test_a_safetensors_shard_its_index_names_must_be_whole(tmp_path: Path, how: 
     assert ("missing" if how == "deleted" else "model.safetensors.index.json says") in message
 
 
-def _mds(root: Path) -> str:
+def _mds(root: Path, zipped: bool = False) -> str:
+    """Two MDS shards and their index.json; zipped: stored compressed only (the raw file is what a reader unpacks)."""
     root.mkdir(parents=True)
     shards = []
     for index in range(2):
         data = bytes([index]) * 500 + b"sample" * 10
-        (root / f"shard.{index:05d}.mds").write_bytes(data)
+        stored = {"basename": f"shard.{index:05d}.mds" + ".zstd" * zipped, "bytes": len(data),
+                  "hashes": {"sha1": hashlib.sha1(data).hexdigest()}}
+        (root / stored["basename"]).write_bytes(data)
+        raw = {"basename": f"shard.{index:05d}.mds", "bytes": 4 * len(data), "hashes": {}}
         shards.append({"column_encodings": ["bytes"], "column_names": ["x"], "format": "mds", "samples": 10,
-                       "raw_data": {"basename": f"shard.{index:05d}.mds", "bytes": len(data),
-                                    "hashes": {"sha1": hashlib.sha1(data).hexdigest()}},
-                       "zip_data": None, "version": 2})
+                       "raw_data": raw if zipped else stored, "zip_data": stored if zipped else None,
+                       "compression": "zstd" if zipped else None, "version": 2})
     (root / "index.json").write_text(json.dumps({"version": 2, "shards": shards}))
     return f"file://{root}"
 
@@ -174,6 +177,13 @@ def test_an_mds_shard_is_held_to_its_index(tmp_path: Path, how: str) -> None:
     message = _error(url, tmp_path / "again")
 
     assert f"{url}/shard.00001.mds" in message and "shard.00000.mds" not in message, message
+
+
+def test_a_compressed_mds_shard_is_held_to_its_zip_data(tmp_path: Path) -> None:
+    url = _mds(tmp_path / "mds", zipped=True)
+    assert _plan(url, tmp_path) == 2, "the raw shards are not stored: the zipped ones are held"
+    _flip(tmp_path / "mds" / "shard.00000.mds.zstd")
+    assert f"{url}/shard.00000.mds.zstd: sha1" in _error(url, tmp_path / "again")
 
 
 def test_sha256sums_holds_every_file_it_lists(tmp_path: Path) -> None:
