@@ -9,6 +9,7 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
+from infra.checkpoints.lineage import Lineage
 from infra.compute.access.remote import Process, RemoteError, Runner, last_error, wait_all
 from infra.compute.providers import Cluster, Node, get_provider
 from infra.job.spec import JobSpec
@@ -43,6 +44,8 @@ class TrainLaunch:
     attempt: int = 0  # 0 for the run's first launch, one more per recovery (TRAINPIPE_ATTEMPT)
     attempt_id: str = ""  # unique per launch, reruns included: commits take only this attempt's records
     resume_from: dict[str, str] = field(default_factory=dict)  # node name → restored checkpoint on that node
+    init_from: dict[str, str] = field(default_factory=dict)  # node name → training.init_from restored on that node
+    lineage: dict[str, Any] | None = None  # a Lineage: the syncers record it in every manifest they commit
 
 
 @dataclass
@@ -60,6 +63,7 @@ def node_context(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch
     return NodeContext(
         data_dir=node.data_dir, data_url=launch.dataset_url, data_shards=node.path("data-files.txt"),
         checkpoint_dir=node.ckpt_dir, resume_from=launch.resume_from.get(node.name, ""),
+        init_from=launch.init_from.get(node.name, ""),
         metrics_file=node.metrics_file, run_id=cluster.run_id, attempt=launch.attempt, node_rank=node.rank,
         num_nodes=len(cluster.nodes), node_ips=tuple(n.address for n in cluster.nodes), sync_dir=node.sync_dir,
         inputs={name: input_dir(node.workdir, name) for name in job.inputs})
@@ -93,7 +97,18 @@ def syncer_argv(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch)
         "--format", job.checkpoints.format, "--flush-deadline", str(job.checkpoints.flush_deadline_s),
         "--poll", str(job.checkpoints.sync_poll_s), "--stop-file", f"{node.sync_dir}/{STOP_FILE}",
         "--metrics-file", node.metrics_file,
+        *(["--lineage", lineage_path(node)] if launch.lineage is not None else []),
     ]
+
+
+def lineage_path(node: Node) -> str:
+    return node.path("lineage.json")
+
+
+def write_lineage(runner: Runner, node: Node, launch: TrainLaunch) -> None:
+    """The launch's lineage on the node, for its syncer (checked here: a bad one fails before training starts)."""
+    if launch.lineage is not None:
+        runner.write_text(lineage_path(node), Lineage.model_validate(launch.lineage).model_dump_json())
 
 
 def failure_tail(process: Process, lines: int = FAILURE_LINES) -> str:
@@ -110,7 +125,7 @@ def _wait_all(trainers: dict[str, Process], deadline: float, watch: PreemptionWa
               poll: Any) -> None:
     """Wait for every trainer; the first failure, a preemption or the deadline stops the rest and raises."""
     def each_round() -> None:
-        poll()
+        watch.reading(poll.runner.node_name, poll)  # the head gone without notice is the watch's call, not a failure
         watch.poll()
 
     wait_all(
@@ -176,6 +191,7 @@ def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOu
     code_dir = {node.name: node.code_dir if job.training.code is not None else None for node in cluster.nodes}
     try:
         for node in cluster.nodes:
+            write_lineage(runners[node.name], node, launch)
             syncers[node.name] = runners[node.name].start(
                 syncer_argv(job, cluster, node, launch),
                 on_line=node_line_sink(logger, f"{node.name} sync", sync_events.append),

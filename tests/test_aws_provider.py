@@ -307,3 +307,36 @@ def test_catalog_refresh_command(aws: AwsProvider, workspace: Path) -> None:
 def test_launch_errors_are_classified(code: str, kind: type[Exception]) -> None:
     error = classify(ClientError({"Error": {"Code": code, "Message": "m"}}, "RunInstances"), "launch x")
     assert type(error) is kind and str(error).startswith(f"aws: launch x: {code}: m: ")
+
+
+def test_terminate_goes_to_the_clusters_region_first_and_past_a_region_that_fails(
+        aws: AwsProvider, monkeypatch: pytest.MonkeyPatch) -> None:
+    import infra.compute.providers.aws.provider as aws_provider
+
+    def failing(region: str) -> AwsProvider:
+        """A fresh provider (as the teardown task builds one) whose calls to region are throttled away."""
+        fresh = AwsProvider(catalog=small_catalog(), bootstrap=False)
+
+        def hook(**_: Any) -> None:
+            raise ClientError({"Error": {"Code": "RequestLimitExceeded", "Message": "injected"}}, "DescribeInstances")
+
+        fresh.client(region).meta.events.register("before-call.ec2.DescribeInstances", hook)
+        return fresh
+
+    # Launched in us-west-2, the second region asked: the first, us-east-1, does not answer.
+    aws.launch("tp-aws-region", spec(regions=("us-west-2",)), "run-region")
+    fresh = failing("us-east-1")
+    calls = record_calls(fresh)
+    with pytest.raises(CapacityError, match="tear down tp-aws-region in us-east-1"):
+        fresh.terminate("tp-aws-region")
+    assert calls[0][0] == "us-west-2", "the cluster's own region is torn down first"
+    assert live(aws, "us-west-2", "tp-aws-region") == [] and groups_left(aws, "tp-aws-region") == []
+
+    # A process that never saw the cluster asks the regions in order: the failing one does not stop the next.
+    aws.launch("tp-aws-region", spec(regions=("us-west-2",)), "run-region")
+    monkeypatch.setattr(aws_provider, "_known_regions", {})
+    fresh = failing("us-east-1")
+    with pytest.raises(CapacityError) as failed:
+        fresh.terminate("tp-aws-region")
+    assert failed.value.transient, "throttling is worth the teardown's retry"
+    assert live(aws, "us-west-2", "tp-aws-region") == [] and groups_left(aws, "tp-aws-region") == []

@@ -70,7 +70,7 @@ def test_a_missing_input_or_an_alias_fails_the_plan(workspace: Path, tmp_path: P
     config = _config(tmp_path, ["-m", "trainer.train"], {"base": str(tmp_path / "nothing")})
     with pytest.raises(PlanError, match=r"inputs\.base\.url file://.*/nothing: no objects under this prefix"):
         plan_job(parse_job(config), "run-1")
-    with pytest.raises(PlanError, match=r"input gpt@production: model aliases are not supported yet"):
+    with pytest.raises(PlanError, match=r"input gpt@production: the alias names no checkpoint"):
         plan_job(parse_job({**config, "inputs": {"base": "gpt@production"}}), "run-1")
 
 

@@ -10,13 +10,13 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from servers import GcsServer, S3Server, free_port
+from servers import free_port
 
-from infra.storage import open_store, s3
+from infra.storage import open_store, s3, s3_native
 from infra.storage.checksum import Checksum, checksum_bytes
 from infra.storage.s3 import MIN_PART_SIZE
 from infra.storage.transfer import FileSpec, RetryPolicy, TransferConfig, download, upload
@@ -92,31 +92,33 @@ class StallingProxy:
             sock.close()
 
 
+@pytest.fixture(autouse=True)
+def _crt_log_bridged() -> None:
+    """The CRT's log bridge is on before the test runs: pytest's capture then sees what the CRT's loggers pass on
+    (it attaches to the loggers that do not propagate as each phase begins), as a host program's handler would."""
+    s3_native._bridge_crt_log()
+
+
 def _port(endpoint: str) -> int:
     return int(endpoint.rstrip("/").rsplit(":", 1)[1])
 
 
-@pytest.fixture
-def s3_proxy(s3_url: str, s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, StallingProxy]]:
-    proxy = StallingProxy(_port(s3_server.endpoint))
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
-    s3._connections.clear()  # fresh clients: their first connections go through the proxy
-    yield s3_url, proxy
-    proxy.close()
-    s3._connections.clear()
-
-
-@pytest.fixture
-def gcs_proxy(gs_url: str, gcs_server: GcsServer, monkeypatch: pytest.MonkeyPatch
-              ) -> Iterator[tuple[str, StallingProxy]]:
+def _proxied(scheme: str, kind: type[StallingProxy], request: pytest.FixtureRequest,
+             monkeypatch: pytest.MonkeyPatch) -> tuple[str, StallingProxy, Callable[[], None]]:
+    """(a new bucket's URL, the proxy every new client of the store goes through, what drops the clients)."""
     from infra.storage import gcs
 
-    proxy = StallingProxy(_port(gcs_server.host))
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{proxy.port}")
-    gcs._clients.clear()
-    yield gs_url, proxy
-    proxy.close()
-    gcs._clients.clear()
+    if scheme == "s3":
+        url, server = request.getfixturevalue("s3_url"), request.getfixturevalue("s3_server")
+        proxy, variable, clients = kind(_port(server.endpoint)), "AWS_ENDPOINT_URL", s3._connections.clear
+    else:
+        url, server = request.getfixturevalue("gs_url"), request.getfixturevalue("gcs_server")
+        proxy, variable, clients = kind(_port(server.host)), "STORAGE_EMULATOR_HOST", gcs._clients.clear
+    monkeypatch.setenv(variable, f"http://127.0.0.1:{proxy.port}")
+    clients()  # fresh clients: their first connections go through the proxy
+    request.addfinalizer(clients)
+    request.addfinalizer(proxy.close)
+    return url, proxy, clients
 
 
 def _stall_to_retry_s(proxy: StallingProxy, caplog: pytest.LogCaptureFixture) -> float:
@@ -158,6 +160,10 @@ def _copy_through(url: str, proxy: StallingProxy, tmp_path: Path, config: Transf
             assert (tmp_path / "dest" / "big.bin").read_bytes() == data
     logging.getLogger(__name__).warning("%s: stall found after %.2fs (bound %.1fs); copy took %.1fs",
                                         direction, detected, config.stall_timeout_s, took)
+    # The CRT's line for the cancel we asked for is no error (issue 23): it stays at debug.
+    cancels = [r.getMessage() for r in caplog.records if r.levelno > logging.DEBUG and "successfully cancelled" in
+               r.getMessage()]
+    assert not cancels, cancels
     # Found within the bound (plus the pool's tick and a loaded machine's slack), not the CRT's ~30 s.
     assert detected < config.stall_timeout_s * 3, detected
     return detected
@@ -168,10 +174,77 @@ def _copy_through(url: str, proxy: StallingProxy, tmp_path: Path, config: Transf
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
 def test_stalled_request_is_retried_within_the_bound(
     scheme: str, engine: str, direction: str, tmp_path: Path, caplog: pytest.LogCaptureFixture,
-    request: pytest.FixtureRequest,
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from infra.storage import gcs
+    url, proxy, clients = _proxied(scheme, StallingProxy, request, monkeypatch)
+    _copy_through(url, proxy, tmp_path, CONFIG.but(engine=engine), caplog, direction, clients)
 
-    url, proxy = request.getfixturevalue("s3_proxy" if scheme == "s3" else "gcs_proxy")
-    clients = s3._connections if scheme == "s3" else gcs._clients
-    _copy_through(url, proxy, tmp_path, CONFIG.but(engine=engine), caplog, direction, clients.clear)
+
+SLOW_BYTES_PER_S = 1_000_000  # each connection's pace through the throttling proxy, both ways: a shaped link
+SLOW_STALL_S = 1.0  # far less than a part's time to land at that pace (5 MiB: ~5 s)
+
+
+class ThrottlingProxy(StallingProxy):
+    """A TCP proxy that forwards every connection steadily at bytes_per_s (None: at full speed): slow, never
+    stalled."""
+
+    bytes_per_s: float | None = SLOW_BYTES_PER_S
+
+    def _pump(self, src: socket.socket, dst: socket.socket, carried: list[int], *both: socket.socket) -> None:
+        try:
+            while chunk := src.recv(16 << 10):
+                dst.sendall(chunk)
+                if self.bytes_per_s is not None:
+                    time.sleep(len(chunk) / self.bytes_per_s)
+        except OSError:
+            pass
+        for sock in both:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
+# Sent bytes are still taken for a stall on a slow link: a native PUT shows progress only once a part is stored (no
+# count of sent bytes exists: infra.storage.crt_traffic), and a boto3 / GCS request's timeout runs while the body
+# still drains from the socket's buffers (sendall's deadline, then the read timeout). Measured, not fixed yet.
+_SENT_IS_NOT_SEEN = pytest.mark.xfail(strict=True, reason="a slow upload's progress is not seen byte by byte yet")
+
+
+@pytest.mark.parametrize(("scheme", "engine", "direction"), [
+    # Not GCS: its emulator serves one request at a time, so a second part waits out the first, slow one for its
+    # headers (a read timeout that real GCS, which serves parts in parallel, does not give).
+    ("s3", "native", "download"), ("s3", "python", "download"),
+    pytest.param("s3", "native", "upload", marks=_SENT_IS_NOT_SEEN),
+    pytest.param("s3", "python", "upload", marks=_SENT_IS_NOT_SEEN),
+])
+def test_a_slow_but_moving_request_is_not_retried(scheme: str, engine: str, direction: str, tmp_path: Path,
+                                                  caplog: pytest.LogCaptureFixture, request: pytest.FixtureRequest,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bytes keep arriving, but a whole part takes several stall bounds to land: not a stall, so no retry."""
+    size = MIN_PART_SIZE + (1 << 20)
+    data = os.urandom(size)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "big.bin").write_bytes(data)
+    crc = str(checksum_bytes(data))
+    config = CONFIG.but(engine=engine, stall_timeout_s=SLOW_STALL_S)
+    url, proxy, _clients = _proxied(scheme, ThrottlingProxy, request, monkeypatch)
+    assert isinstance(proxy, ThrottlingProxy)
+    if direction == "download":
+        proxy.bytes_per_s = None  # the object is put in place at full speed
+        upload(tmp_path / "src", ["big.bin"], open_store(url), config)
+        proxy.bytes_per_s = SLOW_BYTES_PER_S
+    with caplog.at_level(logging.WARNING):
+        started = time.monotonic()
+        if direction == "download":
+            download(open_store(url), [FileSpec("big.bin", size, crc=crc)], tmp_path / "dest", config)
+            assert (tmp_path / "dest" / "big.bin").read_bytes() == data
+        else:
+            sent = upload(tmp_path / "src", ["big.bin"], open_store(url), config)
+            kept = Checksum.parse(sent.files[0].crc or "")
+            assert kept == checksum_bytes(data, kept.algorithm)
+        took = time.monotonic() - started
+    retries = [r.getMessage() for r in caplog.records if re.search(r"stall|retr", r.getMessage())]
+    logging.getLogger(__name__).warning("%s %s through %.1f MB/s per connection: %.1fs, %d retries (bound %.1fs)",
+                                        engine, direction, SLOW_BYTES_PER_S / 1e6, took, len(retries), SLOW_STALL_S)
+    assert not retries, retries
+    assert took > SLOW_STALL_S * 2, f"{took:.1f}s: the proxy did not slow the copy down enough to test anything"

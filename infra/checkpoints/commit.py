@@ -7,6 +7,8 @@ Layout under a run's checkpoint root:
     step-00000100/files-<attempt>/<path>   each node's files of the checkpoint, as that attempt uploaded them
     step-00000100/_nodes/node-<r>.json     a node's upload record (its attempt, files, sizes, checksums)
     step-00000100/manifest.json            THE COMMIT: written once every node's record of this attempt exists
+    step-00000100/eval.json                the step's evaluation (metrics, command), written after its commit
+                                           (the manifest is immutable once committed)
     latest                                 {"step": 100, "manifest": …, "attempt": …}, after the manifest
     _set_aside/step-00000100-<id>.json     a commit set aside (damaged, or replaced by a retrain): its manifest,
                                            its files' keys (left in place, never written again) and why
@@ -32,7 +34,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,6 +42,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationError, model_validator
 
+from infra.checkpoints.lineage import Lineage
 from infra.checkpoints.steps import PATTERN as STEP_PATTERN
 from infra.checkpoints.steps import parse_step_name, step_name
 from infra.models import SHA256_HEX, StrictModel
@@ -52,6 +55,7 @@ log = logging.getLogger(__name__)
 FORMAT = "trainpipe-ckpt-v1"
 LATEST_KEY = "latest"
 MANIFEST_NAME = "manifest.json"
+EVAL_NAME = "eval.json"
 NODES_DIR = "_nodes"
 PENDING_DIR = "_pending"
 SET_ASIDE_DIR = "_set_aside"
@@ -188,6 +192,7 @@ class CheckpointManifest(StrictModel):
     checkpoint: CheckpointRef | None = None  # None: written before named checkpoints (a `step-N/` dir)
     attempt: str = ""
     files_prefix: str = ""  # where the files sit under step-N/ ("files/" since named checkpoints)
+    lineage: Lineage | None = None  # where it came from; None: committed without one (before lineage, or by hand)
 
     @property
     def total_bytes(self) -> int:
@@ -199,6 +204,15 @@ class CheckpointManifest(StrictModel):
 
     def file_key(self, entry: FileEntry) -> str:
         return f"{step_name(self.step)}/{self.files_prefix}{entry.path}"
+
+
+class EvalRecord(StrictModel):
+    """A committed step's evaluation: what the evaluate command wrote, and the command."""
+
+    step: int = Field(ge=0)
+    metrics: dict[str, float]
+    command: str
+    recorded_at: str
 
 
 class LatestPointer(StrictModel):
@@ -270,6 +284,8 @@ class CheckpointStore:
             node = _NODE_RECORD.match(rest)
             if rest == MANIFEST_NAME:
                 objects.has_manifest = True
+            elif rest == EVAL_NAME:
+                continue  # about the checkpoint, not part of it
             elif node:
                 objects.nodes.append(int(node.group(1)))
             elif not rest.startswith(f"{NODES_DIR}/"):
@@ -376,6 +392,27 @@ class CheckpointStore:
             "pick a committed step (trainpipe ckpt ls) or omit the step"
         )
 
+    # ---- evaluations -----------------------------------------------------------------------------------------
+
+    def record_eval(self, step: int, metrics: dict[str, float], command: str) -> EvalRecord:
+        """Write a committed step's evaluation beside its manifest (step-N/eval.json); a re-evaluation replaces it."""
+        self.manifest(step)
+        record = EvalRecord(step=step, metrics=metrics, command=command,
+                            recorded_at=datetime.now(UTC).isoformat(timespec="seconds"))
+        self.store.put_bytes(f"{step_name(step)}/{EVAL_NAME}", record.model_dump_json(indent=1).encode())
+        return record
+
+    def eval(self, step: int) -> EvalRecord | None:
+        """The step's evaluation, None when it was never evaluated."""
+        key = f"{step_name(step)}/{EVAL_NAME}"
+        try:
+            return EvalRecord.model_validate_json(self.store.get_bytes(key))
+        except ObjectNotFound:
+            return None
+        except ValidationError as exc:
+            raise CheckpointError(f"{self.store.url_for(key)}: corrupt evaluation ({exc.errors()[0]['msg']}): "
+                                  "evaluate the step again or delete it") from None
+
     # ---- announcing (the coordinator) and finding announcements (every other node) ----------------------------
 
     def announce(self, announcement: Announcement) -> None:
@@ -458,7 +495,7 @@ class CheckpointStore:
 
     def try_commit(self, step: int, nodes: int | Sequence[int], world_size: int, config_hash: str,
                    attempt: str = "", checkpoint: CheckpointRef | None = None,
-                   required: Sequence[str] = ()) -> CheckpointManifest | None:
+                   required: Sequence[str] = (), lineage: Lineage | None = None) -> CheckpointManifest | None:
         """Write the manifest once the records of `nodes` (a count, or the ranks) from this attempt all exist (None
         until then); idempotent after a crash. CheckpointError when the parts lack a required file: such a
         checkpoint could not be loaded, so it is never committed.
@@ -504,6 +541,7 @@ class CheckpointStore:
             checkpoint=checkpoint or CheckpointRef(name=step_name(step)),
             attempt=attempt,
             files_prefix=files_prefix(attempt),
+            lineage=lineage,
         )
         self.store.put_bytes(manifest_key(step), manifest.model_dump_json(indent=1).encode())
         self._advance_latest(manifest)
@@ -599,8 +637,9 @@ class CheckpointStore:
                                       f"({exc.errors()[0]['msg']}): fix or move it") from None
         return sorted(notes, key=lambda note: note.step)
 
-    def apply_retention(self, keep: int) -> list[int]:
-        """Delete committed steps beyond the newest `keep` and uncommitted ones older than the newest committed.
+    def apply_retention(self, keep: int, protected: Collection[int] = ()) -> list[int]:
+        """Delete committed steps beyond the newest `keep` and uncommitted ones older than the newest committed,
+        never a `protected` one (a step a model alias points at, or pointed at recently: Registry.protected).
 
         Returns the deleted steps. Nothing newer than the newest committed step is touched: it may be mid-upload.
         A commit found damaged (unreadable manifest, a file missing or of another size) is set aside first, so it
@@ -615,7 +654,7 @@ class CheckpointStore:
             return []
         newest = max(committed)
         keep_steps = set(sorted(committed, reverse=True)[:keep])
-        doomed = sorted(step for step in steps if step < newest and step not in keep_steps)
+        doomed = sorted(step for step in steps if step < newest and step not in keep_steps and step not in protected)
         kept_keys = {key for note in self.set_aside_notes() for key in note.keys} if doomed else set()
         for step in doomed:
             # The manifest goes first, so a crash mid-delete leaves an uncommitted (ignored) step, never a

@@ -68,6 +68,12 @@ class DatasetSnapshot(StrictModel):
         return f"sha256:{hashlib.sha256(canonical.encode()).hexdigest()}"
 
 
+def snapshot_digest(snapshot: DatasetSnapshot) -> str:
+    """sha256 of what a snapshot holds (each file's key, size and checksum): equal digests, equal bytes."""
+    listing = json.dumps([file.model_dump(mode="json") for file in snapshot.files], sort_keys=True)
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
 def input_snapshot_key(name: str) -> str:
     """Where the snapshot of input `name` lives under the run's checkpoint root."""
     return f"_inputs/{name}/snapshot.json"

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.checkpoints.commit import CheckpointStore
+from infra.checkpoints.commit import CheckpointError, CheckpointStore
 from infra.compute.catalog import CatalogError, load_catalog
 from infra.compute.optimizer import Candidate, NoCandidateError, candidates, render_candidates
 from infra.compute.providers import get_provider
@@ -19,6 +19,7 @@ from infra.dataset.stagecache import CACHE_DIR, cached_bytes
 from infra.job.secrets import BlockReader, SecretMissing, resolve_secrets
 from infra.job.spec import InputSpec, JobSpec
 from infra.job.store_access import store_access_problem
+from infra.registry import CheckpointTarget, RegistryError, resolve_checkpoint
 from infra.storage import StorageError, open_store
 from infra.workload.plan import WorkloadError, WorkloadPlan, plan_workload
 from infra.workspace import local_clusters_dir, run_dir
@@ -47,6 +48,7 @@ class Plan:
     resume_step: int | None
     workload: WorkloadPlan
     candidates: tuple[Candidate, ...] = ()  # cloud providers: where to launch, in the order failover tries
+    init_from: CheckpointTarget | None = None  # training.init_from resolved: the weights a fresh start begins from
     inputs: dict[str, DatasetPlan] = field(default_factory=dict)  # name -> its plan (snapshot, files, bytes)
 
     @property
@@ -62,6 +64,9 @@ class Plan:
             *self.dataset.render_lines(),
             *(line for plan in self.inputs.values() for line in plan.render_lines()),
             f"  checkpoints: {self.checkpoint_url} — {resume}",
+            *([f"  warm start: {self.init_from.url}" + (" (not restored: the run resumes its own checkpoint)"
+                                                       if self.resume_step is not None else "")]
+              if self.init_from is not None else []),
             self.workload.render(),
             *(f"  warning: {warning}" for warning in self.workload.warnings),
             *self._render_candidates(),
@@ -139,9 +144,14 @@ def fit_on_disks(job: JobSpec, held: tuple[int, ...], found: tuple[Candidate, ..
 
 def resolve_input_url(ref: str, root_url: str) -> str:
     """The URL of the committed checkpoint a '<model>@<alias>' input names, in the registry under root_url (the
-    job's checkpoints.url); PlanError when it names nothing."""
-    raise PlanError(f"input {ref}: model aliases are not supported yet: give the committed checkpoint's URL "
-                    "(as `trainpipe run` printed it) instead")
+    job's checkpoints.url): the prefix holding that step's files, as the script saved them; PlanError when it names
+    nothing committed."""
+    try:
+        target = resolve_checkpoint(ref, root_url)
+        manifest = CheckpointStore(open_store(target.run_url)).manifest(target.step)
+    except (RegistryError, CheckpointError, StorageError) as exc:
+        raise PlanError(f"input {exc}") from None
+    return f"{target.url}/{manifest.files_prefix}".rstrip("/")
 
 
 def input_specs(job: JobSpec) -> dict[str, InputSpec]:
@@ -178,6 +188,16 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
+def _init_from(job: JobSpec) -> CheckpointTarget | None:
+    """The committed checkpoint training.init_from names, checked now: a missing one costs no cluster."""
+    if job.training.init_from is None:
+        return None
+    try:
+        return resolve_checkpoint(job.training.init_from, job.checkpoints.url)
+    except (RegistryError, CheckpointError, StorageError) as exc:
+        raise PlanError(f"training.init_from: {exc}") from None
+
+
 def plan_job(job: JobSpec, run_id: str, secret_blocks: BlockReader | None = None) -> Plan:
     """secret_blocks reads Prefect Secret blocks (the flow's plan has one); without it those the job names are
     checked by the flow's plan, still before anything is launched."""
@@ -207,10 +227,11 @@ def plan_job(job: JobSpec, run_id: str, secret_blocks: BlockReader | None = None
     if dataset.validation is not None:
         write_data_docs(dataset.validation, run_dir(run_id), run_id)
     latest = CheckpointStore(checkpoints).latest()
+    init_from = _init_from(job)
     return Plan(
         run_id=run_id, cluster_name=cluster_name_for(run_id), provider=job.cluster.provider,
         nodes=job.cluster.nodes, world_size=job.cluster.nodes * job.cluster.procs_per_node,
         dataset_url=job.dataset.url, dataset=dataset,
         checkpoint_url=checkpoint_url, resume_step=latest.step if latest else None, workload=workload,
-        candidates=found, inputs=inputs,
+        candidates=found, init_from=init_from, inputs=inputs,
     )

@@ -24,6 +24,7 @@ from infra.compute.providers.ssh.config import SshClusterSpec
 from infra.job.recovery_spec import ChaosSpec, RecoverySpec
 from infra.job.secrets import SecretRef
 from infra.models import StrictModel, readable_file
+from infra.registry.refs import NAME, parse_model_ref
 from infra.storage import BACKENDS, as_url
 from infra.workload.code import ARCHIVE_SUFFIXES
 from infra.workload.contract import check_command
@@ -190,8 +191,6 @@ class DatasetSpec(PrefixSpec):
 
 
 INPUT_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
-# "<model>@<alias>": a model in the checkpoint store's registry (resolved at plan, infra.job.plan.resolve_input_url)
-MODEL_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*@[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 class InputSpec(PrefixSpec):
@@ -205,7 +204,8 @@ class InputSpec(PrefixSpec):
 
 def _input_entry(value: object) -> object:
     """An input given as a string: a model alias ('model@alias') stays one; a URL or path is {url: ...}."""
-    if isinstance(value, str) and not MODEL_REF.match(value):
+    # "<model>@<alias>": a model in the checkpoint store's registry (resolved at plan, plan.resolve_input_url)
+    if isinstance(value, str) and parse_model_ref(value) is None:
         return {"url": value}
     return value
 
@@ -251,6 +251,11 @@ class TrainingSpec(StrictModel):
         "flow parameter, in the summary or on a command line.")
     threads_per_proc: int = Field(1, ge=1, description="CPU threads per training process (OMP_NUM_THREADS).")
     timeout_s: float = Field(3600, gt=0, description="Fail training that runs longer than this.")
+    init_from: str | None = Field(
+        None, description="Warm start: a committed checkpoint to start a new schedule from — the step URL `trainpipe "
+        "run` prints, a run's checkpoint root (its latest commit) or MODEL@ALIAS (e.g. mymodel@production). Checked "
+        "at plan, restored onto every node before training as TRAINPIPE_INIT_FROM / {init_from}; not restored again "
+        "when the run resumes its own checkpoint after a preemption.")
 
     @field_validator("code")
     @classmethod
@@ -271,6 +276,14 @@ class TrainingSpec(StrictModel):
         check_command(value)
         return value
 
+    @field_validator("init_from")
+    @classmethod
+    def _checkpoint_ref(cls, value: str | None) -> str | None:
+        # MODEL@ALIAS is the registry's; anything else is a URL or a path.
+        if value is None or parse_model_ref(value) is not None:
+            return value
+        return _to_url(value)
+
     @field_validator("env", "secrets")
     @classmethod
     def _shell_names(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
@@ -289,6 +302,42 @@ class TrainingSpec(StrictModel):
         return self
 
 
+# The evaluate command's own placeholders, beside every training one.
+EVAL_PLACEHOLDERS = ("checkpoint", "eval_file")
+
+
+class EvaluateSpec(StrictModel):
+    """The evaluation gate: a command run on the cluster once the final checkpoint is committed."""
+
+    command: tuple[str, ...] = Field(
+        min_length=1, description="Run once on node 0, in the code dir, after the final checkpoint is committed and "
+        "before teardown (a plain process, not under torchrun): a .py of the code and its arguments, or [-m, module, "
+        "...]. It must write its metrics as a JSON object of numbers to TRAINPIPE_EVAL_FILE ({eval_file}). "
+        "{checkpoint} is the committed checkpoint restored on that node; every training placeholder works too.")
+    timeout_s: float = Field(1800, gt=0, description="Fail the gate when the evaluation runs longer than this.")
+
+    @field_validator("command")
+    @classmethod
+    def _known_placeholders(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        check_command(value, extra=EVAL_PLACEHOLDERS)
+        return value
+
+
+class PromoteSpec(StrictModel):
+    """The promotion gate: move MODEL@ALIAS to the new checkpoint only when its metric beats the champion's."""
+
+    model: str = Field(pattern=rf"^{NAME}$", description="The model name in the registry (letters, digits, '.', '_', "
+                       "'-'); "
+                       "its aliases live under <checkpoints.url>/_registry/<model>/.")
+    alias: str = Field("production", pattern=rf"^{NAME}$", description="The alias the run may move (e.g. production).")
+    metric: str = Field("eval_loss", min_length=1, description="The key of the evaluate file's JSON compared "
+                        "with the champion's (the checkpoint the alias points at now).")
+    mode: Literal["min", "max"] = Field("min", description="min: lower is better (a loss); max: higher is better "
+                                        "(an accuracy).")
+    min_delta: float = Field(0.0, ge=0, description="Promote only when the metric beats the champion's by more than "
+                             "this. The first run of a model is promoted.")
+
+
 class JobSpec(StrictModel):
     name: str = Field("retrain", pattern=r"^[a-z0-9][a-z0-9-]{0,39}$", description="Job name: lowercase, digits, '-'.")
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
@@ -303,6 +352,18 @@ class JobSpec(StrictModel):
         "{input_<name>}.")
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
     chaos: ChaosSpec | None = Field(None, description="Preemptions to inject (local and ssh providers): for tests.")
+    evaluate: EvaluateSpec | None = Field(None, description="Evaluate the committed checkpoint on the cluster before "
+                                          "teardown; its metrics go to the summary, the report and the checkpoint's "
+                                          "eval record.")
+    promote: PromoteSpec | None = Field(None, description="After evaluate: make the new checkpoint MODEL@ALIAS only "
+                                        "if its metric beats the champion's. Needs evaluate.")
+
+    @model_validator(mode="after")
+    def _promote_needs_evaluate(self) -> JobSpec:
+        if self.promote is not None and self.evaluate is None:
+            raise ValueError("promote needs metrics to compare: add an evaluate: {command: [...]} section that "
+                             f"writes {self.promote.metric} to TRAINPIPE_EVAL_FILE, or remove promote")
+        return self
 
     @field_validator("inputs", mode="before")
     @classmethod
@@ -321,6 +382,11 @@ class JobSpec(StrictModel):
             check_command(self.training.command, inputs=self.inputs)
         except ValueError as exc:
             raise ValueError(f"training.{exc}") from None
+        if self.evaluate is not None:  # an eval set is an input too: {input_<name>}
+            try:
+                check_command(self.evaluate.command, inputs=self.inputs, extra=EVAL_PLACEHOLDERS)
+            except ValueError as exc:
+                raise ValueError(f"evaluate.{exc}") from None
         return self
 
     @model_validator(mode="after")

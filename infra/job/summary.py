@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 LAUNCHED_AT_VAR = "TRAINPIPE_LAUNCHED_AT"  # set by `trainpipe run`: when the command started, unix seconds
-PHASES = ("plan", "provision", "verify", "stage", "train", "sync", "teardown")
+PHASES = ("plan", "provision", "verify", "stage", "train", "sync", "evaluate", "promote", "teardown")
 # The cluster is paid for from the start of provisioning to the end of teardown: every phase but plan.
 BILLED_PHASES = PHASES[1:]
 
@@ -45,6 +45,7 @@ class RunSummary:
     checkpoint: str | None = None
     checkpoint_step: int | None = None
     nodes_left: int | None = None
+    teardown_error: str | None = None  # the run's own teardown failed: what it left needs `trainpipe down`
     stage: dict[str, Any] = field(default_factory=dict)
     dataset: dict[str, Any] = field(default_factory=dict)  # infra.dataset.planning.DatasetPlan.summary()
     # per input: its DatasetPlan.summary() and its staging: fetched_bytes, reused_bytes (from the node's cache),
@@ -65,6 +66,9 @@ class RunSummary:
     # time went (T_compute / T_network / T_io)
     workload: dict[str, Any] = field(default_factory=dict)  # code, its sha256, command, config hash, setup_s
     metrics: dict[str, Any] = field(default_factory=dict)  # what the script reported about the whole run
+    init_from: str | None = None  # training.init_from's step URL when the run warm-started from it
+    eval: dict[str, Any] = field(default_factory=dict)  # tasks.evaluate.Evaluation: checkpoint, step, metrics, seconds
+    promotion: dict[str, Any] = field(default_factory=dict)  # tasks.promote.Decision, and decided_after_training_s
     started_at: float = field(default_factory=time.time)  # the command's start where a command launched the run
     finished_at: float | None = None
     flow_started_s: float | None = None  # from started_at to the flow's own start (command, Prefect server, plan)
@@ -98,6 +102,11 @@ class RunSummary:
         if self.price_per_hour is not None:
             billed_s = sum(self.phases.get(name, 0.0) for name in BILLED_PHASES)
             self.cost_usd = round(self.price_per_hour * billed_s / 3600, 4)
+
+    def resume_hint(self, config: str = "CONFIG") -> str:
+        """What continues a failed or cancelled run: the same run id resumes from its latest commit."""
+        start = f"from step {self.checkpoint_step}" if self.checkpoint_step is not None else "from the start"
+        return f"trainpipe run {config} --run-id {self.run_id} (resumes {start})"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -146,8 +155,18 @@ class RunSummary:
             lines.append(f"  cluster: {where} after {len(self.attempts)} launch attempt(s)"
                          + (f", ${self.price_per_hour:.2f}/h, cost ${self.cost_usd:.4f}"
                             if self.cost_usd is not None and self.price_per_hour is not None else ""))
+        if self.init_from:
+            lines.append(f"  warm start: {self.init_from}")
+        if self.eval:
+            lines.append("  eval: " + ", ".join(f"{k} {v:.4f}" for k, v in self.eval["metrics"].items())
+                         + f" ({self.eval['seconds']:.1f}s)")
+        if self.promotion:
+            lines.append(f"  {'promoted' if self.promotion['promoted'] else 'not promoted'}: "
+                         f"{self.promotion['model']}@{self.promotion['alias']}: {self.promotion['reason']}")
         lines.append(f"  checkpoint: {self.checkpoint or 'none committed'}"
                      + (f" (resumed from step {self.resumed_from_step})" if self.resumed_from_step is not None else ""))
+        if self.status in ("failed", "cancelled"):
+            lines.append(f"  resume: {self.resume_hint()}")
         stalls = [c["stall_s"] for c in self.checkpoints if c.get("stall_s") is not None]
         if stalls:
             lines.append(f"  checkpoints: {len(stalls)} saved, training stalled {sum(stalls) / len(stalls):.3f}s "
@@ -160,6 +179,9 @@ class RunSummary:
         lines.extend(f"  warning: {warning}" for warning in self.warnings)
         if self.nodes_left is not None:
             lines.append(f"  {self.nodes_left} nodes left running")
+        if self.teardown_error is not None:
+            lines.append(f"  teardown failed: {self.teardown_error}: `trainpipe status` shows what is left, "
+                         "`trainpipe down` ends it")
         return "\n".join(lines)
 
 

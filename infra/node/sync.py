@@ -50,7 +50,9 @@ from infra.checkpoints.formats import (
     part_settled,
     required_files,
 )
+from infra.checkpoints.lineage import Lineage
 from infra.node.events import emit, fail
+from infra.registry import Registry, RegistryError, registry_root_of
 from infra.storage import StorageError, open_store
 from infra.storage.checksum import sha256_file
 from infra.storage.retry import RetryPolicy, call_with_retries
@@ -110,6 +112,8 @@ class SyncConfig:
     commit_timeout_s: float
     flush_deadline_s: float = 20.0
     metrics_file: Path | None = None
+    lineage: Lineage | None = None  # recorded in every manifest this syncer commits
+    registry_url: str | None = None  # whose aliases' checkpoints retention keeps (default: the parent of url)
 
     @property
     def state_path(self) -> Path:
@@ -356,7 +360,7 @@ class Syncer:
                 manifest = call_with_retries(
                     lambda a=announcement: self.checkpoints.try_commit(a.step, a.nodes, config.world_size,
                                                                        config.config_hash, a.attempt, a.checkpoint,
-                                                                       a.required),
+                                                                       a.required, config.lineage),
                     f"commit of {self.checkpoints.store.url_for(step_name(step))}",
                     STEP_RETRY,
                 )
@@ -372,11 +376,23 @@ class Syncer:
             self._save_state()
             emit("committed", step=step, name=announcement.checkpoint.name, files=len(manifest.files),
                  bytes=manifest.total_bytes, commit_s=round(time.time() - announcement.announced_at, 3))
-            deleted = call_with_retries(lambda: self.checkpoints.apply_retention(config.keep),
-                                        f"retention in {self.checkpoints.store.url}", STEP_RETRY)
+            deleted = call_with_retries(self._apply_retention, f"retention in {self.checkpoints.store.url}",
+                                        STEP_RETRY)
             if deleted:
                 emit("retention", deleted=deleted, keep=config.keep)
         return waiting
+
+    def _apply_retention(self) -> list[int]:
+        """The store retention, never deleting a step a model alias points at or pointed at recently; skipped (and
+        said) while the registry cannot be read: deleting without knowing could take production's checkpoint."""
+        registry = Registry(self.config.registry_url or registry_root_of(self.config.url))
+        try:
+            protected = registry.protected(self.checkpoints.store.url)
+        except RegistryError as exc:
+            log.warning("retention skipped: %s", exc)
+            emit("retention_skipped", reason=str(exc))
+            return []
+        return self.checkpoints.apply_retention(self.config.keep, protected)
 
     # ---- every other node: ship its part of what the coordinator announced ----------------------------------
 
@@ -488,6 +504,9 @@ def _parse(argv: list[str]) -> SyncConfig:
     parser.add_argument("--metrics-file", type=Path, help="the script's metrics: numbers checkpoints without a step")
     parser.add_argument("--poll", type=float, default=0.5, help="seconds between scans of --ckpt-dir")
     parser.add_argument("--stop-file", type=Path, help="finish uploading and exit once this file exists")
+    parser.add_argument("--lineage", type=Path, help="a JSON Lineage recorded in every manifest this syncer commits")
+    parser.add_argument("--registry-url", help="the model registry's root, whose aliases' checkpoints retention "
+                        "keeps (default: the parent of --url)")
     parser.add_argument(
         "--commit-timeout", type=float, default=600.0, help="on stop, how long to wait for other nodes' parts"
     )
@@ -505,6 +524,15 @@ def _parse(argv: list[str]) -> SyncConfig:
         )
     if args.keep < 1:
         parser.error(f"--keep {args.keep}: must be at least 1 (the newest committed checkpoint is never deleted)")
+    lineage = None
+    if args.lineage is not None:
+        try:
+            lineage = Lineage.model_validate_json(args.lineage.read_bytes())
+        except OSError as exc:
+            parser.error(f"--lineage {args.lineage}: {exc.strerror or exc}: check the path")
+        except ValidationError as exc:
+            parser.error(f"--lineage {args.lineage}: not a Lineage ({exc.errors()[0]['msg']}): write it as the train "
+                         "task does")
     return SyncConfig(
         ckpt_dir=args.ckpt_dir,
         sync_dir=args.sync_dir,
@@ -521,6 +549,8 @@ def _parse(argv: list[str]) -> SyncConfig:
         commit_timeout_s=args.commit_timeout,
         flush_deadline_s=args.flush_deadline,
         metrics_file=args.metrics_file,
+        lineage=lineage,
+        registry_url=args.registry_url,
     )
 
 

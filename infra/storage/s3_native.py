@@ -37,6 +37,7 @@ from awscrt.exceptions import AwsCrtError
 from infra.storage.base import ChecksumMismatch, StorageError
 from infra.storage.checksum import CRC32C, CRC64NVME, SHA256, Checksum, Crc, PartCrcs, checksum_file
 from infra.storage.cloud import TransientStorageError
+from infra.storage.crt_traffic import TRAFFIC
 from infra.storage.pool import TICK_S
 from infra.storage.records import FileJob, TransferConfig
 from infra.storage.retry import Cancelled, gave_up, log_retry
@@ -95,6 +96,21 @@ class _CrtLog(logging.Handler):
             log.debug("awscrt: %s", message)
 
 
+# What the CRT says (at its Error level) of every request we cancel: it is the cancel we asked for.
+_CANCELLED_LINE = re.compile(r"Meta request cannot recover from error \d+ \(Request successfully cancelled\)")
+_META_REQUEST_LOGGER = "awscrt.s3.S3MetaRequest"  # where awscrt.logging puts the CRT's meta request lines
+
+
+class _CancelledIsDebug(logging.Filter):
+    """The line for a cancel we asked for, lowered to debug where it is logged, so no handler anywhere (the
+    bridge's, a host program's, pytest's) shows it as an error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.DEBUG and _CANCELLED_LINE.search(record.getMessage()):
+            record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
+        return True
+
+
 _log_bridge_lock = threading.Lock()
 _log_bridge_on = False
 
@@ -109,6 +125,7 @@ def _bridge_crt_log() -> None:
         crt_logger = logging.getLogger("awscrt")
         crt_logger.propagate = False
         crt_logger.addHandler(_CrtLog())
+        logging.getLogger(_META_REQUEST_LOGGER).addFilter(_CancelledIsDebug())
         try:
             awscrt.logging.init_logging(logging.ERROR)
         except RuntimeError as exc:  # the host program set CRT logging up itself: its choice stands
@@ -215,8 +232,8 @@ def wait(request: s3.S3Request, cancel: threading.Event, watch: StallWatch, what
 
 
 class FileGrowth:
-    """Progress of a GET into a file, from the file's size: the CRT reports a GET's progress only once it is done
-    (one call for a 250 MB object), and the file grows part by part, in order."""
+    """Progress of a GET into a file, from the file's size: the file grows part by part, in order, as the CRT's
+    callbacks would report it (infra.storage.crt_traffic)."""
 
     def __init__(self, path: Path, on_bytes: Callable[[int], None]) -> None:
         self.path, self.on_bytes, self.reported = path, on_bytes, 0
@@ -270,7 +287,7 @@ class CrtGet:
                  failure: Callable[[AwsCrtError], StorageError], job: FileJob, what: str) -> None:
         self.launch, self.growth, self.expected, self.failure, self.what = launch, growth, expected, failure, what
         self.policy = job.config.retry
-        self.watch = StallWatch(job.config.stall_timeout_s)
+        self.watch = StallWatch(job.config.stall_timeout_s, link=TRAFFIC.received_idle_s)
         self.attempts = 0
         self.attempt: _Attempt | None = None
         self.error: BaseException | None = None  # why it ended without a request to ask (given up, cancelled)
@@ -312,6 +329,9 @@ class CrtGet:
     def poll(self) -> None:
         self.watch.saw(self.growth())
         if not self.watch.stalled():
+            # Bytes arriving that have not landed yet still count as moving for the pool's own deadline
+            # (infra.storage.pool: a part can take minutes to land on a slow, shared link).
+            self.growth.on_bytes(0)
             return
         stalled = self.watch.error(self.what)
         attempt = self._take_attempt()

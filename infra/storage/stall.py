@@ -11,7 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from infra.storage.base import StorageError
 from infra.storage.cloud import TransientStorageError
@@ -24,10 +24,14 @@ class StalledRequest(TransientStorageError):
 
 
 class StallWatch:
-    """When one request last moved a byte; stalled once that is the bound ago."""
+    """When one request last moved a byte; stalled once that is the bound ago.
 
-    def __init__(self, bound_s: float) -> None:
-        self.bound_s = bound_s
+    link, when given, says how long ago the engine's connections last moved a byte, for a request whose own
+    progress shows only in large steps (a CRT GET's whole parts): it is stalled only once the link is still too.
+    """
+
+    def __init__(self, bound_s: float, link: Callable[[], float] | None = None) -> None:
+        self.bound_s, self.link = bound_s, link
         self._last = time.monotonic()
         self._mark: object = None
         self._lock = threading.Lock()
@@ -46,7 +50,8 @@ class StallWatch:
     @property
     def idle_s(self) -> float:
         with self._lock:
-            return time.monotonic() - self._last
+            own = time.monotonic() - self._last
+        return own if self.link is None or own < self.bound_s else min(own, self.link())
 
     def stalled(self) -> bool:
         return self.idle_s >= self.bound_s

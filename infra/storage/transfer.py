@@ -31,6 +31,7 @@ from infra.storage.parts import MultipartUploads, PartFetch, PartPut
 from infra.storage.pool import TICK_S, Pool, Progress, Threaded
 from infra.storage.records import DEFAULT_CONFIG, FileResult, FileSpec, TransferConfig, TransferResult
 from infra.storage.retry import DEFAULT_RETRY, RetryPolicy, call_with_retries
+from infra.storage.stall import CANCEL_WAIT_S
 from infra.storage.verified import VerifiedFiles
 
 __all__ = [
@@ -80,8 +81,14 @@ def _pool(store: ObjectStore, config: TransferConfig, progress: Callable[[Progre
         # The store's engine moves the files; the slots bound how many it holds at once, and workers are started
         # only as waiting (or the finishing of a file) needs them.
         files = store.files_in_flight(config)
-        return Pool(files, config.max_inflight_bytes, progress, started, max_tasks=files)
-    return Pool(config.workers, config.max_inflight_bytes, progress, started)
+        return Pool(files, config.max_inflight_bytes, progress, started, max_tasks=files, stuck_s=_stuck_s(config))
+    return Pool(config.workers, config.max_inflight_bytes, progress, started, stuck_s=_stuck_s(config))
+
+
+def _stuck_s(config: TransferConfig) -> float:
+    """How long a transfer may move nothing before it is stuck: longer than every attempt of one request
+    stalling, being cancelled and backing off, so only work that ignores its own bounds reaches it."""
+    return config.retry.attempts * (config.stall_timeout_s + CANCEL_WAIT_S + config.retry.max_s)
 
 
 def _all_finished(results: Sequence[FileResult | None]) -> list[FileResult]:

@@ -6,6 +6,8 @@ command that stand for the same values.
     TRAINPIPE_DATA_SHARDS     a file listing this node's dataset files, one per line, relative to the data dir
     TRAINPIPE_CHECKPOINT_DIR  the node-local dir (never a network mount) the script writes checkpoints to
     TRAINPIPE_RESUME_FROM     the restored checkpoint on this node (its folder or file); empty on a fresh start
+    TRAINPIPE_INIT_FROM       training.init_from restored on this node (its folder or file): weights to start a new
+                              schedule from; empty without init_from and when the run resumes its own checkpoint
     TRAINPIPE_METRICS_FILE    JSON lines the script may append {"step": N, "loss": x, ...} to
     TRAINPIPE_RUN_ID          the same across recoveries and reruns of one run
     TRAINPIPE_ATTEMPT         0 for the run's first launch, then one more per recovery
@@ -13,9 +15,9 @@ command that stand for the same values.
     TRAINPIPE_INPUT_<NAME>    the node-local dir holding the staged input <name> (a mirror of its url's tree), one
                               per entry of the job's inputs; {input_<name>} in a command
 
-plus torchrun's own (RANK, LOCAL_RANK, WORLD_SIZE, ...). An argument that is only an empty `{resume_from}` is
-dropped together with the option right before it, so `--resume_from_checkpoint {resume_from}` disappears on a
-fresh start. `{{` and `}}` are literal braces.
+plus torchrun's own (RANK, LOCAL_RANK, WORLD_SIZE, ...). An argument that is only an empty `{resume_from}` (or
+`{init_from}`) is dropped together with the option right before it, so `--resume_from_checkpoint {resume_from}`
+disappears on a fresh start. `{{` and `}}` are literal braces.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class NodeContext:
     num_nodes: int
     node_ips: tuple[str, ...]
     sync_dir: str
+    init_from: str = ""
     inputs: dict[str, str] = field(default_factory=dict)  # input name -> its dir on this node
 
     def values(self) -> dict[str, str]:
@@ -61,6 +64,7 @@ class NodeContext:
             "data_shards": self.data_shards,
             "checkpoint_dir": self.checkpoint_dir,
             "resume_from": self.resume_from,
+            "init_from": self.init_from,
             "metrics_file": self.metrics_file,
             "run_id": self.run_id,
             "attempt": str(self.attempt),
@@ -119,12 +123,16 @@ def _is_option(argument: str) -> bool:
     return False  # a negative number is a value, not an option
 
 
-def render_command(command: Sequence[str], context: NodeContext) -> list[str]:
-    """The command with every placeholder filled in for this node."""
-    values = context.values()
+# Placeholders that may be empty on purpose: an option naming one of them goes with it.
+_OPTIONAL = ("resume_from", "init_from")
+
+
+def render_command(command: Sequence[str], context: NodeContext, extra: dict[str, str] | None = None) -> list[str]:
+    """The command with every placeholder filled in for this node (and `extra`'s, e.g. evaluate's {checkpoint})."""
+    values = {**context.values(), **(extra or {})}
     rendered: list[str] = []
     for argument in command:
-        if argument.strip() == "{resume_from}" and not context.resume_from:
+        if any(argument.strip() == f"{{{name}}}" and not values[name] for name in _OPTIONAL):
             # A fresh start: no checkpoint to name, so the option that would name it goes too.
             if rendered and _is_option(rendered[-1]):
                 rendered.pop()

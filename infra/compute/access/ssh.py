@@ -37,6 +37,7 @@ import paramiko
 from paramiko.hostkeys import HostKeys
 from paramiko.ssh_exception import AuthenticationException, ChannelException, IncompatiblePeer, SSHException
 
+from infra.cancel import CANCEL
 from infra.compute.access.remote import LineSink, Process, RemoteError, Runner, _short
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,7 @@ def _retrying(what: str, attempt_once: Callable[[], T], deadline: float) -> T:
     attempt = 0
     while True:
         attempt += 1
+        CANCEL.check()  # a cancelled run stops asking: the host may never answer
         try:
             return attempt_once()
         except _Transient as exc:
@@ -149,7 +151,7 @@ def _retrying(what: str, attempt_once: Callable[[], T], deadline: float) -> T:
                                       "host is up and sshd listens on that port") from None
             delay = min(_backoff(attempt), remaining)
             log.warning("%s: %s (attempt %d): retrying in %.1fs", what, exc, attempt, delay)
-            time.sleep(delay)
+            CANCEL.wait(delay)
 
 
 def wait_for_ssh(host: str, port: int = 22, timeout: float = 300.0) -> float:

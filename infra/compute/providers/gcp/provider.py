@@ -33,6 +33,7 @@ from google.api_core import exceptions
 from google.auth import exceptions as auth_exceptions
 from google.auth.credentials import Credentials
 
+from infra.cancel import CANCEL
 from infra.compute.access.bootstrap import WheelSource
 from infra.compute.access.hostkeys import HostKey
 from infra.compute.catalog import Catalog
@@ -365,7 +366,7 @@ class GcpProvider(CloudProvider):
                 delay = RETRY_FIRST_S * 2 ** (attempt - 1)
                 log.warning("gcp: %s: transient %s (%s): retry %d of %d in %.1fs", doing, type(exc).__name__,
                             " ".join(str(exc).split())[:300], attempt, API_ATTEMPTS - 1, delay)
-                time.sleep(delay)
+                CANCEL.wait(delay)
                 attempt += 1
 
     def _get(self, doing: str, call: Callable[[], T]) -> T | None:
@@ -392,7 +393,7 @@ class GcpProvider(CloudProvider):
                                     "retry later")
                 error.transient = True
                 raise error
-            time.sleep(delay)
+            CANCEL.wait(delay)
             delay = min(delay * 2, POLL_MAX_S)
             operation = self._api(doing, lambda op=operation: self._refresh(op))
         return operation
@@ -583,7 +584,7 @@ class GcpProvider(CloudProvider):
                 return [found[n] for n in names]
             if time.monotonic() > deadline:
                 raise CapacityError(f"gcp: {', '.join(names)} not RUNNING after {WAIT_S:.0f}s: trying elsewhere")
-            time.sleep(delay)
+            CANCEL.wait(delay)
             delay = min(delay * 2, POLL_MAX_S)
 
     def _cluster(self, cluster_name: str, zone: str, instances: list[compute_v1.Instance]) -> Cluster:
