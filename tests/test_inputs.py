@@ -107,7 +107,7 @@ def test_an_input_is_staged_verified_to_every_node_and_reused_from_the_cache(wor
         else:
             assert (base["fetched_bytes"], base["reused_bytes"]) == (0, size), "the second night reuses the cache"
         assert f"input base: {size / 1e6:,.1f} MB" in result.stdout
-    assert digests[0] == digests[1] and digests[0].startswith("sha256:"), "the same bytes, the same snapshot digest"
+    assert digests[0] == digests[1] and len(digests[0]) == 64, "the same bytes, the same snapshot digest"
 
 
 def test_the_node_stages_inputs_alone_through_its_cache_and_refuses_changed_bytes(tmp_path: Path) -> None:

@@ -60,13 +60,6 @@ class DatasetSnapshot(StrictModel):
     def file_url(self, file: SnapshotFile) -> str:
         return f"{self.url}/{file.key}"
 
-    @property
-    def digest(self) -> str:
-        """sha256 of what the snapshot selects (url, every key, size and checksum): the same bytes, the same digest,
-        whenever the snapshot was taken (a lineage record names the data by it)."""
-        canonical = json.dumps([self.url, [(f.key, f.size, f.checksum) for f in self.files]], separators=(",", ":"))
-        return f"sha256:{hashlib.sha256(canonical.encode()).hexdigest()}"
-
 
 def snapshot_digest(snapshot: DatasetSnapshot) -> str:
     """sha256 of what a snapshot holds (each file's key, size and checksum): equal digests, equal bytes."""
