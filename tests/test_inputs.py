@@ -15,6 +15,7 @@ from conftest import REPO, run_trainpipe
 from jobs import COMMIT_TINY_CHECKPOINT, job_config, make_dataset, probe_project, write_config
 from test_dataset_stage import failure_line, tree
 
+from infra.checkpoints.commit import CheckpointStore
 from infra.dataset.snapshot import input_snapshot_key, save_snapshot, take_snapshot
 from infra.job.plan import PlanError, plan_job
 from infra.job.spec import ConfigError, InputSpec, parse_job
@@ -102,6 +103,9 @@ def test_an_input_is_staged_verified_to_every_node_and_reused_from_the_cache(wor
         assert (base["files"], base["bytes"], base["held_to_manifest"]) == (4, size, 3)
         assert base["seconds"] > 0 and base["snapshot"].endswith(f"/{night}/_inputs/base/snapshot.json")
         digests.append(base["snapshot_digest"])
+        committed = CheckpointStore(open_store(summary["checkpoint"].rpartition("/")[0])).manifest(
+            summary["checkpoint_step"])
+        assert committed.lineage is not None and committed.lineage.inputs["base"].snapshot_digest == digests[-1]
         if night == "night-1":
             assert base["fetched_bytes"] == size and base["mb_per_s"] > 0
         else:
