@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, TRAINPIPE
+from conftest import REPO, TRAINPIPE, cannot_run_here
 from jobs import job_config, make_dataset, write_config
 from test_cluster_bench import bench_task_failure
 from test_pipeline_e2e import tagged_processes
@@ -41,11 +41,8 @@ MB = 2**20
 def require_netns() -> None:
     """Skip (fail in CI) where namespaces cannot be made."""
     problem = netns.problem()
-    if problem is None:
-        return
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"netns tests cannot run in CI: {problem}")
-    pytest.skip(problem)
+    if problem is not None:
+        cannot_run_here(problem)
 
 
 @pytest.fixture

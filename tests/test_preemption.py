@@ -126,7 +126,11 @@ def test_the_watcher_stops_the_trainer_on_an_aws_notice_then_asks_the_syncer_to_
          "--workdir", str(tmp_path), "--stop-sync-file", str(stop_sync)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        time.sleep(1.5)
+        # Two full checks found no notice (each starts an IMDSv2 session): the first one's answer was acted on.
+        deadline = time.monotonic() + 30
+        while metadata.tokens_issued < 2:
+            assert watcher.poll() is None and time.monotonic() < deadline, "the watcher never checked for a notice"
+            time.sleep(0.05)
         assert trainer.poll() is None, "no notice yet: the trainer must keep running"
         metadata.interrupt(in_s=30)
         assert trainer.wait(timeout=20) == 143
@@ -172,7 +176,7 @@ def test_recoveries_stop_at_max_and_at_the_deadline() -> None:
     with pytest.raises(RecoveryExhausted, match="max_recoveries"):
         recoveries.begin("n1", "spot", True, 90, time.time())
     late = Recoveries(RecoverySpec(deadline_s=0.01))
-    time.sleep(0.02)
+    time.sleep(0.02)  # past the 0.01 s deadline (sleep returns no earlier than asked)
     with pytest.raises(RecoveryExhausted, match="deadline_s"):
         late.begin("n0", "vanished without notice", False, 10, time.time())
 

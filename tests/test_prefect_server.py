@@ -150,6 +150,15 @@ def _flow_run(flow_run_id: Any) -> Any:
         return client.read_flow_run(flow_run_id)
 
 
+def _running_run(deployment: str) -> Any:
+    """A flow run of the deployment that is running, if any."""
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+    with _client() as client:
+        runs = client.read_flow_runs(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[deployment])))
+    return next((run for run in runs if run.state is not None and run.state.is_running()), None)
+
+
 def _training_started(home: Path) -> bool:
     return any("trainer.train" in " ".join(p.cmdline()) for p in tagged_processes(home))
 
@@ -214,10 +223,12 @@ def test_cancel_through_the_api_ends_cancelled_and_frees_nodes_for_a_waiting_run
                                     "retrain/nightly-retrain"], cwd=REPO, env=stack.env, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
-            time.sleep(20)
+            # Running: the flow has begun, and the first thing it does is ask for its nodes.
+            held = _wait_for(lambda: _running_run("nightly-retrain"), 300, "the waiting run's start")
             clusters = sorted(p.name for p in (stack.home / "clusters").iterdir())
             assert len(clusters) == 1 and clusters[0].startswith("tp-cancelled-"), f"over the node limit: {clusters}"
 
+            cancelled_at = time.time()
             with _client() as client:
                 client.set_flow_run_state(flow_run_id, Cancelling(message="cancelled by the test"))
             state = _wait_for(lambda: (s := _flow_run(flow_run_id).state) and s.is_final() and s, 120,
@@ -231,6 +242,10 @@ def test_cancel_through_the_api_ends_cancelled_and_frees_nodes_for_a_waiting_run
         assert waiting.returncode == 0, output[-3000:]
         assert "state: Completed" in output and "committed checkpoint: [file://" in output, output[-3000:]
         assert "data:image" not in output, "submit --wait must not print the embedded image"
+        # It got its nodes (its summary starts then) only after the cancel, though it was running well before.
+        summary = json.loads((stack.home / "runs" / default_run_id("waiting", str(held.id)) / "summary.json")
+                             .read_text())
+        assert summary["started_at"] + summary["flow_started_s"] > cancelled_at, "it ran over the node limit"
         _wait_for(lambda: not tagged_processes(stack.home), 60, "every node process to end")
     finally:
         with _client() as client:

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import cannot_run_here
 from jobs import job_config, make_dataset
 from said import listening
 from sshd import SshServer, ssh_servers
@@ -39,6 +40,9 @@ KEEPALIVE_S = 1.0
 # Long enough (~20 s idle) that the partition, made at the first commit, is mostly found while training goes on.
 STEPS = 600
 KEEPALIVE_BOUND_S = KEEPALIVE_S * (infra.compute.access.ssh.KEEPALIVE_MISSES + 1)
+# Generous on a loaded machine, and still far below what the bounds tell apart: the default keepalive (15 s × 4 = 60 s)
+# or a connection left to TCP's retransmissions (minutes).
+SLACK = 3
 
 
 def require_nft() -> None:
@@ -47,11 +51,8 @@ def require_nft() -> None:
         problem = "nft is missing: install nftables (scripts/install-system-packages)"
     elif os.geteuid() != 0:
         problem = "dropping packets with nftables needs root"
-    if problem is None:
-        return
-    if os.environ.get("CI") == "true":
-        pytest.fail(problem)
-    pytest.skip(problem)
+    if problem is not None:
+        cannot_run_here(problem)
 
 
 @contextlib.contextmanager
@@ -139,14 +140,14 @@ def test_a_node_whose_packets_are_dropped_mid_training_is_recovered_not_waited_o
     shown = {k: recovery.get(k) for k in ("node", "reason", "step_reached", "resumed_from_step")} | {"steps": STEPS}
     print(f"\npartition: connection closed {noticed_s:.1f}s after the drop (keepalive bound {KEEPALIVE_BOUND_S:g}s), "
           f"node declared lost after {detected_s:.1f}s; recovery: {json.dumps(shown)}")
-    assert noticed_s <= KEEPALIVE_BOUND_S + 1.5
+    assert noticed_s <= KEEPALIVE_BOUND_S * SLACK
     assert summary["status"] == "completed", summary.get("error")
     assert recovery["node"] == f"{cluster_name_for(run_id)}-node-{dropped_node}"
     assert recovery["reason"] == "vanished without notice"
     assert recovery["resumed_from_step"] is not None and recovery["resumed_from_step"] >= times["committed"]
     # Then it is confirmed gone (it does not answer a new connection for TEARDOWN_CONNECT_S, asked by the watch every
     # 2 s, after its notice could not be read either): a lost node, not a run hung on a dead connection.
-    assert detected_s < KEEPALIVE_BOUND_S + 2 + 2 + 2 + 10, f"the node was declared lost {detected_s:.0f}s late"
+    assert detected_s < (KEEPALIVE_BOUND_S + 2 + 2 + 2) * SLACK, f"the node was declared lost {detected_s:.0f}s late"
     assert summary["steps"] == STEPS and summary["nodes_left"] == 0
     assert not cluster_processes(workdirs), "node processes outlived the run"
     for directory in workdirs:  # the hosts' dataset cache is kept across runs, by design; nothing of the cluster

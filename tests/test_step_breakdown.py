@@ -170,7 +170,9 @@ def test_two_nodes_report_where_the_step_time_went(dataset: Path, tmp_path: Path
     saves = [r for r in records if r.get("event") == "checkpoint"]
     assert [s["step"] for s in saves] == [10, 20, 24] and b.ckpt_saves == 3
     assert b.ckpt_bytes == sum(s["bytes"] for s in saves) > 0
-    assert 0 < b.read_latency_s < 0.1
+    # A 1-byte read of the staged copy (median of probes) is a small part of a step, which reads a batch of windows
+    # and computes on it: a ratio, so a loaded machine slows both sides alike.
+    assert 0 < b.read_latency_s < b.wall_s / b.steps / 2
     # The periodic lines carry the interval's split too, for humans and machines.
     steps = [r for r in records if "event" not in r and "step" in r]
     assert [r["step"] for r in steps] == [1, 5, 10, 15, 20, 24]

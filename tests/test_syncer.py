@@ -23,7 +23,10 @@ from infra.checkpoints.steps import step_name
 from infra.node import restore
 from infra.storage import open_store
 
-SYNC_MAIN = "import sys; from infra.node.sync import main; sys.exit(main(sys.argv[1:]))"
+# Logging as `python -m infra.node` sets it up: the syncer's log lines (a stop request received) are events too.
+SYNC_MAIN = ("import logging, sys; from infra.node.sync import main; logging.basicConfig(level=logging.INFO); "
+             "sys.exit(main(sys.argv[1:]))")
+STOP_RECEIVED = "got signal 15: finishing uploads"
 
 
 @pytest.fixture
@@ -65,6 +68,13 @@ class SyncProcess:
             if self.proc.poll() is None:
                 self.proc.kill()
                 self.proc.wait()
+
+    def wait_for_log(self, text: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.err.read_text():
+            assert self.proc.poll() is None, f"exited before logging {text!r}: {self.err.read_text()}"
+            assert time.monotonic() < deadline, f"no {text!r} in {timeout:.0f}s: {self.err.read_text()}"
+            time.sleep(0.05)
 
     def uploaded_steps(self) -> list[int]:
         return [event["step"] for event in self.events() if event["event"] == "uploaded"]
@@ -131,9 +141,7 @@ def test_a_part_a_node_lost_is_never_committed(tmp_path: Path, checkpoints: Chec
     with both_running(tmp_path, dirs, checkpoints.store.url, "--stop-file", str(stop),
                       "--commit-timeout", "3") as syncers:
         syncers[0].wait_for(is_event("announced", 100))
-        time.sleep(1.0)
-        assert checkpoints.latest() is None, "node 1 owes __1_0.distcp (DCP's .metadata names it)"
-        stop.touch()
+        stop.touch()  # node 1 owes __1_0.distcp (DCP's .metadata names it): the coordinator gives up on it
         codes = [syncer.finish() for syncer in syncers]
     assert codes == [2, 2]
     assert "step 100 not committed" in syncers[0].err.read_text().strip().splitlines()[-1]
@@ -219,13 +227,13 @@ def test_restored_checkpoints_are_never_shipped_again(tmp_path: Path, checkpoint
             ".metadata", "__0_0.distcp", "__1_0.distcp"]
     with both_running(tmp_path, fresh, checkpoints.store.url, "--stop-file", str(stop), fmt="auto",
                       attempt="a2") as second:
-        time.sleep(1.5)
-        assert second[0].uploaded_steps() == [], "the restored step 100 was shipped again"
         for rank in (0, 1):
             make_step(fresh[rank], 200, rank)
+        # The scan that found 200 found the restored 100 beside it: shipped, it would be uploaded first.
         second[0].wait_for(is_event("committed", 200))
         stop.touch()
         assert [s.finish() for s in second] == [0, 0]
+    assert [s.uploaded_steps() for s in second] == [[200], [200]], "the restored step 100 was shipped again"
     assert [m.step for m in checkpoints.committed()] == [200, 100]
 
 
@@ -240,7 +248,10 @@ def test_on_stop_the_syncer_waits_for_a_save_under_way_within_the_flush_deadline
     try:
         syncer.wait_for(is_event("started"))
         syncer.proc.send_signal(signal.SIGTERM)
-        time.sleep(1.0)
+        syncer.wait_for_log(STOP_RECEIVED)
+        # A step completed after the stop is still shipped: the scans go on while the save is under way.
+        make_step(ckpt_dir, 50, 0, world_size=1)
+        syncer.wait_for(is_event("committed", 50))
         assert syncer.proc.poll() is None, "the syncer left while a save was under way"
         writing.write(os.urandom(1000))
         writing.close()
@@ -249,7 +260,7 @@ def test_on_stop_the_syncer_waits_for_a_save_under_way_within_the_flush_deadline
     finally:
         writing.close()
         syncer.finish()
-    assert syncer.uploaded_steps() == [100]
+    assert syncer.uploaded_steps() == [50, 100]
     assert checkpoints.latest().step == 100
 
     # A save that outlives the deadline is abandoned: the syncer exits anyway.
@@ -272,11 +283,16 @@ def test_a_node_stops_once_the_coordinator_says_nothing_more_will_come(
         checkpoints.announce(Announcement(step=100, checkpoint=CheckpointRef(name=step_name(100)), attempt="a1",
                                           nodes=[0, 1], required=["__1_0.distcp"], announced_at=time.time()))
         syncer.proc.send_signal(signal.SIGTERM)
-        time.sleep(1.0)
+        syncer.wait_for_log(STOP_RECEIVED)
+        # Until the final word, what the coordinator announces after the stop is shipped too.
+        make_step(dirs[1], 200, 1)
+        checkpoints.announce(Announcement(step=200, checkpoint=CheckpointRef(name=step_name(200)), attempt="a1",
+                                          nodes=[0, 1], required=["__1_0.distcp"], announced_at=time.time()))
+        syncer.wait_for(is_event("uploaded", 200))
         assert syncer.proc.poll() is None, "node 1 left before the coordinator's final word"
         checkpoints.announce_final("a1")
         assert syncer.finish() == 0
     finally:
         syncer.finish()
-    assert syncer.uploaded_steps() == [100]
-    assert [status.nodes_uploaded for status in checkpoints.list_steps()] == [[1]]
+    assert syncer.uploaded_steps() == [100, 200]
+    assert [status.nodes_uploaded for status in checkpoints.list_steps()] == [[1], [1]]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 
 import lightning as L
@@ -26,6 +27,16 @@ class LogToTrainpipe(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: dict, batch: object,
                            index: int) -> None:
         log_metrics(trainer.global_step, float(outputs["loss"]), total_steps=trainer.max_steps)
+
+
+class StepDelay(L.Callback):
+    """A sleep per step that stands in for real work (this model's steps take milliseconds)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, *args: object) -> None:
+        time.sleep(self.seconds)
 
 
 class Regressor(L.LightningModule):
@@ -57,6 +68,7 @@ def main() -> None:
     parser.add_argument("--ckpt-path", default=None, help="a checkpoint to resume from")
     parser.add_argument("--max-steps", type=int, default=200)
     parser.add_argument("--save-every", type=int, default=50)
+    parser.add_argument("--step-delay-s", type=float, default=0.0, help="sleep per step (stands in for real work)")
     args = parser.parse_args()
 
     L.seed_everything(0)
@@ -68,12 +80,18 @@ def main() -> None:
         accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         num_nodes=int(os.environ.get("TRAINPIPE_NUM_NODES", "1")),
         strategy=DDPStrategy(process_group_backend="gloo"), max_steps=args.max_steps,
-        callbacks=[checkpoints, LogToTrainpipe()], logger=False, log_every_n_steps=5, enable_model_summary=False,
+        callbacks=[checkpoints, LogToTrainpipe(), *([StepDelay(args.step_delay_s)] if args.step_delay_s else [])],
+        logger=False, log_every_n_steps=5, enable_model_summary=False,
     )
     if args.ckpt_path and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         step = torch.load(args.ckpt_path, map_location="cpu", weights_only=False)["global_step"]
         print(f"node {os.environ.get('GROUP_RANK', '0')}: resuming from {args.ckpt_path} at step {step}", flush=True)
     trainer.fit(Regressor(dataset.tensors[0].shape[1], lr=1e-2), loader, ckpt_path=args.ckpt_path)
+    # Leave the process group before the interpreter exits: left to exit, gloo's threads may be torn down after the
+    # other node has gone and the process aborts ("terminate called without an active exception", exit 1) though
+    # training ended, as a resume from the final step does when its peer finds nothing to do and leaves first.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
