@@ -142,7 +142,18 @@ def test_a_safetensors_shard_its_index_names_must_be_whole(tmp_path: Path, how: 
     message = _error(url, tmp_path / "again")
 
     assert f"{url}/model-00002-of-00002.safetensors" in message, message
-    assert ("missing" if how == "deleted" else "model.safetensors.index.json says") in message
+    assert ("missing" if how == "deleted" else "its safetensors header says") in message
+
+
+def test_a_single_safetensors_file_is_held_to_its_own_header(tmp_path: Path) -> None:
+    url = _safetensors_model(tmp_path / "base")
+    (tmp_path / "base" / "model.safetensors.index.json").unlink()  # as save_pretrained writes a small model
+    assert _plan(url, tmp_path) == 2
+    shard = tmp_path / "base" / "model-00001-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    assert f"{url}/model-00001-of-00002.safetensors: " in _error(url, tmp_path / "again")
+    shard.write_bytes(b"abc")
+    assert "not a safetensors file" in _error(url, tmp_path / "tiny")
 
 
 def _mds(root: Path, zipped: bool = False) -> str:
