@@ -243,6 +243,8 @@ def lineage_of(plan: Plan, cluster: Cluster, summary: RunSummary, attempt_id: st
     return {
         "run_id": plan.run_id, "attempt": attempt_id,
         "dataset": {"url": plan.dataset.url, "snapshot_digest": snapshot_digest(plan.dataset.snapshot)},
+        "inputs": {name: {"url": prefix.url, "snapshot_digest": snapshot_digest(prefix.snapshot)}
+                   for name, prefix in plan.inputs.items()},
         "code_sha256": plan.workload.code_sha256, "config_hash": plan.workload.config_hash,
         "parent": plan.init_from.url if plan.init_from is not None else None,
         "cluster": {"provider": cluster.provider, "instance_type": cluster.instance_type, "nodes": len(cluster.nodes),

@@ -23,6 +23,33 @@ GPT_DEFAULTS: dict[str, Any] = {
 TRAINING_FIELDS = ("timeout_s", "threads_per_proc", "env", "setup", "code")
 
 
+# A probe script's ending: rank 0 writes a tiny checkpoint, marks it complete and logs `steps` losses, so the run
+# commits something and completes. Python source, appended to a probe's own lines.
+COMMIT_TINY_CHECKPOINT = """
+def commit_tiny_checkpoint(losses):
+    import json, os
+    if os.environ["RANK"] != "0":
+        return
+    from trainpipe_sdk import mark_complete
+    result = os.path.join(os.environ["TRAINPIPE_CHECKPOINT_DIR"], "result.bin")
+    with open(result, "wb") as handle:
+        handle.write(b"weights")
+    mark_complete(result)
+    with open(os.environ["TRAINPIPE_METRICS_FILE"], "a") as metrics:
+        for step, loss in enumerate(losses, start=1):
+            metrics.write(json.dumps({"step": step, "loss": loss, "total_steps": len(losses)}) + "\\n")
+"""
+
+
+def probe_project(tmp: Path, source: str) -> tuple[Path, Path]:
+    """A code dir holding probe.py (source) and an empty dir the probe writes what it was told to."""
+    code, probes = tmp / "project", tmp / "probes"
+    code.mkdir()
+    (code / "probe.py").write_text(source)
+    probes.mkdir()
+    return code, probes
+
+
 def make_dataset(root: Path, tokens: int = 400_000, shard_tokens: int = 100_000, vocab_size: int = 256) -> str:
     url = f"file://{root}"
     synthesize(open_store(url), tokens, vocab_size=vocab_size, shard_tokens=shard_tokens, seed=3)

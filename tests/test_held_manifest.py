@@ -83,8 +83,9 @@ def test_trainpipe_plan_exits_2_naming_the_flipped_shard(workspace: Path, tmp_pa
     assert f"{url}/shard-00001.bin: sha256" in result.stderr and "manifest.json says" in result.stderr, result.stderr
 
 
-def test_a_byte_flip_is_caught_on_s3_where_the_snapshot_holds_md5(s3_url: str, tmp_path: Path) -> None:
-    url = _tokens(tmp_path / "data")
+def test_a_byte_flip_is_caught_on_s3_where_the_snapshot_holds_md5(s3_url: str, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    _tokens(tmp_path / "data")
     _damage(tmp_path / "data", "byte flipped")
     store = open_store(f"{s3_url}/tokens")
     for path in sorted((tmp_path / "data").iterdir()):
@@ -94,7 +95,12 @@ def test_a_byte_flip_is_caught_on_s3_where_the_snapshot_holds_md5(s3_url: str, t
 
     with pytest.raises(DatasetError, match=r"tokens/shard-00001\.bin: sha256 [0-9a-f]{12}… but manifest\.json says"):
         check_held(store, snapshot)
-    assert url  # the local copy the upload came from
+    reads: list[tuple] = []
+    original = store.get_range
+    monkeypatch.setattr(store, "get_range", lambda *a: reads.append(a) or original(*a))
+    with pytest.raises(DatasetError, match=r"shard-00001\.bin"):
+        check_held(store, snapshot)
+    assert reads == [], "planning again in one process (the CLI, then the flow) reads no shard twice"
 
 
 def test_another_tools_manifest_json_is_not_judged(tmp_path: Path) -> None:
@@ -136,19 +142,33 @@ def test_a_safetensors_shard_its_index_names_must_be_whole(tmp_path: Path, how: 
     message = _error(url, tmp_path / "again")
 
     assert f"{url}/model-00002-of-00002.safetensors" in message, message
-    assert ("missing" if how == "deleted" else "model.safetensors.index.json says") in message
+    assert ("missing" if how == "deleted" else "its safetensors header says") in message
 
 
-def _mds(root: Path) -> str:
+def test_a_single_safetensors_file_is_held_to_its_own_header(tmp_path: Path) -> None:
+    url = _safetensors_model(tmp_path / "base")
+    (tmp_path / "base" / "model.safetensors.index.json").unlink()  # as save_pretrained writes a small model
+    assert _plan(url, tmp_path) == 2
+    shard = tmp_path / "base" / "model-00001-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    assert f"{url}/model-00001-of-00002.safetensors: " in _error(url, tmp_path / "again")
+    shard.write_bytes(b"abc")
+    assert "not a safetensors file" in _error(url, tmp_path / "tiny")
+
+
+def _mds(root: Path, zipped: bool = False) -> str:
+    """Two MDS shards and their index.json; zipped: stored compressed only (the raw file is what a reader unpacks)."""
     root.mkdir(parents=True)
     shards = []
     for index in range(2):
         data = bytes([index]) * 500 + b"sample" * 10
-        (root / f"shard.{index:05d}.mds").write_bytes(data)
+        stored = {"basename": f"shard.{index:05d}.mds" + ".zstd" * zipped, "bytes": len(data),
+                  "hashes": {"sha1": hashlib.sha1(data).hexdigest()}}
+        (root / stored["basename"]).write_bytes(data)
+        raw = {"basename": f"shard.{index:05d}.mds", "bytes": 4 * len(data), "hashes": {}}
         shards.append({"column_encodings": ["bytes"], "column_names": ["x"], "format": "mds", "samples": 10,
-                       "raw_data": {"basename": f"shard.{index:05d}.mds", "bytes": len(data),
-                                    "hashes": {"sha1": hashlib.sha1(data).hexdigest()}},
-                       "zip_data": None, "version": 2})
+                       "raw_data": raw if zipped else stored, "zip_data": stored if zipped else None,
+                       "compression": "zstd" if zipped else None, "version": 2})
     (root / "index.json").write_text(json.dumps({"version": 2, "shards": shards}))
     return f"file://{root}"
 
@@ -168,6 +188,13 @@ def test_an_mds_shard_is_held_to_its_index(tmp_path: Path, how: str) -> None:
     message = _error(url, tmp_path / "again")
 
     assert f"{url}/shard.00001.mds" in message and "shard.00000.mds" not in message, message
+
+
+def test_a_compressed_mds_shard_is_held_to_its_zip_data(tmp_path: Path) -> None:
+    url = _mds(tmp_path / "mds", zipped=True)
+    assert _plan(url, tmp_path) == 2, "the raw shards are not stored: the zipped ones are held"
+    _flip(tmp_path / "mds" / "shard.00000.mds.zstd")
+    assert f"{url}/shard.00000.mds.zstd: sha1" in _error(url, tmp_path / "again")
 
 
 def test_sha256sums_holds_every_file_it_lists(tmp_path: Path) -> None:

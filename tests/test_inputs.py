@@ -6,16 +6,23 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_trainpipe
-from jobs import job_config, make_dataset, write_config
+from conftest import REPO, run_trainpipe
+from jobs import COMMIT_TINY_CHECKPOINT, job_config, make_dataset, probe_project, write_config
+from test_dataset_stage import failure_line, tree
 
+from infra.checkpoints.commit import CheckpointStore
+from infra.dataset.snapshot import input_snapshot_key, save_snapshot, take_snapshot
 from infra.job.plan import PlanError, plan_job
 from infra.job.spec import ConfigError, InputSpec, parse_job
+from infra.node.events import parse
+from infra.storage import open_store
 
-PROBE = """
+PROBE = COMMIT_TINY_CHECKPOINT + """
 import hashlib, json, os, sys
 base = os.environ["TRAINPIPE_INPUT_BASE"]
 files = {}
@@ -27,14 +34,7 @@ told = {"env": base, "argv": sys.argv[1:], "files": files}
 out = os.path.join(os.environ["PROBE_OUT"], os.environ["TRAINPIPE_RUN_ID"] + "-" + os.environ["RANK"] + ".json")
 with open(out, "w") as handle:
     json.dump(told, handle)
-if os.environ["RANK"] == "0":
-    from trainpipe_sdk import mark_complete
-    result = os.path.join(os.environ["TRAINPIPE_CHECKPOINT_DIR"], "result.bin")
-    with open(result, "wb") as handle:
-        handle.write(b"weights")
-    mark_complete(result)
-    with open(os.environ["TRAINPIPE_METRICS_FILE"], "a") as metrics:
-        metrics.write(json.dumps({"step": 1, "loss": 1.0, "total_steps": 1}) + "\\n")
+commit_tiny_checkpoint([1.0])
 """
 BASE = {"config.json": b'{"n_layer": 1}', "weights/model.bin": os.urandom(300_000), "tokenizer.json": b"{}"}
 
@@ -77,11 +77,7 @@ def test_a_missing_input_or_an_alias_fails_the_plan(workspace: Path, tmp_path: P
 
 def test_an_input_is_staged_verified_to_every_node_and_reused_from_the_cache(workspace: Path,
                                                                           tmp_path: Path) -> None:
-    code = tmp_path / "project"
-    code.mkdir()
-    (code / "probe.py").write_text(PROBE)
-    probes = tmp_path / "probes"
-    probes.mkdir()
+    code, probes = probe_project(tmp_path, PROBE)
     (tmp_path / "base").mkdir()
     config = _config(tmp_path, ["probe.py", "--model", "{input_base}"], {"base": _base(tmp_path / "base")})
     config["training"].update(code=str(code), env={"PROBE_OUT": str(probes)})
@@ -92,6 +88,7 @@ def test_an_input_is_staged_verified_to_every_node_and_reused_from_the_cache(wor
     want = {name: hashlib.sha256(data).hexdigest() for name, data in BASE.items()}
     size = sum(len(data) for data in BASE.values()) + len((tmp_path / "base" / "SHA256SUMS").read_bytes())
 
+    digests: list[str] = []
     for night in ("night-1", "night-2"):
         result = run_trainpipe("run", str(path), "--run-id", night, env=env)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -106,6 +103,10 @@ def test_an_input_is_staged_verified_to_every_node_and_reused_from_the_cache(wor
         base = summary["inputs"]["base"]
         assert (base["files"], base["bytes"], base["held_to_manifest"]) == (4, size, 3)
         assert base["seconds"] > 0 and base["snapshot"].endswith(f"/{night}/_inputs/base/snapshot.json")
+        digests.append(base["snapshot_digest"])
+        committed = CheckpointStore(open_store(summary["checkpoint"].rpartition("/")[0])).manifest(
+            summary["checkpoint_step"])
+        assert committed.lineage is not None and committed.lineage.inputs["base"].snapshot_digest == digests[-1]
         if night == "night-1":
             assert base["fetched_bytes"] == size and base["mb_per_s"] > 0
             stage = summary["stage"]
@@ -115,3 +116,40 @@ def test_an_input_is_staged_verified_to_every_node_and_reused_from_the_cache(wor
         else:
             assert (base["fetched_bytes"], base["reused_bytes"]) == (0, size), "the second night reuses the cache"
         assert f"input base: {size / 1e6:,.1f} MB" in result.stdout
+    assert digests[0] == digests[1] and len(digests[0]) == 64, "the same bytes, the same snapshot digest"
+
+
+def test_the_node_stages_inputs_alone_through_its_cache_and_refuses_changed_bytes(tmp_path: Path) -> None:
+    """dataset.access remote: the stage command stages only the inputs; a second stage fetches nothing; an input
+    changed since plan is one line naming it."""
+    urls = {}
+    for name, files in (("base", BASE), ("tok", {"vocab.json": b'{"a": 1}'})):
+        store = open_store(f"file://{tmp_path}/src/{name}")
+        for key, data in files.items():
+            store.put_bytes(key, data)
+        urls[name] = save_snapshot(open_store(f"file://{tmp_path}/ckpt/run-1"), take_snapshot(store, what=name),
+                                   input_snapshot_key(name))
+    workdir = tmp_path / "node"
+
+    wanted = [part for name, url in urls.items() for part in ("--input", f"{name}={url}")]
+
+    def stage_inputs() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "infra.node", "stage", *wanted,
+             "--inputs-dir", str(workdir / "inputs"), "--rank", "0", "--nodes", "1", "--workdir", str(workdir),
+             "--cache", str(tmp_path / "cache"), "--run", "run-1"],
+            cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=300)
+
+    def events(result: subprocess.CompletedProcess[str]) -> dict[str, dict]:
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert '"event": "staged"' not in result.stdout, "no dataset was asked for"
+        return {e["name"]: e for e in map(parse, result.stdout.splitlines()) if e and e["event"] == "input-staged"}
+
+    first = events(stage_inputs())
+    assert tree(workdir / "inputs" / "base") == BASE and (first["base"]["bytes"], first["tok"]["files"]) == (
+        sum(map(len, BASE.values())), 1)
+    again = events(stage_inputs())
+    assert {n: (e["bytes"], e["skipped_files"]) for n, e in again.items()} == {"base": (0, 3), "tok": (0, 1)}
+
+    open_store(f"file://{tmp_path}/src/base").put_bytes("config.json", b'{"n_layer": 2}')
+    assert failure_line(stage_inputs()).startswith("inputs.base changed since run-1's snapshot: file://")

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 from conftest import run_trainpipe
-from jobs import job_config, make_dataset, write_config
+from jobs import COMMIT_TINY_CHECKPOINT, job_config, make_dataset, probe_project, write_config
 
-PROBE = """
+PROBE = COMMIT_TINY_CHECKPOINT + """
 import json, os, sys
 env = {k: v for k, v in os.environ.items() if k.startswith("TRAINPIPE_") or k in ("RANK", "WORLD_SIZE", "HELLO")}
 env["cwd"] = os.getcwd()
@@ -25,15 +25,9 @@ out = os.path.join(os.environ["PROBE_OUT"], "probe-" + os.environ["RANK"] + ".js
 with open(out + ".tmp", "w") as handle:
     json.dump(env, handle)
 os.replace(out + ".tmp", out)
+commit_tiny_checkpoint([2.0, 1.0])
 if os.environ["RANK"] == "0":
-    from trainpipe_sdk import mark_complete
-    result = os.path.join(os.environ["TRAINPIPE_CHECKPOINT_DIR"], "result.bin")
-    with open(result, "wb") as handle:
-        handle.write(b"weights")
-    mark_complete(result)
     with open(os.environ["TRAINPIPE_METRICS_FILE"], "a") as metrics:
-        metrics.write(json.dumps({"step": 1, "loss": 2.0, "total_steps": 2}) + "\\n")
-        metrics.write(json.dumps({"step": 2, "loss": 1.0, "total_steps": 2}) + "\\n")
         metrics.write(json.dumps({"eval_loss": 0.9, "note": "from the script"}) + "\\n")
 """
 
@@ -58,11 +52,7 @@ def own_config(tmp_path: Path, dataset_url: str, code: Path, **training: object)
 
 def test_the_script_gets_its_code_setup_environment_and_placeholders(workspace: Path, tmp_path: Path,
                                                                     dataset_url: str) -> None:
-    code = tmp_path / "project"
-    code.mkdir()
-    (code / "probe.py").write_text(PROBE)
-    probes = tmp_path / "probes"
-    probes.mkdir()
+    code, probes = probe_project(tmp_path, PROBE)
     config = own_config(tmp_path, dataset_url, code, setup=["echo ran > setup-ran"],
                         env={"HELLO": "world", "PROBE_OUT": str(probes)},
                         command=["probe.py", "--data", "{data_dir}", "--out", "{checkpoint_dir}",

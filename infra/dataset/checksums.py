@@ -49,11 +49,6 @@ def file_matches(path: Path, checksum: str) -> bool:
     return f"{checksum.partition(':')[0]}:{digest.hexdigest()}" == checksum
 
 
-def object_sha256(store: ObjectStore, key: str, size: int) -> str:
-    """sha256 of an object, read in bounded ranged GETs (each retried when it fails transiently)."""
-    return object_checksum(store, key, size, "sha256")
-
-
 def object_checksum(store: ObjectStore, key: str, size: int, algorithm: str) -> str:
     """"<algorithm>:<hex>" of an object (md5, crc32c, sha256 or another hashlib algorithm), read in bounded ranged
     GETs, each retried when it fails transiently."""

@@ -3,8 +3,9 @@ rather than a failure on a paid cluster.
 
 The manifests recognised (anywhere in the snapshot; the files they name are relative to the manifest's folder):
     manifest.json                  trainpipe's token format (trainpipe-tokens-v1): every shard's bytes and sha256
-    *.safetensors.index.json       Hugging Face sharded weights: every shard its weight_map names; each shard's size
-                                   follows from its own header (8 bytes of length, a JSON table of tensor offsets)
+    *.safetensors.index.json       Hugging Face sharded weights: every shard its weight_map names is there
+    *.safetensors                  each one, indexed or not, is as long as its own header says (8 bytes of length,
+                                   a JSON table of tensor offsets): two small ranged GETs
     index.json                     MosaicML MDS: every shard's stored file (zip_data, else raw_data), its bytes and
                                    hashes
     SHA256SUMS                     `sha256sum` output: every file's sha256
@@ -23,14 +24,15 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
-from infra.dataset.checksums import object_checksum
 from infra.dataset.manifest import DATASET_FORMAT, MANIFEST_KEY, DatasetError, load_manifest
-from infra.dataset.snapshot import DATASET, DatasetSnapshot, SnapshotFile
+from infra.dataset.snapshot import DATASET, DatasetSnapshot, SnapshotFile, computed_checksum
 from infra.storage.base import ObjectStore
 
 READ_LIMIT = 64 << 20  # bytes: an object larger than this is not read at plan for its checksum
@@ -38,6 +40,7 @@ READ_BUDGET = 1 << 30  # bytes read at plan for checksums, per prefix
 _MANIFEST_LIMIT = 64 << 20  # a manifest larger than this is not one
 _SAFETENSORS_HEADER_LIMIT = 100 << 20  # what the safetensors format itself allows
 _SHOWN = 3
+_THREADS = 8  # manifests and checksums read at once: a prefix of many MDS folders has one index.json each
 
 
 @dataclass(frozen=True)
@@ -77,12 +80,10 @@ def _tokens(store: ObjectStore, folder: str, key: str, data: bytes) -> Iterator[
         yield Expected(_within(folder, shard.name), key, shard.bytes, {"sha256": shard.sha256})
 
 
-def _safetensors_size(store: ObjectStore, key: str, size: int) -> int | None:
-    """The size a safetensors file's own header implies (None: too short to hold one: the size check says so)."""
-    if size < 8:
-        return None
-    (length,) = struct.unpack("<Q", store.get_range(key, 0, 8))
-    if length > _SAFETENSORS_HEADER_LIMIT or 8 + length > size:
+def _safetensors_size(store: ObjectStore, key: str, size: int) -> int:
+    """The size a safetensors file's own header implies."""
+    length = struct.unpack("<Q", store.get_range(key, 0, 8))[0] if size >= 8 else 0
+    if size < 8 or length > _SAFETENSORS_HEADER_LIMIT or 8 + length > size:
         raise DatasetError(f"{store.url_for(key)}: not a safetensors file (header of {length} bytes in a {size}-byte "
                            "file): re-upload it")
     header = _json(store.get_range(key, 8, length), store.url_for(key))
@@ -91,15 +92,14 @@ def _safetensors_size(store: ObjectStore, key: str, size: int) -> int | None:
     return 8 + length + max(ends, default=0)
 
 
-def _safetensors(store: ObjectStore, folder: str, key: str, data: bytes,
-                 sizes: dict[str, int]) -> Iterator[Expected]:
+def _safetensors(store: ObjectStore, folder: str, key: str, data: bytes) -> Iterator[Expected]:
     parsed = _json(data, store.url_for(key))
     weight_map = parsed.get("weight_map") if isinstance(parsed, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise _unreadable(store.url_for(key), "no weight_map of tensor -> file")
     for name in sorted(set(weight_map.values())):
         shard = _within(folder, name)
-        yield Expected(shard, key, _safetensors_size(store, shard, sizes[shard]) if shard in sizes else None)
+        yield Expected(shard, key)  # its size: its own header (declared)
 
 
 def _mds(store: ObjectStore, folder: str, key: str, data: bytes) -> Iterator[Expected]:
@@ -146,19 +146,20 @@ def _parser(name: str) -> Callable[..., Iterator[Expected]] | None:
 
 def declared(store: ObjectStore, snapshot: DatasetSnapshot) -> list[Expected]:
     """Every file the snapshot's manifests name; DatasetError for a manifest that cannot be read."""
-    sizes = {f.key: f.size for f in snapshot.files}
-    found: list[Expected] = []
-    for file in snapshot.files:
+    def named_by(file: SnapshotFile) -> list[Expected]:
         path = PurePosixPath(file.key)
+        if path.suffix == ".safetensors":
+            return [Expected(file.key, "its safetensors header", _safetensors_size(store, file.key, file.size))]
         parse = _parser(path.name)
         if parse is None:
-            continue
+            return []
         if file.size > _MANIFEST_LIMIT:
             raise _unreadable(snapshot.file_url(file), f"{file.size} bytes: too large for a manifest")
         folder = "" if str(path.parent) == "." else str(path.parent)
-        extra = (sizes,) if parse is _safetensors else ()
-        found.extend(parse(store, folder, file.key, store.get_bytes(file.key), *extra))
-    return found
+        return list(parse(store, folder, file.key, store.get_bytes(file.key)))
+
+    with ThreadPoolExecutor(max_workers=_THREADS) as pool:
+        return [expected for found in pool.map(named_by, snapshot.files) for expected in found]
 
 
 class _Reader:
@@ -167,12 +168,14 @@ class _Reader:
     def __init__(self, store: ObjectStore) -> None:
         self.store = store
         self.left = READ_BUDGET
+        self._lock = threading.Lock()
 
     def checksum(self, file: SnapshotFile, algorithm: str) -> str | None:
-        if file.size > READ_LIMIT or file.size > self.left:
-            return None
-        self.left -= file.size
-        return object_checksum(self.store, file.key, file.size, algorithm).partition(":")[2]
+        with self._lock:
+            if file.size > READ_LIMIT or file.size > self.left:
+                return None
+            self.left -= file.size
+        return computed_checksum(self.store, file.key, file.size, file.etag, algorithm).partition(":")[2]
 
 
 def _short(digest: str) -> str:
@@ -198,11 +201,13 @@ def check_held(store: ObjectStore, snapshot: DatasetSnapshot, what: str = DATASE
     expected = declared(store, snapshot)
     files = {f.key: f for f in snapshot.files}
     reader = _Reader(store)
-    problems = [f"{snapshot.url}/{e.key}: {problem}" for e in expected
-                if (problem := _problem(e, files.get(e.key), reader)) is not None]
+    with ThreadPoolExecutor(max_workers=_THREADS) as pool:
+        found = list(pool.map(lambda e: _problem(e, files.get(e.key), reader), expected))
+    problems = [f"{snapshot.url}/{e.key}: {problem}" for e, problem in zip(expected, found, strict=True)
+                if problem is not None]
     if problems:
         more = f" (and {len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
         raise DatasetError(f"{what} does not match its own manifest: {'; '.join(problems[:_SHOWN])}{more}: re-upload "
                            "the files, or re-create the manifest")
-    return len(expected)
+    return len({e.key for e in expected})
 

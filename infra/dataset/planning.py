@@ -27,6 +27,7 @@ from infra.dataset.snapshot import (
     load_snapshot,
     matches_config,
     save_snapshot,
+    snapshot_digest,
     snapshot_url,
     take_snapshot,
 )
@@ -85,7 +86,8 @@ class DatasetPlan:
 
     def summary(self) -> dict[str, Any]:
         """What the run summary records about the dataset (the report's dataset section)."""
-        return {"url": self.url, "snapshot": self.snapshot_url, "files": self.files, "bytes": self.bytes,
+        return {"url": self.url, "snapshot": self.snapshot_url, "snapshot_digest": snapshot_digest(self.snapshot),
+                "files": self.files, "bytes": self.bytes,
                 "formats": self.formats, "shard": self.shard, "node_bytes": list(self.node_bytes),
                 "held_to_manifest": self.held,
                 "validation": self.validation.to_dict() if self.validation is not None else None}

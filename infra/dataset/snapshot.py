@@ -21,7 +21,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationError
 
-from infra.dataset.checksums import object_sha256
+from infra.dataset.checksums import object_checksum
 from infra.dataset.listing import Listed, list_prefix
 from infra.dataset.manifest import DatasetError
 from infra.models import StrictModel
@@ -96,23 +96,28 @@ def select(listing: Sequence[Listed], url: str, include: Sequence[str], exclude:
     return chosen
 
 
-# Checksums trainpipe computed, by (object URL, size, etag): planning twice in one process (the CLI checks the
-# plan before the flow plans again) reads each object once.
-_computed: dict[tuple[str, int, str | None], str] = {}
+# Checksums trainpipe computed, by (object URL, size, etag, algorithm): planning twice in one process (the CLI checks
+# the plan before the flow plans again) reads each object once.
+_computed: dict[tuple[str, int, str | None, str], str] = {}
 _computed_lock = threading.Lock()
+
+
+def computed_checksum(store: ObjectStore, key: str, size: int, etag: str | None, algorithm: str = "sha256") -> str:
+    """"<algorithm>:<hex>" of an object, read once per process for each version (etag) of it."""
+    memo_key = (store.url_for(key), size, etag, algorithm)
+    with _computed_lock:
+        known = _computed.get(memo_key)
+    if known is None:
+        known = object_checksum(store, key, size, algorithm)
+        with _computed_lock:
+            _computed[memo_key] = known
+    return known
 
 
 def _checksum(store: ObjectStore, item: Listed) -> tuple[str, bool]:
     if item.checksum is not None:
         return item.checksum, False
-    memo_key = (store.url_for(item.key), item.size, item.etag)
-    with _computed_lock:
-        known = _computed.get(memo_key)
-    if known is None:
-        known = object_sha256(store, item.key, item.size)
-        with _computed_lock:
-            _computed[memo_key] = known
-    return known, True
+    return computed_checksum(store, item.key, item.size, item.etag), True
 
 
 def take_snapshot(store: ObjectStore, include: Sequence[str] = (), exclude: Sequence[str] = (),
