@@ -25,7 +25,7 @@ from infra.compute.catalog import load_catalog
 from infra.compute.providers import Cluster
 from infra.dataset.snapshot import snapshot_digest
 from infra.job.plan import Plan, cluster_name_for
-from infra.job.spec import InputSpec, JobSpec
+from infra.job.spec import JobSpec
 from infra.job.summary import LAUNCHED_AT_VAR, RunSummary
 from infra.lifecycle.preemption_watch import Preempted
 from infra.lifecycle.recovery import RECOVERY_PHASES, Recoveries, RecoveryRecord, narrowed
@@ -198,7 +198,7 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: 
             # The dataset and the inputs one after the other on each node, through its one cache.
             inputs = {name: input_plan.snapshot_url for name, input_plan in plan.inputs.items()}
             fan, why = fanout.decide(job.dataset.fanout, len(cluster.nodes), summary.cluster_bench,
-                                     [plan.dataset_url, *(i.url for i in job.inputs.values() if isinstance(i, InputSpec))])
+                                     [plan.dataset_url, *(i.url for i in plan.inputs.values())])
             summary.dataset["fanout"] = {"on": fan, "why": why}
             get_run_logger().info("fan-out staging: %s", why)
             with (fanout.peer_servers(cluster) if fan and (staging or inputs) else nullcontext(([], None))) as peers:
