@@ -23,6 +23,8 @@ class RetryPolicy:
     attempts: int = 5
     base_s: float = 0.2
     max_s: float = 10.0
+    # A bound in time rather than in tries: a sidecar rides out an outage of this many seconds, whatever the count.
+    give_up_after_s: float | None = None
 
     def delay_s(self, retry: int) -> float:
         """Exponential backoff with jitter, so parts that failed together do not retry together."""
@@ -49,20 +51,26 @@ def call_with_retries(
 ) -> T:
     """call(), retried with backoff while it fails transiently; what names the operation in logs and errors."""
     attempt = 1
+    started = time.monotonic()
     while True:
         try:
             return call()
         except Exception as exc:
             if not is_transient(exc):
                 raise
-            if attempt >= policy.attempts:
+            bound = policy.give_up_after_s
+            spent = time.monotonic() - started
+            if (attempt >= policy.attempts) if bound is None else (spent >= bound):
+                tries = f"{attempt} times" if bound is None else f"for {spent:.0f}s ({attempt} tries)"
                 raise StorageError(
-                    f"{what}: failed {attempt} times, last with {one_line(exc)}: "
-                    "check the network and the store, then run again"
+                    f"{what}: failed {tries}, last with {one_line(exc)}: check the network and the store, then run "
+                    "again"
                 ) from exc
-            delay = policy.delay_s(attempt)
+            # The last wait ends at the bound: one more try there, rather than giving up early.
+            delay = policy.delay_s(attempt) if bound is None else min(policy.delay_s(attempt), bound - spent)
             log.warning(
-                "%s failed (%s): retry %d/%d in %.2fs", what, one_line(exc), attempt, policy.attempts - 1, delay
+                "%s failed (%s): retry %d/%s in %.2fs", what, one_line(exc), attempt,
+                policy.attempts - 1 if bound is None else f"{bound:g}s", delay
             )
             if cancel is None:
                 time.sleep(delay)
