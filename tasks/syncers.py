@@ -21,7 +21,7 @@ from infra.node.sync import EXIT_STORE_FAILED, STOP_FILE
 
 MAX_RESTARTS = 3
 # Beyond the syncer's own --commit-timeout: time for it to say which node's part is missing, and to exit.
-STOP_GRACE_S = 30.0
+STOP_GRACE_S = 10.0
 POLL_S = 0.5
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
