@@ -95,13 +95,14 @@ class Syncers:
         newest = max(committed)
         return newest if all(step <= newest for step in announced) else None
 
-    def stop(self, timeout_s: float) -> None:
+    def stop(self, timeout_s: float, grace_s: float = STOP_GRACE_S) -> None:
         """Ask every syncer to flush what is complete and exit, and wait for all of them together, within one bound:
-        the syncers' own --commit-timeout plus STOP_GRACE_S. A syncer that fails means checkpoints were not saved."""
+        timeout_s (the syncers' own --commit-timeout) plus grace_s. A syncer that fails means checkpoints were not
+        saved."""
         for node in self.nodes:
             if node.name in self.processes:
                 self.runners[node.name].write_text(f"{node.sync_dir}/{STOP_FILE}", "stop\n")
-        deadline = time.monotonic() + timeout_s + STOP_GRACE_S
+        deadline = time.monotonic() + timeout_s + grace_s
         pending = dict(self.processes)
         failures = []
         while pending:
@@ -115,7 +116,7 @@ class Syncers:
             if pending and time.monotonic() > deadline:
                 for name, process in pending.items():
                     process.terminate()
-                    failures.append(f"{name}: checkpoint syncer did not flush within {timeout_s + STOP_GRACE_S:.0f}s")
+                    failures.append(f"{name}: checkpoint syncer did not flush within {timeout_s + grace_s:.0f}s")
                 break
             time.sleep(POLL_S if pending else 0)
         if failures:

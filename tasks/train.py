@@ -22,7 +22,7 @@ from tasks.chaos import arm_chaos
 from tasks.node_output import TrainingProgress, node_line_sink
 from tasks.policy import NO_RETRIES
 from tasks.results import CheckpointSave, Committed, Uploaded, checkpoint_saves, sync_results
-from tasks.syncers import Syncers
+from tasks.syncers import STOP_GRACE_S, Syncers
 
 # Beyond the flush deadline: the script's own exit (process group teardown, torchrun's agent shutting down).
 TRAINER_EXIT_GRACE_S = 10.0
@@ -227,9 +227,9 @@ def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOu
         # ... then the syncers upload and commit what completed (final_upload_timeout_s, however long the save
         # deadline): committed checkpoints are what the next attempt resumes from. A lost node's part never comes:
         # then only the save deadline, not a wait for the commit timeout.
-        flush_s = deadline_s if isinstance(failure, Preempted) else upload_s
+        timeout_s, grace_s = (deadline_s, 0.0) if isinstance(failure, Preempted) else (upload_s, STOP_GRACE_S)
         try:
-            syncers.stop(flush_s)
+            syncers.stop(timeout_s, grace_s)
         except (TrainingError, RemoteError) as flush_error:
             logger.error("after the training failure, checkpoint flush failed too: %s", flush_error)
         raise
