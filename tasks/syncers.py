@@ -10,6 +10,7 @@ what can no longer be committed.
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,6 +30,16 @@ Logger = logging.Logger | logging.LoggerAdapter[Any]
 
 def syncer_error(process: Process) -> str:
     return last_error(process, ("sync:", "restore:"))
+
+
+def _how_it_ended(process: Process, code: int) -> str:
+    """A syncer killed by a signal printed nothing about it: say which signal rather than its last event line."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return syncer_error(process)
 
 
 def _exit_code(process: Process) -> int | None:
@@ -69,16 +80,15 @@ class Syncers:
                     f"{node.name}: checkpoint syncer gave up on the store: {syncer_error(process)}; training stopped "
                     "rather than train on checkpoints that cannot be committed: check the store, raise "
                     "checkpoints.store_outage_s to ride out longer outages, then run again (it resumes)")
-            restarts = self.restarts.get(node.name, 0)
+            restarts, ended = self.restarts.get(node.name, 0), _how_it_ended(process, code)
             if restarts >= self.max_restarts:
                 raise TrainingError(
                     f"{node.name}: checkpoint syncer died {restarts + 1} times during training (last exit {code}: "
-                    f"{syncer_error(process)}); training stopped rather than train on checkpoints that cannot be "
-                    f"committed: see {node.path('logs', 'sync.log')} on the node")
+                    f"{ended}); training stopped rather than train on checkpoints that cannot be committed: see "
+                    f"{node.path('logs', 'sync.log')} on the node")
             self.restarts[node.name] = restarts + 1
             self.logger.warning("%s: checkpoint syncer exited %s during training (%s): restarting it (%d/%d); it "
-                                "resumes from its state file", node.name, code, syncer_error(process), restarts + 1,
-                                self.max_restarts)
+                                "resumes from its state file", node.name, code, ended, restarts + 1, self.max_restarts)
             try:
                 self._start(node)
             except RemoteError as exc:
