@@ -12,7 +12,9 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from servers import S3Server, free_port, rclone_s3
@@ -23,6 +25,7 @@ from infra.checkpoints.commit import CheckpointStore
 from infra.compute.access.remote import LocalProcess, LocalRunner, wait_all
 from infra.compute.providers import Node
 from infra.lifecycle.preemption_watch import TrainingError
+from infra.node.events import parse
 from infra.node.sync import EXIT_STORE_FAILED
 from infra.storage import open_store
 from tasks.syncers import Syncers
@@ -111,12 +114,11 @@ def watched_syncers(tmp_path: Path, url: str, *extra: str, env: dict[str, str] |
                 "c0ffee", "--keep", "3", "--format", "marker", "--poll", "0.1", "--stop-file",
                 f"{node.sync_dir}/stop", *extra]
 
-    return nodes, Syncers(runners, nodes, argv, lambda node, on_event: _events_to(on_event), log, max_restarts=2)
+    return nodes, Syncers(runners, nodes, argv, lambda node, on_event: events_to(on_event), log, max_restarts=2)
 
 
-def _events_to(on_event):  # type: ignore[no-untyped-def]
-    from infra.node.events import parse
-
+def events_to(on_event: Callable[[dict[str, Any]], None]) -> Callable[[str], None]:
+    """The line sink the train task gives a syncer, without Prefect's logger: event lines to on_event."""
     def sink(line: str) -> None:
         event = parse(line)
         if event is not None:
@@ -124,7 +126,7 @@ def _events_to(on_event):  # type: ignore[no-untyped-def]
     return sink
 
 
-def poll_until(syncers: Syncers, condition, timeout: float = 60.0) -> float:  # type: ignore[no-untyped-def]
+def poll_until(syncers: Syncers, condition: Callable[[], bool], timeout: float = 60.0) -> float:
     """Polls like the train wait loop (every 0.5 s) until condition(); returns the seconds it took."""
     started = time.monotonic()
     while not condition():
