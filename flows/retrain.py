@@ -1,4 +1,4 @@
-"""retrain: plan → provision → verify → stage → train → sync → teardown (always) → report.
+"""retrain: plan → provision → verify → stage → train → sync → evaluate → promote → teardown (always) → report.
 
 A preemption during training loops back: teardown → provision → verify → stage + restore → train, resuming
 from the latest committed checkpoint, at most recovery.max_recoveries times within recovery.deadline_s.
@@ -9,17 +9,21 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
-from prefect import flow, unmapped
+from prefect import flow, get_run_logger, unmapped
 from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as current_flow_run
-from prefect.states import State
+from prefect.states import Completed, State
 
+from infra.cancel import CANCEL, signals_cancel
 from infra.compute.catalog import load_catalog
 from infra.compute.providers import Cluster
+from infra.dataset.snapshot import snapshot_digest
 from infra.job.plan import Plan, cluster_name_for
 from infra.job.spec import JobSpec
 from infra.job.summary import LAUNCHED_AT_VAR, RunSummary
@@ -29,18 +33,21 @@ from infra.workspace import run_dir
 from tasks.capacity import nodes_held
 from tasks.checkpoint import latest_committed_step, verify_committed_checkpoint
 from tasks.cluster import provision_cluster, teardown_cluster
+from tasks.evaluate import Evaluation, evaluate_checkpoint
 from tasks.node_output import start_loss_curve
 from tasks.plan import plan_run
+from tasks.promote import Decision, promote_checkpoint
 from tasks.report import (
     publish_summary,
     record_failure,
+    record_inputs,
     record_launch,
     record_resume,
     record_training,
     record_workload,
 )
 from tasks.results import Staged
-from tasks.stage import restore_checkpoint, stage_dataset
+from tasks.stage import restore_checkpoint, stage_node
 from tasks.train import TrainLaunch, TrainOutcome, run_training
 from tasks.verify import bench_cluster, verify_node
 from tasks.workload import agreed_code_hash, prepare_node, publish_code
@@ -52,6 +59,8 @@ def default_run_id(job_name: str, flow_run_id: str) -> str:
 
 def teardown_on_crash(flow: Any, flow_run: Any, state: State[Any]) -> None:
     """Cancellation and crash skip the flow's finally; this hook tears the cluster down from the parameters alone."""
+    if state.is_cancelled() or state.is_cancelling():
+        CANCEL.cancel(f"Prefect cancelled flow run {flow_run.id}")  # what may still wait in this process stops
     job = JobSpec.model_validate(flow_run.parameters["job"])
     run_id = flow_run.parameters.get("run_id") or default_run_id(job.name, str(flow_run.id))
     flow_run_logger(flow_run, flow).warning("run %s ended %s: tearing down its cluster", run_id, state.type.value)
@@ -59,11 +68,22 @@ def teardown_on_crash(flow: Any, flow_run: Any, state: State[Any]) -> None:
 
 
 @flow(name="retrain", on_cancellation=[teardown_on_crash], on_crashed=[teardown_on_crash], log_prints=True)
-def retrain(job: JobSpec, run_id: str | None = None) -> dict[str, Any]:
-    """Run one retraining job from nothing to a committed checkpoint, and leave nothing running."""
-    # Its nodes count against the global node limit for the whole run, so runs together never exceed it.
-    with nodes_held(job.cluster.nodes):
-        return run_job(job, run_id or default_run_id(job.name, str(current_flow_run.id)))
+def retrain(job: JobSpec, run_id: str | None = None) -> Any:
+    """Run one retraining job to a committed (evaluated, promoted if better) checkpoint, and leave nothing running.
+
+    The run ends Completed with its summary as the result; with promote, the state is named Promoted or Kept
+    champion and its message says why."""
+    CANCEL.reset()  # a process that runs flows one after another (tests, `serve`): this run starts uncancelled
+    # SIGTERM (a Prefect cancel among them) and SIGINT (Ctrl-C) cancel the token every wait below checks, then unwind
+    # this thread as Prefect does; a second one skips the checkpoint flush. Its nodes count against the global node
+    # limit for the whole run, so runs together never exceed it.
+    with signals_cancel(), nodes_held(job.cluster.nodes):
+        summary = run_job(job, run_id or default_run_id(job.name, str(current_flow_run.id)))
+    gate = summary.get("promotion")
+    if not gate:
+        return summary
+    return Completed(name="Promoted" if gate["promoted"] else "Kept champion",
+                     message=f"{gate['model']}@{gate['alias']}: {gate['reason']}", data=summary)
 
 
 def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
@@ -71,18 +91,29 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
     summary = RunSummary(run_id=run_id, job=job.name, provider=job.cluster.provider, nodes=job.cluster.nodes,
                          started_at=launched_at())
     recoveries = Recoveries(job.recovery)
+    checkpoint_url: str | None = None  # known once planned: a failed or cancelled run names its latest commit
     start_loss_curve(run_id)
     phase = Phases(summary)  # the run's own phases; a recovery's are timed into its record too
-    try:
+
+    def own_teardown() -> int:
+        # The run's own teardown (no recovery's time to resume), which a second Ctrl-C does not interrupt.
+        with CANCEL.shield(), phase("teardown"):
+            return teardown_cluster(job.cluster.provider, cluster_name)
+
+    def recorded(exc: BaseException) -> None:
+        record_failure(summary, exc, checkpoint_url, cancelled=CANCEL.reason if CANCEL.cancelled else None)
+
+    with run_closed(summary, own_teardown, recorded, recoveries, run_dir(run_id)):
         with phase("plan"):
             plan: Plan = plan_run(job, run_id)
+            checkpoint_url = plan.checkpoint_url
             code_url = publish_code(job, plan)
         summary.dataset = plan.dataset.summary()
         resume_step, recovery = plan.resume_step, None
         while True:
             try:
-                cluster, staged, outcome = train_on_a_cluster(job, plan, code_url, summary, cluster_name,
-                                                              resume_step, recovery)
+                cluster, staged, outcome, launch = train_on_a_cluster(job, plan, code_url, summary, cluster_name,
+                                                                      resume_step, recovery)
                 _trained(summary, recovery, outcome.first_step_at, outcome.steps_s)
                 break
             except Preempted as preempted:
@@ -98,21 +129,49 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
         with phase("sync"):
             verified = verify_committed_checkpoint(cluster, plan.checkpoint_url, job.checkpoints.format)
         record_training(summary, staged, outcome, verified, plan.checkpoint_url)
+        last_step_at = next((p.at for p in reversed(outcome.points) if p.at is not None), None)
+        evaluate_and_promote(job, plan, cluster, launch, verified.step, summary, phase, last_step_at)
         summary.status = "completed"
+    return summary.to_dict()
+
+
+@contextmanager
+def run_closed(summary: RunSummary, teardown: Callable[[], int], record: Callable[[BaseException], None],
+               recoveries: Recoveries, directory: Path) -> Iterator[None]:
+    """Around a run: whatever happened, the cluster torn down, then its failure recorded and the summary published.
+
+    The failure is recorded after the teardown: until the nodes are gone their syncers may still commit (a second
+    Ctrl-C skips the flush, not the syncers already uploading), and the summary names the latest commit that exists
+    once nothing can add another. A teardown that fails (after its own retries) is logged and recorded in the
+    summary, and the summary is published all the same. It is raised only when the run itself succeeded (nodes may be
+    left: the run has not); when the run failed, the run's own error is the one raised, not hidden behind the
+    teardown's."""
+    failure: BaseException | None = None
+    try:
+        yield
     except BaseException as exc:
-        record_failure(summary, exc)
+        failure = exc
         raise
     finally:
-        with phase("teardown"):  # the run's own teardown: no recovery's time to resume
-            summary.nodes_left = teardown_cluster(job.cluster.provider, cluster_name)
+        teardown_error: Exception | None = None
+        try:
+            summary.nodes_left = teardown()
+        except Exception as exc:
+            teardown_error = exc
+            summary.teardown_error = f"{type(exc).__name__}: {exc}"
+            get_run_logger().error("teardown of run %s failed: %s: `trainpipe status` shows what is left, `trainpipe "
+                                   "down` ends it", summary.run_id, summary.teardown_error)
+        if failure is not None or teardown_error is not None:
+            record(failure or teardown_error)
         summary.recoveries = [r.to_dict() for r in recoveries.records]
-        publish_summary(summary, run_dir(run_id))
-    return summary.to_dict()
+        publish_summary(summary, directory)
+        if teardown_error is not None and failure is None:
+            raise teardown_error
 
 
 def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: RunSummary, cluster_name: str,
                        resume_step: int | None, recovery: RecoveryRecord | None
-                       ) -> tuple[Cluster, list[Staged], TrainOutcome]:
+                       ) -> tuple[Cluster, list[Staged], TrainOutcome, TrainLaunch]:
     """provision → verify → stage (+ code, setup, restore) → train, once; a recovery records how long each step
     took it."""
     phase = Phases(summary, recovery)
@@ -123,7 +182,8 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: 
     staging = job.dataset.access == "staged"
     with phase("verify"):
         # Each node needs room for what it will hold (split: its share), not the whole dataset.
-        need_bytes = [plan.dataset.node_bytes[node.rank] if staging else 0 for node in cluster.nodes]
+        need_bytes = [(plan.dataset.node_bytes[node.rank] if staging else 0) + plan.inputs_bytes
+                      for node in cluster.nodes]
         probes = verify_node.map(unmapped(cluster), cluster.nodes, need_bytes).result()
         summary.cluster_bench = bench_cluster(job, cluster)
     attempt = recovery.number if recovery is not None else 0
@@ -134,23 +194,71 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: 
         preparing = prepare_node.map(unmapped(job), unmapped(cluster), cluster.nodes, unmapped(code_url),
                                      unmapped(plan.workload.code_sha256), unmapped(launch))
         with phase.recovery_part("stage"):
-            staged = (stage_dataset.map(unmapped(cluster), cluster.nodes, unmapped(plan.dataset.snapshot_url),
-                                        unmapped(plan.dataset.shard)).result() if staging else [])
+            # The dataset and the inputs one after the other on each node, through its one cache.
+            inputs = {name: input_plan.snapshot_url for name, input_plan in plan.inputs.items()}
+            nodes_staged = (stage_node.map(unmapped(cluster), cluster.nodes,
+                                           unmapped(plan.dataset.snapshot_url if staging else None),
+                                           unmapped(plan.dataset.shard), unmapped(inputs)).result()
+                            if staging or inputs else [])
+            staged = [s.dataset for s in nodes_staged if s.dataset is not None]
         with phase.recovery_part("restore"):
             restored = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.checkpoint_url),
                                                unmapped(job.checkpoints.format)).result()
                         if resume_step is not None else [])
+        # A warm start: only when nothing of this run is committed yet (a resume continues from its own commit).
+        warm = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.init_from.run_url),
+                                       unmapped(job.checkpoints.format), step=unmapped(plan.init_from.step),
+                                       dest=[node.path("init-from") for node in cluster.nodes]).result()
+                if plan.init_from is not None and resume_step is None else [])
         ready = preparing.result()
+    if warm:
+        summary.init_from = plan.init_from.url if plan.init_from is not None else None
     record_workload(summary, plan, ready, agreed_code_hash(ready))
+    record_inputs(summary, plan, nodes_staged)
     if restored:
         record_resume(summary, restored, initial=recovery is None)
     if recovery is not None:
-        recovery.reused_bytes = sum(s.skipped_bytes for s in staged)
+        recovery.reused_bytes = sum(s.skipped_bytes for s in staged) + sum(
+            i.skipped_bytes for n in nodes_staged for i in n.inputs.values())
         recovery.resumed(restored[0].step if restored else None, cluster.price_per_hour)
     with phase("train"):
         resume_from = {node.name: r.path for node, r in zip(cluster.nodes, restored, strict=False)}
-        outcome = run_training(job, cluster, replace(launch, resume_from=resume_from))
-    return cluster, staged, outcome
+        init_from = {node.name: w.path for node, w in zip(cluster.nodes, warm, strict=False)}
+        launch = replace(launch, resume_from=resume_from, init_from=init_from,
+                         lineage=lineage_of(plan, cluster, summary, launch.attempt_id))
+        outcome = run_training(job, cluster, launch)
+    return cluster, staged, outcome, launch
+
+
+def lineage_of(plan: Plan, cluster: Cluster, summary: RunSummary, attempt_id: str) -> dict[str, Any]:
+    """Where this run's checkpoints come from (infra.checkpoints.lineage.Lineage): every manifest records it."""
+    links = summary.cluster_bench.get("measurement", {}).get("links", []) if summary.cluster_bench else []
+    return {
+        "run_id": plan.run_id, "attempt": attempt_id,
+        "dataset": {"url": plan.dataset.url, "snapshot_digest": snapshot_digest(plan.dataset.snapshot)},
+        "code_sha256": plan.workload.code_sha256, "config_hash": plan.workload.config_hash,
+        "parent": plan.init_from.url if plan.init_from is not None else None,
+        "cluster": {"provider": cluster.provider, "instance_type": cluster.instance_type, "nodes": len(cluster.nodes),
+                    "network_gbps": min((link["gbps"] for link in links), default=None)},
+    }
+
+
+def evaluate_and_promote(job: JobSpec, plan: Plan, cluster: Cluster, launch: TrainLaunch, step: int,
+                         summary: RunSummary, phase: Phases, last_step_at: float | None) -> Decision | None:
+    """The gate after the final commit, on the cluster still up: evaluate the committed step, then move the alias
+    only if it beats the champion. A failure here fails the run; the checkpoint stays committed."""
+    if job.evaluate is None:
+        return None
+    with phase("evaluate"):
+        evaluation: Evaluation = evaluate_checkpoint(job, cluster, launch, step)
+    summary.eval = evaluation.to_dict()
+    if job.promote is None:
+        return None
+    with phase("promote"):
+        decision = promote_checkpoint(job.promote, evaluation, job.checkpoints.url, plan.run_id)
+    summary.promotion = {**decision.to_dict(), "decided_after_training_s":
+                         round(time.time() - last_step_at, 3) if last_step_at is not None else None}
+    return decision
 
 
 def launched_at() -> float:

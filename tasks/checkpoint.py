@@ -33,6 +33,10 @@ def verify_committed_checkpoint(cluster: Cluster, checkpoint_url: str, checkpoin
 
 @task(name="find-latest-commit", **TRANSIENT_RETRIES)
 def latest_committed_step(checkpoint_url: str) -> int | None:
-    """What a recovery resumes from: asked of the store, which outlives every node."""
-    latest = CheckpointStore(open_store(checkpoint_url)).latest()
+    """What a recovery resumes from: asked of the store, which outlives every node. A newer commit whose files the
+    store's listing shows missing or cut short is skipped, and said so; the nodes' restore checks every byte, falls
+    back further if it must and sets damaged commits aside."""
+    latest, skipped = CheckpointStore(open_store(checkpoint_url)).latest_and_skipped()
+    for reason in skipped:
+        get_run_logger().warning("resume: %s: falling back to step %s", reason, latest.step if latest else "none")
     return latest.step if latest is not None else None

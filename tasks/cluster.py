@@ -2,26 +2,45 @@
 
 from __future__ import annotations
 
-from prefect import get_run_logger, task
+import logging
 
+from prefect import get_run_logger, task
+from prefect.exceptions import MissingContextError
+
+from infra.cancel import CANCEL
 from infra.compute.providers import Cluster, Provider, get_provider
 from infra.job.spec import JobSpec
 from infra.lifecycle.lease import LEASE_FILE, RENEWALS_PER_TTL, LeaseKeeper
 from infra.node.sync import STOP_FILE
-from tasks.policy import NO_RETRIES, TRANSIENT_RETRIES
+from tasks.policy import TRANSIENT_RETRIES
 
 _lease_keepers: dict[str, LeaseKeeper] = {}
 
 
 def _start_lease(provider: Provider, cluster: Cluster, ttl_s: float) -> None:
-    """Start every node's watchdog, then keep its lease fresh from this process for as long as it lives."""
+    """Start every node's watchdog, then keep its lease fresh from this process for as long as it lives.
+
+    One keeper per cluster name: a retried provision replaces the keeper of the attempt it tore down (else that
+    keeper would renew leases for ever, in a long-lived `trainpipe serve` above all), and a start that fails stops
+    the keeper it began."""
+    _stop_lease(cluster.name)
     _lease_keepers[cluster.name] = LeaseKeeper(provider, cluster, ttl_s / RENEWALS_PER_TTL).start()
-    for node in cluster.nodes:
-        provider.runner(cluster, node).start(
-            [node.python, "-m", "infra.node", "watch", "--lease", node.path(LEASE_FILE), "--ttl", str(ttl_s),
-             "--on-expire", provider.lease_expiry, "--notice-source", provider.notice_source, "--workdir", node.workdir,
-             "--stop-sync-file", f"{node.sync_dir}/{STOP_FILE}"],
-            log_path=node.path("logs", "watch.log"))
+    try:
+        for node in cluster.nodes:
+            provider.runner(cluster, node).start(
+                [node.python, "-m", "infra.node", "watch", "--lease", node.path(LEASE_FILE), "--ttl", str(ttl_s),
+                 "--on-expire", provider.lease_expiry, "--notice-source", provider.notice_source,
+                 "--workdir", node.workdir, "--stop-sync-file", f"{node.sync_dir}/{STOP_FILE}"],
+                log_path=node.path("logs", "watch.log"))
+    except BaseException:
+        _stop_lease(cluster.name)
+        raise
+
+
+def _stop_lease(cluster_name: str) -> None:
+    keeper = _lease_keepers.pop(cluster_name, None)
+    if keeper is not None:
+        keeper.stop()
 
 
 @task(name="provision-cluster", **TRANSIENT_RETRIES)
@@ -31,6 +50,7 @@ def provision_cluster(job: JobSpec, cluster_name: str, run_id: str) -> Cluster:
     if provider.describe(cluster_name) is not None:
         # A crashed earlier attempt of this run left it: start clean rather than adopt half-dead processes.
         logger.warning("cluster %s is left from an earlier attempt: tearing it down first", cluster_name)
+        _stop_lease(cluster_name)
         provider.terminate(cluster_name)
     cluster = provider.launch(cluster_name, job.cluster, run_id)
     _start_lease(provider, cluster, job.cluster.lease_ttl_s)
@@ -38,21 +58,29 @@ def provision_cluster(job: JobSpec, cluster_name: str, run_id: str) -> Cluster:
     return cluster
 
 
-@task(name="teardown-cluster", **NO_RETRIES)
+@task(name="teardown-cluster", **TRANSIENT_RETRIES)
 def teardown_cluster(provider_name: str, cluster_name: str, keep_data: bool = False) -> int:
-    """Terminate (idempotent) and return how many nodes are still alive afterwards: the answer must be 0.
+    """Terminate (idempotent, so a transient failure is retried with backoff) and return how many nodes are still
+    alive afterwards: the answer must be 0.
 
     keep_data: a recovery's teardown, after which the same machines (where the provider has them) keep their
     staged data for the relaunch."""
     provider = get_provider(provider_name)
-    keeper = _lease_keepers.pop(cluster_name, None)
-    if keeper is not None:
-        keeper.stop()
-    if keep_data:
-        provider.terminate_keeping_data(cluster_name)
-    else:
-        provider.terminate(cluster_name)
+    _stop_lease(cluster_name)
+    with CANCEL.shield():  # a cancel asks for this teardown: its waits keep their own deadlines
+        if keep_data:
+            provider.terminate_keeping_data(cluster_name)
+        else:
+            provider.terminate(cluster_name)
     left = provider.describe(cluster_name)
     alive = sum(provider.nodes_alive(left).values()) if left else 0
-    get_run_logger().info("teardown of %s: %d nodes left running", cluster_name, alive)
+    _logger().info("teardown of %s: %d nodes left running", cluster_name, alive)
     return alive
+
+
+def _logger() -> logging.Logger | logging.LoggerAdapter:
+    """The task's logger; the flow's crash and cancellation hooks call teardown outside any run context."""
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger(__name__)

@@ -1,4 +1,5 @@
-"""Plan: validate everything that can be checked before a node is launched, and freeze the run's dataset snapshot."""
+"""Plan: validate everything that can be checked before a node is launched, and freeze the run's dataset and input
+snapshots."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ from infra.dataset.planning import freeze
 from infra.job.plan import Plan, plan_job
 from infra.job.spec import JobSpec
 from tasks.policy import TRANSIENT_RETRIES
+from tasks.secrets import read_secret_block
 
 
 @task(name="plan", **TRANSIENT_RETRIES)
 def plan_run(job: JobSpec, run_id: str) -> Plan:
-    plan = plan_job(job, run_id)
+    plan = plan_job(job, run_id, secret_blocks=read_secret_block)
     # From here on every node, recovery and rerun of this run id stages exactly these objects.
-    freeze(plan.dataset, plan.checkpoint_url)
+    for prefix in (plan.dataset, *plan.inputs.values()):
+        freeze(prefix, plan.checkpoint_url)
     get_run_logger().info("plan:\n%s", plan.render())
     return plan

@@ -9,11 +9,13 @@ from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.logging import get_logger
 
 from infra.analysis.breakdown import StepBreakdown
 from infra.analysis.charts import markdown_image, run_chart_png
 from infra.analysis.predict import what_if
 from infra.analysis.predict_report import facts_from_summary
+from infra.checkpoints.commit import CheckpointStore
 from infra.checkpoints.steps import step_name
 from infra.compute.failover import attempts_of
 from infra.compute.providers import Cluster
@@ -22,6 +24,7 @@ from infra.dataset.reporting import dataset_fact, expectation_rows
 from infra.job.plan import Plan
 from infra.job.summary import BILLED_PHASES, PHASES, RunSummary
 from infra.lifecycle.recovery import RECOVERY_PHASES
+from infra.storage import open_store
 from infra.workspace import run_dir
 from tasks.node_output import read_loss_curve
 from tasks.policy import NO_RETRIES
@@ -30,6 +33,7 @@ from tasks.results import (
     Committed,
     Restored,
     Staged,
+    StagedNode,
     Uploaded,
     Verified,
     checkpoint_saves,
@@ -37,6 +41,8 @@ from tasks.results import (
 )
 from tasks.train import TrainOutcome
 from tasks.workload import NodeReady
+
+log = get_logger("trainpipe.report")
 
 FINAL_LOSS_WINDOW = 10  # the final loss averages this many logged points: one noisy batch does not decide it
 
@@ -71,6 +77,25 @@ def record_training(summary: RunSummary, staged: list[Staged], outcome: TrainOut
     summary.checkpoint = f"{checkpoint_url}/{step_name(verified.step)}"
 
 
+def record_inputs(summary: RunSummary, plan: Plan, staged: Sequence[StagedNode]) -> None:
+    """Each input's plan and how its staging went: the latest attempt's (a recovery stages again, from the cache)."""
+    for name, input_plan in plan.inputs.items():
+        each = [node.inputs[name] for node in staged if name in node.inputs]
+        record = input_plan.summary()
+        if each:
+            record.update(fetched_bytes=max(s.bytes for s in each), reused_bytes=max(s.skipped_bytes for s in each),
+                          seconds=max(s.seconds for s in each), mb_per_s=min(s.mb_per_s for s in each))
+        summary.inputs[name] = record
+
+
+def _input_rows(summary: RunSummary) -> list[dict[str, Any]]:
+    return [{"input": name, "url": record["url"], "files": record["files"], "MB": round(record["bytes"] / 1e6, 3),
+             "fetched MB": round(record.get("fetched_bytes", 0) / 1e6, 3),
+             "reused MB": round(record.get("reused_bytes", 0) / 1e6, 3), "seconds": record.get("seconds"),
+             "MB/s": record.get("mb_per_s"), "snapshot": record["snapshot"]}
+            for name, record in summary.inputs.items()]
+
+
 def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
@@ -92,12 +117,33 @@ def record_launch(summary: RunSummary, cluster: Cluster) -> None:
     summary.node_reports = dict(cluster.bootstrap)
 
 
-def record_failure(summary: RunSummary, exc: BaseException) -> None:
-    """Marks the run failed; a launch that never succeeded still reports every attempt it made."""
-    summary.status, summary.error = "failed", f"{type(exc).__name__}: {exc or 'no message'}"
+def record_failure(summary: RunSummary, exc: BaseException, checkpoint_url: str | None = None,
+                   cancelled: str | None = None) -> None:
+    """Marks the run failed, or cancelled (why, when it was); a launch that never succeeded still reports every
+    attempt it made; the latest committed checkpoint (what a rerun with the same run id resumes from) is named."""
+    if cancelled is not None:
+        summary.status, summary.error = "cancelled", cancelled
+    else:
+        summary.status, summary.error = "failed", f"{type(exc).__name__}: {exc or 'no message'}"
     if not summary.attempts:
         summary.attempts = attempts_of(exc)
     record_dataset_failure(summary, exc)
+    if checkpoint_url is not None and summary.checkpoint is None:
+        record_latest_commit(summary, checkpoint_url)
+
+
+def record_latest_commit(summary: RunSummary, checkpoint_url: str) -> None:
+    """The newest committed checkpoint, asked of the store (it outlives the nodes); a store that cannot say is
+    logged, and the run's own failure stays the one it reports."""
+    try:
+        latest = CheckpointStore(open_store(checkpoint_url)).latest()
+    except Exception as exc:  # the failure in flight is the one to report; this one is logged beside it
+        log.warning("could not ask %s for its latest committed checkpoint: %s: %s", checkpoint_url,
+                    type(exc).__name__, exc)
+        return
+    if latest is not None:
+        summary.checkpoint_step = latest.step
+        summary.checkpoint = f"{checkpoint_url}/{step_name(latest.step)}"
 
 
 # -- the dataset section (issue 13) ---------------------------------------------------------------------------
@@ -239,6 +285,15 @@ def _markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _eval_rows(summary: RunSummary) -> list[dict[str, Any]]:
+    """The evaluation's metrics, beside the champion's value of the promoted metric when a gate compared them."""
+    gate = summary.promotion
+    return [{"metric": key, "value": value,
+             "champion": gate.get("champion_value") if gate.get("metric") == key else None,
+             "decision": ("promoted" if gate["promoted"] else "kept the champion") if gate.get("metric") == key
+             else ""} for key, value in summary.eval.get("metrics", {}).items()]
+
+
 def _markdown(summary: RunSummary, curve: list[tuple[int, float]]) -> str:
     """What ran where, how long each phase took, how fast data moved, how far the loss fell, what was committed."""
     facts = [f"job **{summary.job}** on **{summary.provider}**, {summary.nodes} nodes"]
@@ -268,7 +323,11 @@ def _markdown(summary: RunSummary, curve: list[tuple[int, float]]) -> str:
     checkpoint = f"[{summary.checkpoint}]({summary.checkpoint})" if summary.checkpoint else "none"
     facts += [f"committed checkpoint: {checkpoint}", f"nodes left running after teardown: {summary.nodes_left}"]
     chart = markdown_image(run_chart_png(curve, summary.phases, summary.loss_floor), "loss curve and time per phase")
-    sections = {"Phases": _phase_rows(summary), "Dataset expectations": expectation_rows(summary.dataset),
+    if summary.promotion:
+        facts.append(f"{summary.promotion['model']}@{summary.promotion['alias']}: {summary.promotion['reason']}")
+    sections = {"Phases": _phase_rows(summary), "Evaluation": _eval_rows(summary),
+                "Inputs": _input_rows(summary),
+                "Dataset expectations": expectation_rows(summary.dataset),
                 "Step time": _breakdown_rows(summary),
                 "What if (predicted from this run; `trainpipe predict` adds the catalog)": _what_if_rows(summary),
                 "Checkpoints": _checkpoint_rows(summary),
@@ -289,8 +348,11 @@ def publish_summary(summary: RunSummary, directory: Path) -> Path:
                              description=f"run {summary.run_id}")
     create_table_artifact(_phase_rows(summary), key=f"{artifact_key}-phases",
                           description=f"run {summary.run_id}: seconds per phase")
-    tables = {"dataset-expectations": (expectation_rows(summary.dataset), "per expectation of dataset.expectations: "
+    tables = {"inputs": (_input_rows(summary), "per input: size, bytes fetched and reused from the nodes' cache, "
+                         "seconds and MB/s of its staging"),
+              "dataset-expectations": (expectation_rows(summary.dataset), "per expectation of dataset.expectations: "
                                        "success, rows, unexpected count and values, failed files"),
+              "evaluation": (_eval_rows(summary), "the evaluation's metrics and the promotion gate's decision"),
               "step-time": (_breakdown_rows(summary), "T_compute, T_network, T_io of the training steps"),
               "launch-attempts": (_attempt_rows(summary), "every launch attempt, in order"),
               "checkpoints": (_checkpoint_rows(summary), "per checkpoint: training stall, write, upload, commit"),

@@ -50,6 +50,15 @@ class Staged:
 
 
 @dataclass(frozen=True)
+class StagedNode:
+    """What one node staged: its share of the dataset (None when the trainer reads it from the store) and every
+    input (its `input-staged` events, by name)."""
+
+    dataset: Staged | None
+    inputs: dict[str, Staged]
+
+
+@dataclass(frozen=True)
 class Restored:
     """A node's `restored` event: the latest committed checkpoint is in its checkpoint dir."""
 

@@ -1,4 +1,5 @@
-"""Stage: every node pulls the dataset (and, when resuming, the latest committed checkpoint) to its own disk."""
+"""Stage: every node pulls the dataset and the inputs (and, when resuming, the latest committed checkpoint) to its own
+disk."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from infra.compute.providers import Cluster, Node, get_provider
 from infra.dataset.stagecache import node_cache_dir
+from infra.node.events import parse
+from infra.workload.contract import INPUTS_DIR
 from tasks.node_output import last_event, node_line_sink
 from tasks.policy import TRANSIENT_RETRIES
-from tasks.results import Restored, Staged
+from tasks.results import Restored, Staged, StagedNode
 
 
 def _progress_artifact(node: Node, what: str) -> Callable[[dict[str, Any]], None]:
@@ -23,18 +26,21 @@ def _progress_artifact(node: Node, what: str) -> Callable[[dict[str, Any]], None
     artifact_id = create_progress_artifact(0.0, key=key, description=f"{node.name}: {what} starting")
 
     def on_event(event: dict[str, Any]) -> None:
-        if event.get("event") == "staged":  # done, including when everything was already there
+        if event.get("event") in ("staged", "input-staged"):  # done, including when everything was already there
+            part = event.get("name", "dataset")
             update_progress_artifact(artifact_id, 100.0, description=(
-                f"{node.name}: {what} done: {event['files']} files, {event['bytes'] / 1e6:,.0f} MB at "
+                f"{node.name}: {what} {part} done: {event['files']} files, {event['bytes'] / 1e6:,.0f} MB at "
                 f"{event['mb_per_s']} MB/s; {event['skipped_files']} files already there"))
             return
         if event.get("event") != "progress":
             return
         total = event["bytes_total"] or 1
+        part = event.get("what", "")
         update_progress_artifact(
             artifact_id,
             min(100.0, 100.0 * event["bytes_done"] / total),
-            description=(f"{node.name}: {what} {event['bytes_done'] / 1e6:,.0f} of {event['bytes_total'] / 1e6:,.0f} MB"
+            description=(f"{node.name}: {what} {part} {event['bytes_done'] / 1e6:,.0f} of "
+                         f"{event['bytes_total'] / 1e6:,.0f} MB"
                          f", {event['files_done']}/{event['files_total']} files, {event['mb_per_s']} MB/s, "
                          f"ETA {event['eta_s']} s"),
         )
@@ -42,31 +48,47 @@ def _progress_artifact(node: Node, what: str) -> Callable[[dict[str, Any]], None
     return on_event
 
 
-@task(name="stage-dataset", **TRANSIENT_RETRIES)
-def stage_dataset(cluster: Cluster, node: Node, snapshot_url: str, shard: str,
-                  timeout_s: float = 3600) -> Staged:
-    """Mirror the node's files of the run's dataset snapshot into its data dir; <workdir>/data-files.txt lists them.
+@task(name="stage-data", **TRANSIENT_RETRIES)
+def stage_node(cluster: Cluster, node: Node, snapshot_url: str | None, shard: str, inputs: dict[str, str],
+               timeout_s: float = 3600) -> StagedNode:
+    """Mirror the node's files of the run's dataset snapshot into its data dir (<workdir>/data-files.txt lists them;
+    snapshot_url None: the dataset is read from the store, not staged), and each input's snapshot (inputs: name ->
+    snapshot URL) whole into <workdir>/inputs/<name>, through the node's one cache.
 
-    Its `staged` event: files and node_bytes (what the node holds), bytes (fetched), skipped_files and skipped_bytes
-    (reused from the node's cache or data dir), seconds and mb_per_s (of the fetch)."""
+    Each `staged` (`input-staged`) event: files and node_bytes (what the node holds), bytes (fetched), skipped_files
+    and skipped_bytes (reused from the node's cache or data dir), seconds and mb_per_s (of the fetch)."""
     runner = get_provider(cluster.provider).runner(cluster, node)
     sink = node_line_sink(get_run_logger(), node.name, on_event=_progress_artifact(node, "stage"))
-    result = runner.run([node.python, "-m", "infra.node", "stage", "--snapshot", snapshot_url,
+    dataset = (["--snapshot", snapshot_url, "--dest", node.data_dir] if snapshot_url is not None else [])
+    wanted = [part for name, url in inputs.items() for part in ("--input", f"{name}={url}")]
+    result = runner.run([node.python, "-m", "infra.node", "stage", *dataset, *wanted,
+                         *(["--inputs-dir", node.path(INPUTS_DIR)] if inputs else []),
                          "--rank", str(node.rank), "--nodes", str(len(cluster.nodes)), "--shard", shard,
-                         "--dest", node.data_dir, "--workdir", node.workdir,
+                         "--workdir", node.workdir,
                          "--cache", node_cache_dir(cluster.provider, node.workdir), "--run", cluster.run_id],
                         timeout=timeout_s, on_line=sink)
-    return Staged.from_event(last_event(result.output, "staged"))
+    staged = {event["name"]: Staged.from_event(event) for event in map(parse, result.output.splitlines())
+              if event is not None and event["event"] == "input-staged"}
+    if missing := sorted(inputs.keys() - staged.keys()):
+        raise RuntimeError(f"{node.name}: no 'input-staged' event for input {', '.join(missing)} in the stage "
+                           "command's output")
+    return StagedNode(Staged.from_event(last_event(result.output, "staged")) if snapshot_url is not None else None,
+                      staged)
 
 
 @task(name="restore-checkpoint", **TRANSIENT_RETRIES)
 def restore_checkpoint(cluster: Cluster, node: Node, checkpoint_url: str, checkpoint_format: str,
-                       timeout_s: float = 3600) -> Restored:
-    """Download the latest committed checkpoint into the node's checkpoint dir (the whole union of every node's
-    files, under the name the script saved it as); returns its step and local path (TRAINPIPE_RESUME_FROM)."""
+                       timeout_s: float = 3600, step: int | None = None, dest: str | None = None) -> Restored:
+    """Download the latest committed checkpoint (or `step`) into the node's checkpoint dir (the whole union of every
+    node's files, under the name the script saved it as); returns its step and local path (TRAINPIPE_RESUME_FROM).
+
+    With `dest` it lands there instead, apart from the run's own checkpoints, and the node's syncer is not told:
+    a warm start's weights (TRAINPIPE_INIT_FROM) or the checkpoint an evaluation reads are never this run's
+    commits."""
     runner = get_provider(cluster.provider).runner(cluster, node)
     sink = node_line_sink(get_run_logger(), node.name)
-    result = runner.run([node.python, "-m", "infra.node", "restore", "--url", checkpoint_url, "--dest", node.ckpt_dir,
-                         "--sync-dir", node.sync_dir, "--format", checkpoint_format], timeout=timeout_s,
-                        on_line=sink)
+    where = ["--dest", dest] if dest is not None else ["--dest", node.ckpt_dir, "--sync-dir", node.sync_dir]
+    result = runner.run([node.python, "-m", "infra.node", "restore", "--url", checkpoint_url, *where,
+                         "--format", checkpoint_format, *(["--step", str(step)] if step is not None else [])],
+                        timeout=timeout_s, on_line=sink)
     return Restored.from_event(last_event(result.output, "restored"))

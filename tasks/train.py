@@ -10,18 +10,20 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
+from infra.checkpoints.lineage import Lineage
 from infra.compute.access.remote import Process, RemoteError, Runner, wait_all
 from infra.compute.providers import Cluster, Node, get_provider
 from infra.job.spec import JobSpec
 from infra.lifecycle.preemption_watch import Preempted, PreemptionWatch, TrainingError
 from infra.node.launch import RANKS_EXITED
 from infra.node.sync import STOP_FILE
-from infra.workload.contract import NodeContext, render_command
+from infra.workload.contract import NodeContext, input_dir, render_command
 from infra.workload.progress import Point
 from tasks.chaos import arm_chaos
 from tasks.node_output import TrainingProgress, node_line_sink
 from tasks.policy import NO_RETRIES
 from tasks.results import CheckpointSave, Committed, Uploaded, checkpoint_saves, sync_results
+from tasks.secrets import job_secrets
 from tasks.syncers import STOP_GRACE_S, Syncers
 
 # Beyond the flush deadline: the script's own exit (process group teardown, torchrun's agent shutting down).
@@ -44,6 +46,8 @@ class TrainLaunch:
     attempt: int = 0  # 0 for the run's first launch, one more per recovery (TRAINPIPE_ATTEMPT)
     attempt_id: str = ""  # unique per launch, reruns included: commits take only this attempt's records
     resume_from: dict[str, str] = field(default_factory=dict)  # node name → restored checkpoint on that node
+    init_from: dict[str, str] = field(default_factory=dict)  # node name → training.init_from restored on that node
+    lineage: dict[str, Any] | None = None  # a Lineage: the syncers record it in every manifest they commit
 
 
 @dataclass
@@ -62,14 +66,17 @@ def node_context(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch
     return NodeContext(
         data_dir=node.data_dir, data_url=launch.dataset_url, data_shards=node.path("data-files.txt"),
         checkpoint_dir=node.ckpt_dir, resume_from=launch.resume_from.get(node.name, ""),
+        init_from=launch.init_from.get(node.name, ""),
         metrics_file=node.metrics_file, run_id=cluster.run_id, attempt=launch.attempt, node_rank=node.rank,
-        num_nodes=len(cluster.nodes), node_ips=tuple(n.address for n in cluster.nodes), sync_dir=node.sync_dir)
+        num_nodes=len(cluster.nodes), node_ips=tuple(n.address for n in cluster.nodes), sync_dir=node.sync_dir,
+        inputs={name: input_dir(node.workdir, name) for name in job.inputs})
 
 
 def workload_env(job: JobSpec, context: NodeContext) -> dict[str, str]:
-    """Everything the script's processes (and the setup commands) get in their environment."""
+    """Everything the script's processes (and the setup commands) get in their environment; the job's secrets are
+    resolved here, as each node command starts, and kept nowhere else."""
     return {"OMP_NUM_THREADS": str(job.training.threads_per_proc), "PYTHONUNBUFFERED": "1",
-            **job.training.env, **context.environment()}
+            **job.training.env, **job_secrets(job), **context.environment()}
 
 
 def torchrun_argv(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch) -> list[str]:
@@ -95,7 +102,18 @@ def syncer_argv(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch)
         "--poll", str(job.checkpoints.sync_poll_s), "--stop-file", f"{node.sync_dir}/{STOP_FILE}",
         "--metrics-file", node.metrics_file, "--store-outage", str(job.checkpoints.store_outage_s),
         "--commit-timeout", str(job.checkpoints.final_upload_timeout_s),
+        *(["--lineage", lineage_path(node)] if launch.lineage is not None else []),
     ]
+
+
+def lineage_path(node: Node) -> str:
+    return node.path("lineage.json")
+
+
+def write_lineage(runner: Runner, node: Node, launch: TrainLaunch) -> None:
+    """The launch's lineage on the node, for its syncer (checked here: a bad one fails before training starts)."""
+    if launch.lineage is not None:
+        runner.write_text(lineage_path(node), Lineage.model_validate(launch.lineage).model_dump_json())
 
 
 def failure_tail(process: Process, lines: int = FAILURE_LINES) -> str:
@@ -147,7 +165,7 @@ def _wait_all(trainers: dict[str, Process], deadline: float, watch: PreemptionWa
     deadline stops the rest and raises. Returns the nodes whose ranks still ran exit_grace_s after another node's
     all exited 0 with the newest checkpoint committed."""
     def each_round() -> None:
-        poll()
+        watch.reading(poll.runner.node_name, poll)  # the head gone without notice is the watch's call, not a failure
         watch.poll()
         try:
             syncers.poll()
@@ -204,6 +222,8 @@ def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOu
     warnings: list[str] = []
     code_dir = {node.name: node.code_dir if job.training.code is not None else None for node in cluster.nodes}
     try:
+        for node in cluster.nodes:
+            write_lineage(runners[node.name], node, launch)
         syncers.start()
         for node in cluster.nodes:
             env = workload_env(job, node_context(job, cluster, node, launch))

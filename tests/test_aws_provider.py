@@ -135,6 +135,7 @@ def test_launch_describe_tags_groups_then_teardown_leaves_nothing(aws: AwsProvid
         assert params["InstanceInitiatedShutdownBehavior"] == "terminate"
         assert params["Placement"] == {"GroupName": "tp-aws-basic"}
         assert "InstanceMarketOptions" not in params
+        assert "IamInstanceProfile" not in params  # none named: the nodes get no credentials (plan refuses s3://)
         [nic] = params["NetworkInterfaces"]
         assert nic["InterfaceType"] == "efa" and nic["SubnetId"] and nic["Groups"]
         assert "mdadm --create /dev/md0" in base64.b64decode(params["UserData"]).decode()
@@ -167,6 +168,22 @@ def test_launch_describe_tags_groups_then_teardown_leaves_nothing(aws: AwsProvid
     assert aws.nodes_alive(cluster) == {n.name: False for n in cluster.nodes}
     assert aws.terminate("tp-aws-basic") is False  # idempotent
 
+
+
+def test_nodes_carry_the_instance_profile_the_cluster_names(aws: AwsProvider, ec2_server: Ec2Server) -> None:
+    """The nodes reach the dataset and checkpoints with their own credentials: the instance profile of
+    cluster.aws.instance_profile, which the instances carry (by name, or by ARN)."""
+    iam = boto3.client("iam", region_name="us-east-1", endpoint_url=ec2_server.endpoint)  # moto serves IAM too
+    arn = iam.create_instance_profile(InstanceProfileName="tp-test-node")["InstanceProfile"]["Arn"]
+    calls = record_calls(aws)
+    aws.launch("tp-aws-profile", spec(regions=("us-east-1",), aws={"instance_profile": "tp-test-node"}), "run-prof")
+    try:
+        runs = [params for _, op, params in calls if op == "RunInstances"]
+        assert [p["IamInstanceProfile"] for p in runs] == [{"Name": "tp-test-node"}] * 2
+        assert [i["IamInstanceProfile"]["Arn"] for i in live(aws, "us-east-1", "tp-aws-profile")] == [arn] * 2
+    finally:
+        assert aws.terminate("tp-aws-profile")
+    assert spec(aws={"instance_profile": arn}).aws.iam_instance_profile() == {"Arn": arn}
 
 def test_spot_parameters_and_idempotent_relaunch(aws: AwsProvider) -> None:
     calls = record_calls(aws)
@@ -290,3 +307,36 @@ def test_catalog_refresh_command(aws: AwsProvider, workspace: Path) -> None:
 def test_launch_errors_are_classified(code: str, kind: type[Exception]) -> None:
     error = classify(ClientError({"Error": {"Code": code, "Message": "m"}}, "RunInstances"), "launch x")
     assert type(error) is kind and str(error).startswith(f"aws: launch x: {code}: m: ")
+
+
+def test_terminate_goes_to_the_clusters_region_first_and_past_a_region_that_fails(
+        aws: AwsProvider, monkeypatch: pytest.MonkeyPatch) -> None:
+    import infra.compute.providers.aws.provider as aws_provider
+
+    def failing(region: str) -> AwsProvider:
+        """A fresh provider (as the teardown task builds one) whose calls to region are throttled away."""
+        fresh = AwsProvider(catalog=small_catalog(), bootstrap=False)
+
+        def hook(**_: Any) -> None:
+            raise ClientError({"Error": {"Code": "RequestLimitExceeded", "Message": "injected"}}, "DescribeInstances")
+
+        fresh.client(region).meta.events.register("before-call.ec2.DescribeInstances", hook)
+        return fresh
+
+    # Launched in us-west-2, the second region asked: the first, us-east-1, does not answer.
+    aws.launch("tp-aws-region", spec(regions=("us-west-2",)), "run-region")
+    fresh = failing("us-east-1")
+    calls = record_calls(fresh)
+    with pytest.raises(CapacityError, match="tear down tp-aws-region in us-east-1"):
+        fresh.terminate("tp-aws-region")
+    assert calls[0][0] == "us-west-2", "the cluster's own region is torn down first"
+    assert live(aws, "us-west-2", "tp-aws-region") == [] and groups_left(aws, "tp-aws-region") == []
+
+    # A process that never saw the cluster asks the regions in order: the failing one does not stop the next.
+    aws.launch("tp-aws-region", spec(regions=("us-west-2",)), "run-region")
+    monkeypatch.setattr(aws_provider, "_known_regions", {})
+    fresh = failing("us-east-1")
+    with pytest.raises(CapacityError) as failed:
+        fresh.terminate("tp-aws-region")
+    assert failed.value.transient, "throttling is worth the teardown's retry"
+    assert live(aws, "us-west-2", "tp-aws-region") == [] and groups_left(aws, "tp-aws-region") == []

@@ -104,7 +104,8 @@ def test_commit_happens_only_when_every_node_record_exists(tmp_path: Path, check
     assert manifest.total_bytes == 3 * 20_000
     assert (manifest.nodes, manifest.world_size, manifest.config_hash) == (2, 2, CONFIG_HASH)
     assert checkpoints.latest() == manifest
-    assert json.loads(checkpoints.store.get_bytes("latest")) == {"step": 100, "manifest": manifest_key(100)}
+    assert json.loads(checkpoints.store.get_bytes("latest")) == {"step": 100, "manifest": manifest_key(100),
+                                                                 "attempt": ""}
     [status] = checkpoints.list_steps()
     assert (status.committed, status.nodes_uploaded, status.bytes) == (True, [0, 1], 3 * 20_000)
     # A restarted committer commits again without rewriting or moving anything.
@@ -136,10 +137,16 @@ def test_corrupt_or_deleted_manifest_falls_back_to_the_previous_commit(
     assert (manifest.step, path) == (100, tmp_path / "restored" / step_name(100))
     assert len(warnings) == 1 and "step 200" in warnings[0] and manifest_key(200) in warnings[0]
 
-    checkpoints.store.delete(manifest_key(200))
+    # The corrupt commit was set aside: the next resume still says why it is not on step 200.
+    assert checkpoints.store.head(manifest_key(200)) is None
+    [warning] = checkpoints.restore_latest(tmp_path / "restored")[2]
+    assert "step 200: set aside at" in warning and "corrupt manifest" in warning
+
+    commit_step(checkpoints, node_dirs(tmp_path / "again"), 300)
+    checkpoints.store.delete(manifest_key(300))  # an uncommitted step is no damage: nothing to say
     latest = checkpoints.latest()
     assert latest is not None and latest.step == 100
-    assert checkpoints.restore_latest(tmp_path / "restored")[2] == []
+    assert checkpoints.restore_latest(tmp_path / "restored")[2] == [warning]
 
 
 def test_a_latest_pointer_to_a_missing_step_is_ignored(tmp_path: Path, checkpoints: CheckpointStore) -> None:

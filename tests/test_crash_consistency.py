@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -24,6 +25,7 @@ from infra.storage import open_store
 from trainer.checkpoint import complete_steps, inspect_checkpoint, step_dir_name
 
 KILL_POINTS = 10
+COMMIT_DEADLINE_S = 180.0  # generous: CI runs on 2 loaded cores
 # A training script using the trainer's checkpoint API (~12 MB per checkpoint, an async save after every step),
 # forked from a process that imported torch once, because importing it takes seconds on a loaded machine.
 SAVER_ZYGOTE = """
@@ -64,6 +66,13 @@ class Savers:
     def close(self) -> None:
         self.zygote.kill()
         self.zygote.wait()
+
+
+def wait_for(ready: Callable[[], object], what: str, deadline_s: float) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not ready():
+        assert time.monotonic() < deadline, f"no {what} within {deadline_s:.0f}s"
+        time.sleep(0.1)
 
 
 def kill_pid(pid: int) -> None:
@@ -109,6 +118,10 @@ def test_kill_9_never_leaves_a_torn_checkpoint_visible(tmp_path: Path) -> None:
         # The trainer dies at random instants while the syncer keeps uploading and committing.
         for point in range(KILL_POINTS):
             saver = savers.start(first_step=point * 1000)
+            if point == KILL_POINTS - 1:
+                # On a loaded machine every earlier kill may land before a save completes: the last trainer lives
+                # until something is committed, so the kills are checked against a store that holds a commit.
+                wait_for(checkpoints.latest, "a commit while the trainer saves", COMMIT_DEADLINE_S)
             time.sleep(rng.uniform(0.6, 2.0))  # the first save ends ~1 s after the fork
             kill_pid(saver)
             assert_local_steps_load(ckpt_dir)

@@ -30,6 +30,7 @@ from infra.compute.catalog import Catalog, shipped_catalog
 from infra.compute.failover import QuotaEverywhere
 from infra.compute.providers import get_provider
 from infra.compute.providers.base import CapacityError, InvalidRequestError, LaunchError, QuotaError
+from infra.compute.providers.gcp.config import CLOUD_PLATFORM
 from infra.compute.providers.gcp.errors import AuthError, classify, is_transient, operation_error
 from infra.compute.providers.gcp.provider import (
     LABEL_CLUSTER,
@@ -136,6 +137,7 @@ def test_launch_describe_labels_placement_then_teardown_leaves_nothing(gcp: GcpP
     assert len(bodies) == 2 and len({c.query["requestId"] for c in gce.calls("POST", "/instances$")}) == 2
     for rank, body in enumerate(bodies):
         assert body["name"] == f"tp-gcp-basic-node-{rank}"
+        assert body["serviceAccounts"] == [{"email": "default", "scopes": [CLOUD_PLATFORM]}]  # unless the job names one
         assert body["machineType"] == "zones/us-central1-a/machineTypes/a2-highgpu-8g"
         assert body["scheduling"] == {"provisioningModel": "STANDARD", "onHostMaintenance": "TERMINATE",
                                       "automaticRestart": False}
@@ -175,6 +177,19 @@ def test_launch_describe_labels_placement_then_teardown_leaves_nothing(gcp: GcpP
     assert gcp.nodes_alive(cluster) == {n.name: False for n in cluster.nodes}
     assert gcp.terminate("tp-gcp-basic") is False  # idempotent
 
+
+
+def test_nodes_run_as_the_service_account_the_cluster_names(gcp: GcpProvider, gce: GceServer) -> None:
+    """The nodes reach the dataset and checkpoints with their own credentials: the VMs' service account, under the
+    scopes of cluster.gcp.service_account (short names become scope URLs)."""
+    email = "trainer@trainpipe-test.iam.gserviceaccount.com"
+    account = {"email": email, "scopes": ["devstorage.read_write", "compute"]}
+    gcp.launch("tp-gcp-account", spec(regions=("us-central1",), gcp={"service_account": account}), "run-account")
+    try:
+        assert [b["serviceAccounts"] for b in inserts(gce)] == [[{"email": email, "scopes": [
+            "https://www.googleapis.com/auth/devstorage.read_write", "https://www.googleapis.com/auth/compute"]}]] * 2
+    finally:
+        assert gcp.terminate("tp-gcp-account")
 
 def test_spot_parameters_bundled_ssds_preemption_and_idempotent_relaunch(gcp: GcpProvider, gce: GceServer) -> None:
     job = spec(accelerator="H100", spot="only", zones=("us-central1-c",))

@@ -6,6 +6,10 @@ its output, every file of the workspace (summary.json), every node log (copied w
 removes them), every object of the store, the Prefect home, the flow run's parameters, artifacts and logs on the
 Prefect server, and the command line of every process that ran meanwhile (the S3 server's included: its key pair
 travels in its environment). A PEM counts as found if any line of its body is.
+
+SSH nodes, where a command's environment crosses to another machine, have their own scan in the ssh provider's
+pipeline test (tests/test_ssh_provider.py): a job's training.secrets against every command line of the sshd host and
+the flow run's parameters; tests/test_ssh.py checks the runner alone.
 """
 
 from __future__ import annotations

@@ -3,14 +3,17 @@ retries. Nothing is mocked; the "nodes" are this machine reached through sshd.""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
+import secrets
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from sshd import SshServer, keygen, ssh_servers
 
@@ -97,6 +100,39 @@ def test_env_tags_workdir_and_quoting(server: SshServer, client_key: Path, tmp_p
     with pytest.raises(ValueError, match="not a shell identifier"):
         runner.start(["true"], env={"BAD NAME": "x"})
 
+
+
+def test_env_values_are_on_no_command_line_of_the_node(server: SshServer, client_key: Path) -> None:
+    """Every user of a node reads every command line on it (/proc/*/cmdline, ps): an environment value (a token, a
+    multi-line key) reaches the command whole, and appears in no command line of the sshd host while it runs."""
+    runner = runner_for(server, client_key)
+    token = "tp-secret-" + secrets.token_urlsafe(24)
+    key = f"-----BEGIN KEY-----\n{secrets.token_urlsafe(40)}\n-----END KEY-----"
+    script = 'printf "%s\\n" "$TOKEN" | sha256sum; printf "%s" "$KEY" | sha256sum; echo ready; sleep 300'
+    process = runner.start(["sh", "-c", script], env={"TOKEN": token, "KEY": key, "EMPTY": ""})
+    try:
+        wait_for_line(process, "ready")
+        seen = 0
+        for found in psutil.process_iter(["cmdline"]):
+            command_line = "\0".join(found.info["cmdline"] or [])
+            seen += "@@trainpipe-pgid" in command_line  # the wrapper of the command above, at least
+            assert token not in command_line and key.splitlines()[1] not in command_line, command_line[:200]
+        assert seen, "the node's own processes were not among those searched"
+        digests = process.tail(10).splitlines()[:2]
+        assert [d.split()[0] for d in digests] == [hashlib.sha256(f"{token}\n".encode()).hexdigest(),
+                                                   hashlib.sha256(key.encode()).hexdigest()]
+    finally:
+        process.terminate(grace_s=5)
+
+
+def test_a_command_whose_environment_is_cut_short_never_runs(server: SshServer, client_key: Path) -> None:
+    """The wrapper reads the environment until its end mark: input that stops before it exits 125, the command
+    unstarted, rather than running it with half its environment."""
+    from infra.compute.access.ssh import wrapped_command
+
+    runner = runner_for(server, client_key)
+    code, output = runner.exec_quick(wrapped_command(["echo", "ran"], None, None) + " < /dev/null")
+    assert code == 125 and "ran" not in output
 
 def test_terminate_ends_the_whole_process_group(server: SshServer, client_key: Path, tmp_path: Path) -> None:
     runner = runner_for(server, client_key)

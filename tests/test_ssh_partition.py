@@ -1,6 +1,7 @@
-"""A network partition during training on SSH nodes: the orchestrator's connection to one node stops answering (its
-packets are dropped; nothing closes it), and the run notices within the keepalive bound and recovers as from a lost
-node, instead of waiting on a connection TCP would take a quarter of an hour to give up.
+"""A network partition during training on SSH nodes: the orchestrator's connection to one node (a worker, or the head
+whose metrics file it reads every round) stops answering (its packets are dropped; nothing closes it), and the run
+notices within the keepalive bound and recovers as from a lost node, instead of waiting on a connection TCP would take
+a quarter of an hour to give up.
 
 Real parts: two OpenSSH sshd "hosts" (tests/sshd.py), the retrain flow with real torchrun training, and the partition
 itself: an nftables rule that drops every packet to and from one sshd's port on loopback (scripts/system-packages.txt
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import shutil
 import subprocess
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from jobs import job_config, make_dataset
+from said import listening
 from sshd import SshServer, ssh_servers
 from test_ssh_provider import cluster_processes, host_config
 
@@ -68,17 +69,6 @@ def packets_dropped(port: int) -> Iterator[None]:
         subprocess.run(["nft", "delete", "table", "inet", table], check=True)
 
 
-class Said(logging.Handler):
-    """What infra.compute.access.ssh logged (Prefect's logging setup leaves pytest's caplog without it)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[SshServer]]]:
     with ssh_servers(tmp_path_factory.mktemp("sshd"), 2) as found:
@@ -86,9 +76,12 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, li
     close_connections()
 
 
+# The head (node 0) too: the orchestrator reads its metrics file every round, and that read failing on the dead
+# connection is the preemption watch's to judge, not the run's end.
+@pytest.mark.parametrize("dropped_node", [1, 0], ids=["worker", "head"])
 def test_a_node_whose_packets_are_dropped_mid_training_is_recovered_not_waited_on(
         prefect_server: None, workspace: Path, tmp_path: Path, servers: tuple[Path, list[SshServer]],
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, dropped_node: int) -> None:
     from flows.retrain import retrain
 
     require_nft()
@@ -101,7 +94,7 @@ def test_a_node_whose_packets_are_dropped_mid_training_is_recovered_not_waited_o
     workdirs = [tmp_path / f"nvme-{index}" for index in range(2)]
     for directory in workdirs:
         directory.mkdir()
-    run_id = "partition"
+    run_id = f"partition-{dropped_node}"
     config = job_config(tmp_path, make_dataset(tmp_path / "dataset", tokens=200_000), steps=STEPS, ckpt_every=50)
     config["cluster"] = {"provider": "ssh", "nodes": 2, "procs_per_node": 1, "ssh": {
         "hosts": [host_config(server, k, workdir) for server, k, workdir in zip(found, [key, key], workdirs,
@@ -120,7 +113,7 @@ def test_a_node_whose_packets_are_dropped_mid_training_is_recovered_not_waited_o
                 assert time.monotonic() < deadline, "no commit within 300 s"
                 time.sleep(0.2)
             times["committed"] = float(checkpoints.latest().step)
-            with packets_dropped(found[1].port):
+            with packets_dropped(found[dropped_node].port):
                 times["dropped"] = time.time()
                 # Until the recovery's teardown has met the unreachable host (it stays on record as such).
                 while "teardown_unreachable" not in (record.read_text() if record.exists() else ""):
@@ -132,17 +125,13 @@ def test_a_node_whose_packets_are_dropped_mid_training_is_recovered_not_waited_o
 
     partitioner = threading.Thread(target=partition, name="partition", daemon=True)
     partitioner.start()
-    said = Said()
-    logging.getLogger("infra.compute.access.ssh").addHandler(said)
-    try:
+    with listening("infra.compute.access.ssh") as said:
         summary = retrain(job, run_id)
-    finally:
-        logging.getLogger("infra.compute.access.ssh").removeHandler(said)
     partitioner.join(timeout=60)
     assert not failures, failures
 
     lost = [r.created for r in said.records
-            if "keepalives" in r.getMessage() and f":{found[1].port}:" in r.getMessage()]
+            if "keepalives" in r.getMessage() and f":{found[dropped_node].port}:" in r.getMessage()]
     assert lost, "the dead connection was never noticed"
     noticed_s = lost[0] - times["dropped"]
     [recovery] = summary["recoveries"]
@@ -152,7 +141,8 @@ def test_a_node_whose_packets_are_dropped_mid_training_is_recovered_not_waited_o
           f"node declared lost after {detected_s:.1f}s; recovery: {json.dumps(shown)}")
     assert noticed_s <= KEEPALIVE_BOUND_S + 1.5
     assert summary["status"] == "completed", summary.get("error")
-    assert recovery["node"] == f"{cluster_name_for(run_id)}-node-1" and recovery["reason"] == "vanished without notice"
+    assert recovery["node"] == f"{cluster_name_for(run_id)}-node-{dropped_node}"
+    assert recovery["reason"] == "vanished without notice"
     assert recovery["resumed_from_step"] is not None and recovery["resumed_from_step"] >= times["committed"]
     # Then it is confirmed gone (it does not answer a new connection for TEARDOWN_CONNECT_S, asked by the watch every
     # 2 s, after its notice could not be read either): a lost node, not a run hung on a dead connection.

@@ -7,8 +7,10 @@ process the cluster starts is visible here for the checks that nothing outlived 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from typing import Any
 
 import psutil
 import pytest
+from cmdline_scan import CommandLineScan
 from jobs import job_config, make_dataset
 from sshd import SshServer, ssh_servers
 
@@ -317,18 +320,40 @@ def test_bootstrap_installs_the_wheel_on_a_node_without_trainpipe(servers: Serve
 
 
 def test_retrain_flow_on_two_ssh_hosts(prefect_server: None, workspace: Path, servers: Servers,
-                                       workdirs: list[Path], tmp_path: Path) -> None:
+                                       workdirs: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """...with two secrets (one from the orchestrator's environment, one from a Prefect Secret block) that setup
+    checks on every node: neither is in any command line of the sshd host while the run goes on, nor in the flow
+    run's parameters on the Prefect server, nor in the summary."""
+    from prefect.blocks.system import Secret
+
     from flows.retrain import retrain
 
     key, found = servers
-    config = job_config(tmp_path, make_dataset(tmp_path / "dataset", tokens=200_000), steps=40, ckpt_every=20)
+    needles = {"env secret": "hf_" + secrets.token_urlsafe(24), "block secret": "db-" + secrets.token_urlsafe(24)}
+    monkeypatch.setenv("TP_SSH_TEST_HF_TOKEN", needles["env secret"])
+    Secret(value=needles["block secret"]).save("tp-ssh-test-db", overwrite=True)
+    digest = hashlib.sha256((needles["env secret"] + needles["block secret"]).encode()).hexdigest()
+    config = job_config(tmp_path, make_dataset(tmp_path / "dataset", tokens=200_000), steps=40, ckpt_every=20,
+                        setup=[f'test "$(printf %s "$HF_TOKEN$DB_TOKEN" | sha256sum | cut -c1-64)" = {digest}'])
+    config["training"]["secrets"] = {"HF_TOKEN": {"env": "TP_SSH_TEST_HF_TOKEN"},
+                                     "DB_TOKEN": {"prefect_secret": "tp-ssh-test-db"}}
     config["cluster"] = {"provider": "ssh", "nodes": 2, "procs_per_node": 1, "ssh": {
         "hosts": [host_config(server, key, workdir) for server, workdir in zip(found, workdirs, strict=True)]}}
     job = parse_job(config)
 
-    summary = retrain(job, "ssh-run")
+    with CommandLineScan(needles) as scan:
+        summary = retrain(job, "ssh-run")
 
     assert summary["status"] == "completed", summary.get("error")
+    assert scan.saw("trainer.train") and scan.saw("infra.node\0sync"), "the scan missed the nodes' processes"
+    parameters = flow_run_parameters("ssh-run")
+    assert "TP_SSH_TEST_HF_TOKEN" in parameters and "tp-ssh-test-db" in parameters, "the job names its secrets"
+    places = {"flow run parameters": parameters, "summary": json.dumps(summary, default=str)}
+    hits = scan.hits() + [(name, place) for place, text in places.items() for name, needle in needles.items()
+                          if needle in text]
+    print(f"\nsecrets scan over ssh nodes: {len(needles)} secrets × {len(scan.command_lines)} command lines of the "
+          f"sshd host, the flow run's parameters and the summary: {len(hits)} hits")
+    assert hits == []
     assert summary["provider"] == "ssh" and summary["steps"] == 40 and summary["nodes_left"] == 0
     assert summary["checkpoint"].endswith("/ssh-run/step-00000040")
     assert [(a["instance_type"], a["outcome"]) for a in summary["attempts"]] == [("ssh-host", "launched")]
@@ -343,3 +368,13 @@ def test_retrain_flow_on_two_ssh_hosts(prefect_server: None, workspace: Path, se
         assert [p.name for p in workdir.iterdir()] == ["dataset-cache"], "cluster dir or reservation outlived the run"
         assert any((workdir / "dataset-cache" / "objects").iterdir()), "the staged objects were not cached"
     assert SshProvider().list_clusters() == []
+
+
+def flow_run_parameters(run_id: str) -> str:
+    """The parameters of the run's flow run, as the Prefect server gives them to its UI and API."""
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        runs = [r for r in client.read_flow_runs(limit=200) if r.parameters.get("run_id") == run_id]
+    assert len(runs) == 1, f"flow runs of {run_id}: {len(runs)}"
+    return json.dumps(runs[0].parameters, default=str)

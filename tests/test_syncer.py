@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from test_checkpoints import CONFIG_HASH, make_step, node_dirs
 
-from infra.checkpoints.commit import FILES_PREFIX, Announcement, CheckpointRef, CheckpointStore
+from infra.checkpoints.commit import Announcement, CheckpointRef, CheckpointStore
 from infra.checkpoints.steps import step_name
 from infra.node import restore
 from infra.storage import open_store
@@ -195,7 +195,7 @@ def test_a_dead_attempts_records_never_join_a_commit(tmp_path: Path, checkpoints
     assert manifest.attempt == "a2"
     for rank, ckpt_dir in enumerate(dirs):
         for name in ("__0_0.distcp", ".metadata") if rank == 0 else ("__1_0.distcp",):
-            stored = checkpoints.store.get_bytes(f"{step_name(100)}/{FILES_PREFIX}{name}")
+            stored = checkpoints.store.get_bytes(f"{step_name(100)}/{manifest.files_prefix}{name}")
             assert stored == (ckpt_dir / step_name(100) / name).read_bytes(), f"{name} is the dead attempt's"
 
 

@@ -31,6 +31,7 @@ def test_the_environment_names_every_value_the_script_is_promised() -> None:
         "TRAINPIPE_RESUME_FROM": "/n/ckpt/checkpoint-40", "TRAINPIPE_METRICS_FILE": "/n/logs/metrics.jsonl",
         "TRAINPIPE_RUN_ID": "run-7", "TRAINPIPE_ATTEMPT": "2", "TRAINPIPE_NODE_RANK": "1",
         "TRAINPIPE_NUM_NODES": "3", "TRAINPIPE_NODE_IPS": "10.0.0.1,10.0.0.2", "TRAINPIPE_SYNC_DIR": "/n/sync",
+        "TRAINPIPE_INIT_FROM": "",
     }
 
 
@@ -46,6 +47,11 @@ def test_placeholders_are_filled_and_an_empty_resume_drops_its_option() -> None:
     with pytest.raises(ValueError, match=r"command\[1\] '\{data\}': unknown placeholder \{data\}"):
         check_command(["t.py", "{data}"])
     check_command(["t.py", "{{not a placeholder}}", "{data_dir}"])
+    # A warm start's weights go the same way: no init_from, no --init-from; evaluate's own placeholders are extra.
+    assert render_command(["t.py", "--init-from", "{init_from}"], context()) == ["t.py"]
+    evaluate = render_command(["e.py", "{checkpoint}"], context(), extra={"checkpoint": "/n/eval/c"})
+    assert evaluate == ["e.py", "/n/eval/c"]
+    check_command(["e.py", "{checkpoint}"], extra=("checkpoint",))
 
 
 def test_code_packs_to_the_same_bytes_every_time_and_unpacks_safely(tmp_path: Path) -> None:

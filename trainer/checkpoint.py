@@ -35,7 +35,12 @@ from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from infra.checkpoints.commit import UPLOAD_LEASE, leased_step
@@ -474,6 +479,20 @@ def load_checkpoint(step_dir: Path, model: nn.Module, optimizer: torch.optim.Opt
         ) from exc
     set_state_dict(model, optimizer, model_state_dict=state[_MODEL_KEY], optim_state_dict=state[_OPTIM_KEY])
     return json.loads(state[_EXTRA_KEY])
+
+
+def load_model_weights(step_dir: Path, model: nn.Module) -> None:
+    """Loads only the model's weights in place (any world size, in a process group or alone): a warm start or an
+    evaluation, where the saved optimizer state and position are not wanted."""
+    _files_by_key(step_dir, _read_metadata(step_dir))
+    state: dict[str, Any] = {_MODEL_KEY: get_model_state_dict(model)}
+    try:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(step_dir))
+    except dcp.CheckpointException as exc:
+        raise CheckpointError(
+            f"{step_dir}: does not fit this model ({_cause(exc)}): pass the model options it was saved with"
+        ) from exc
+    set_model_state_dict(model, state[_MODEL_KEY])
 
 
 def _cause(exc: BaseException) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,19 @@ class GPTConfig:
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must divide d_model ({self.d_model}): change --n-heads")
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """The model's shape as command options: training and evaluation must build the same model."""
+    parser.add_argument("--vocab-size", type=int, default=256)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--n-layers", type=int, default=2)
+    parser.add_argument("--n-heads", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=64)
+
+
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    return GPTConfig(args.vocab_size, args.d_model, args.n_layers, args.n_heads, args.seq_len)
 
 
 class CausalSelfAttention(nn.Module):

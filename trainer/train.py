@@ -27,11 +27,12 @@ from trainer.checkpoint import (
     CheckpointError,
     SaveRecord,
     load_checkpoint,
+    load_model_weights,
     wait_for_upload,
 )
 from trainer.data import DataError, TokenWindows
 from trainer.metrics import TrainingMetrics
-from trainer.model import GPT, GPTConfig, next_token_loss
+from trainer.model import GPT, add_model_options, model_config, next_token_loss
 from trainer.step_timing import StepTimer
 
 # The cosine decays to this fraction of the peak rather than to zero, so the last steps still learn.
@@ -96,11 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--warmup-steps", type=int, default=20, help="linear warm-up steps")
     parser.add_argument("--seed", type=int, default=0, help="seeds the model init and the data order")
-    parser.add_argument("--vocab-size", type=int, default=256)
-    parser.add_argument("--d-model", type=int, default=64)
-    parser.add_argument("--n-layers", type=int, default=2)
-    parser.add_argument("--n-heads", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=64)
+    add_model_options(parser)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     parser.add_argument("--log-every", type=int, default=10, help="metrics every this many steps")
     parser.add_argument("--eval-batches", type=int, default=8, help="held-out batches for the final eval loss")
@@ -108,6 +105,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="sleep this long in each step, standing in for a bigger model's compute (demos, tests)")
     parser.add_argument("--resume-from", type=Path, default=_env_path("TRAINPIPE_RESUME_FROM"),
                         help="step dir holding every node's files (default: $TRAINPIPE_RESUME_FROM)")
+    parser.add_argument("--init-from", type=Path, default=_env_path("TRAINPIPE_INIT_FROM"),
+                        help="warm start: load only the model weights of this checkpoint dir and train a new schedule "
+                        "(fresh optimizer, step 1); ignored when resuming (default: $TRAINPIPE_INIT_FROM)")
     parser.add_argument(
         "--collective-timeout-s", type=float, default=600.0, help="fail when a peer stops answering this long"
     )
@@ -301,7 +301,7 @@ def train(args: argparse.Namespace) -> None:
             vocab_size=args.vocab_size,
         )
         read_latency_s = data.reader.read_latency_s()
-        config = GPTConfig(args.vocab_size, args.d_model, args.n_layers, args.n_heads, args.seq_len)
+        config = model_config(args)
         torch.manual_seed(args.seed)
         model = GPT(config).to(device)
         ddp_model = DistributedDataParallel(model, device_ids=[local_rank] if use_cuda else None)
@@ -326,6 +326,11 @@ def train(args: argparse.Namespace) -> None:
             start_step, recent_losses = extra["data_position"], extra["recent_losses"]
             if rank == 0:
                 print(f"resumed from {args.resume_from} at step {start_step}", flush=True)
+        elif args.init_from is not None:
+            # A new schedule from those weights: the optimizer's moments and the step count start afresh.
+            load_model_weights(args.init_from, model)
+            if rank == 0:
+                print(f"warm start from {args.init_from}", flush=True)
 
         metrics = TrainingMetrics(
             args.metrics_file if rank == 0 else None,

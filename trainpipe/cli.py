@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from trainpipe import bench_command, catalog_command, cp_command, predict_command, serve_command
+from trainpipe import bench_command, catalog_command, cp_command, model_command, predict_command, serve_command
 from trainpipe.errors import exit_2_on, resolve_errors
 
 if TYPE_CHECKING:
+    from infra.checkpoints.commit import CheckpointManifest, CheckpointStore
     from infra.compute.providers import ClusterRecord
     from infra.job.spec import JobSpec
 
@@ -34,7 +35,7 @@ app.add_typer(ckpt_app, name="ckpt")
 # By name: imported only once an exception comes through (see trainpipe.errors.exit_on).
 USER_ERRORS = ("infra.job.spec:ConfigError", "infra.job.plan:PlanError", "infra.dataset.manifest:DatasetError",
                "infra.storage:StorageError", "infra.checkpoints.commit:CheckpointError",
-               "infra.compute.providers:LaunchError")
+               "infra.compute.providers:LaunchError", "infra.registry.refs:RegistryError")
 user_errors_exit_2 = exit_2_on(*USER_ERRORS)
 
 ConfigArg = Annotated[Path, typer.Argument(help="job config YAML (see examples/local.yaml)")]
@@ -54,7 +55,10 @@ def plan(config: ConfigArg, run_id: RunIdOpt = None) -> None:
     from infra.job.spec import load_job
 
     job = load_job(config)
-    typer.echo(plan_job(job, run_id or new_run_id(job)).render())
+    blocks = None
+    if any(ref.prefect_secret for ref in job.training.secrets.values()):
+        from tasks.secrets import read_secret_block as blocks  # Prefect only for a job that names its blocks
+    typer.echo(plan_job(job, run_id or new_run_id(job), secret_blocks=blocks).render())
 
 
 @app.command()
@@ -75,6 +79,10 @@ def run(config: ConfigArg, run_id: RunIdOpt = None) -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     job = load_job(config)
     run_id = run_id or new_run_id(job)
+    # Before and after the flow Ctrl-C and SIGTERM end the command at once; within it they cancel the run (flush,
+    # commit, teardown: flows.retrain). Prefect re-sends its SIGTERM here once the flow has unwound.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _exit_on_signal)
     server = BackgroundServer().start()
     try:
         # Fail on bad input before the flow starts, so the user sees one line rather than a flow traceback.
@@ -85,29 +93,44 @@ def run(config: ConfigArg, run_id: RunIdOpt = None) -> None:
         raise typer.Exit(2) from None
     server.wait()
     from flows.retrain import retrain
+    from infra.cancel import CANCEL
 
-    # Prefect turns SIGTERM into a graceful flow shutdown, then re-sends it to the handler it found. Python's
-    # default handler would end the process without atexit, leaking Prefect's ephemeral server process.
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    failure: Exception | None = None
+    failure: BaseException | None = None
+    summary: RunSummary | None = None
     try:
         retrain(job, run_id)
     except resolve_errors(*USER_ERRORS):
         raise
-    except Exception as exc:  # the flow already logged the traceback; the user gets the summary and one line
+    except (Exception, SystemExit) as exc:  # the flow already logged the traceback; the user gets the summary and
+        # one line. SystemExit: the cancelling signal, re-sent by Prefect once the flow unwound.
+        if isinstance(exc, SystemExit) and not CANCEL.cancelled:
+            raise
         failure = exc
     finally:
         summary_path = runs_dir() / run_id / "summary.json"
         if summary_path.is_file():
-            typer.echo(RunSummary(**load_summary(summary_path)).render())
+            summary = RunSummary(**load_summary(summary_path))
+            typer.echo(summary.render())
             typer.echo(f"summary: {summary_path}")
-    if failure is not None:
+    if failure is None:
+        return
+    if summary is not None and summary.status in ("failed", "cancelled"):
+        what = (f"cancelled ({summary.error})" if summary.status == "cancelled"
+                else f"failed: {type(failure).__name__}: {failure}")
+        typer.echo(f"error: run {run_id} {what}; latest committed checkpoint: {summary.checkpoint or 'none'}; "
+                   f"resume: {summary.resume_hint(str(config))}", err=True)
+    else:
         typer.echo(f"error: run {run_id} failed: {type(failure).__name__}: {failure}", err=True)
-        raise typer.Exit(1)
+    raise typer.Exit(128 + (CANCEL.signum or signal.SIGTERM) if CANCEL.cancelled else 1)
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
+def _exit_on_signal(signum: int, frame: object) -> None:
+    """Outside the flow (planning, the server's start; Prefect's re-sent SIGTERM after it): end the command. Python's
+    default handler for SIGTERM would end the process without atexit, leaking Prefect's temporary server."""
+    from infra.cancel import CANCEL
+
+    CANCEL.cancel(f"{signal.Signals(signum).name} received", signum)
+    raise SystemExit(128 + (CANCEL.signum or signum))
 
 
 @app.command()
@@ -266,6 +289,9 @@ def ckpt_ls(url: Annotated[str, typer.Argument(help="a run's checkpoint root URL
         mark = "committed" if step.committed else "uncommitted"
         star = "  <- latest" if latest and step.step == latest.step else ""
         typer.echo(f"step {step.step:>8}  {mark:<11}  {step.files:>3} files  {step.bytes / 1e6:9.2f} MB{star}")
+    for note in checkpoints.set_aside_notes():
+        typer.echo(f"step {note.step:>8}  set aside   {len(note.keys):>3} files  (attempt {note.attempt}, "
+                   f"{note.set_aside_at}): {note.reason}")
 
 
 @ckpt_app.command("verify")
@@ -289,7 +315,25 @@ def ckpt_verify(
         except ValueError as exc:
             raise CheckpointError(f"step {manifest.step}: {exc}") from None
     typer.echo(json.dumps({"step": manifest.step, "name": manifest.ref.name, "files": len(manifest.files),
-                           "loaded": loaded}))
+                           "loaded": loaded, "eval": _eval_of(checkpoints, manifest.step),
+                           "ancestors": _ancestors(checkpoints.store.url, manifest)}))
+
+
+def _eval_of(checkpoints: CheckpointStore, step: int) -> dict[str, float] | None:
+    record = checkpoints.eval(step)
+    return record.metrics if record else None
+
+
+def _ancestors(run_url: str, manifest: CheckpointManifest) -> list[str]:
+    """The step URLs the manifest's lineage descends from, nearest first; RegistryError naming one that is gone."""
+    if manifest.lineage is None or manifest.lineage.parent is None:
+        return []
+    from infra.checkpoints.steps import step_name
+    from infra.registry import registry_root_of
+    from infra.registry.chain import lineage_chain
+
+    chain = lineage_chain(f"{run_url}/{step_name(manifest.step)}", registry_root_of(run_url))
+    return [found.target.url for found in reversed(chain[:-1])]
 
 
 app.command("serve")(serve_command.serve)
@@ -298,6 +342,7 @@ app.command("cp")(user_errors_exit_2(cp_command.cp))
 app.command("predict")(predict_command.predict)
 app.add_typer(bench_command.bench_app, name="bench")
 app.add_typer(catalog_command.catalog_app, name="catalog")
+app.add_typer(model_command.model_app, name="model")
 
 
 def main() -> None:

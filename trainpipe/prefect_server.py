@@ -1,12 +1,20 @@
 """The temporary Prefect server `trainpipe run` needs when no PREFECT_API_URL is set, started while the run is
 planned: its start (a uvicorn process importing Prefect's server) takes longer than planning, and both can go on at
-once on two cores instead of one after the other."""
+once on two cores instead of one after the other.
+
+The server runs in a session of its own: a Ctrl-C in the terminal (SIGINT to the whole foreground process group)
+cancels the run, whose teardown and last reports still need the server. Prefect stops it at the command's exit, after
+its log and event queues are drained (those drain at thread shutdown, before atexit)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import threading
+from functools import partial
+from types import SimpleNamespace
+from typing import Any
 
 STARTING = "Starting temporary server"
 
@@ -37,7 +45,9 @@ class BackgroundServer:
             from prefect.server.api.server import SubprocessASGIServer
 
             # The same instance Prefect's client finds later: it reuses the running server instead of starting one.
-            SubprocessASGIServer().start()
+            server = SubprocessASGIServer()
+            _in_own_session(server)
+            server.start()
         except BaseException as exc:  # handed to the caller's thread by wait()
             self._error = exc
 
@@ -57,3 +67,21 @@ class BackgroundServer:
         self._thread.join()
         if self._error is not None:
             raise self._error
+
+
+def _in_own_session(server: Any) -> None:
+    """Prefect starts the server with a bare subprocess.Popen (no way to ask for a session): its module sees one that
+    starts a new session, for that call only (its restart on a taken port included)."""
+    from prefect.server.api import server as api
+
+    start = server._run_uvicorn_command
+
+    def own_session() -> subprocess.Popen[Any]:
+        api.subprocess = SimpleNamespace(Popen=partial(subprocess.Popen, start_new_session=True),
+                                         TimeoutExpired=subprocess.TimeoutExpired)
+        try:
+            return start()
+        finally:
+            api.subprocess = subprocess
+
+    server._run_uvicorn_command = own_session

@@ -51,7 +51,13 @@ def file_matches(path: Path, checksum: str) -> bool:
 
 def object_sha256(store: ObjectStore, key: str, size: int) -> str:
     """sha256 of an object, read in bounded ranged GETs (each retried when it fails transiently)."""
-    digest = hashlib.sha256()
+    return object_checksum(store, key, size, "sha256")
+
+
+def object_checksum(store: ObjectStore, key: str, size: int, algorithm: str) -> str:
+    """"<algorithm>:<hex>" of an object (md5, crc32c, sha256 or another hashlib algorithm), read in bounded ranged
+    GETs, each retried when it fails transiently."""
+    digest = hasher(f"{algorithm}:") if algorithm in ("md5", "crc32c", "sha256") else hashlib.new(algorithm)
     offset = 0
     while offset < size:
         length = min(_CHUNK, size - offset)
@@ -61,4 +67,4 @@ def object_sha256(store: ObjectStore, key: str, size: int) -> str:
             break
         digest.update(data)
         offset += len(data)
-    return f"sha256:{digest.hexdigest()}"
+    return f"{algorithm}:{digest.hexdigest()}"

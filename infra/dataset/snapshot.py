@@ -1,11 +1,16 @@
 """The run's dataset snapshot: the selected objects of dataset.url as they were at plan, kept beside the run's
 checkpoints (<checkpoints.url>/<run-id>/_dataset/snapshot.json), so every recovery and every rerun of the run id
 stages exactly these bytes. An object that changed or vanished since is an error naming it, never mixed data.
+
+Each of the job's inputs (base weights, a tokenizer, an eval set) is any prefix too, and gets a snapshot of its own
+the same way (<checkpoints.url>/<run-id>/_inputs/<name>/snapshot.json); `what` names the config section (dataset,
+inputs.<name>) in every error.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
 import logging
 import threading
@@ -26,6 +31,7 @@ from infra.storage.base import ObjectNotFound, ObjectStore
 log = logging.getLogger(__name__)
 
 SNAPSHOT_KEY = "_dataset/snapshot.json"
+DATASET = "dataset"  # the config section a snapshot is of, as errors name it
 SNAPSHOT_FORMAT = "trainpipe-dataset-snapshot-v1"
 _CHECKSUM_THREADS = 8
 _SHOWN = 3  # changed objects named in one error line
@@ -55,25 +61,37 @@ class DatasetSnapshot(StrictModel):
         return f"{self.url}/{file.key}"
 
 
-def snapshot_url(checkpoint_url: str) -> str:
+def snapshot_digest(snapshot: DatasetSnapshot) -> str:
+    """sha256 of what a snapshot holds (each file's key, size and checksum): equal digests, equal bytes."""
+    listing = json.dumps([file.model_dump(mode="json") for file in snapshot.files], sort_keys=True)
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def input_snapshot_key(name: str) -> str:
+    """Where the snapshot of input `name` lives under the run's checkpoint root."""
+    return f"_inputs/{name}/snapshot.json"
+
+
+def snapshot_url(checkpoint_url: str, key: str = SNAPSHOT_KEY) -> str:
     """Where a run's snapshot lives, given the run's checkpoint root (<checkpoints.url>/<run-id>)."""
-    return f"{checkpoint_url}/{SNAPSHOT_KEY}"
+    return f"{checkpoint_url}/{key}"
 
 
-def select(listing: Sequence[Listed], url: str, include: Sequence[str], exclude: Sequence[str]) -> list[Listed]:
+def select(listing: Sequence[Listed], url: str, include: Sequence[str], exclude: Sequence[str],
+           what: str = DATASET) -> list[Listed]:
     """The objects the globs select; a prefix with nothing in it, an include glob that matches nothing, or a
     selection left empty are each an error naming what to fix."""
     if not listing:
-        raise DatasetError(f"dataset.url {url}: no objects under this prefix: upload the dataset or fix the URL")
+        raise DatasetError(f"{what}.url {url}: no objects under this prefix: upload the files or fix the URL")
     for glob in include:
         if not any(fnmatch.fnmatchcase(item.key, glob) for item in listing):
-            raise DatasetError(f"dataset.include '{glob}' matches none of the {len(listing)} objects under {url}: "
-                               "fix the glob (it is matched against keys relative to dataset.url)")
+            raise DatasetError(f"{what}.include '{glob}' matches none of the {len(listing)} objects under {url}: "
+                               f"fix the glob (it is matched against keys relative to {what}.url)")
     chosen = [item for item in listing
               if (not include or any(fnmatch.fnmatchcase(item.key, glob) for glob in include))
               and not any(fnmatch.fnmatchcase(item.key, glob) for glob in exclude)]
     if not chosen:
-        raise DatasetError(f"dataset.exclude leaves none of the {len(listing)} objects under {url}: "
+        raise DatasetError(f"{what}.exclude leaves none of the {len(listing)} objects under {url}: "
                            "narrow the exclude globs")
     return chosen
 
@@ -97,9 +115,10 @@ def _checksum(store: ObjectStore, item: Listed) -> tuple[str, bool]:
     return known, True
 
 
-def take_snapshot(store: ObjectStore, include: Sequence[str] = (), exclude: Sequence[str] = ()) -> DatasetSnapshot:
+def take_snapshot(store: ObjectStore, include: Sequence[str] = (), exclude: Sequence[str] = (),
+                  what: str = DATASET) -> DatasetSnapshot:
     """List the store's root, select, and give every file a checksum (computed once where the store has none)."""
-    chosen = select(list_prefix(store), store.url, include, exclude)
+    chosen = select(list_prefix(store), store.url, include, exclude, what)
     with ThreadPoolExecutor(max_workers=_CHECKSUM_THREADS) as pool:
         checksums = list(pool.map(lambda item: _checksum(store, item), chosen))
     computed = sum(1 for _, was_computed in checksums if was_computed)
@@ -127,17 +146,18 @@ def changes_since(snapshot: DatasetSnapshot, listing: Sequence[Listed], keys: se
     return problems
 
 
-def unchanged_error(problems: Sequence[str], run: str) -> DatasetError:
+def unchanged_error(problems: Sequence[str], run: str, what: str = DATASET) -> DatasetError:
     more = f" (and {len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
-    return DatasetError(f"dataset changed since {run}'s snapshot: {'; '.join(problems[:_SHOWN])}{more}: restore the "
+    return DatasetError(f"{what} changed since {run}'s snapshot: {'; '.join(problems[:_SHOWN])}{more}: restore the "
                         "objects, or start a new run (a new run id) to train on the data as it is now")
 
 
-def check_unchanged(snapshot: DatasetSnapshot, store: ObjectStore, run: str, keys: set[str] | None = None) -> None:
+def check_unchanged(snapshot: DatasetSnapshot, store: ObjectStore, run: str, keys: set[str] | None = None,
+                    what: str = DATASET) -> None:
     """Raise DatasetError naming the first objects of the snapshot that vanished or changed since it was taken."""
     problems = changes_since(snapshot, list_prefix(store), keys)
     if problems:
-        raise unchanged_error(problems, run)
+        raise unchanged_error(problems, run, what)
 
 
 def _read(store: ObjectStore, key: str) -> DatasetSnapshot | None:
@@ -153,9 +173,9 @@ def _read(store: ObjectStore, key: str) -> DatasetSnapshot | None:
                            "dataset again, or use a new run id") from None
 
 
-def load_snapshot(store: ObjectStore) -> DatasetSnapshot | None:
+def load_snapshot(store: ObjectStore, key: str = SNAPSHOT_KEY) -> DatasetSnapshot | None:
     """The snapshot kept in a run's checkpoint store, None when the run has none yet."""
-    return _read(store, SNAPSHOT_KEY)
+    return _read(store, key)
 
 
 def read_snapshot(url: str) -> DatasetSnapshot:
@@ -167,16 +187,17 @@ def read_snapshot(url: str) -> DatasetSnapshot:
     return snapshot
 
 
-def save_snapshot(store: ObjectStore, snapshot: DatasetSnapshot) -> str:
-    store.put_bytes(SNAPSHOT_KEY, snapshot.model_dump_json(indent=1).encode())
-    return store.url_for(SNAPSHOT_KEY)
+def save_snapshot(store: ObjectStore, snapshot: DatasetSnapshot, key: str = SNAPSHOT_KEY) -> str:
+    store.put_bytes(key, snapshot.model_dump_json(indent=1).encode())
+    return store.url_for(key)
 
 
-def matches_config(snapshot: DatasetSnapshot, url: str, include: Sequence[str], exclude: Sequence[str]) -> str | None:
+def matches_config(snapshot: DatasetSnapshot, url: str, include: Sequence[str], exclude: Sequence[str],
+                   what: str = DATASET) -> str | None:
     """What differs between a run's snapshot and the dataset config it is planned with again, if anything."""
     for name, frozen, now in (("url", snapshot.url, url), ("include", snapshot.include, tuple(include)),
                               ("exclude", snapshot.exclude, tuple(exclude))):
         if frozen != now:
-            return f"dataset.{name} is {list(now) if name != 'url' else now} but the run's snapshot was taken with " \
+            return f"{what}.{name} is {list(now) if name != 'url' else now} but the run's snapshot was taken with " \
                    f"{list(frozen) if name != 'url' else frozen}"
     return None

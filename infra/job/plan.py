@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import re
 import shutil
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.checkpoints.commit import CheckpointStore
+from infra.checkpoints.commit import CheckpointError, CheckpointStore
 from infra.compute.catalog import CatalogError, load_catalog
 from infra.compute.optimizer import Candidate, NoCandidateError, candidates, render_candidates
 from infra.compute.providers import get_provider
 from infra.dataset.docs import write_data_docs
 from infra.dataset.manifest import DatasetError
-from infra.dataset.planning import CarriesValidation, DatasetPlan, ExpectationsFailed, plan_dataset
+from infra.dataset.planning import CarriesValidation, DatasetPlan, ExpectationsFailed, plan_dataset, plan_input
 from infra.dataset.stagecache import CACHE_DIR, cached_bytes
-from infra.job.spec import JobSpec
+from infra.job.secrets import BlockReader, SecretMissing, resolve_secrets
+from infra.job.spec import InputSpec, JobSpec
+from infra.job.store_access import store_access_problem
+from infra.registry import CheckpointTarget, RegistryError, resolve_checkpoint
 from infra.storage import StorageError, open_store
 from infra.workload.plan import WorkloadError, WorkloadPlan, plan_workload
 from infra.workspace import local_clusters_dir, run_dir
@@ -44,6 +48,13 @@ class Plan:
     resume_step: int | None
     workload: WorkloadPlan
     candidates: tuple[Candidate, ...] = ()  # cloud providers: where to launch, in the order failover tries
+    init_from: CheckpointTarget | None = None  # training.init_from resolved: the weights a fresh start begins from
+    inputs: dict[str, DatasetPlan] = field(default_factory=dict)  # name -> its plan (snapshot, files, bytes)
+
+    @property
+    def inputs_bytes(self) -> int:
+        """What every node holds of the inputs once staged (each input is replicated)."""
+        return sum(plan.bytes for plan in self.inputs.values())
 
     def render(self) -> str:
         resume = f"resume from committed step {self.resume_step}" if self.resume_step is not None else "start at step 0"
@@ -51,7 +62,11 @@ class Plan:
             f"run {self.run_id} on {self.provider}: {self.nodes} nodes × {self.world_size // self.nodes} processes "
             f"(cluster {self.cluster_name})",
             *self.dataset.render_lines(),
+            *(line for plan in self.inputs.values() for line in plan.render_lines()),
             f"  checkpoints: {self.checkpoint_url} — {resume}",
+            *([f"  warm start: {self.init_from.url}" + (" (not restored: the run resumes its own checkpoint)"
+                                                       if self.resume_step is not None else "")]
+              if self.init_from is not None else []),
             self.workload.render(),
             *(f"  warning: {warning}" for warning in self.workload.warnings),
             *self._render_candidates(),
@@ -90,40 +105,75 @@ def _size(count: int) -> str:
     return f"{count / 1e9:,.2f} GB" if count >= 1e9 else f"{count / 1e6:,.1f} MB"
 
 
-def _local_disk(held: tuple[int, ...]) -> None:
+def _local_disk(held: tuple[int, ...], what: str) -> None:
     """Local nodes share this machine's disk: together they must fit in what is free (cached objects count as
     free: they are reused or evicted)."""
     root = local_clusters_dir()
     existing = next(p for p in (root, *root.parents) if p.exists())
     free = shutil.disk_usage(existing).free + cached_bytes(root.parent / CACHE_DIR)
     if sum(held) > free:
-        raise PlanError(f"dataset: the {len(held)} local nodes would hold {_size(sum(held))} ({_size(max(held))} on "
+        raise PlanError(f"{what}: the {len(held)} local nodes would hold {_size(sum(held))} ({_size(max(held))} on "
                         f"the largest) but {existing} has {_size(free)} free: free space, use dataset.shard: split, "
                         "or a smaller selection (dataset.include/exclude)")
 
 
-def fit_on_disks(job: JobSpec, held: tuple[int, ...], found: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
-    """The candidates whose local disk holds a node's share of the dataset; an error naming both numbers when the
-    disk is known (catalog NVMe, this machine) and none does. Other disks are measured at verify."""
+def fit_on_disks(job: JobSpec, held: tuple[int, ...], found: tuple[Candidate, ...],
+                 inputs_bytes: int = 0) -> tuple[Candidate, ...]:
+    """The candidates whose local disk holds a node's share of the dataset and every input (inputs_bytes); an error
+    naming both numbers when the disk is known (catalog NVMe, this machine) and none does. Other disks are measured
+    at verify."""
     if job.dataset.access != "staged":
-        return found  # nothing is staged: the trainer reads the store
+        held = tuple(0 for _ in held)  # the trainer reads the dataset from the store: only the inputs are staged
+    held = tuple(share + inputs_bytes for share in held)
+    if not any(held):
+        return found
+    what = "dataset and inputs" if inputs_bytes else "dataset"
     need = max(held)
     if found:
         fitting = tuple(c for c in found if not c.local_nvme_bytes or c.local_nvme_bytes >= need)
         if not fitting:
             largest = max(found, key=lambda c: c.local_nvme_bytes)
-            raise PlanError(f"dataset: a node would hold {_size(need)} but the largest local NVMe among the "
+            raise PlanError(f"{what}: a node would hold {_size(need)} but the largest local NVMe among the "
                             f"{len(found)} candidates ({largest.instance_type}) is {_size(largest.local_nvme_bytes)}: "
                             "use dataset.shard: split, more nodes, or instance types with more NVMe")
         return fitting
     if job.cluster.provider in ("local", "netns"):
-        _local_disk(held)
+        _local_disk(held, what)
     return found
 
 
-def _dataset(job: JobSpec, checkpoint_url: str, run_id: str) -> DatasetPlan:
+def resolve_input_url(ref: str, root_url: str) -> str:
+    """The URL of the committed checkpoint a '<model>@<alias>' input names, in the registry under root_url (the
+    job's checkpoints.url): the prefix holding that step's files, as the script saved them; PlanError when it names
+    nothing committed."""
     try:
-        return plan_dataset(job.dataset, job.cluster.nodes, checkpoint_url, run_id)
+        target = resolve_checkpoint(ref, root_url)
+        manifest = CheckpointStore(open_store(target.run_url)).manifest(target.step)
+    except (RegistryError, CheckpointError, StorageError) as exc:
+        raise PlanError(f"input {exc}") from None
+    return f"{target.url}/{manifest.files_prefix}".rstrip("/")
+
+
+def input_specs(job: JobSpec) -> dict[str, InputSpec]:
+    """Every input as a prefix: a model alias resolved to the checkpoint it points at now."""
+    return {name: entry if isinstance(entry, InputSpec)
+            else InputSpec(url=resolve_input_url(entry, job.checkpoints.url))
+            for name, entry in job.inputs.items()}
+
+
+def _dataset(job: JobSpec, checkpoint_url: str, run_id: str) -> DatasetPlan:
+    return _prefix(lambda: plan_dataset(job.dataset, job.cluster.nodes, checkpoint_url, run_id), run_id)
+
+
+def _inputs(job: JobSpec, checkpoint_url: str, run_id: str) -> dict[str, DatasetPlan]:
+    return {name: _prefix(lambda name=name, spec=spec: plan_input(name, spec, job.cluster.nodes, checkpoint_url,
+                                                                  run_id), run_id)
+            for name, spec in input_specs(job).items()}
+
+
+def _prefix(plan: Callable[[], DatasetPlan], run_id: str) -> DatasetPlan:
+    try:
+        return plan()
     except ExpectationsFailed as failed:
         docs = write_data_docs(failed.validation, run_dir(run_id), run_id)
         raise DatasetCheckFailed(f"{failed} (Data Docs: {_shown(docs)})", failed.validation) from None
@@ -138,10 +188,28 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
-def plan_job(job: JobSpec, run_id: str) -> Plan:
+def _init_from(job: JobSpec) -> CheckpointTarget | None:
+    """The committed checkpoint training.init_from names, checked now: a missing one costs no cluster."""
+    if job.training.init_from is None:
+        return None
+    try:
+        return resolve_checkpoint(job.training.init_from, job.checkpoints.url)
+    except (RegistryError, CheckpointError, StorageError) as exc:
+        raise PlanError(f"training.init_from: {exc}") from None
+
+
+def plan_job(job: JobSpec, run_id: str, secret_blocks: BlockReader | None = None) -> Plan:
+    """secret_blocks reads Prefect Secret blocks (the flow's plan has one); without it those the job names are
+    checked by the flow's plan, still before anything is launched."""
     if not RUN_ID.match(run_id):
         raise PlanError(f"run id '{run_id}': use letters, digits, '.', '_' or '-' (at most 64)")
     get_provider(job.cluster.provider)
+    try:
+        resolve_secrets(job.training.secrets, secret_blocks)  # that each is there; the values are not kept
+    except SecretMissing as exc:
+        raise PlanError(str(exc)) from None
+    if (problem := store_access_problem(job)) is not None:
+        raise PlanError(problem)
     found = cluster_candidates(job)
     try:
         workload = plan_workload(job.training.code, job.training.setup, job.training.command)
@@ -154,14 +222,16 @@ def plan_job(job: JobSpec, run_id: str) -> Plan:
     except StorageError as exc:
         raise PlanError(f"checkpoints.url: {exc}") from None
     dataset = _dataset(job, checkpoint_url, run_id)
-    found = fit_on_disks(job, dataset.node_bytes, found)
+    inputs = _inputs(job, checkpoint_url, run_id)
+    found = fit_on_disks(job, dataset.node_bytes, found, sum(plan.bytes for plan in inputs.values()))
     if dataset.validation is not None:
         write_data_docs(dataset.validation, run_dir(run_id), run_id)
     latest = CheckpointStore(checkpoints).latest()
+    init_from = _init_from(job)
     return Plan(
         run_id=run_id, cluster_name=cluster_name_for(run_id), provider=job.cluster.provider,
         nodes=job.cluster.nodes, world_size=job.cluster.nodes * job.cluster.procs_per_node,
         dataset_url=job.dataset.url, dataset=dataset,
         checkpoint_url=checkpoint_url, resume_step=latest.step if latest else None, workload=workload,
-        candidates=found,
+        candidates=found, init_from=init_from, inputs=inputs,
     )

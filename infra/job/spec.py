@@ -13,14 +13,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from infra.checkpoints.formats import CheckpointFormat
+from infra.compute.providers.aws.config import AwsClusterSpec
+from infra.compute.providers.gcp.config import GcpClusterSpec
 from infra.compute.providers.netns.config import NetnsClusterSpec
 from infra.compute.providers.registry import CHAOS_PROVIDERS, PROVIDER_NAMES
 from infra.compute.providers.ssh.config import SshClusterSpec
 from infra.job.recovery_spec import ChaosSpec, RecoverySpec
+from infra.job.secrets import SecretRef
 from infra.models import StrictModel, readable_file
+from infra.registry.refs import NAME, parse_model_ref
 from infra.storage import BACKENDS, as_url
 from infra.workload.code import ARCHIVE_SUFFIXES
 from infra.workload.contract import check_command
@@ -103,6 +107,10 @@ class ClusterSpec(StrictModel):
                                "network, all-reduce and local disk throughput against the floors and the catalog.")
     netns: NetnsClusterSpec = Field(default_factory=NetnsClusterSpec, description="provider netns: how its emulated "
                                     "links are shaped.")
+    aws: AwsClusterSpec = Field(default_factory=AwsClusterSpec, description="provider aws: the instance profile "
+                                "the nodes reach their stores with.")
+    gcp: GcpClusterSpec = Field(default_factory=GcpClusterSpec, description="provider gcp: the service account the "
+                                "nodes reach their stores with.")
 
     @field_validator("provider")
     @classmethod
@@ -126,15 +134,14 @@ class ClusterSpec(StrictModel):
         return self
 
 
-class DatasetSpec(StrictModel):
-    url: str = Field(description="The dataset: any prefix of objects in any format (file://, s3://, gs:// or a path). "
-                     "At plan its listing is frozen as the run's snapshot; every node stages exactly those objects.")
+class PrefixSpec(StrictModel):
+    """A prefix of objects in any format, frozen at plan as the run's snapshot: the dataset, and each input."""
+
+    url: str = Field(description="Any prefix of objects in any format (file://, s3://, gs:// or a path). At plan its "
+                     "listing is frozen as the run's snapshot; every node stages exactly those objects.")
     include: tuple[str, ...] = Field((), description="Globs (relative to url; * also matches '/') selecting the files "
                                      "to use; empty = every object under url.")
     exclude: tuple[str, ...] = Field((), description="Globs of files to leave out, applied after include.")
-    shard: Literal["replicate", "split"] = Field(
-        "replicate", description="replicate: every node stages every file; split: each node stages a disjoint set of "
-        "files, balanced by bytes (listed in TRAINPIPE_DATA_SHARDS), as WebDataset and MDS readers expect per rank.")
     expectations: str | list[dict[str, Any]] | None = Field(
         None, description="Great Expectations checks of the tabular files (Parquet, CSV, JSONL, trainpipe tokens), "
         "run before anything is launched: the path of an ExpectationSuite JSON file, or a list of expectations "
@@ -142,10 +149,6 @@ class DatasetSpec(StrictModel):
     validation: str = Field("full", description="full: expectations read every row; sample: sample_rows rows per file, "
                             "read with ranged GETs.")
     sample_rows: int = Field(1000, ge=1, description="Rows per file that validation: sample reads.")
-    access: Literal["staged", "remote"] = Field(
-        "staged", description="staged: every node copies the dataset to its local disk before training (fast); "
-        "remote: the trainer reads each batch from the store with ranged GETs, as a mounted object store does "
-        "(for comparisons: every step then waits on the store).")
 
     @field_validator("url")
     @classmethod
@@ -173,6 +176,38 @@ class DatasetSpec(StrictModel):
             return readable_file(value, "expectation suite", "give the path of an ExpectationSuite JSON file, or "
                                   "list the expectations inline")
         return value
+
+
+class DatasetSpec(PrefixSpec):
+    url: str = Field(description="The dataset: any prefix of objects in any format (file://, s3://, gs:// or a path). "
+                     "At plan its listing is frozen as the run's snapshot; every node stages exactly those objects.")
+    shard: Literal["replicate", "split"] = Field(
+        "replicate", description="replicate: every node stages every file; split: each node stages a disjoint set of "
+        "files, balanced by bytes (listed in TRAINPIPE_DATA_SHARDS), as WebDataset and MDS readers expect per rank.")
+    access: Literal["staged", "remote"] = Field(
+        "staged", description="staged: every node copies the dataset to its local disk before training (fast); "
+        "remote: the trainer reads each batch from the store with ranged GETs, as a mounted object store does "
+        "(for comparisons: every step then waits on the store).")
+
+
+INPUT_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+class InputSpec(PrefixSpec):
+    """One more prefix besides the dataset (base model weights, a tokenizer, an eval set), staged whole to every node:
+    TRAINPIPE_INPUT_<NAME> and {input_<name>} name its folder there."""
+
+    url: str = Field(description="The input: any prefix of objects in any format (file://, s3://, gs:// or a path), "
+                     "frozen at plan as the run's snapshot of it and staged whole to every node's local disk, "
+                     "through the same cache as the dataset.")
+
+
+def _input_entry(value: object) -> object:
+    """An input given as a string: a model alias ('model@alias') stays one; a URL or path is {url: ...}."""
+    # "<model>@<alias>": a model in the checkpoint store's registry (resolved at plan, plan.resolve_input_url)
+    if isinstance(value, str) and parse_model_ref(value) is None:
+        return {"url": value}
+    return value
 
 
 class CheckpointSpec(StrictModel):
@@ -214,13 +249,25 @@ class TrainingSpec(StrictModel):
                                      "dir: a .py of the code and its arguments, or [-m, module, ...]. Placeholders "
                                      "{data_dir} {checkpoint_dir} {resume_from} {run_id} ... stand for the values "
                                      "of the TRAINPIPE_* variables.")
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for setup and training.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for setup and training. Its "
+                                "values are flow-run parameters, shown in the Prefect UI: put tokens and keys in "
+                                "training.secrets.")
+    secrets: dict[str, SecretRef] = Field(
+        default_factory=dict, description="Environment variables for setup and training whose values are secret: "
+        "each names where its value is kept, {env: VARIABLE} (the orchestrator's environment) or {prefect_secret: "
+        "block-name} (a Prefect Secret block). Resolved when the run starts the node commands; the value is never a "
+        "flow parameter, in the summary or on a command line.")
     threads_per_proc: int = Field(1, ge=1, description="CPU threads per training process (OMP_NUM_THREADS).")
     timeout_s: float = Field(3600, gt=0, description="Fail training that runs longer than this.")
     exit_grace_s: float = Field(
         120.0, ge=0, description="Once every rank of one node has exited 0 and the newest checkpoint is committed: "
         "seconds the other nodes get to exit too; past it their ranks are stopped and the run completes, naming "
         "the node that hung at exit (e.g. a rank stuck tearing down its process group).")
+    init_from: str | None = Field(
+        None, description="Warm start: a committed checkpoint to start a new schedule from — the step URL `trainpipe "
+        "run` prints, a run's checkpoint root (its latest commit) or MODEL@ALIAS (e.g. mymodel@production). Checked "
+        "at plan, restored onto every node before training as TRAINPIPE_INIT_FROM / {init_from}; not restored again "
+        "when the run resumes its own checkpoint after a preemption.")
 
     @field_validator("code")
     @classmethod
@@ -248,15 +295,66 @@ class TrainingSpec(StrictModel):
                              "lower it (a minute or two is plenty for ranks to exit)")
         return self
 
-    @field_validator("env")
+    @field_validator("init_from")
     @classmethod
-    def _shell_names(cls, value: dict[str, str]) -> dict[str, str]:
+    def _checkpoint_ref(cls, value: str | None) -> str | None:
+        # MODEL@ALIAS is the registry's; anything else is a URL or a path.
+        if value is None or parse_model_ref(value) is not None:
+            return value
+        return _to_url(value)
+
+    @field_validator("env", "secrets")
+    @classmethod
+    def _shell_names(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         for name in value:
             if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name):
-                raise ValueError(f"env name {name!r} is not a valid environment variable name")
+                raise ValueError(f"{info.field_name} name {name!r} is not a valid environment variable name")
             if name.startswith("TRAINPIPE_"):
-                raise ValueError(f"env {name}: TRAINPIPE_* variables are set by trainpipe: use another name")
+                raise ValueError(f"{info.field_name} {name}: TRAINPIPE_* variables are set by trainpipe: use another "
+                                 "name")
         return value
+
+    @model_validator(mode="after")
+    def _secrets_apart_from_env(self) -> TrainingSpec:
+        if both := sorted(self.env.keys() & self.secrets.keys()):
+            raise ValueError(f"{both[0]} is in both env and secrets: keep it in secrets only")
+        return self
+
+
+# The evaluate command's own placeholders, beside every training one.
+EVAL_PLACEHOLDERS = ("checkpoint", "eval_file")
+
+
+class EvaluateSpec(StrictModel):
+    """The evaluation gate: a command run on the cluster once the final checkpoint is committed."""
+
+    command: tuple[str, ...] = Field(
+        min_length=1, description="Run once on node 0, in the code dir, after the final checkpoint is committed and "
+        "before teardown (a plain process, not under torchrun): a .py of the code and its arguments, or [-m, module, "
+        "...]. It must write its metrics as a JSON object of numbers to TRAINPIPE_EVAL_FILE ({eval_file}). "
+        "{checkpoint} is the committed checkpoint restored on that node; every training placeholder works too.")
+    timeout_s: float = Field(1800, gt=0, description="Fail the gate when the evaluation runs longer than this.")
+
+    @field_validator("command")
+    @classmethod
+    def _known_placeholders(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        check_command(value, extra=EVAL_PLACEHOLDERS)
+        return value
+
+
+class PromoteSpec(StrictModel):
+    """The promotion gate: move MODEL@ALIAS to the new checkpoint only when its metric beats the champion's."""
+
+    model: str = Field(pattern=rf"^{NAME}$", description="The model name in the registry (letters, digits, '.', '_', "
+                       "'-'); "
+                       "its aliases live under <checkpoints.url>/_registry/<model>/.")
+    alias: str = Field("production", pattern=rf"^{NAME}$", description="The alias the run may move (e.g. production).")
+    metric: str = Field("eval_loss", min_length=1, description="The key of the evaluate file's JSON compared "
+                        "with the champion's (the checkpoint the alias points at now).")
+    mode: Literal["min", "max"] = Field("min", description="min: lower is better (a loss); max: higher is better "
+                                        "(an accuracy).")
+    min_delta: float = Field(0.0, ge=0, description="Promote only when the metric beats the champion's by more than "
+                             "this. The first run of a model is promoted.")
 
 
 class JobSpec(StrictModel):
@@ -265,8 +363,50 @@ class JobSpec(StrictModel):
     dataset: DatasetSpec
     checkpoints: CheckpointSpec
     training: TrainingSpec
+    inputs: dict[str, InputSpec | str] = Field(
+        default_factory=dict, description="Prefixes besides the dataset, by name ([a-z][a-z0-9_]*): base model "
+        "weights, a tokenizer, an eval set. Each is {url, include, exclude, expectations} (or just its URL), or a "
+        "model alias 'model@alias' of the checkpoint store's registry; frozen at plan like the dataset, held to the "
+        "manifests it carries, staged whole to every node and named there by TRAINPIPE_INPUT_<NAME> and "
+        "{input_<name>}.")
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
     chaos: ChaosSpec | None = Field(None, description="Preemptions to inject (local and ssh providers): for tests.")
+    evaluate: EvaluateSpec | None = Field(None, description="Evaluate the committed checkpoint on the cluster before "
+                                          "teardown; its metrics go to the summary, the report and the checkpoint's "
+                                          "eval record.")
+    promote: PromoteSpec | None = Field(None, description="After evaluate: make the new checkpoint MODEL@ALIAS only "
+                                        "if its metric beats the champion's. Needs evaluate.")
+
+    @model_validator(mode="after")
+    def _promote_needs_evaluate(self) -> JobSpec:
+        if self.promote is not None and self.evaluate is None:
+            raise ValueError("promote needs metrics to compare: add an evaluate: {command: [...]} section that "
+                             f"writes {self.promote.metric} to TRAINPIPE_EVAL_FILE, or remove promote")
+        return self
+
+    @field_validator("inputs", mode="before")
+    @classmethod
+    def _input_entries(cls, value: object) -> object:
+        if not isinstance(value, dict):
+            return value
+        for name in value:
+            if not isinstance(name, str) or not INPUT_NAME.match(name):
+                raise ValueError(f"input name {name!r}: use lowercase letters, digits and '_', starting with a letter "
+                                 "(it becomes TRAINPIPE_INPUT_<NAME> and {input_<name>})")
+        return {name: _input_entry(entry) for name, entry in value.items()}
+
+    @model_validator(mode="after")
+    def _input_placeholders_declared(self) -> JobSpec:
+        try:
+            check_command(self.training.command, inputs=self.inputs)
+        except ValueError as exc:
+            raise ValueError(f"training.{exc}") from None
+        if self.evaluate is not None:  # an eval set is an input too: {input_<name>}
+            try:
+                check_command(self.evaluate.command, inputs=self.inputs, extra=EVAL_PLACEHOLDERS)
+            except ValueError as exc:
+                raise ValueError(f"evaluate.{exc}") from None
+        return self
 
     @model_validator(mode="after")
     def _outage_within_training(self) -> JobSpec:

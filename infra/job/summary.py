@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 LAUNCHED_AT_VAR = "TRAINPIPE_LAUNCHED_AT"  # set by `trainpipe run`: when the command started, unix seconds
-PHASES = ("plan", "provision", "verify", "stage", "train", "sync", "teardown")
+PHASES = ("plan", "provision", "verify", "stage", "train", "sync", "evaluate", "promote", "teardown")
 # The cluster is paid for from the start of provisioning to the end of teardown: every phase but plan.
 BILLED_PHASES = PHASES[1:]
 
@@ -45,8 +45,12 @@ class RunSummary:
     checkpoint: str | None = None
     checkpoint_step: int | None = None
     nodes_left: int | None = None
+    teardown_error: str | None = None  # the run's own teardown failed: what it left needs `trainpipe down`
     stage: dict[str, Any] = field(default_factory=dict)
     dataset: dict[str, Any] = field(default_factory=dict)  # infra.dataset.planning.DatasetPlan.summary()
+    # per input: its DatasetPlan.summary() and its staging: fetched_bytes, reused_bytes (from the node's cache),
+    # seconds (the most on any node) and mb_per_s (the slowest node's)
+    inputs: dict[str, dict[str, Any]] = field(default_factory=dict)
     checkpoints: list[dict[str, Any]] = field(default_factory=list)  # per step: stall, write, upload, commit
     resumed_from_step: int | None = None  # the committed step this run restored (None: started fresh)
     warnings: list[str] = field(default_factory=list)  # e.g. a damaged checkpoint skipped on resume
@@ -62,6 +66,9 @@ class RunSummary:
     # time went (T_compute / T_network / T_io)
     workload: dict[str, Any] = field(default_factory=dict)  # code, its sha256, command, config hash, setup_s
     metrics: dict[str, Any] = field(default_factory=dict)  # what the script reported about the whole run
+    init_from: str | None = None  # training.init_from's step URL when the run warm-started from it
+    eval: dict[str, Any] = field(default_factory=dict)  # tasks.evaluate.Evaluation: checkpoint, step, metrics, seconds
+    promotion: dict[str, Any] = field(default_factory=dict)  # tasks.promote.Decision, and decided_after_training_s
     started_at: float = field(default_factory=time.time)  # the command's start where a command launched the run
     finished_at: float | None = None
     flow_started_s: float | None = None  # from started_at to the flow's own start (command, Prefect server, plan)
@@ -96,6 +103,11 @@ class RunSummary:
             billed_s = sum(self.phases.get(name, 0.0) for name in BILLED_PHASES)
             self.cost_usd = round(self.price_per_hour * billed_s / 3600, 4)
 
+    def resume_hint(self, config: str = "CONFIG") -> str:
+        """What continues a failed or cancelled run: the same run id resumes from its latest commit."""
+        start = f"from step {self.checkpoint_step}" if self.checkpoint_step is not None else "from the start"
+        return f"trainpipe run {config} --run-id {self.run_id} (resumes {start})"
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -116,6 +128,7 @@ class RunSummary:
             lines.append(f"  staged: {self.stage.get('bytes', 0) / 1e6:.1f} MB per node at "
                          f"{self.stage.get('mb_per_s', 0):.0f} MB/s (slowest node), "
                          f"{self.stage.get('skipped_bytes', 0) / 1e6:.1f} MB already there")
+        lines.extend(f"  input {name}: {fact}" for name, fact in input_facts(self.inputs).items())
         if self.workload:
             code = self.workload.get("code_sha256")
             lines.append(f"  workload: {' '.join(self.workload['command'])}"
@@ -142,8 +155,18 @@ class RunSummary:
             lines.append(f"  cluster: {where} after {len(self.attempts)} launch attempt(s)"
                          + (f", ${self.price_per_hour:.2f}/h, cost ${self.cost_usd:.4f}"
                             if self.cost_usd is not None and self.price_per_hour is not None else ""))
+        if self.init_from:
+            lines.append(f"  warm start: {self.init_from}")
+        if self.eval:
+            lines.append("  eval: " + ", ".join(f"{k} {v:.4f}" for k, v in self.eval["metrics"].items())
+                         + f" ({self.eval['seconds']:.1f}s)")
+        if self.promotion:
+            lines.append(f"  {'promoted' if self.promotion['promoted'] else 'not promoted'}: "
+                         f"{self.promotion['model']}@{self.promotion['alias']}: {self.promotion['reason']}")
         lines.append(f"  checkpoint: {self.checkpoint or 'none committed'}"
                      + (f" (resumed from step {self.resumed_from_step})" if self.resumed_from_step is not None else ""))
+        if self.status in ("failed", "cancelled"):
+            lines.append(f"  resume: {self.resume_hint()}")
         stalls = [c["stall_s"] for c in self.checkpoints if c.get("stall_s") is not None]
         if stalls:
             lines.append(f"  checkpoints: {len(stalls)} saved, training stalled {sum(stalls) / len(stalls):.3f}s "
@@ -156,7 +179,23 @@ class RunSummary:
         lines.extend(f"  warning: {warning}" for warning in self.warnings)
         if self.nodes_left is not None:
             lines.append(f"  {self.nodes_left} nodes left running")
+        if self.teardown_error is not None:
+            lines.append(f"  teardown failed: {self.teardown_error}: `trainpipe status` shows what is left, "
+                         "`trainpipe down` ends it")
         return "\n".join(lines)
+
+
+def input_facts(inputs: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """One line per input: how much every node holds and how its staging went (the summary's and the report's)."""
+    facts = {}
+    for name, record in inputs.items():
+        line = f"{record['bytes'] / 1e6:,.1f} MB ({record['files']:,} files) from {record['url']}"
+        if "seconds" in record:
+            line += (f"; staged in {record['seconds']:.1f}s, {record['fetched_bytes'] / 1e6:,.1f} MB fetched at "
+                     f"{record['mb_per_s']} MB/s (slowest node), {record['reused_bytes'] / 1e6:,.1f} MB reused from "
+                     "the cache")
+        facts[name] = line
+    return facts
 
 
 def load_summary(path: Path) -> dict[str, Any]:

@@ -21,6 +21,9 @@ from infra.workload.progress import StepClock
 
 CHAOS_TRIGGER = "chaos-trigger"
 CHECK_INTERVAL_S = 2.0
+# Reads from a node that still answers a new connection, failing this many rounds in a row: not a lost node, a broken
+# one, and the run stops with the reason rather than train on unseen.
+UNREADABLE_ROUNDS = 5
 
 
 class TrainingProgress(Protocol):
@@ -65,6 +68,7 @@ class PreemptionWatch:
         self._next_check = 0.0
         self._notices: dict[str, str] = {}  # node → reason, as first seen
         self._gone_since: dict[str, float] = {}
+        self._unreadable: dict[str, int] = {}  # node → reads failed in a row
 
     # -- chaos ---------------------------------------------------------------------------------------------------
 
@@ -121,6 +125,27 @@ class PreemptionWatch:
         preempted = self._look(self.confirm_s)
         if preempted is not None:
             raise preempted
+
+    def reading(self, node: str, read: Callable[[], None]) -> None:
+        """A read from node in the wait loop (the head's metrics file). A connection error is the watch's to judge,
+        not the run's end: with the node gone (a new connection fails too) it is a preemption, raised at once, the
+        failed read being the evidence, as a trainer's failure is in explain; with the node answering, the read is
+        tried again next round, up to UNREADABLE_ROUNDS failures in a row."""
+        try:
+            read()
+        except ConnectionError as exc:  # SshConnectError: the connection dropped, or the node did not answer
+            failures = self._unreadable[node] = self._unreadable.get(node, 0) + 1
+            self.logger.warning("%s: cannot read from it (%s): is it still there?", node, exc)
+            preempted = self._look(confirm_s=0.0)
+            if preempted is not None:
+                raise preempted from exc
+            if failures >= UNREADABLE_ROUNDS:
+                raise TrainingError(f"{node}: reads failed {failures} times in a row although it answers a new "
+                                    f"connection (last: {exc}): check the node's sshd and disk") from exc
+            self.logger.warning("%s: it still answers: reading again next round (%d/%d)", node, failures,
+                                UNREADABLE_ROUNDS)
+        else:
+            self._unreadable.pop(node, None)
 
     def explain(self, failure: TrainingError) -> TrainingError:
         """A trainer failed: a preemption when a node got a notice or goes missing within confirm_s, else itself.

@@ -4,7 +4,8 @@ The whole checkpoint (the union of every node's files) lands in the node's check
 there when it was saved (`checkpoint-500/`, `snapshot.pt`, ...), where the script finds it through
 TRAINPIPE_RESUME_FROM. Without --step it takes the newest committed checkpoint and falls back to the previous
 committed one when the newest turns out damaged, so a resumed job loses at most one checkpoint interval instead of
-failing. With --sync-dir it tells the node's syncer that what it restored is committed already.
+failing; the damaged commit is set aside in the store (kept, never counted again) and each warning says so. With
+--sync-dir it tells the node's syncer that what it restored is committed already.
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
-"""`stage`: mirror this node's files of the run's dataset snapshot into its data dir, verified.
+"""`stage`: mirror this node's files of the run's dataset snapshot into its data dir, and each input's snapshot whole
+into <inputs-dir>/<name>, verified.
 
 Runs on the node, so the bytes travel store → node directly; the orchestrator only sees progress events. The data
 dir ends up holding exactly the node's selected files (replicate: every snapshot file; split: its share) under their
 keys, and nothing else; <workdir>/data-files.txt lists them, one path per line relative to the data dir. Objects
 come from the node's cache when it holds the same bytes (by checksum); the rest are fetched in parallel parts,
-verified against the snapshot's checksum, and adopted into the cache for the next run.
+verified against the snapshot's checksum, and adopted into the cache for the next run. The dataset and the inputs
+go one after the other through the one cache (it is locked while staging): an input's bytes are reused by the next
+run exactly as the dataset's are. Events: `staged` for the dataset, `input-staged` (with its name) per input.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 from infra.dataset.assign import assign
 from infra.dataset.checksums import file_matches, hasher
 from infra.dataset.manifest import DatasetError
-from infra.dataset.snapshot import DatasetSnapshot, SnapshotFile, check_unchanged, read_snapshot
+from infra.dataset.snapshot import DATASET, DatasetSnapshot, SnapshotFile, check_unchanged, read_snapshot
 from infra.dataset.stagecache import CacheBusy, ObjectCache, link_into
 from infra.node.events import Throttle, emit, fail
 from infra.storage import StorageError, open_store
@@ -130,11 +133,12 @@ def _fetch_small(store: ObjectStore, snapshot: DatasetSnapshot, files: list[Snap
 
 
 def stage(snapshot: DatasetSnapshot, mine: list[SnapshotFile], data_dir: Path, cache: ObjectCache, *,
-          run: str, workers: int, progress: Callable[[Progress], None] | None = None) -> dict[str, object]:
+          run: str, workers: int, progress: Callable[[Progress], None] | None = None,
+          what: str = DATASET) -> dict[str, object]:
     """Make data_dir the mirror of the node's files; returns the `staged` event's fields."""
     started = time.monotonic()
     store = open_store(snapshot.url)
-    check_unchanged(snapshot, store, run, keys={file.key for file in mine})
+    check_unchanged(snapshot, store, run, keys={file.key for file in mine}, what=what)
 
     def verified_in_cache(file: SnapshotFile) -> bool:
         if cache.lookup(file.checksum, file.size) is not None:
@@ -183,13 +187,23 @@ def stage(snapshot: DatasetSnapshot, mine: list[SnapshotFile], data_dir: Path, c
             "mb_per_s": round(moved / 1e6 / fetch_s, 1) if fetch and fetch_s > 0 else 0.0}
 
 
+def _input(text: str) -> tuple[str, str]:
+    name, sep, url = text.partition("=")
+    if not sep or not name or not url:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=SNAPSHOT_URL")
+    return name, url
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m infra.node stage")
-    parser.add_argument("--snapshot", required=True, help="URL of the run's dataset snapshot")
+    parser.add_argument("--snapshot", help="URL of the run's dataset snapshot (none: only inputs are staged)")
+    parser.add_argument("--input", type=_input, action="append", default=[], metavar="NAME=SNAPSHOT_URL",
+                        help="an input's snapshot, staged whole into <inputs-dir>/NAME (repeatable)")
+    parser.add_argument("--inputs-dir", type=Path, help="where the inputs go, one folder each")
     parser.add_argument("--rank", type=int, required=True, help="this node's rank")
     parser.add_argument("--nodes", type=int, required=True, help="nodes in the cluster")
     parser.add_argument("--shard", choices=("replicate", "split"), default="replicate")
-    parser.add_argument("--dest", required=True, type=Path, help="the node's data dir: becomes the mirror")
+    parser.add_argument("--dest", type=Path, help="the node's data dir: becomes the mirror of the dataset")
     parser.add_argument("--workdir", required=True, type=Path, help=f"the node's workdir: {FILES_LIST} goes here")
     parser.add_argument("--cache", required=True, type=Path, help="the node's object cache (kept across runs)")
     parser.add_argument("--run", default="the run", help="run id, for error messages")
@@ -199,20 +213,38 @@ def main(argv: list[str]) -> int:
 
     throttle = Throttle(args.progress_interval)
 
-    def report(progress: Progress) -> None:
-        if throttle.ready() or progress.bytes_done == progress.bytes_total:
-            emit("progress", bytes_done=progress.bytes_done, bytes_total=progress.bytes_total,
-                 files_done=progress.files_done, files_total=progress.files_total,
-                 mb_per_s=round(progress.mb_per_s, 1), eta_s=round(progress.eta_s, 1))
+    if args.input and args.inputs_dir is None:
+        parser.error("--input needs --inputs-dir")
+    if args.snapshot is not None and args.dest is None:
+        parser.error("--snapshot needs --dest")
+
+    def reporter(what: str) -> Callable[[Progress], None]:
+        def report(progress: Progress) -> None:
+            if throttle.ready() or progress.bytes_done == progress.bytes_total:
+                emit("progress", what=what, bytes_done=progress.bytes_done, bytes_total=progress.bytes_total,
+                     files_done=progress.files_done, files_total=progress.files_total,
+                     mb_per_s=round(progress.mb_per_s, 1), eta_s=round(progress.eta_s, 1))
+
+        return report
 
     try:
-        snapshot = read_snapshot(args.snapshot)
-        mine = assign(snapshot.files, args.shard, args.nodes)[args.rank]
-        args.dest.mkdir(parents=True, exist_ok=True)
         with _open_cache(args.cache, args.workdir) as cache:
-            staged = stage(snapshot, mine, args.dest, cache, run=args.run, workers=args.workers, progress=report)
-        _write_files_list(args.workdir / FILES_LIST, mine)
+            if args.snapshot is not None:
+                snapshot = read_snapshot(args.snapshot)
+                mine = assign(snapshot.files, args.shard, args.nodes)[args.rank]
+                args.dest.mkdir(parents=True, exist_ok=True)
+                staged = stage(snapshot, mine, args.dest, cache, run=args.run, workers=args.workers,
+                               progress=reporter(DATASET))
+                _write_files_list(args.workdir / FILES_LIST, mine)
+                emit("staged", **staged)
+            for name, url in args.input:
+                what = f"inputs.{name}"
+                snapshot = read_snapshot(url)
+                dest = args.inputs_dir / name
+                dest.mkdir(parents=True, exist_ok=True)
+                staged = stage(snapshot, list(snapshot.files), dest, cache, run=args.run, workers=args.workers,
+                               progress=reporter(what), what=what)
+                emit("input-staged", name=name, **staged)
     except (DatasetError, StorageError) as exc:
         return fail(str(exc))
-    emit("staged", **staged)
     return 0

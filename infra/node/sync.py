@@ -50,7 +50,9 @@ from infra.checkpoints.formats import (
     part_settled,
     required_files,
 )
+from infra.checkpoints.lineage import Lineage
 from infra.node.events import emit, fail
+from infra.registry import Registry, RegistryError, registry_root_of
 from infra.storage import StorageError, open_store
 from infra.storage.checksum import sha256_file
 from infra.storage.retry import RetryPolicy, call_with_retries
@@ -113,6 +115,8 @@ class SyncConfig:
     commit_timeout_s: float
     flush_deadline_s: float = 20.0
     metrics_file: Path | None = None
+    lineage: Lineage | None = None  # recorded in every manifest this syncer commits
+    registry_url: str | None = None  # whose aliases' checkpoints retention keeps (default: the parent of url)
     store_outage_s: float = DEFAULT_STORE_OUTAGE_S
 
     @property
@@ -262,7 +266,8 @@ class Syncer:
         started = time.monotonic()
         write_lease(config.sync_dir, UPLOAD_LEASE, step)
         try:
-            files = call_with_retries(lambda: self.checkpoints.upload_files(root, step, sorted(before)),
+            files = call_with_retries(lambda: self.checkpoints.upload_files(root, step, sorted(before),
+                                                                            config.attempt),
                                       f"upload of {config.ckpt_dir / ref.name}", self.config.retry)
         except (StorageError, OSError):
             if self._listing(ref)[1] != before:
@@ -368,7 +373,7 @@ class Syncer:
                 manifest = call_with_retries(
                     lambda a=announcement: self.checkpoints.try_commit(a.step, a.nodes, config.world_size,
                                                                        config.config_hash, a.attempt, a.checkpoint,
-                                                                       a.required),
+                                                                       a.required, config.lineage),
                     f"commit of {self.checkpoints.store.url_for(step_name(step))}",
                     self.config.retry,
                 )
@@ -384,11 +389,23 @@ class Syncer:
             self._save_state()
             emit("committed", step=step, name=announcement.checkpoint.name, files=len(manifest.files),
                  bytes=manifest.total_bytes, commit_s=round(time.time() - announcement.announced_at, 3))
-            deleted = call_with_retries(lambda: self.checkpoints.apply_retention(config.keep),
-                                        f"retention in {self.checkpoints.store.url}", self.config.retry)
+            deleted = call_with_retries(self._apply_retention, f"retention in {self.checkpoints.store.url}",
+                                        self.config.retry)
             if deleted:
                 emit("retention", deleted=deleted, keep=config.keep)
         return waiting
+
+    def _apply_retention(self) -> list[int]:
+        """The store retention, never deleting a step a model alias points at or pointed at recently; skipped (and
+        said) while the registry cannot be read: deleting without knowing could take production's checkpoint."""
+        registry = Registry(self.config.registry_url or registry_root_of(self.config.url))
+        try:
+            protected = registry.protected(self.checkpoints.store.url)
+        except RegistryError as exc:
+            log.warning("retention skipped: %s", exc)
+            emit("retention_skipped", reason=str(exc))
+            return []
+        return self.checkpoints.apply_retention(self.config.keep, protected)
 
     # ---- every other node: ship its part of what the coordinator announced ----------------------------------
 
@@ -499,6 +516,9 @@ def _parse(argv: list[str]) -> SyncConfig:
     parser.add_argument("--metrics-file", type=Path, help="the script's metrics: numbers checkpoints without a step")
     parser.add_argument("--poll", type=float, default=0.5, help="seconds between scans of --ckpt-dir")
     parser.add_argument("--stop-file", type=Path, help="finish uploading and exit once this file exists")
+    parser.add_argument("--lineage", type=Path, help="a JSON Lineage recorded in every manifest this syncer commits")
+    parser.add_argument("--registry-url", help="the model registry's root, whose aliases' checkpoints retention "
+                        "keeps (default: the parent of --url)")
     parser.add_argument(
         "--commit-timeout", type=float, default=600.0,
         help="on stop, how long to upload and commit what is complete (other nodes' parts included)"
@@ -522,6 +542,15 @@ def _parse(argv: list[str]) -> SyncConfig:
         )
     if args.keep < 1:
         parser.error(f"--keep {args.keep}: must be at least 1 (the newest committed checkpoint is never deleted)")
+    lineage = None
+    if args.lineage is not None:
+        try:
+            lineage = Lineage.model_validate_json(args.lineage.read_bytes())
+        except OSError as exc:
+            parser.error(f"--lineage {args.lineage}: {exc.strerror or exc}: check the path")
+        except ValidationError as exc:
+            parser.error(f"--lineage {args.lineage}: not a Lineage ({exc.errors()[0]['msg']}): write it as the train "
+                         "task does")
     return SyncConfig(
         ckpt_dir=args.ckpt_dir,
         sync_dir=args.sync_dir,
@@ -538,6 +567,8 @@ def _parse(argv: list[str]) -> SyncConfig:
         commit_timeout_s=args.commit_timeout,
         flush_deadline_s=args.flush_deadline,
         metrics_file=args.metrics_file,
+        lineage=lineage,
+        registry_url=args.registry_url,
         store_outage_s=args.store_outage,
     )
 

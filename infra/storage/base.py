@@ -42,6 +42,11 @@ class ObjectStore(ABC):
     def url_for(self, key: str) -> str:
         return f"{self.url}/{key}" if key else self.url
 
+    def with_stall_timeout(self, seconds: float) -> ObjectStore:
+        """This store, its requests failing (transiently) once they move no byte for seconds. A store with no
+        network between it and its bytes (file://) has nothing to bound."""
+        return self
+
     @abstractmethod
     def child(self, prefix: str) -> ObjectStore:
         """A store rooted at <root>/<prefix>."""

@@ -20,10 +20,12 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import google.auth.exceptions
 import requests.adapters
 import requests.exceptions
+import urllib3.exceptions
 from google.api_core import exceptions as api_exceptions
 from google.cloud import storage
 from google.cloud.storage import transfer_manager
@@ -38,6 +40,7 @@ from infra.storage.files import os_errors_named
 from infra.storage.pool import Threaded
 from infra.storage.records import FileJob, TransferConfig
 from infra.storage.retry import call_with_retries
+from infra.storage.stall import StalledRequest
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,7 @@ log = logging.getLogger(__name__)
 MAX_POOL_CONNECTIONS = 128
 UPLOAD_CHUNK_SIZE = 32 << 20  # resumable uploads go in chunks of this size (a multiple of 256 KiB)
 EMULATOR_PROJECT = "trainpipe-emulated"
+DEFAULT_TIMEOUT_S = 60.0  # the library's own; a transfer's requests get its stall bound (with_stall_timeout)
 
 _TRANSIENT = (
     api_exceptions.TooManyRequests,
@@ -71,6 +75,7 @@ _CLIENT_ERRORS = (
     MediaDataCorruption,
     MediaInvalidResponse,
     requests.exceptions.RequestException,
+    urllib3.exceptions.HTTPError,  # a body streamed by transfer_manager's chunks fails as urllib3's own
     ConnectionError,
     TimeoutError,
 )
@@ -119,6 +124,10 @@ def translate(exc: Exception, url: str, action: str) -> StorageError:
             f"{url}: no Google credentials: set GOOGLE_APPLICATION_CREDENTIALS or run "
             "`gcloud auth application-default login`"
         )
+    if isinstance(exc, requests.exceptions.Timeout | urllib3.exceptions.TimeoutError) or (
+            isinstance(exc, requests.exceptions.ConnectionError) and "timed out" in detail):
+        # No byte for the timeout (requests reports one mid-body as a ConnectionError).
+        return StalledRequest(f"{url}: cannot {action}: stalled: {type(exc).__name__}: {detail}")
     if isinstance(exc, _TRANSIENT):
         return TransientStorageError(f"{url}: cannot {action}: {type(exc).__name__}: {detail}")
     if (isinstance(exc, InvalidResponse | MediaInvalidResponse) and exc.response is not None
@@ -141,6 +150,18 @@ class GcsStore(ObjectStore):
         except google.auth.exceptions.GoogleAuthError as exc:
             raise translate(exc, self.url, "connect") from None
         self.bucket = self.client.bucket(self.bucket_name)
+        # Seconds a request may wait to connect, or for its next byte (requests' (connect, read) timeout).
+        self.timeout = DEFAULT_TIMEOUT_S
+
+    @property
+    def _one_try(self) -> dict[str, Any]:
+        """Each library call: one attempt (the engine retries), bounded by the timeout."""
+        return {"retry": None, "timeout": self.timeout}
+
+    def with_stall_timeout(self, seconds: float) -> GcsStore:
+        bounded = GcsStore(self.url)
+        bounded.timeout = seconds
+        return bounded
 
     def _calling(self, key: str, action: str) -> AbstractContextManager[None]:
         return translating(_CLIENT_ERRORS, lambda exc: self._translate(exc, key, action))
@@ -155,7 +176,7 @@ class GcsStore(ObjectStore):
     def _bucket_exists(self) -> bool:
         # A 404 does not say whether the object or its bucket is missing; only the bucket's own lookup does.
         with self._calling("", "look up the bucket"):
-            return bool(self.bucket.exists(retry=None))
+            return bool(self.bucket.exists(**self._one_try))
 
     def _blob(self, key: str) -> storage.Blob:
         return self.bucket.blob(self.keys.name(key))
@@ -175,7 +196,7 @@ class GcsStore(ObjectStore):
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         found: list[ObjectInfo] = []
         with self._calling(prefix, "list"):
-            for blob in self.client.list_blobs(self.bucket, prefix=self.keys.search_prefix(prefix), retry=None):
+            for blob in self.client.list_blobs(self.bucket, prefix=self.keys.search_prefix(prefix), **self._one_try):
                 key = self.keys.key(blob.name)
                 if key and not key.endswith("/"):  # "folder" placeholders are not objects
                     found.append(self._info(key, blob))
@@ -184,7 +205,7 @@ class GcsStore(ObjectStore):
 
     def head(self, key: str) -> ObjectInfo | None:
         with self._calling(key, "stat"):
-            blob = self.bucket.get_blob(self.keys.name(key), retry=None)
+            blob = self.bucket.get_blob(self.keys.name(key), **self._one_try)
         return None if blob is None else self._info(key, blob)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
@@ -194,7 +215,7 @@ class GcsStore(ObjectStore):
             try:
                 # A range has no checksum of its own: the engine verifies the whole file as it is written.
                 data: bytes = self._blob(key).download_as_bytes(
-                    start=start, end=start + length - 1, checksum=None, raw_download=True, retry=None
+                    start=start, end=start + length - 1, checksum=None, raw_download=True, **self._one_try
                 )
             except api_exceptions.RequestRangeNotSatisfiable:
                 return b""  # start at or past the end: no bytes there
@@ -202,7 +223,7 @@ class GcsStore(ObjectStore):
 
     def get_bytes(self, key: str) -> bytes:
         with self._calling(key, "read"):
-            data: bytes = self._blob(key).download_as_bytes(checksum="crc32c", raw_download=True, retry=None)
+            data: bytes = self._blob(key).download_as_bytes(checksum="crc32c", raw_download=True, **self._one_try)
         return data
 
     def get_file(self, key: str, path: Path) -> ObjectInfo:
@@ -213,7 +234,7 @@ class GcsStore(ObjectStore):
             path.parent.mkdir(parents=True, exist_ok=True)
             try:
                 with self._calling(key, "read"):
-                    blob.download_to_filename(str(temp), checksum="crc32c", raw_download=True, retry=None)
+                    blob.download_to_filename(str(temp), checksum="crc32c", raw_download=True, **self._one_try)
                 os.replace(temp, path)
             finally:
                 temp.unlink(missing_ok=True)
@@ -224,7 +245,7 @@ class GcsStore(ObjectStore):
     def put_bytes(self, key: str, data: bytes) -> ObjectInfo:
         blob = self._blob(key)
         with self._calling(key, "write"):
-            blob.upload_from_string(data, content_type="application/octet-stream", checksum="crc32c", retry=None)
+            blob.upload_from_string(data, content_type="application/octet-stream", checksum="crc32c", **self._one_try)
         return self._info(key, blob)
 
     def put_file(self, path: Path, key: str) -> ObjectInfo:
@@ -236,14 +257,14 @@ class GcsStore(ObjectStore):
                 raise StorageError(f"{path}: no such local file: check the path before uploading it")
             with self._calling(key, "write"):
                 blob.upload_from_filename(
-                    str(path), content_type="application/octet-stream", checksum="crc32c", retry=None
+                    str(path), content_type="application/octet-stream", checksum="crc32c", **self._one_try
                 )
         return self._info(key, blob)
 
     def delete(self, key: str) -> None:
         try:
             with self._calling(key, "delete"):
-                self._blob(key).delete(retry=None)
+                self._blob(key).delete(**self._one_try)
         except ObjectNotFound:
             return
 
@@ -266,17 +287,18 @@ class GcsStore(ObjectStore):
         if size <= config.part_size:
             blob = self._blob(key)
             # One request; the library checks the bytes against the crc32c the response carries.
-            fetch = partial(blob.download_to_filename, str(path), checksum="crc32c", raw_download=True, retry=None)
+            fetch = partial(blob.download_to_filename, str(path), checksum="crc32c", raw_download=True, **self._one_try)
         else:
             with self._calling(key, "stat"):
-                found = self.bucket.get_blob(self.keys.name(key), retry=None)
+                found = self.bucket.get_blob(self.keys.name(key), **self._one_try)
             if found is None:
                 raise ObjectNotFound(f"{url}: no such object: check the key, or upload it first")
             blob = found
             # Ranged chunks in parallel; their CRC32Cs join into the object's and are checked against it.
             fetch = partial(transfer_manager.download_chunks_concurrently, blob, str(path),
                             chunk_size=config.part_size, worker_type=transfer_manager.THREAD,
-                            max_workers=config.workers, crc32c_checksum=True, download_kwargs={"raw_download": True})
+                            max_workers=config.workers, crc32c_checksum=True,
+                            download_kwargs={"raw_download": True, **self._one_try})
         call_with_retries(lambda: self._call(key, "read", fetch), f"GET {url}", config.retry, job.cancel)
         job.on_bytes(size)
         stored = Checksum(CRC32C, blob.crc32c) if blob.crc32c else None
@@ -295,11 +317,11 @@ class GcsStore(ObjectStore):
             send = partial(transfer_manager.upload_chunks_concurrently, str(path), blob,
                            content_type="application/octet-stream", chunk_size=config.part_size,
                            worker_type=transfer_manager.THREAD, max_workers=config.workers, checksum="crc32c",
-                           retry=None)
+                           **self._one_try)
             try:
                 call_with_retries(lambda: self._call(key, "write", send), f"PUT {url}", config.retry, job.cancel)
                 with self._calling(key, "stat"):
-                    blob.reload(retry=None)
+                    blob.reload(**self._one_try)
             except _XmlMultipartMissing:
                 with _clients_lock:
                     first = emulator not in _xml_multipart_refused
@@ -312,7 +334,7 @@ class GcsStore(ObjectStore):
         else:
             blob = self.bucket.blob(self.keys.name(key), chunk_size=UPLOAD_CHUNK_SIZE)
             send = partial(blob.upload_from_filename, str(path), content_type="application/octet-stream",
-                           checksum="crc32c", retry=None)
+                           checksum="crc32c", **self._one_try)
             call_with_retries(lambda: self._call(key, "write", send), f"PUT {url}", config.retry, job.cancel)
         job.on_bytes(size)
         if blob.size is not None and int(blob.size) != size:

@@ -16,6 +16,8 @@ from infra.storage.files import os_errors_named
 from infra.storage.landing import Landing
 from infra.storage.pool import Pending, Pool, Threaded
 from infra.storage.records import FileJob, FileResult, TransferConfig
+from infra.storage.retry import call_with_retries
+from infra.storage.stall import StalledRequest
 
 
 class PendingFetch(Pending, Protocol):
@@ -47,6 +49,8 @@ class NativeTransfers(Protocol):
     def files_in_flight(self, config: TransferConfig) -> int:
         """How many files its engine moves well at once."""
         ...
+
+    def url_for(self, key: str) -> str: ...
 
 
 def uses_native(store: ObjectStore, config: TransferConfig) -> bool:
@@ -96,7 +100,11 @@ class NativePut:
 
     def _run(self, pool: Pool) -> None:
         job = FileJob(self.config, pool.add_bytes, pool.cancel, pool.background)
-        checksum = self.store.send_file(self.path, self.key, self.size, job)
+        # A stalled request was cancelled before it could finish: the whole file goes again. The engine's other
+        # failures are final here (the store's engine retried them already).
+        checksum = call_with_retries(lambda: self.store.send_file(self.path, self.key, self.size, job),
+                                     f"PUT {self.store.url_for(self.key)}", self.config.retry, pool.cancel,
+                                     retryable=lambda exc: isinstance(exc, StalledRequest))
         check_unchanged(self.path, self.size)
         self.result = FileResult.of(self.key, self.size, checksum, skipped=False)
         pool.file_done()

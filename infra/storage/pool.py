@@ -7,20 +7,30 @@ on the caller's thread too, so they never race each other.
 A task is either work for a worker thread (submit), or a file a store's own engine moves without any thread of
 ours (start): it holds its slot until the engine is done, then a worker finishes it. So a native transfer keeps
 hundreds of files in flight on a handful of threads (as s5cmd keeps them on goroutines).
+
+Every wait of the pool has a deadline: a transfer in which nothing moves (no byte, no task ending) for stuck_s
+fails naming what is in flight, and the wait for the workers after a cancel is bounded too; a worker still stuck
+in a call then (one that ignores its own timeout: threads cannot be killed) is reported and left behind.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+from infra.storage.base import StorageError
 from infra.storage.retry import Cancelled
+from infra.storage.stall import CANCEL_WAIT_S, ended_after_cancel
+from infra.storage.workers import Workers
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -68,7 +78,7 @@ class Threaded(Generic[T]):
     def cancel(self) -> None:
         # Work already running stops at its next look at the transfer's cancel event.
         self.future.cancel()
-        wait([self.future])
+        ended_after_cancel([self.future], "a file's transfer")
 
     def result(self) -> T:
         return self.future.result()
@@ -101,14 +111,20 @@ class Progress:
         return remaining / rate if rate > 0 else math.inf
 
 
+class PoolStuck(StorageError):
+    """Nothing in the transfer moved for the pool's deadline, or workers did not stop after it was cancelled."""
+
+
 class Pool:
     """The bounded worker pool shared by every task of one transfer."""
 
     def __init__(
         self, workers: int, max_inflight_bytes: int, progress: Callable[[Progress], None] | None, started: float,
-        max_tasks: int | None = None,
+        max_tasks: int | None = None, *, stuck_s: float = math.inf, cancel_wait_s: float = CANCEL_WAIT_S,
     ) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="trainpipe-transfer")
+        self._executor = Workers(workers, "trainpipe-transfer")
+        self.stuck_s, self.cancel_wait_s = stuck_s, cancel_wait_s
+        self._moved_at = time.monotonic()  # when a byte last moved or a task last ended
         self._max_bytes = max_inflight_bytes
         self._max_tasks = max_tasks or TASKS_PER_WORKER * workers
         self._pending: set[Pending] = set()
@@ -126,7 +142,7 @@ class Pool:
     def submit(self, nbytes: int, task: Callable[[], T]) -> Future[T]:
         """Run task on a worker once fewer than the bounded bytes and tasks are in flight."""
         self._take_slot(nbytes)
-        return self._executor.submit(self._run, nbytes, task)
+        return self._executor.submit(lambda: self._run(nbytes, task))
 
     def start(self, begin: Callable[[], P], finish: Callable[[P], None]) -> None:
         """Once a slot is free, begin (on this thread) work that runs without a thread of ours, then finish it on a
@@ -144,7 +160,7 @@ class Pool:
             with self._cond:
                 self._pending.discard(pending)
             try:
-                self._executor.submit(self._run, 0, lambda: finish(pending))
+                self._executor.submit(lambda: self._run(0, lambda: finish(pending)))
             except RuntimeError as exc:  # shut down: only after a failure, whose error the caller already has
                 self._end_task(0, exc)
 
@@ -187,10 +203,12 @@ class Pool:
                 self.cancel.set()
             self._tasks_in_flight -= 1
             self._bytes_in_flight -= nbytes
+            self._moved_at = time.monotonic()
             self._cond.notify_all()
 
     def wait_idle(self) -> None:
-        """Block until every submitted task has finished; raise the first failure."""
+        """Block until every submitted task has finished; raise the first failure, or PoolStuck naming what is in
+        flight once nothing moved for stuck_s."""
         while True:
             with self._cond:
                 if self._error is not None:
@@ -199,9 +217,22 @@ class Pool:
                     return
                 self._cond.wait(TICK_S)
                 pending = list(self._pending)
+                still_s = time.monotonic() - self._moved_at
+            if still_s >= self.stuck_s:
+                raise PoolStuck(f"the transfer moved no byte and finished no task for {still_s:.0f}s: "
+                                f"stuck: {self.in_flight(pending)}: check the network and the store, run again")
             for work in pending:
                 work.poll()
             self.report()
+
+    def in_flight(self, pending: list[Pending] | None = None) -> str:
+        """What the transfer is doing now, by name: its busy workers and the files its engines hold."""
+        if pending is None:
+            with self._cond:
+                pending = list(self._pending)
+        held = [str(getattr(work, "what", work)) for work in pending]
+        doing = [*self._executor.busy(), *held[:5], *([f"{len(held) - 5} more files"] if len(held) > 5 else [])]
+        return "; ".join(doing) or "nothing (a task was lost)"
 
     @contextmanager
     def running(self, undo: Callable[[], None]) -> Iterator[Pool]:
@@ -210,8 +241,12 @@ class Pool:
         try:
             yield self
             self.wait_idle()
-        except BaseException:
-            self.shutdown(cancel=True)
+        except BaseException as exc:
+            try:
+                self.shutdown(cancel=True)
+            except StorageError as stuck:
+                # The transfer's own failure is what the caller must see; what would not stop is logged with it.
+                log.error("after %s: %s", type(exc).__name__, stuck)
             undo()
             raise
         self.shutdown(cancel=False)
@@ -219,14 +254,22 @@ class Pool:
 
     def shutdown(self, *, cancel: bool) -> None:
         """Stop the workers (after their current task when cancelling) and, when cancelling, the engines' work in
-        flight; no thread outlives the transfer, and no engine holds a file of it."""
+        flight; wait up to cancel_wait_s for them. Raises PoolStuck naming each worker or engine request still
+        running then: threads cannot be killed, so they are left behind (daemons: the process can still exit)."""
+        stuck: list[str] = []
         if cancel:
             self.cancel.set()
             with self._cond:
                 pending = list(self._pending)
             for work in pending:
-                work.cancel()
-        self._executor.shutdown(wait=True, cancel_futures=cancel)
+                try:
+                    work.cancel()
+                except StorageError as exc:  # each cancel's wait is bounded; the others are still cancelled
+                    stuck.append(str(exc))
+        stuck += self._executor.shutdown(cancel_futures=cancel, timeout_s=self.cancel_wait_s)
+        if stuck:
+            raise PoolStuck(f"{len(stuck)} workers or requests still running {self.cancel_wait_s:g}s after the "
+                            f"transfer {'was cancelled' if cancel else 'ended'}, left behind: {'; '.join(stuck)}")
 
     def set_totals(self, bytes_total: int, files_total: int) -> None:
         with self._cond:
@@ -236,6 +279,7 @@ class Pool:
     def add_bytes(self, n: int) -> None:
         with self._cond:
             self.bytes_done += n
+            self._moved_at = time.monotonic()
 
     def file_done(self) -> None:
         with self._cond:

@@ -35,12 +35,17 @@ class TransferConfig:
     throughput_target_gbps: float = 10.0  # native S3: how many connections the CRT opens
     memory_limit: int = 1024 * MIB  # native S3: the CRT's buffer pool (its smallest allowed)
     direct_io: bool = True  # native S3 downloads: O_DIRECT writes (the fsync before rename then costs no writeback)
+    # A request that moves no byte for this long is stalled: cancelled and retried. It must cover one part's time at
+    # the slowest share of the link a request gets (part_size / (link rate / requests in flight)).
+    stall_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("workers", "files_in_flight", "part_size", "max_inflight_bytes", "multipart_threshold",
                      "memory_limit"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be at least 1")
+        if not self.stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s={self.stall_timeout_s}: must be more than 0 seconds")
         if self.engine not in ENGINES:
             raise ValueError(f"engine={self.engine!r}: use one of {', '.join(ENGINES)}")
 

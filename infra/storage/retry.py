@@ -43,35 +43,44 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
+def gave_up(what: str, attempts: int, exc: BaseException, spent_s: float | None = None) -> StorageError:
+    tries = f"{attempts} times" if spent_s is None else f"for {spent_s:.0f}s ({attempts} tries)"
+    return StorageError(f"{what}: failed {tries}, last with {one_line(exc)}: "
+                        "check the network and the store, then run again")
+
+
+def log_retry(what: str, exc: BaseException, attempt: int, policy: RetryPolicy, delay: float) -> None:
+    bound = policy.give_up_after_s
+    of = str(policy.attempts - 1) if bound is None else f"{bound:g}s"
+    log.warning("%s failed (%s): retry %d/%s in %.2fs", what, one_line(exc), attempt, of, delay)
+
+
 def call_with_retries(
     call: Callable[[], T],
     what: str,
     policy: RetryPolicy = DEFAULT_RETRY,
     cancel: threading.Event | None = None,
+    retryable: Callable[[BaseException], bool] = is_transient,
 ) -> T:
-    """call(), retried with backoff while it fails transiently; what names the operation in logs and errors."""
+    """call(), retried with backoff while it fails transiently (or as retryable says); what names the operation in
+    logs and errors."""
     attempt = 1
     started = time.monotonic()
     while True:
         try:
             return call()
         except Exception as exc:
-            if not is_transient(exc):
+            if not retryable(exc):
                 raise
             bound = policy.give_up_after_s
             spent = time.monotonic() - started
-            if (attempt >= policy.attempts) if bound is None else (spent >= bound):
-                tries = f"{attempt} times" if bound is None else f"for {spent:.0f}s ({attempt} tries)"
-                raise StorageError(
-                    f"{what}: failed {tries}, last with {one_line(exc)}: check the network and the store, then run "
-                    "again"
-                ) from exc
+            if bound is None and attempt >= policy.attempts:
+                raise gave_up(what, attempt, exc) from exc
+            if bound is not None and spent >= bound:
+                raise gave_up(what, attempt, exc, spent) from exc
             # The last wait ends at the bound: one more try there, rather than giving up early.
             delay = policy.delay_s(attempt) if bound is None else min(policy.delay_s(attempt), bound - spent)
-            log.warning(
-                "%s failed (%s): retry %d/%s in %.2fs", what, one_line(exc), attempt,
-                policy.attempts - 1 if bound is None else f"{bound:g}s", delay
-            )
+            log_retry(what, exc, attempt, policy, delay)
             if cancel is None:
                 time.sleep(delay)
             elif cancel.wait(delay):

@@ -31,6 +31,7 @@ from infra.storage.checksum import CRC32C, CRC64NVME, Checksum
 from infra.storage.cloud import BucketKeys, TransientStorageError, nothing_to_read, split_bucket_url, translating
 from infra.storage.files import os_errors_named, write_all, write_atomically
 from infra.storage.records import FileJob, TransferConfig
+from infra.storage.stall import StalledRequest
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,8 @@ MAX_POOL_CONNECTIONS = 128
 MIN_PART_SIZE = s3_native.MIN_PART_SIZE
 MAX_PUT_SIZE = 5 << 30  # S3's largest single PUT
 _READ_CHUNK = 8 << 20
+CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 60.0  # control calls; a transfer's requests get its stall bound (S3Store.with_stall_timeout)
 
 _THROTTLED = {
     "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
@@ -77,7 +80,7 @@ class _Connection:
     session: Any
     endpoint: str | None
     region: str
-    boto: Any = None
+    boto: dict[float, Any] = field(default_factory=dict)  # by the read timeout (the stall bound) it was made with
     crt: dict[tuple[Any, ...], Any] = field(default_factory=dict)  # by the tuning the CRT client was made with
 
 
@@ -103,26 +106,27 @@ def _connection() -> _Connection:
         return connection
 
 
-def s3_client() -> Any:
-    """One thread-safe client per endpoint, region and credentials, shared by every store in the process."""
+def s3_client(read_timeout_s: float = READ_TIMEOUT_S) -> Any:
+    """One thread-safe client per endpoint, region, credentials and read timeout, shared by every store in the
+    process. The read timeout bounds how long a request may go without a byte: the transfer's stall bound."""
     connection = _connection()
     with _connections_lock:
-        if connection.boto is None:
+        if read_timeout_s not in connection.boto:
             config = Config(
                 max_pool_connections=MAX_POOL_CONNECTIONS,
                 retries={"total_max_attempts": 1, "mode": "standard"},
-                connect_timeout=10,
-                read_timeout=60,
+                connect_timeout=min(CONNECT_TIMEOUT_S, read_timeout_s),
+                read_timeout=read_timeout_s,
                 # Integrity is end to end (the engine's CRCs, computed from the bytes it moves); botocore's own
                 # would checksum every byte a second time and not every S3-compatible server accepts them.
                 request_checksum_calculation="when_required",
                 response_checksum_validation="when_required",
                 s3={"addressing_style": "path"} if connection.endpoint else {},
             )
-            connection.boto = connection.session.create_client(
+            connection.boto[read_timeout_s] = connection.session.create_client(
                 "s3", endpoint_url=connection.endpoint, region_name=connection.region, config=config
             )
-        return connection.boto
+        return connection.boto[read_timeout_s]
 
 
 def _code(exc: botocore.exceptions.ClientError) -> tuple[str, int]:
@@ -157,6 +161,8 @@ def translate(exc: Exception, url: str, bucket: str, action: str) -> StorageErro
         return _from_code(code, status, exc.response.get("Error", {}).get("Message") or "", url, bucket, action)
     if isinstance(exc, botocore.exceptions.NoCredentialsError | botocore.exceptions.PartialCredentialsError):
         return StorageError(f"{url}: {_NO_CREDENTIALS}")
+    if isinstance(exc, botocore.exceptions.ReadTimeoutError | botocore.exceptions.ConnectTimeoutError):
+        return StalledRequest(f"{url}: cannot {action}: stalled: {type(exc).__name__}: {' '.join(str(exc).split())}")
     if isinstance(exc, _CONNECTION_ERRORS):
         return TransientStorageError(f"{url}: cannot {action}: {type(exc).__name__}: {' '.join(str(exc).split())}")
     return StorageError(f"{url}: cannot {action}: {type(exc).__name__}: {' '.join(str(exc).split())}")
@@ -173,6 +179,11 @@ class S3Store(ObjectStore):
         self.bucket, prefix = split_bucket_url(self.url, "s3")
         self.keys = BucketKeys(self.url, prefix)
         self.client = s3_client()
+
+    def with_stall_timeout(self, seconds: float) -> S3Store:
+        bounded = S3Store(self.url)
+        bounded.client = s3_client(seconds)
+        return bounded
 
     def _calling(self, key: str, action: str) -> AbstractContextManager[None]:
         return translating((botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, *_CONNECTION_ERRORS),
@@ -351,7 +362,8 @@ class S3Store(ObjectStore):
         request = s3_native.get_request(endpoint, self.bucket, self.keys.name(key))
         try:
             return s3_native.start_get(client, request, path, expected, job,
-                                       lambda exc: self._crt_error(exc, key, "read", expected))
+                                       lambda exc: self._crt_error(exc, key, "read", expected),
+                                       f"GET {self.url_for(key)}")
         except AwsCrtError as exc:
             raise self._crt_error(exc, key, "read", expected) from None
 
@@ -363,7 +375,8 @@ class S3Store(ObjectStore):
             return parts()
         try:
             try:
-                echoed = s3_native.send(client, s3_native.put_request(endpoint, self.bucket, name, size), path, job)
+                echoed = s3_native.send(client, s3_native.put_request(endpoint, self.bucket, name, size), path, job,
+                                        f"PUT {self.url_for(key)}")
             except AwsCrtError as exc:
                 if exc.name != "AWS_ERROR_S3_MISSING_UPLOAD_ID":
                     raise
@@ -374,7 +387,8 @@ class S3Store(ObjectStore):
                 return parts()
             kept = None
             if echoed is None:  # the store did not say what it checked: ask what it keeps
-                stored_size, kept = s3_native.stored(client, endpoint, self.bucket, name, job.cancel)
+                stored_size, kept = s3_native.stored(client, endpoint, self.bucket, name, job,
+                                                     f"HEAD {self.url_for(key)}")
                 if stored_size != size:
                     raise StorageError(
                         f"{self.url_for(key)}: stored {stored_size} bytes of {path}'s {size}: upload it again"
@@ -390,7 +404,7 @@ class S3Store(ObjectStore):
         try:
             try:
                 etags, crc = s3_native.send_parts(client, endpoint, self.bucket, self.keys.name(key), path, size,
-                                                  upload_id, job)
+                                                  upload_id, job, f"PUT {self.url_for(key)}")
             except AwsCrtError as exc:
                 raise self._crt_error(exc, key, "write") from None
             info = self.finish_multipart(key, upload_id, etags, crc=crc)

@@ -37,9 +37,11 @@ from awscrt.exceptions import AwsCrtError
 from infra.storage.base import ChecksumMismatch, StorageError
 from infra.storage.checksum import CRC32C, CRC64NVME, SHA256, Checksum, Crc, PartCrcs, checksum_file
 from infra.storage.cloud import TransientStorageError
+from infra.storage.crt_traffic import TRAFFIC
 from infra.storage.pool import TICK_S
 from infra.storage.records import FileJob, TransferConfig
-from infra.storage.retry import Cancelled
+from infra.storage.retry import Cancelled, gave_up, log_retry
+from infra.storage.stall import StallWatch, ended_after_cancel
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,21 @@ class _CrtLog(logging.Handler):
             log.debug("awscrt: %s", message)
 
 
+# What the CRT says (at its Error level) of every request we cancel: it is the cancel we asked for.
+_CANCELLED_LINE = re.compile(r"Meta request cannot recover from error \d+ \(Request successfully cancelled\)")
+_META_REQUEST_LOGGER = "awscrt.s3.S3MetaRequest"  # where awscrt.logging puts the CRT's meta request lines
+
+
+class _CancelledIsDebug(logging.Filter):
+    """The line for a cancel we asked for, lowered to debug where it is logged, so no handler anywhere (the
+    bridge's, a host program's, pytest's) shows it as an error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.DEBUG and _CANCELLED_LINE.search(record.getMessage()):
+            record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
+        return True
+
+
 _log_bridge_lock = threading.Lock()
 _log_bridge_on = False
 
@@ -108,6 +125,7 @@ def _bridge_crt_log() -> None:
         crt_logger = logging.getLogger("awscrt")
         crt_logger.propagate = False
         crt_logger.addHandler(_CrtLog())
+        logging.getLogger(_META_REQUEST_LOGGER).addFilter(_CancelledIsDebug())
         try:
             awscrt.logging.init_logging(logging.ERROR)
         except RuntimeError as exc:  # the host program set CRT logging up itself: its choice stands
@@ -198,32 +216,36 @@ def crt_failure(exc: AwsCrtError, url: str, action: str) -> StorageError:
 # -- requests ---------------------------------------------------------------------------------------
 
 
-def wait(request: s3.S3Request, cancel: threading.Event) -> None:
-    """Block until the request finishes; cancelling it (and raising Cancelled) once cancel is set."""
+def wait(request: s3.S3Request, cancel: threading.Event, watch: StallWatch, what: str) -> None:
+    """Block until the request finishes; cancelling it and raising Cancelled once cancel is set, or StalledRequest
+    once watch says it moved no byte for the stall bound."""
     while True:
         try:
             request.finished_future.result(timeout=TICK_S)
             return
         except concurrent.futures.TimeoutError:
-            if cancel.is_set():
+            if cancel.is_set() or watch.stalled():
+                stalled = None if cancel.is_set() else watch.error(what)
                 request.cancel()
-                concurrent.futures.wait([request.finished_future])
-                raise Cancelled() from None
+                ended_after_cancel([request.finished_future], what)
+                raise stalled or Cancelled() from None
 
 
 class FileGrowth:
-    """Progress of a GET into a file, from the file's size: the CRT reports a GET's progress only once it is done
-    (one call for a 250 MB object), and the file grows part by part, in order."""
+    """Progress of a GET into a file, from the file's size: the file grows part by part, in order, as the CRT's
+    callbacks would report it (infra.storage.crt_traffic)."""
 
     def __init__(self, path: Path, on_bytes: Callable[[int], None]) -> None:
         self.path, self.on_bytes, self.reported = path, on_bytes, 0
 
-    def __call__(self) -> None:
+    def __call__(self) -> int | None:
+        """The file's size now (None before it exists), its growth reported."""
         try:
             size = os.stat(self.path).st_size
         except FileNotFoundError:
-            return  # not created yet
+            return None  # not created yet
         self.report(size)
+        return size
 
     def report(self, size: int) -> None:
         if size > self.reported:
@@ -249,41 +271,113 @@ def get_request(endpoint: Endpoint, bucket: str, name: str) -> http.HttpRequest:
     return http.HttpRequest("GET", endpoint.path(bucket, name), http.HttpHeaders([("Host", endpoint.host(bucket))]))
 
 
-class CrtGet:
-    """A GET the CRT runs into a file (infra.storage.native.PendingFetch): no thread waits for it."""
+@dataclass(frozen=True)
+class _Attempt:
+    request: s3.S3Request
+    headers: Headers
+    validated: list[s3.S3ChecksumAlgorithm | None]
 
-    def __init__(self, request: s3.S3Request, growth: FileGrowth, headers: Headers, expected: Checksum | None,
-                 validated: list[s3.S3ChecksumAlgorithm | None], failure: Callable[[AwsCrtError], StorageError]
-                 ) -> None:
-        self.request, self.growth, self.headers, self.expected = request, growth, headers, expected
-        self.validated, self.failure = validated, failure
+
+class CrtGet:
+    """A GET the CRT runs into a file (infra.storage.native.PendingFetch): no thread waits for it. One that moves
+    no byte for the stall bound is cancelled and started again (its file truncated), up to the retry policy's
+    attempts, each retry logged."""
+
+    def __init__(self, launch: Callable[[], _Attempt], growth: FileGrowth, expected: Checksum | None,
+                 failure: Callable[[AwsCrtError], StorageError], job: FileJob, what: str) -> None:
+        self.launch, self.growth, self.expected, self.failure, self.what = launch, growth, expected, failure, what
+        self.policy = job.config.retry
+        self.watch = StallWatch(job.config.stall_timeout_s, link=TRAFFIC.received_idle_s)
+        self.attempts = 0
+        self.attempt: _Attempt | None = None
+        self.error: BaseException | None = None  # why it ended without a request to ask (given up, cancelled)
+        self.ended: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._lock = threading.Lock()
+        self._start()
+
+    def _start(self) -> None:
+        self.attempts += 1
+        attempt = self.launch()  # a CRT error here (a bad request) is the caller's, raised as the store's error
+        with self._lock:
+            self.attempt = attempt
+        attempt.request.finished_future.add_done_callback(lambda _future: self._attempt_ended(attempt))
+
+    def _attempt_ended(self, attempt: _Attempt) -> None:
+        with self._lock:
+            if attempt is not self.attempt:
+                return  # cancelled for a stall: its retry is what ends the GET
+        self._end(None)
+
+    def _end(self, error: BaseException | None) -> None:
+        with self._lock:
+            if self.ended.done():
+                return
+            self.error = error
+        self.ended.set_result(None)
+
+    def _take_attempt(self) -> _Attempt | None:
+        """The request in flight, no longer current (so its end does not end the GET); None once it ended."""
+        with self._lock:
+            if self.ended.done():
+                return None
+            attempt, self.attempt = self.attempt, None
+            return attempt
 
     def add_done_callback(self, callback: Callable[[], None]) -> None:
-        self.request.finished_future.add_done_callback(lambda _future: callback())
+        self.ended.add_done_callback(lambda _future: callback())
 
     def poll(self) -> None:
-        self.growth()
+        self.watch.saw(self.growth())
+        if not self.watch.stalled():
+            # Bytes arriving that have not landed yet still count as moving for the pool's own deadline
+            # (infra.storage.pool: a part can take minutes to land on a slow, shared link).
+            self.growth.on_bytes(0)
+            return
+        stalled = self.watch.error(self.what)
+        attempt = self._take_attempt()
+        if attempt is None:
+            return
+        attempt.request.cancel()
+        ended_after_cancel([attempt.request.finished_future], self.what)
+        if self.attempts >= self.policy.attempts:
+            self._end(gave_up(self.what, self.attempts, stalled))
+            return
+        # No backoff: the stall bound was the wait, and the retry goes out on a new connection.
+        log_retry(self.what, stalled, self.attempts, self.policy, 0.0)
+        try:
+            self._start()
+        except AwsCrtError as exc:
+            self._end(self.failure(exc))
+        self.watch.moved()
 
     def cancel(self) -> None:
-        self.request.cancel()
-        concurrent.futures.wait([self.request.finished_future])
+        attempt = self._take_attempt()
+        if attempt is not None:
+            attempt.request.cancel()
+            ended_after_cancel([attempt.request.finished_future], self.what)
+        self._end(Cancelled())
 
     def result(self) -> Checksum | None:
         """The checksum the bytes were checked against: expected, else the store's full-object one, else None."""
+        with self._lock:
+            error, attempt = self.error, self.attempt
+        if error is not None:
+            raise error
+        assert attempt is not None, "a GET ends with its last attempt or an error"
         try:
-            self.request.finished_future.result()
+            attempt.request.finished_future.result()
         except AwsCrtError as exc:
             raise self.failure(exc) from None
         self.growth()
         if self.expected is not None:
             return self.expected
-        validated = self.validated[0] if self.validated else None
+        validated = attempt.validated[0] if attempt.validated else None
         algorithm = next((name for name, value in _ALGORITHMS.items() if value == validated), None)
-        return self.headers.checksum(algorithm) if algorithm is not None else None
+        return attempt.headers.checksum(algorithm) if algorithm is not None else None
 
 
 def start_get(client: s3.S3Client, request: http.HttpRequest, path: Path, expected: Checksum | None, job: FileJob,
-              failure: Callable[[AwsCrtError], StorageError]) -> CrtGet:
+              failure: Callable[[AwsCrtError], StorageError], what: str) -> CrtGet:
     """Begin the GET of the object into path, its bytes checked by the CRT as they arrive: against expected, or
     else against the full-object checksum the store keeps; failure turns a CRT error into the store's."""
     if expected is not None:
@@ -296,24 +390,28 @@ def start_get(client: s3.S3Client, request: http.HttpRequest, path: Path, expect
         checksum_config = s3.S3ChecksumConfig(
             validate_response=True, response_validation_mode=s3.S3ChecksumValidationMode.FULL_OBJECT
         )
-    headers = Headers()
-    validated: list[s3.S3ChecksumAlgorithm | None] = []
 
-    def done(*, did_validate_checksum: bool = False, checksum_validation_algorithm: Any = None, **kwargs: Any
-             ) -> None:
-        validated.append(checksum_validation_algorithm if did_validate_checksum else None)
+    def launch() -> _Attempt:
+        headers = Headers()
+        validated: list[s3.S3ChecksumAlgorithm | None] = []
 
-    crt_request = client.make_request(
-        type=s3.S3RequestType.GET_OBJECT,
-        request=request,
-        recv_filepath=str(path),
-        checksum_config=checksum_config,
-        part_size=max(job.config.part_size, MIN_PART_SIZE),
-        fio_options=s3.S3FileIoOptions(direct_io=True) if job.config.direct_io else None,
-        on_headers=headers,
-        on_done=done,
-    )
-    return CrtGet(crt_request, FileGrowth(path, job.on_bytes), headers, expected, validated, failure)
+        def done(*, did_validate_checksum: bool = False, checksum_validation_algorithm: Any = None, **kwargs: Any
+                 ) -> None:
+            validated.append(checksum_validation_algorithm if did_validate_checksum else None)
+
+        crt_request = client.make_request(
+            type=s3.S3RequestType.GET_OBJECT,
+            request=request,
+            recv_filepath=str(path),
+            checksum_config=checksum_config,
+            part_size=max(job.config.part_size, MIN_PART_SIZE),
+            fio_options=s3.S3FileIoOptions(direct_io=True) if job.config.direct_io else None,
+            on_headers=headers,
+            on_done=done,
+        )
+        return _Attempt(crt_request, headers, validated)
+
+    return CrtGet(launch, FileGrowth(path, job.on_bytes), expected, failure, job, what)
 
 
 def put_request(endpoint: Endpoint, bucket: str, name: str, size: int, query: str = "",
@@ -323,10 +421,16 @@ def put_request(endpoint: Endpoint, bucket: str, name: str, size: int, query: st
     return http.HttpRequest("PUT", endpoint.path(bucket, name) + query, headers, body)
 
 
-def send(client: s3.S3Client, request: http.HttpRequest, path: Path, job: FileJob) -> Checksum | None:
+def send(client: s3.S3Client, request: http.HttpRequest, path: Path, job: FileJob, what: str) -> Checksum | None:
     """PUT the file with its CRC64NVME in a header (the CRT computes it from the bytes it sends; the store checks
     it). Returns the CRC when the store echoed it (AWS does; rclone and moto do not)."""
     headers = Headers()
+    watch = StallWatch(job.config.stall_timeout_s)
+
+    def progress(count: int) -> None:
+        watch.moved()
+        job.on_bytes(count)
+
     crt_request = client.make_request(
         type=s3.S3RequestType.PUT_OBJECT,
         request=request,
@@ -335,10 +439,10 @@ def send(client: s3.S3Client, request: http.HttpRequest, path: Path, job: FileJo
                                             location=s3.S3ChecksumLocation.HEADER),
         part_size=max(job.config.part_size, MIN_PART_SIZE),
         multipart_upload_threshold=max(job.config.multipart_threshold, MIN_PART_SIZE),
-        on_progress=job.on_bytes,
+        on_progress=progress,
         on_headers=headers,
     )
-    wait(crt_request, job.cancel)
+    wait(crt_request, job.cancel, watch, what)
     return headers.checksum(CRC64NVME)
 
 
@@ -346,9 +450,9 @@ class FileRange(io.RawIOBase):
     """Bytes [offset, offset + length) of an open file, as a request body the CRT reads straight into its own
     buffer (os.preadv); the CRC of what was read is kept, and starts over when the CRT rewinds for a retry."""
 
-    def __init__(self, fd: int, offset: int, length: int) -> None:
+    def __init__(self, fd: int, offset: int, length: int, watch: StallWatch) -> None:
         super().__init__()
-        self.fd, self.offset, self.length = fd, offset, length
+        self.fd, self.offset, self.length, self.watch = fd, offset, length, watch
         self.position = 0
         self.crc = Crc(CRC64NVME)
 
@@ -379,6 +483,7 @@ class FileRange(io.RawIOBase):
             raise OSError(f"the file ended {self.length - self.position} bytes early in a part: it changed size")
         self.crc.update(view[:count])
         self.position += count
+        self.watch.moved()
         return count
 
 
@@ -391,6 +496,7 @@ def send_parts(
     size: int,
     upload_id: str,
     job: FileJob,
+    what: str,
 ) -> tuple[list[str], Checksum]:
     """Every part of the file as its own CRT UploadPart request (all in flight at once; the CRT schedules them).
 
@@ -400,15 +506,18 @@ def send_parts(
     crcs = PartCrcs(CRC64NVME)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     requests: list[tuple[s3.S3Request, Headers, FileRange]] = []
+    # One watch for all parts: the upload stalls when none of them moves (a part's body is read when it is sent).
+    watch = StallWatch(job.config.stall_timeout_s)
     try:
         for number, offset in enumerate(range(0, size, part_size), start=1):
             length = min(part_size, size - offset)
-            body = FileRange(fd, offset, length)
+            body = FileRange(fd, offset, length, watch)
             headers = Headers()
             query = f"?partNumber={number}&uploadId={quote(upload_id, safe='')}"
 
             def done(*, error: BaseException | None = None, length: int = length, **kwargs: Any) -> None:
                 if error is None:
+                    watch.moved()
                     job.on_bytes(length)
 
             request = client.make_request(
@@ -420,11 +529,11 @@ def send_parts(
             )
             requests.append((request, headers, body))
         for request, _, _ in requests:
-            wait(request, job.cancel)
+            wait(request, job.cancel, watch, what)
     except BaseException:
         for request, _, _ in requests:
             request.cancel()
-        concurrent.futures.wait([request.finished_future for request, _, _ in requests])
+        ended_after_cancel([request.finished_future for request, _, _ in requests], what)
         raise
     finally:
         os.close(fd)
@@ -435,7 +544,7 @@ def send_parts(
     return etags, crcs.total(size)
 
 
-def stored(client: s3.S3Client, endpoint: Endpoint, bucket: str, name: str, cancel: threading.Event
+def stored(client: s3.S3Client, endpoint: Endpoint, bucket: str, name: str, job: FileJob, what: str
            ) -> tuple[int, Checksum | None]:
     """(size, full-object CRC64NVME or None) the store keeps for an object: a HEAD through the CRT, a callback's
     worth of Python instead of a botocore call's (this runs once per file uploaded)."""
@@ -443,7 +552,7 @@ def stored(client: s3.S3Client, endpoint: Endpoint, bucket: str, name: str, canc
     request = http.HttpRequest("HEAD", endpoint.path(bucket, name), http.HttpHeaders(
         [("Host", endpoint.host(bucket)), ("x-amz-checksum-mode", "ENABLED")]))
     wait(client.make_request(type=s3.S3RequestType.DEFAULT, operation_name="HeadObject", request=request,
-                             on_headers=headers), cancel)
+                             on_headers=headers), job.cancel, StallWatch(job.config.stall_timeout_s), what)
     full_object = headers.values.get("x-amz-checksum-type", "FULL_OBJECT") == "FULL_OBJECT"
     return int(headers.values.get("content-length", -1)), headers.checksum(CRC64NVME) if full_object else None
 

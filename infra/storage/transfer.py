@@ -31,6 +31,7 @@ from infra.storage.parts import MultipartUploads, PartFetch, PartPut
 from infra.storage.pool import TICK_S, Pool, Progress, Threaded
 from infra.storage.records import DEFAULT_CONFIG, FileResult, FileSpec, TransferConfig, TransferResult
 from infra.storage.retry import DEFAULT_RETRY, RetryPolicy, call_with_retries
+from infra.storage.stall import CANCEL_WAIT_S
 from infra.storage.verified import VerifiedFiles
 
 __all__ = [
@@ -80,8 +81,14 @@ def _pool(store: ObjectStore, config: TransferConfig, progress: Callable[[Progre
         # The store's engine moves the files; the slots bound how many it holds at once, and workers are started
         # only as waiting (or the finishing of a file) needs them.
         files = store.files_in_flight(config)
-        return Pool(files, config.max_inflight_bytes, progress, started, max_tasks=files)
-    return Pool(config.workers, config.max_inflight_bytes, progress, started)
+        return Pool(files, config.max_inflight_bytes, progress, started, max_tasks=files, stuck_s=_stuck_s(config))
+    return Pool(config.workers, config.max_inflight_bytes, progress, started, stuck_s=_stuck_s(config))
+
+
+def _stuck_s(config: TransferConfig) -> float:
+    """How long a transfer may move nothing before it is stuck: longer than every attempt of one request
+    stalling, being cancelled and backing off, so only work that ignores its own bounds reaches it."""
+    return config.retry.attempts * (config.stall_timeout_s + CANCEL_WAIT_S + config.retry.max_s)
 
 
 def _all_finished(results: Sequence[FileResult | None]) -> list[FileResult]:
@@ -172,6 +179,7 @@ def download(store: ObjectStore, files: Sequence[FileSpec], dest_dir: Path, conf
     cache dir, infra.storage.verified) for the next run to skip.
     """
     started = time.monotonic()
+    store = store.with_stall_timeout(config.stall_timeout_s)
     dest_dir = Path(dest_dir)
     _checked_keys([spec.key for spec in files], store.url)
     with os_errors_named(str(dest_dir), "create"):
@@ -219,6 +227,7 @@ def upload(src_dir: Path, rel_paths: Sequence[str], store: ObjectStore, config: 
     Returns each file's CRC (FileResult.crc), under its key: the checksum the store was given to check.
     """
     started = time.monotonic()
+    store = store.with_stall_timeout(config.stall_timeout_s)
     src_dir = Path(src_dir)
     _checked_keys(rel_paths, str(src_dir))
     if keys is None:

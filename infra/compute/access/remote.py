@@ -17,7 +17,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from infra.cancel import CANCEL, Cancelled
+
 log = logging.getLogger(__name__)
+
+CANCEL_POLL_S = 0.5  # a command's wait asks the cancel token this often
+CANCEL_GRACE_S = 2.0  # a cancelled run's command gets this long to end on SIGTERM: its node is being torn down
 
 LineSink = Callable[[str], None]
 
@@ -80,7 +85,10 @@ class Runner(ABC):
             on_line: LineSink | None = None, check: bool = True, cwd: str | None = None) -> RunResult:
         process = self.start(argv, env=env, on_line=on_line, cwd=cwd)
         try:
-            code = process.wait(timeout)
+            code = wait_cancellable(process, timeout)
+        except Cancelled:
+            process.terminate(grace_s=CANCEL_GRACE_S)
+            raise
         except TimeoutError:
             process.terminate()
             raise RemoteError(f"{self.node_name}: '{_short(argv)}' still running after {timeout:.0f}s: "
@@ -103,6 +111,19 @@ def last_error(process: Process, own_markers: Sequence[str], lines: int = 300) -
     ours = [line for line in kept if any(marker in line for marker in own_markers)]
     errors = [line for line in kept if "Error" in line or "error" in line]
     return (ours or errors or kept or ["(no output)"])[-1]
+
+
+def wait_cancellable(process: Process, timeout: float | None) -> int:
+    """process.wait(timeout), in slices: a cancel (infra.cancel) ends it with Cancelled, not after the timeout."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        CANCEL.check()
+        left = CANCEL_POLL_S if deadline is None else min(CANCEL_POLL_S, deadline - time.monotonic())
+        try:
+            return process.wait(max(0.0, left))
+        except TimeoutError:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
 
 
 def wait_all(processes: Mapping[str, Process], deadline: float, *, failed: Callable[[str, int, Process], Exception],
@@ -131,7 +152,7 @@ def wait_all(processes: Mapping[str, Process], deadline: float, *, failed: Calla
             return list(pending)
         if time.monotonic() > deadline:
             raise overdue(list(pending))
-        time.sleep(interval_s)
+        CANCEL.wait(interval_s)
     return []
 
 

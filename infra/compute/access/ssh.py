@@ -6,7 +6,9 @@ build a fresh runner per call), reconnect when they drop, and retry transient fa
 backoff, logging each retry; authentication and host key failures are never retried.
 
 A command runs on the node in its own session and process group under a small bash wrapper, so terminate() can
-signal the whole group. The wrapper ignores SIGTERM itself, and so does the `tee` that copies the output to the log
+signal the whole group. Its environment travels over the channel's stdin, never on the command line: every user of
+the node can read a process's command line (/proc/*/cmdline, ps) for as long as it runs, while its environment is
+readable by its owner alone. The wrapper ignores SIGTERM itself, and so does the `tee` that copies the output to the log
 on the node, so a command that handles SIGTERM (a trainer saving a last checkpoint) keeps a working stdout until it
 exits. `tee -p` keeps writing the node's log when the orchestrator goes away, so node processes outlive a lost
 connection the way local ones outlive a dead orchestrator; the lease watchdog ends them.
@@ -35,6 +37,7 @@ import paramiko
 from paramiko.hostkeys import HostKeys
 from paramiko.ssh_exception import AuthenticationException, ChannelException, IncompatiblePeer, SSHException
 
+from infra.cancel import CANCEL
 from infra.compute.access.remote import LineSink, Process, RemoteError, Runner, _short
 
 log = logging.getLogger(__name__)
@@ -56,9 +59,12 @@ KILL_WAIT_S = 5.0  # after SIGKILL, for the channel to report the group gone
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 # $1 is the node's log file (/dev/null for none), the rest is the command. The command runs in a subshell that
-# restores SIGTERM/SIGINT (SIGHUP stays ignored, as under nohup: a lost connection must not kill it).
+# restores SIGTERM/SIGINT (SIGHUP stays ignored, as under nohup: a lost connection must not kill it). Its environment
+# comes on stdin as NAME=value entries, each ended by a NUL (values may hold newlines), then an empty entry: input that
+# ends before that entry exits 125, so a command never runs with half its environment.
 WRAPPER = f"""trap '' TERM INT HUP
 printf '%s %s\\n' {PGID_MARKER} "$$"
+while :; do IFS= read -r -d '' entry || exit 125; [ -z "$entry" ] && break; export -- "$entry" || exit 125; done
 log=$1; shift
 if [ "$log" != /dev/null ]; then mkdir -p -- "$(dirname -- "$log")" || exit 125; fi
 ( trap - TERM INT; {{setup}}exec "$@" ) </dev/null 2>&1 | tee -p -a -- "$log"
@@ -135,6 +141,7 @@ def _retrying(what: str, attempt_once: Callable[[], T], deadline: float) -> T:
     attempt = 0
     while True:
         attempt += 1
+        CANCEL.check()  # a cancelled run stops asking: the host may never answer
         try:
             return attempt_once()
         except _Transient as exc:
@@ -144,7 +151,7 @@ def _retrying(what: str, attempt_once: Callable[[], T], deadline: float) -> T:
                                       "host is up and sshd listens on that port") from None
             delay = min(_backoff(attempt), remaining)
             log.warning("%s: %s (attempt %d): retrying in %.1fs", what, exc, attempt, delay)
-            time.sleep(delay)
+            CANCEL.wait(delay)
 
 
 def wait_for_ssh(host: str, port: int = 22, timeout: float = 300.0) -> float:
@@ -423,17 +430,25 @@ def close_connections() -> None:
 # -- running commands -----------------------------------------------------------------------------------------------
 
 
-def wrapped_command(argv: Sequence[str], env: Mapping[str, str], workdir: str | None, log_path: str | None) -> str:
-    """The remote command line: the wrapper in its own session (setsid -w waits and returns its status)."""
-    for name in env:
-        if not ENV_NAME.match(name):
-            raise ValueError(f"environment variable name {name!r} is not a shell identifier")
-    setup = "".join(f"export {name}={shlex.quote(value)}; " for name, value in env.items())
-    if workdir:
-        setup = f"cd -- {shlex.quote(workdir)} || exit 1; " + setup
+def wrapped_command(argv: Sequence[str], workdir: str | None, log_path: str | None) -> str:
+    """The remote command line: the wrapper in its own session (setsid -w waits and returns its status). It holds
+    no environment value: those go to the wrapper's stdin (environment_input)."""
+    setup = f"cd -- {shlex.quote(workdir)} || exit 1; " if workdir else ""
     script = WRAPPER.replace("{setup}", setup)
     return " ".join(["exec setsid -w bash -c", shlex.quote(script), "trainpipe-node",
                      shlex.quote(log_path or "/dev/null"), *(shlex.quote(arg) for arg in argv)])
+
+
+def environment_input(env: Mapping[str, str]) -> bytes:
+    """What the wrapper reads from stdin: each NAME=value ended by a NUL, then an empty entry."""
+    entries = []
+    for name, value in env.items():
+        if not ENV_NAME.match(name):
+            raise ValueError(f"environment variable name {name!r} is not a shell identifier")
+        if "\0" in value:
+            raise ValueError(f"environment variable {name}: a value cannot hold a NUL character")
+        entries.append(f"{name}={value}\0".encode())
+    return b"".join(entries) + b"\0"
 
 
 def _read_all(channel: paramiko.Channel, timeout: float) -> tuple[int, str]:
@@ -626,7 +641,8 @@ class SshRunner(Runner):
 
     def start(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, on_line: LineSink | None = None,
               log_path: str | None = None, cwd: str | None = None) -> Process:
-        command = wrapped_command(argv, {**self.tags, **(env or {})}, cwd or self.workdir, log_path)
+        command = wrapped_command(argv, cwd or self.workdir, log_path)
+        environment = environment_input({**self.tags, **(env or {})})
         try:
             channel = self._conn.open_session(self.connect_timeout_s)
         except SshError as exc:
@@ -634,7 +650,8 @@ class SshRunner(Runner):
         try:
             channel.set_combine_stderr(True)
             channel.exec_command(command)
-            channel.shutdown_write()  # the command's stdin is /dev/null anyway; tell sshd there is no input
+            channel.sendall(environment)
+            channel.shutdown_write()  # the command's own stdin is /dev/null: nothing follows the environment
         except _CONNECTION_ERRORS as exc:
             channel.close()
             raise SshConnectError(f"{self.node_name}: cannot start '{_short(argv)}' ({exc or type(exc).__name__})"

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
+from infra.cancel import CANCEL
 from infra.compute.access.bootstrap import NodeReport, WheelBuilder, WheelSource, bootstrap_node
 from infra.compute.access.hostkeys import SSH_DIR, HostKey, generate_host_key, install_script
 from infra.compute.access.remote import RemoteError
@@ -172,7 +173,8 @@ class CloudProvider(Provider):
             # Every node or none: instances that cannot run the job are not left running (and billed).
             log.warning("tearing down %s: it launched, but its nodes could not be bootstrapped: %s", cluster_name, exc)
             try:
-                self.terminate(cluster_name)
+                with CANCEL.shield():  # a cancel is what may have stopped the bootstrap: the teardown must still run
+                    self.terminate(cluster_name)
             except LaunchError as left:
                 log.error("teardown of %s failed, resources left for `trainpipe sweep`: %s", cluster_name, left)
             if isinstance(exc, LaunchError):
@@ -259,7 +261,7 @@ class CloudProvider(Provider):
                                        f"boot script did not install it (see {self.boot_log} on the node)") from None
                 log.info("%s: not serving the pinned host key %s yet (boot script still to run): asking again in "
                          "%.0fs", runner.node_name, runner.endpoint.host_key, BOOT_POLL_S)
-            time.sleep(max(0.0, min(BOOT_POLL_S, deadline - time.monotonic())))
+            CANCEL.wait(min(BOOT_POLL_S, deadline - time.monotonic()))
 
     def _await_boot_script(self, runner: SshRunner, deadline: float) -> None:
         """Wait for the boot script's exit status: the mount the job writes to is ready once it is 0."""
@@ -273,4 +275,4 @@ class CloudProvider(Provider):
             if time.monotonic() >= deadline:
                 raise LaunchError(f"{runner.node_name}: the boot script had not finished {BOOT_TIMEOUT_S:.0f}s after "
                                   f"launch: see {self.boot_log} on the node")
-            time.sleep(max(0.0, min(BOOT_POLL_S, deadline - time.monotonic())))
+            CANCEL.wait(min(BOOT_POLL_S, deadline - time.monotonic()))

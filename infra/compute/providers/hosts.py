@@ -4,13 +4,15 @@ host's failure told as the LaunchError that says whether trying again can help."
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
+from infra.cancel import CANCEL
 from infra.compute.access.ssh import HostKeyError, SshAuthError, SshConnectError
 from infra.compute.providers.base import InvalidRequestError, LaunchError
 
 T = TypeVar("T")
+_CANCEL_POLL_S = 0.2  # how soon the caller stops waiting on its workers after a cancel
 
 
 class HostUnreachableError(LaunchError):
@@ -31,11 +33,22 @@ def launch_error(exc: BaseException) -> LaunchError:
 
 
 def in_parallel(items: list[T], work: Callable[[T], Any]) -> list[tuple[T, Any, BaseException | None]]:
-    """work(item) for every item at once (hosts are independent); (item, result, error) in item order."""
+    """work(item) for every item at once (hosts are independent); (item, result, error) in item order.
+
+    A cancel (infra.cancel) ends the wait at once with Cancelled; the workers stop at their own next wait, which
+    checks the same token. Workers started by a teardown are teardown too: a cancel does not stop them."""
     if not items:
         return []
-    with ThreadPoolExecutor(max_workers=min(16, len(items)), thread_name_prefix="ssh-host") as pool:
-        futures = [pool.submit(work, item) for item in items]
+    pool = ThreadPoolExecutor(max_workers=min(16, len(items)), thread_name_prefix="ssh-host")
+    futures = [pool.submit(CANCEL.carried(work), item) for item in items]
+    try:
+        pending = futures
+        while pending:
+            pending = list(wait(pending, timeout=_CANCEL_POLL_S).not_done)
+            CANCEL.check()  # workers a cancel stopped raised Cancelled: so does the wait for them
+    finally:
+        # On a cancel, the caller's teardown need not wait for workers still inside a connect attempt.
+        pool.shutdown(wait=not CANCEL.cancelled or CANCEL.shielded, cancel_futures=True)
     results = []
     for item, future in zip(items, futures, strict=True):
         error = future.exception()

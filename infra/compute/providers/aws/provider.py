@@ -20,6 +20,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
+from infra.cancel import CANCEL
 from infra.compute.access.bootstrap import WheelSource
 from infra.compute.access.hostkeys import HostKey
 from infra.compute.catalog import Catalog
@@ -48,6 +49,9 @@ SPOT_NOTICE_CODES = ("marked-for-termination", "marked-for-stop", "instance-term
 SPOT_NOTICE_S = 120.0  # EC2 gives a spot instance two minutes between the notice and the reclaim
 WAIT_S = 600.0  # for instances to reach running / terminated
 DELETE_RETRIES = 6  # groups stay "in use" for a short while after their instances end
+# Where this process last launched or found each cluster: teardown (a fresh provider, from the teardown task) goes there
+# first. Only an order: every region is still asked.
+_known_regions: dict[str, str] = {}
 
 # Instance store NVMe: RAID0 over every device (one device is used as is), one filesystem, mounted at MOUNT. EC2 runs
 # user-data once, at the instance's first boot; it follows the host key install (see user_data).
@@ -188,7 +192,7 @@ class AwsProvider(CloudProvider):
                 return
             if time.monotonic() > deadline:
                 raise CapacityError(f"aws: {', '.join(ids)} not {state} after {WAIT_S:.0f}s: trying elsewhere")
-            time.sleep(delay)
+            CANCEL.wait(delay)
             delay = min(delay * 2, 15.0)
 
     def _image(self, region: str) -> str:
@@ -282,6 +286,8 @@ class AwsProvider(CloudProvider):
         }
         if self._key_name:
             request["KeyName"] = self._key_name
+        if (profile := spec.aws.iam_instance_profile()) is not None:
+            request["IamInstanceProfile"] = profile  # the nodes' own credentials for the dataset and checkpoints
         if candidate.spot:
             spot: dict[str, Any] = {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}
             if spec.max_price_per_hour is not None:
@@ -315,6 +321,7 @@ class AwsProvider(CloudProvider):
             python="python3",
         ) for i in instances)
         created = datetime.fromisoformat(tags[TAG_CREATED]).timestamp()
+        _known_regions[cluster_name] = region
         # owner also says where the nodes are, so later calls (preemption, liveness) go straight to the region.
         owner = {"owner": tags[TAG_OWNER], "region": region,
                  "instances": {_tags(i)["Name"]: i["InstanceId"] for i in instances},
@@ -341,12 +348,29 @@ class AwsProvider(CloudProvider):
         return None
 
     def terminate(self, cluster_name: str) -> bool:
+        """Every region, the cluster's own first (where this process launched or found it): the region that bills is
+        torn down before any other is asked, and a region that fails does not stop the others. The failures are
+        raised once every region was tried (one as is, several together; transient when each was)."""
         if not self._has_credentials():
             return False
         removed = False
-        for region in self.regions():
-            removed = self._call(f"tear down {cluster_name} in {region}",
-                                 lambda r=region: self._teardown_region(r, cluster_name)) or removed
+        failures: dict[str, LaunchError] = {}
+        known = _known_regions.get(cluster_name)
+        for region in ([known] if known else []) + [r for r in self.regions() if r != known]:
+            try:
+                removed = self._call(f"tear down {cluster_name} in {region}",
+                                     lambda r=region: self._teardown_region(r, cluster_name)) or removed
+            except LaunchError as exc:
+                log.warning("%s: teardown in %s failed (%s): going on with the other regions", cluster_name, region,
+                            exc)
+                failures[region] = exc
+        if len(failures) == 1:
+            raise next(iter(failures.values()))
+        if failures:
+            error = LaunchError(f"aws: tear down {cluster_name} failed in {len(failures)} regions: "
+                                + "; ".join(str(exc) for exc in failures.values()))
+            error.transient = all(exc.transient for exc in failures.values())
+            raise error
         return removed
 
     def _teardown_region(self, region: str, cluster_name: str) -> bool:

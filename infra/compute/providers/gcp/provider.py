@@ -33,12 +33,14 @@ from google.api_core import exceptions
 from google.auth import exceptions as auth_exceptions
 from google.auth.credentials import Credentials
 
+from infra.cancel import CANCEL
 from infra.compute.access.bootstrap import WheelSource
 from infra.compute.access.hostkeys import HostKey
 from infra.compute.catalog import Catalog
 from infra.compute.optimizer import Candidate
 from infra.compute.providers.base import Cluster, ClusterRecord, Node, PreemptionNotice
 from infra.compute.providers.cloud import HOST_KEYS, MOUNT, CloudProvider, boot_script, lease_alive
+from infra.compute.providers.gcp.config import GcpServiceAccount
 from infra.compute.providers.gcp.errors import (
     CapacityError,
     InvalidRequestError,
@@ -364,7 +366,7 @@ class GcpProvider(CloudProvider):
                 delay = RETRY_FIRST_S * 2 ** (attempt - 1)
                 log.warning("gcp: %s: transient %s (%s): retry %d of %d in %.1fs", doing, type(exc).__name__,
                             " ".join(str(exc).split())[:300], attempt, API_ATTEMPTS - 1, delay)
-                time.sleep(delay)
+                CANCEL.wait(delay)
                 attempt += 1
 
     def _get(self, doing: str, call: Callable[[], T]) -> T | None:
@@ -391,7 +393,7 @@ class GcpProvider(CloudProvider):
                                     "retry later")
                 error.transient = True
                 raise error
-            time.sleep(delay)
+            CANCEL.wait(delay)
             delay = min(delay * 2, POLL_MAX_S)
             operation = self._api(doing, lambda op=operation: self._refresh(op))
         return operation
@@ -434,7 +436,8 @@ class GcpProvider(CloudProvider):
             policy = self._placement_policy(cluster_name, _region(zone), stamp, doing)
             names = [resource_name(cluster_name, f"node-{rank}") for rank in range(spec.nodes)]
             for rank, name in enumerate(names):
-                operation = self._node(name, rank, candidate, zone, policy, stamp, host_key, doing)
+                operation = self._node(name, rank, candidate, zone, policy, stamp, host_key,
+                                       spec.gcp.service_account, doing)
                 if operation is not None:
                     started.append(operation)
             failures = self._finish(started, doing)
@@ -495,7 +498,7 @@ class GcpProvider(CloudProvider):
         return f"projects/{self.project}/regions/{region}/resourcePolicies/{name}"
 
     def _node(self, name: str, rank: int, candidate: Candidate, zone: str, policy: str, stamp: _Stamp,
-              host_key: HostKey, doing: str) -> compute_v1.Operation | None:
+              host_key: HostKey, account: GcpServiceAccount, doing: str) -> compute_v1.Operation | None:
         """Start one node; None when a live node of this very launch already runs (adopted as it is, with the host
         key, and the metadata naming it, of the try that started it)."""
         existing = self._get(doing, lambda: self.instances.get(
@@ -517,12 +520,12 @@ class GcpProvider(CloudProvider):
                 self._done(deleting, doing)
         request = compute_v1.InsertInstanceRequest(
             project=self.project, zone=zone, request_id=str(uuid.uuid4()),
-            instance_resource=self._instance(name, rank, candidate, zone, policy, stamp, host_key))
+            instance_resource=self._instance(name, rank, candidate, zone, policy, stamp, host_key, account))
         return self._api(doing, lambda: self.instances.insert_unary(request=request, retry=None,
                                                                     timeout=API_TIMEOUT_S))
 
     def _instance(self, name: str, rank: int, candidate: Candidate, zone: str, policy: str, stamp: _Stamp,
-                  host_key: HostKey) -> compute_v1.Instance:
+                  host_key: HostKey, account: GcpServiceAccount) -> compute_v1.Instance:
         metadata = {"startup-script": startup_script(host_key, self._api_endpoint), "install-nvidia-driver": "True",
                     **stamp.exact(), LABEL_RANK: str(rank), META_HOST_KEY: host_key.fingerprint}
         if self._ssh_keys:
@@ -545,7 +548,9 @@ class GcpProvider(CloudProvider):
             metadata=compute_v1.Metadata(items=[compute_v1.Items(key=k, value=v) for k, v in metadata.items()]),
             scheduling=scheduling, disks=self._disks(candidate, zone, stamp), network_interfaces=[interface],
             resource_policies=[policy], tags=compute_v1.Tags(items=["trainpipe", resource_name(stamp.cluster, "node")]),
-            service_accounts=[compute_v1.ServiceAccount(email=self._service_account, scopes=SCOPES)])
+            # The nodes' own credentials for the dataset and checkpoints (cluster.gcp.service_account).
+            service_accounts=[compute_v1.ServiceAccount(email=account.email or self._service_account,
+                                                        scopes=list(account.scopes))])
 
     def _disks(self, candidate: Candidate, zone: str, stamp: _Stamp) -> list[compute_v1.AttachedDisk]:
         boot = compute_v1.AttachedDisk(boot=True, auto_delete=True,
@@ -579,7 +584,7 @@ class GcpProvider(CloudProvider):
                 return [found[n] for n in names]
             if time.monotonic() > deadline:
                 raise CapacityError(f"gcp: {', '.join(names)} not RUNNING after {WAIT_S:.0f}s: trying elsewhere")
-            time.sleep(delay)
+            CANCEL.wait(delay)
             delay = min(delay * 2, POLL_MAX_S)
 
     def _cluster(self, cluster_name: str, zone: str, instances: list[compute_v1.Instance]) -> Cluster:

@@ -1,0 +1,36 @@
+"""Where a committed checkpoint came from: recorded in its manifest (CheckpointManifest.lineage).
+
+Plain data, written by the train task into a JSON file on each node and put by the syncer into every manifest it
+commits; `trainpipe model lineage` follows `parent` (the init_from step URL) back to the root, and `ckpt verify`
+checks that the parent still exists. Lives beside the manifest (not in infra.registry) so the commit protocol does
+not import the registry, which imports it.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from infra.models import StrictModel
+
+
+class LineageSnapshot(StrictModel):
+    url: str
+    snapshot_digest: str | None = None
+
+
+class LineageCluster(StrictModel):
+    provider: str
+    instance_type: str | None = None
+    nodes: int = Field(ge=1)
+    network_gbps: float | None = None
+
+
+class Lineage(StrictModel):
+    run_id: str
+    attempt: str
+    dataset: LineageSnapshot
+    inputs: dict[str, LineageSnapshot] = Field(default_factory=dict)
+    code_sha256: str | None = None
+    config_hash: str
+    parent: str | None = None  # the init_from checkpoint's step URL; None: trained from scratch
+    cluster: LineageCluster

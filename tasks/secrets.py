@@ -1,0 +1,32 @@
+"""The job's secrets resolved for a node command: infra.job.secrets with Prefect Secret blocks read from the server.
+
+The one place a run turns secret names into values (the train and setup tasks, through workload_env); the values go
+straight into the command's environment and are kept nowhere else.
+"""
+
+from __future__ import annotations
+
+import json
+
+from infra.job.secrets import resolve_secrets
+from infra.job.spec import JobSpec
+
+
+def read_secret_block(name: str) -> str | None:
+    """A Prefect Secret block's value, None when the server has no Secret block of that name."""
+    from prefect.blocks.system import Secret
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        block = Secret.load(name)
+    except ValueError as exc:
+        if isinstance(exc.__cause__, ObjectNotFound):
+            return None
+        raise
+    value = block.get()
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def job_secrets(job: JobSpec) -> dict[str, str]:
+    """Every secret the job names, by the variable it is given as; SecretMissing names the first that is not set."""
+    return resolve_secrets(job.training.secrets, read_secret_block)

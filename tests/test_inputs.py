@@ -1,0 +1,112 @@
+"""Inputs besides the dataset: declared in the job, frozen at plan, staged whole and verified to every node through the
+dataset's cache, named to the script by TRAINPIPE_INPUT_<NAME> and {input_<name>}; an undeclared one is an error."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+from conftest import run_trainpipe
+from jobs import job_config, make_dataset, write_config
+
+from infra.job.plan import PlanError, plan_job
+from infra.job.spec import ConfigError, InputSpec, parse_job
+
+PROBE = """
+import hashlib, json, os, sys
+base = os.environ["TRAINPIPE_INPUT_BASE"]
+files = {}
+for folder, _, names in os.walk(base):
+    for name in names:
+        path = os.path.join(folder, name)
+        files[os.path.relpath(path, base)] = hashlib.sha256(open(path, "rb").read()).hexdigest()
+told = {"env": base, "argv": sys.argv[1:], "files": files}
+out = os.path.join(os.environ["PROBE_OUT"], os.environ["TRAINPIPE_RUN_ID"] + "-" + os.environ["RANK"] + ".json")
+with open(out, "w") as handle:
+    json.dump(told, handle)
+if os.environ["RANK"] == "0":
+    from trainpipe_sdk import mark_complete
+    result = os.path.join(os.environ["TRAINPIPE_CHECKPOINT_DIR"], "result.bin")
+    with open(result, "wb") as handle:
+        handle.write(b"weights")
+    mark_complete(result)
+    with open(os.environ["TRAINPIPE_METRICS_FILE"], "a") as metrics:
+        metrics.write(json.dumps({"step": 1, "loss": 1.0, "total_steps": 1}) + "\\n")
+"""
+BASE = {"config.json": b'{"n_layer": 1}', "weights/model.bin": os.urandom(300_000), "tokenizer.json": b"{}"}
+
+
+def _base(root: Path) -> str:
+    for name, data in BASE.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    (root / "SHA256SUMS").write_text("".join(f"{hashlib.sha256(d).hexdigest()}  {n}\n" for n, d in BASE.items()))
+    return str(root)  # a plain path: the string form of an input
+
+
+def _config(tmp_path: Path, command: list[str], inputs: dict) -> dict:
+    config = job_config(tmp_path, make_dataset(tmp_path / "dataset", tokens=20_000, shard_tokens=10_000))
+    config["training"] = {"command": command}
+    config["inputs"] = inputs
+    return config
+
+
+def test_inputs_are_declared_and_their_placeholders_checked(tmp_path: Path) -> None:
+    config = _config(tmp_path, ["t.py", "--model", "{input_base}"], {"base": "/models/base"})
+    job = parse_job(config)
+    assert job.inputs == {"base": InputSpec(url="file:///models/base")}
+    assert parse_job({**config, "inputs": {"base": "gpt@production"}}).inputs == {"base": "gpt@production"}
+
+    with pytest.raises(ConfigError, match=r"training\.command\[2\] '\{input_base\}': unknown placeholder "
+                                          r"\{input_base\} \(an input placeholder names an entry of inputs:\)"):
+        parse_job({**config, "inputs": {"tokenizer": "/models/tok"}})
+    with pytest.raises(ConfigError, match=r"input name 'Base'"):
+        parse_job({**config, "inputs": {"Base": "/models/base"}})
+
+
+def test_a_missing_input_or_an_alias_fails_the_plan(workspace: Path, tmp_path: Path) -> None:
+    config = _config(tmp_path, ["-m", "trainer.train"], {"base": str(tmp_path / "nothing")})
+    with pytest.raises(PlanError, match=r"inputs\.base\.url file://.*/nothing: no objects under this prefix"):
+        plan_job(parse_job(config), "run-1")
+    with pytest.raises(PlanError, match=r"input gpt@production: the alias names no checkpoint"):
+        plan_job(parse_job({**config, "inputs": {"base": "gpt@production"}}), "run-1")
+
+
+def test_an_input_is_staged_verified_to_every_node_and_reused_from_the_cache(workspace: Path,
+                                                                          tmp_path: Path) -> None:
+    code = tmp_path / "project"
+    code.mkdir()
+    (code / "probe.py").write_text(PROBE)
+    probes = tmp_path / "probes"
+    probes.mkdir()
+    (tmp_path / "base").mkdir()
+    config = _config(tmp_path, ["probe.py", "--model", "{input_base}"], {"base": _base(tmp_path / "base")})
+    config["training"].update(code=str(code), env={"PROBE_OUT": str(probes)})
+    env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": str(tmp_path / "prefect"),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    path = write_config(tmp_path / "job.yaml", config)
+    want = {name: hashlib.sha256(data).hexdigest() for name, data in BASE.items()}
+    size = sum(len(data) for data in BASE.values()) + len((tmp_path / "base" / "SHA256SUMS").read_bytes())
+
+    for night in ("night-1", "night-2"):
+        result = run_trainpipe("run", str(path), "--run-id", night, env=env)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        output = result.stdout + result.stderr
+        assert "inputs.base: file://" in output and "3 files match the manifests" in output, output[-3000:]
+        told = [json.loads((probes / f"{night}-{rank}.json").read_text()) for rank in (0, 1)]
+        for rank, probe in enumerate(told):
+            assert probe["env"].endswith(f"node-{rank}/inputs/base"), probe["env"]
+            assert probe["argv"] == ["--model", probe["env"]]
+            assert {k: v for k, v in probe["files"].items() if k != "SHA256SUMS"} == want, "verified on each node"
+        summary = json.loads((workspace / "runs" / night / "summary.json").read_text())
+        base = summary["inputs"]["base"]
+        assert (base["files"], base["bytes"], base["held_to_manifest"]) == (4, size, 3)
+        assert base["seconds"] > 0 and base["snapshot"].endswith(f"/{night}/_inputs/base/snapshot.json")
+        if night == "night-1":
+            assert base["fetched_bytes"] == size and base["mb_per_s"] > 0
+        else:
+            assert (base["fetched_bytes"], base["reused_bytes"]) == (0, size), "the second night reuses the cache"
+        assert f"input base: {size / 1e6:,.1f} MB" in result.stdout

@@ -1,0 +1,250 @@
+"""A request whose connection stops moving bytes (held open, no reset) is found within the engine's stall bound,
+cancelled and retried, on every engine; the copy still completes with the exact bytes."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from servers import free_port
+
+from infra.storage import open_store, s3, s3_native
+from infra.storage.checksum import Checksum, checksum_bytes
+from infra.storage.s3 import MIN_PART_SIZE
+from infra.storage.transfer import FileSpec, RetryPolicy, TransferConfig, download, upload
+
+STALL_S = 2.0  # the engines' stall bound in these tests
+STALL_AFTER_BYTES = 3 << 20  # the first connection that carries a body stops forwarding after this much
+SIZE = 8 << 20
+CONFIG = TransferConfig(workers=4, part_size=MIN_PART_SIZE, multipart_threshold=MIN_PART_SIZE,
+                        retry=RetryPolicy(attempts=4, base_s=0.01, max_s=0.05), stall_timeout_s=STALL_S)
+
+
+class StallingProxy:
+    """A TCP proxy whose first connection to carry STALL_AFTER_BYTES stops forwarding there, in both directions;
+    the client's side is held open (no FIN, no reset) until the proxy closes: a stalled path, not a broken one."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.port = free_port()
+        self.upstream_port = upstream_port
+        self.stalled_at: float | None = None  # time.monotonic() of the stall
+        self._held: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            carried = [0]
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(src, dst, carried, client, upstream), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, carried: list[int], *both: socket.socket) -> None:
+        try:
+            while chunk := src.recv(64 << 10):
+                with self._lock:
+                    room = STALL_AFTER_BYTES - carried[0]
+                    carried[0] += len(chunk)
+                    stall = self.stalled_at is None and 0 < room <= len(chunk)
+                    if stall:
+                        self.stalled_at = time.monotonic()
+                        self._held.append(both[0])
+                    stalled = both[0] in self._held
+                if stall:
+                    dst.sendall(chunk[:room])
+                    # The server's side goes: the emulator serves one request at a time, and one stuck on this
+                    # connection would stall every retry too. The client's side stays open and silent.
+                    with contextlib.suppress(OSError):
+                        both[1].shutdown(socket.SHUT_RDWR)
+                    both[1].close()
+                if stalled:
+                    self._closed.wait()  # the connection stays open, silent, until the test ends
+                    return
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        with self._lock:
+            if both[0] in self._held:
+                return
+        for sock in both:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listener.close()
+        for sock in self._held:
+            sock.close()
+
+
+@pytest.fixture(autouse=True)
+def _crt_log_bridged() -> None:
+    """The CRT's log bridge is on before the test runs: pytest's capture then sees what the CRT's loggers pass on
+    (it attaches to the loggers that do not propagate as each phase begins), as a host program's handler would."""
+    s3_native._bridge_crt_log()
+
+
+def _port(endpoint: str) -> int:
+    return int(endpoint.rstrip("/").rsplit(":", 1)[1])
+
+
+def _proxied(scheme: str, kind: type[StallingProxy], request: pytest.FixtureRequest,
+             monkeypatch: pytest.MonkeyPatch) -> tuple[str, StallingProxy, Callable[[], None]]:
+    """(a new bucket's URL, the proxy every new client of the store goes through, what drops the clients)."""
+    from infra.storage import gcs
+
+    if scheme == "s3":
+        url, server = request.getfixturevalue("s3_url"), request.getfixturevalue("s3_server")
+        proxy, variable, clients = kind(_port(server.endpoint)), "AWS_ENDPOINT_URL", s3._connections.clear
+    else:
+        url, server = request.getfixturevalue("gs_url"), request.getfixturevalue("gcs_server")
+        proxy, variable, clients = kind(_port(server.host)), "STORAGE_EMULATOR_HOST", gcs._clients.clear
+    monkeypatch.setenv(variable, f"http://127.0.0.1:{proxy.port}")
+    clients()  # fresh clients: their first connections go through the proxy
+    request.addfinalizer(clients)
+    request.addfinalizer(proxy.close)
+    return url, proxy, clients
+
+
+def _stall_to_retry_s(proxy: StallingProxy, caplog: pytest.LogCaptureFixture) -> float:
+    """Seconds from the stall to the first retry the engine logged for it."""
+    assert proxy.stalled_at is not None, "the proxy never stalled a connection: the test moved too few bytes"
+    retries = [r for r in caplog.records if r.levelno == logging.WARNING and re.search(r"stall", r.getMessage())]
+    assert retries, [r.getMessage() for r in caplog.records]
+    return retries[0].created - (time.time() - (time.monotonic() - proxy.stalled_at))
+
+
+def _copy_through(url: str, proxy: StallingProxy, tmp_path: Path, config: TransferConfig,
+                  caplog: pytest.LogCaptureFixture, direction: str, reopen: Callable[[], None]) -> float:
+    data = os.urandom(SIZE)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "big.bin").write_bytes(data)
+    crc = str(checksum_bytes(data))
+    store = open_store(url)
+    with caplog.at_level(logging.WARNING):
+        if direction == "download":
+            proxy.stalled_at = -1.0  # the upload that puts the object in place goes through unharmed
+            upload(tmp_path / "src", ["big.bin"], store, config)
+            reopen()
+            proxy.stalled_at = None
+            started = time.monotonic()
+            got = download(open_store(url), [FileSpec("big.bin", SIZE, crc=crc)], tmp_path / "dest", config)
+            assert (tmp_path / "dest" / "big.bin").read_bytes() == data
+            assert got.files[0].crc == crc
+        else:
+            started = time.monotonic()
+            sent = upload(tmp_path / "src", ["big.bin"], store, config)
+            kept = Checksum.parse(sent.files[0].crc or "")  # what the store checked: GCS keeps a CRC32C
+            assert kept == checksum_bytes(data, kept.algorithm)
+        took = time.monotonic() - started
+        detected = _stall_to_retry_s(proxy, caplog)
+        if direction == "upload":  # what arrived is the exact bytes: read back past the proxy's stall
+            reopen()
+            proxy.stalled_at = -1.0
+            download(open_store(url), [FileSpec("big.bin", SIZE, crc=crc)], tmp_path / "dest", config)
+            assert (tmp_path / "dest" / "big.bin").read_bytes() == data
+    logging.getLogger(__name__).warning("%s: stall found after %.2fs (bound %.1fs); copy took %.1fs",
+                                        direction, detected, config.stall_timeout_s, took)
+    # The CRT's line for the cancel we asked for is no error (issue 23): it stays at debug.
+    cancels = [r.getMessage() for r in caplog.records if r.levelno > logging.DEBUG and "successfully cancelled" in
+               r.getMessage()]
+    assert not cancels, cancels
+    # Found within the bound (plus the pool's tick and a loaded machine's slack), not the CRT's ~30 s.
+    assert detected < config.stall_timeout_s * 3, detected
+    return detected
+
+
+@pytest.mark.parametrize("direction", ["download", "upload"])
+@pytest.mark.parametrize("engine", ["native", "python"])
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_stalled_request_is_retried_within_the_bound(
+    scheme: str, engine: str, direction: str, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    url, proxy, clients = _proxied(scheme, StallingProxy, request, monkeypatch)
+    _copy_through(url, proxy, tmp_path, CONFIG.but(engine=engine), caplog, direction, clients)
+
+
+SLOW_BYTES_PER_S = 1_000_000  # each connection's pace through the throttling proxy, both ways: a shaped link
+SLOW_STALL_S = 1.0  # far less than a part's time to land at that pace (5 MiB: ~5 s)
+
+
+class ThrottlingProxy(StallingProxy):
+    """A TCP proxy that forwards every connection steadily at bytes_per_s (None: at full speed): slow, never
+    stalled."""
+
+    bytes_per_s: float | None = SLOW_BYTES_PER_S
+
+    def _pump(self, src: socket.socket, dst: socket.socket, carried: list[int], *both: socket.socket) -> None:
+        try:
+            while chunk := src.recv(16 << 10):
+                dst.sendall(chunk)
+                if self.bytes_per_s is not None:
+                    time.sleep(len(chunk) / self.bytes_per_s)
+        except OSError:
+            pass
+        for sock in both:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
+# Sent bytes are still taken for a stall on a slow link: a native PUT shows progress only once a part is stored (no
+# count of sent bytes exists: infra.storage.crt_traffic), and a boto3 / GCS request's timeout runs while the body
+# still drains from the socket's buffers (sendall's deadline, then the read timeout). Measured, not fixed yet.
+_SENT_IS_NOT_SEEN = pytest.mark.xfail(strict=True, reason="a slow upload's progress is not seen byte by byte yet")
+
+
+@pytest.mark.parametrize(("scheme", "engine", "direction"), [
+    # Not GCS: its emulator serves one request at a time, so a second part waits out the first, slow one for its
+    # headers (a read timeout that real GCS, which serves parts in parallel, does not give).
+    ("s3", "native", "download"), ("s3", "python", "download"),
+    pytest.param("s3", "native", "upload", marks=_SENT_IS_NOT_SEEN),
+    pytest.param("s3", "python", "upload", marks=_SENT_IS_NOT_SEEN),
+])
+def test_a_slow_but_moving_request_is_not_retried(scheme: str, engine: str, direction: str, tmp_path: Path,
+                                                  caplog: pytest.LogCaptureFixture, request: pytest.FixtureRequest,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bytes keep arriving, but a whole part takes several stall bounds to land: not a stall, so no retry."""
+    size = MIN_PART_SIZE + (1 << 20)
+    data = os.urandom(size)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "big.bin").write_bytes(data)
+    crc = str(checksum_bytes(data))
+    config = CONFIG.but(engine=engine, stall_timeout_s=SLOW_STALL_S)
+    url, proxy, _clients = _proxied(scheme, ThrottlingProxy, request, monkeypatch)
+    assert isinstance(proxy, ThrottlingProxy)
+    if direction == "download":
+        proxy.bytes_per_s = None  # the object is put in place at full speed
+        upload(tmp_path / "src", ["big.bin"], open_store(url), config)
+        proxy.bytes_per_s = SLOW_BYTES_PER_S
+    with caplog.at_level(logging.WARNING):
+        started = time.monotonic()
+        if direction == "download":
+            download(open_store(url), [FileSpec("big.bin", size, crc=crc)], tmp_path / "dest", config)
+            assert (tmp_path / "dest" / "big.bin").read_bytes() == data
+        else:
+            sent = upload(tmp_path / "src", ["big.bin"], open_store(url), config)
+            kept = Checksum.parse(sent.files[0].crc or "")
+            assert kept == checksum_bytes(data, kept.algorithm)
+        took = time.monotonic() - started
+    retries = [r.getMessage() for r in caplog.records if re.search(r"stall|retr", r.getMessage())]
+    logging.getLogger(__name__).warning("%s %s through %.1f MB/s per connection: %.1fs, %d retries (bound %.1fs)",
+                                        engine, direction, SLOW_BYTES_PER_S / 1e6, took, len(retries), SLOW_STALL_S)
+    assert not retries, retries
+    assert took > SLOW_STALL_S * 2, f"{took:.1f}s: the proxy did not slow the copy down enough to test anything"
