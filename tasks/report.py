@@ -76,6 +76,7 @@ def record_training(summary: RunSummary, staged: list[Staged], outcome: TrainOut
     if isinstance(facts.get("breakdown"), dict):
         summary.breakdown = StepBreakdown.from_dict(facts["breakdown"]).summary()
     summary.checkpoints = checkpoint_metrics(outcome.checkpoint_events, outcome.sync_events)
+    summary.warnings.extend(outcome.warnings)
     summary.checkpoint_step = verified.step
     summary.checkpoint = f"{checkpoint_url}/{step_name(verified.step)}"
 

@@ -4,16 +4,18 @@ or one fails."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from prefect import get_run_logger, task
 
 from infra.checkpoints.lineage import Lineage
-from infra.compute.access.remote import Process, RemoteError, Runner, last_error, wait_all
+from infra.compute.access.remote import Process, RemoteError, Runner, wait_all
 from infra.compute.providers import Cluster, Node, get_provider
 from infra.job.spec import JobSpec
-from infra.lifecycle.preemption_watch import PreemptionWatch, TrainingError
+from infra.lifecycle.preemption_watch import Preempted, PreemptionWatch, TrainingError
+from infra.node.launch import RANKS_EXITED
 from infra.node.sync import STOP_FILE
 from infra.workload.contract import NodeContext, input_dir, render_command
 from infra.workload.progress import Point
@@ -22,8 +24,8 @@ from tasks.node_output import TrainingProgress, node_line_sink
 from tasks.policy import NO_RETRIES
 from tasks.results import CheckpointSave, Committed, Uploaded, checkpoint_saves, sync_results
 from tasks.secrets import job_secrets
+from tasks.syncers import STOP_GRACE_S, Syncers
 
-SYNC_FLUSH_TIMEOUT_S = 600.0
 # Beyond the flush deadline: the script's own exit (process group teardown, torchrun's agent shutting down).
 TRAINER_EXIT_GRACE_S = 10.0
 METRICS_POLL_S = 1.0
@@ -57,6 +59,7 @@ class TrainOutcome:
     seconds: float
     first_step_at: float | None  # unix time the first step ended
     steps_s: float  # the training steps' own time
+    warnings: list[str] = field(default_factory=list)  # e.g. a node whose ranks hung at exit and were stopped
 
 
 def node_context(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch) -> NodeContext:
@@ -78,7 +81,8 @@ def workload_env(job: JobSpec, context: NodeContext) -> dict[str, str]:
 
 def torchrun_argv(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch) -> list[str]:
     return [
-        node.python, "-m", "torch.distributed.run",
+        # torchrun, plus an event once every rank of the node exited 0 (see infra.node.launch).
+        node.python, "-m", "infra.node.launch", "torch.distributed.run",
         "--nnodes", str(len(cluster.nodes)), "--nproc-per-node", str(job.cluster.procs_per_node),
         "--node-rank", str(node.rank), "--master-addr", cluster.head.address,
         "--master-port", str(launch.rendezvous_port), "--max-restarts", "0",
@@ -96,7 +100,8 @@ def syncer_argv(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch)
         "--config-hash", launch.config_hash, "--keep", str(job.checkpoints.keep),
         "--format", job.checkpoints.format, "--flush-deadline", str(job.checkpoints.flush_deadline_s),
         "--poll", str(job.checkpoints.sync_poll_s), "--stop-file", f"{node.sync_dir}/{STOP_FILE}",
-        "--metrics-file", node.metrics_file,
+        "--metrics-file", node.metrics_file, "--store-outage", str(job.checkpoints.store_outage_s),
+        "--commit-timeout", str(job.checkpoints.final_upload_timeout_s),
         *(["--lineage", lineage_path(node)] if launch.lineage is not None else []),
     ]
 
@@ -121,15 +126,54 @@ def failure_tail(process: Process, lines: int = FAILURE_LINES) -> str:
     return "\n".join(f"    {line}" for line in own[-lines:]) or "    (no output)"
 
 
-def _wait_all(trainers: dict[str, Process], deadline: float, watch: PreemptionWatch,
-              poll: Any) -> None:
-    """Wait for every trainer; the first failure, a preemption or the deadline stops the rest and raises."""
+class _ExitGrace:
+    """Asked each round of the wait: True once some node's ranks all exited 0 and the rest have had exit_grace_s
+    since every announced checkpoint was committed (their work is saved; what they still do is exiting).
+
+    torchrun's agent of a node whose ranks are done waits for the others in its exit barrier: its RANKS_EXITED event,
+    not its exit, says that node is done."""
+
+    def __init__(self, syncers: Syncers, nodes: int, grace_s: float) -> None:
+        self.syncers, self.nodes, self.grace_s = syncers, nodes, grace_s
+        self.done: set[str] = set()  # nodes whose ranks all exited 0
+        self.since: float | None = None
+        self.step: int | None = None
+
+    def on_event(self, node: str) -> Callable[[dict[str, Any]], None]:
+        def record(event: dict[str, Any]) -> None:
+            if event.get("event") == RANKS_EXITED:
+                self.done.add(node)
+        return record
+
+    def __call__(self, pending: list[str]) -> bool:
+        step = self.syncers.newest_settled()
+        some_done = len(pending) < self.nodes or bool(self.done)
+        if not some_done or step is None or step != self.step:
+            # Nothing done or committed yet, or a newer checkpoint since: the grace starts (again) from this commit.
+            self.since, self.step = (time.monotonic(), step) if some_done and step is not None else (None, None)
+            return False
+        return self.since is not None and time.monotonic() - self.since >= self.grace_s
+
+    def hung(self, pending: list[str]) -> list[str]:
+        """Of the nodes still running at the end of the grace, those whose ranks never said they exited."""
+        return [name for name in pending if name not in self.done]
+
+
+def _wait_all(trainers: dict[str, Process], deadline: float, watch: PreemptionWatch, syncers: Syncers,
+              poll: Any, exit_grace: _ExitGrace) -> list[str]:
+    """Wait for every trainer; the first failure, a dead syncer that cannot be restarted, a preemption or the
+    deadline stops the rest and raises. Returns the nodes whose ranks still ran exit_grace_s after another node's
+    all exited 0 with the newest checkpoint committed."""
     def each_round() -> None:
         watch.reading(poll.runner.node_name, poll)  # the head gone without notice is the watch's call, not a failure
         watch.poll()
+        try:
+            syncers.poll()
+        except TrainingError as error:
+            raise watch.explain(error) from None  # a syncer on a preempted node dies with it
 
-    wait_all(
-        trainers, deadline, poll=each_round,
+    return wait_all(
+        trainers, deadline, poll=each_round, stragglers=exit_grace,
         failed=lambda name, code, process: watch.explain(
             TrainingError(f"{name}: training exited {code}; its last output:\n{failure_tail(process)}")),
         overdue=lambda pending: TrainingError(
@@ -137,28 +181,13 @@ def _wait_all(trainers: dict[str, Process], deadline: float, watch: PreemptionWa
             "raise training.timeout_s or check the nodes' logs"))
 
 
-def _last_error(process: Process) -> str:
-    return last_error(process, ("sync:", "restore:"))
-
-
-def _stop_syncers(runners: dict[str, Runner], syncers: dict[str, Process], nodes: tuple[Node, ...],
-                  timeout_s: float = SYNC_FLUSH_TIMEOUT_S) -> None:
-    """Ask every syncer to flush what is complete and exit; a syncer that fails means checkpoints were not saved."""
-    started = [node for node in nodes if node.name in syncers]
-    for node in started:
-        runners[node.name].write_text(f"{node.sync_dir}/{STOP_FILE}", "stop\n")
-    failures = []
-    for node in started:
-        try:
-            code = syncers[node.name].wait(timeout_s)
-        except TimeoutError:
-            syncers[node.name].terminate()
-            failures.append(f"{node.name}: checkpoint syncer did not flush within {timeout_s:.0f}s")
-            continue
-        if code != 0:
-            failures.append(f"{node.name}: checkpoint syncer exited {code}: {_last_error(syncers[node.name])}")
-    if failures:
-        raise TrainingError("; ".join(failures))
+def _hung_at_exit(job: JobSpec, cluster: Cluster, names: list[str], step: int | None) -> str:
+    nodes = [node for node in cluster.nodes if node.name in names]
+    ranks = ", ".join(f"{node.name} (global ranks {node.rank * job.cluster.procs_per_node}-"
+                      f"{(node.rank + 1) * job.cluster.procs_per_node - 1})" for node in nodes)
+    return (f"{ranks} still running {job.training.exit_grace_s:g}s (training.exit_grace_s) after another node's "
+            f"ranks all exited 0 with step {step} committed: stopped; the run completes. Check the script's exit "
+            "(a rank that hangs at exit)")
 
 
 class _MetricsPoll:
@@ -184,41 +213,50 @@ def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOu
     runners = {node.name: provider.runner(cluster, node) for node in cluster.nodes}
     watch = PreemptionWatch(provider, cluster, runners, progress, job.recovery.confirm_s, logger)
     metrics = _MetricsPoll(progress, runners[cluster.head.name], cluster.head.metrics_file)
-    sync_events: list[dict[str, Any]] = []
+    syncers = Syncers(runners, cluster.nodes, lambda node: syncer_argv(job, cluster, node, launch),
+                      lambda node, on_event: node_line_sink(logger, f"{node.name} sync", on_event), logger)
+    exit_grace = _ExitGrace(syncers, len(cluster.nodes), job.training.exit_grace_s)
+    upload_s = job.checkpoints.final_upload_timeout_s
     started = time.monotonic()
-    syncers: dict[str, Process] = {}
     trainers: dict[str, Process] = {}
+    warnings: list[str] = []
     code_dir = {node.name: node.code_dir if job.training.code is not None else None for node in cluster.nodes}
     try:
         for node in cluster.nodes:
             write_lineage(runners[node.name], node, launch)
-            syncers[node.name] = runners[node.name].start(
-                syncer_argv(job, cluster, node, launch),
-                on_line=node_line_sink(logger, f"{node.name} sync", sync_events.append),
-                log_path=node.path("logs", "sync.log"))
+        syncers.start()
         for node in cluster.nodes:
             env = workload_env(job, node_context(job, cluster, node, launch))
             trainers[node.name] = runners[node.name].start(
                 torchrun_argv(job, cluster, node, launch), env=env, cwd=code_dir[node.name],
-                on_line=node_line_sink(logger, node.name, follow=progress.follow if node == cluster.head else None),
+                on_line=node_line_sink(logger, node.name, exit_grace.on_event(node.name),
+                                       follow=progress.follow if node == cluster.head else None),
                 log_path=node.path("logs", "train.log"))
         arm_chaos(job, launch.attempt, watch)  # tests and drills only: nothing without the job's `chaos:` section
-        _wait_all(trainers, started + job.training.timeout_s, watch, metrics)
-    except BaseException:
+        pending = _wait_all(trainers, started + job.training.timeout_s, watch, syncers, metrics, exit_grace)
+        if pending:
+            warnings.append(_hung_at_exit(job, cluster, exit_grace.hung(pending), exit_grace.step))
+            logger.warning("%s", warnings[-1])
+            for name in pending:  # the hung ones, and torchrun's agents waiting for them in the exit barrier
+                trainers[name].terminate()
+    except BaseException as failure:
         # SIGTERM first: each script finishes its save in flight (and a last one if the deadline allows) ...
         deadline_s = job.checkpoints.flush_deadline_s
         for process in trainers.values():
             process.terminate(grace_s=deadline_s + TRAINER_EXIT_GRACE_S)
-        # ... then the syncers flush what completed, within the same deadline: committed checkpoints are what the
-        # next attempt resumes from.
+        # ... then the syncers upload and commit what completed (final_upload_timeout_s, however long the save
+        # deadline): committed checkpoints are what the next attempt resumes from. A lost node's part never comes:
+        # then only the save deadline, not a wait for the commit timeout.
+        timeout_s, grace_s = (deadline_s, 0.0) if isinstance(failure, Preempted) else (upload_s, STOP_GRACE_S)
         try:
-            _stop_syncers(runners, syncers, cluster.nodes, timeout_s=deadline_s)
+            syncers.stop(timeout_s, grace_s)
         except (TrainingError, RemoteError) as flush_error:
             logger.error("after the training failure, checkpoint flush failed too: %s", flush_error)
         raise
-    _stop_syncers(runners, syncers, cluster.nodes)
+    syncers.stop(upload_s)
     metrics(force=True)
     return TrainOutcome(points=progress.points, facts=progress.facts,
                         checkpoint_events=checkpoint_saves(progress.checkpoint_events),
-                        sync_events=sync_results(sync_events), seconds=time.monotonic() - started,
-                        first_step_at=progress.clock.first_step_at, steps_s=progress.clock.steps_s())
+                        sync_events=sync_results(syncers.events), seconds=time.monotonic() - started,
+                        first_step_at=progress.clock.first_step_at, steps_s=progress.clock.steps_s(),
+                        warnings=warnings)

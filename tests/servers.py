@@ -101,10 +101,11 @@ class S3Server:
 
 
 @contextmanager
-def rclone_s3(root: Path, *, etag_hash: str = "MD5") -> Iterator[S3Server]:
-    """`rclone serve s3` over root; etag_hash='' turns per-request MD5 ETags off (what a benchmark wants)."""
+def rclone_s3(root: Path, *, etag_hash: str = "MD5", port: int | None = None) -> Iterator[S3Server]:
+    """`rclone serve s3` over root; etag_hash='' turns per-request MD5 ETags off (what a benchmark wants); port: the
+    one a stopped server listened on, to bring the same store back."""
     root.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = port or free_port()
     command = rclone_serve_s3(_tool("rclone"), root, f"127.0.0.1:{port}", ACCESS_KEY, SECRET_KEY, etag_hash)
     with _serving(command.argv, port, root.parent / f"rclone-{port}.log", env={**os.environ, **command.env}):
         yield S3Server(f"http://127.0.0.1:{port}", root)

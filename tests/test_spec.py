@@ -73,6 +73,11 @@ def test_defaults_and_normalised_urls(tmp_path: Path, monkeypatch: pytest.Monkey
         (("checkpoints", "format"), "keras", "checkpoints.format: Input should be 'auto', 'dcp', 'hf'"),
         (("name",), "Bad Name", "name: String should match pattern"),
         (("dataset", "validation"), "some", "dataset.validation: unknown validation 'some'"),
+        (("checkpoints", "store_outage_s"), 1, "checkpoints.store_outage_s: Input should be greater than or equal"),
+        (("checkpoints", "store_outage_s"), 7200, "checkpoints.store_outage_s 7200: must be below training.timeout_s"),
+        (("checkpoints", "final_upload_timeout_s"), 0, "checkpoints.final_upload_timeout_s: Input should be greater"),
+        (("training", "exit_grace_s"), -1, "training.exit_grace_s: Input should be greater than or equal to 0"),
+        (("training", "exit_grace_s"), 3600, "training: exit_grace_s 3600: must be below timeout_s 3600"),
     ],
 )
 def test_bad_values_name_field_and_fix(path: tuple[str, ...], value: object, expected: str) -> None:

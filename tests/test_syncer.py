@@ -36,7 +36,7 @@ def checkpoints(tmp_path: Path) -> CheckpointStore:
 
 class SyncProcess:
     def __init__(self, tmp_path: Path, ckpt_dir: Path, url: str, node_rank: int, *extra: str, nodes: int = 2,
-                 keep: int = 2, attempt: str = "a1", fmt: str = "marker") -> None:
+                 keep: int = 2, attempt: str = "a1", fmt: str = "marker", env: dict[str, str] | None = None) -> None:
         runs = len(list(tmp_path.glob(f"sync-{node_rank}-*.out")))
         self.out = tmp_path / f"sync-{node_rank}-{runs}.out"
         self.err = tmp_path / f"sync-{node_rank}-{runs}.err"
@@ -45,7 +45,7 @@ class SyncProcess:
                 str(node_rank), "--nodes", str(nodes), "--attempt", attempt, "--config-hash", CONFIG_HASH,
                 "--keep", str(keep), "--format", fmt, "--poll", "0.1", *extra]
         with self.out.open("w") as out, self.err.open("w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-c", SYNC_MAIN, *argv], stdout=out, stderr=err)
+            self.proc = subprocess.Popen([sys.executable, "-c", SYNC_MAIN, *argv], stdout=out, stderr=err, env=env)
 
     def events(self) -> list[dict[str, Any]]:
         return [json.loads(line) for line in self.out.read_text().splitlines() if line.startswith("{")]

@@ -232,6 +232,14 @@ class CheckpointSpec(StrictModel):
     )
     sync_poll_s: float = Field(0.5, gt=0, le=10, description="How often each node's syncer looks for new "
                                "checkpoints (lower it for a script that waits for its uploads).")
+    store_outage_s: float = Field(
+        300.0, ge=5, le=86400, description="How long each node's syncer rides out a store that fails transiently "
+        "(5xx, refused or dropped connections), retrying with backoff; past it, training stops and the run fails "
+        "saying so, rather than train on checkpoints that cannot be committed.")
+    final_upload_timeout_s: float = Field(
+        900.0, gt=0, le=86400, description="When training ends (done, failed or stopped): seconds the syncers have "
+        "to upload and commit every checkpoint complete on the nodes' disks; separate from flush_deadline_s (the "
+        "script's last save). Size it for the largest checkpoint at the store's speed.")
 
     @field_validator("url")
     @classmethod
@@ -259,6 +267,10 @@ class TrainingSpec(StrictModel):
         "flow parameter, in the summary or on a command line.")
     threads_per_proc: int = Field(1, ge=1, description="CPU threads per training process (OMP_NUM_THREADS).")
     timeout_s: float = Field(3600, gt=0, description="Fail training that runs longer than this.")
+    exit_grace_s: float = Field(
+        120.0, ge=0, description="Once every rank of one node has exited 0 and the newest checkpoint is committed: "
+        "seconds the other nodes get to exit too; past it their ranks are stopped and the run completes, naming "
+        "the node that hung at exit (e.g. a rank stuck tearing down its process group).")
     init_from: str | None = Field(
         None, description="Warm start: a committed checkpoint to start a new schedule from — the step URL `trainpipe "
         "run` prints, a run's checkpoint root (its latest commit) or MODEL@ALIAS (e.g. mymodel@production). Checked "
@@ -283,6 +295,13 @@ class TrainingSpec(StrictModel):
     def _known_placeholders(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         check_command(value)
         return value
+
+    @model_validator(mode="after")
+    def _grace_within_timeout(self) -> TrainingSpec:
+        if self.exit_grace_s >= self.timeout_s:
+            raise ValueError(f"exit_grace_s {self.exit_grace_s:g}: must be below timeout_s {self.timeout_s:g}: "
+                             "lower it (a minute or two is plenty for ranks to exit)")
+        return self
 
     @field_validator("init_from")
     @classmethod
@@ -395,6 +414,13 @@ class JobSpec(StrictModel):
                 check_command(self.evaluate.command, inputs=self.inputs, extra=EVAL_PLACEHOLDERS)
             except ValueError as exc:
                 raise ValueError(f"evaluate.{exc}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _outage_within_training(self) -> JobSpec:
+        if self.checkpoints.store_outage_s >= self.training.timeout_s:
+            raise ValueError(f"checkpoints.store_outage_s {self.checkpoints.store_outage_s:g}: must be below "
+                             f"training.timeout_s {self.training.timeout_s:g}: lower it or raise the timeout")
         return self
 
     @model_validator(mode="after")

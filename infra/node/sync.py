@@ -60,9 +60,12 @@ from infra.storage.retry import RetryPolicy, call_with_retries
 log = logging.getLogger(__name__)
 
 EXIT_COMMIT_TIMEOUT = 2
-# Longer than the transfer engine's per-request policy: this wraps whole checkpoints, and a sidecar can afford to
-# ride out a store outage of a minute or so rather than give up on one.
-STEP_RETRY = RetryPolicy(attempts=6, base_s=0.5, max_s=30.0)
+# The store refused, or stayed unavailable longer than --store-outage: a restarted syncer would fare no better, so
+# the orchestrator stops training rather than train on what can no longer be committed.
+EXIT_STORE_FAILED = 3
+DEFAULT_STORE_OUTAGE_S = 300.0
+# Between tries during an outage: short enough that the syncer notices the store is back within seconds.
+OUTAGE_RETRY_MAX_S = 15.0
 # A node with nothing of an announced checkpoint on its disk ships an empty part after this long: long enough for
 # its own ranks' files of a save that has just finished everywhere to appear.
 EMPTY_PART_GRACE_S = 5.0
@@ -114,6 +117,14 @@ class SyncConfig:
     metrics_file: Path | None = None
     lineage: Lineage | None = None  # recorded in every manifest this syncer commits
     registry_url: str | None = None  # whose aliases' checkpoints retention keeps (default: the parent of url)
+    store_outage_s: float = DEFAULT_STORE_OUTAGE_S
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """Longer than the transfer engine's per-request policy: this wraps whole checkpoints, and a sidecar rides
+        out a store outage of store_outage_s rather than give up on a checkpoint."""
+        return RetryPolicy(base_s=0.5, max_s=min(OUTAGE_RETRY_MAX_S, max(1.0, self.store_outage_s / 8)),
+                           give_up_after_s=self.store_outage_s)
 
     @property
     def state_path(self) -> Path:
@@ -257,7 +268,7 @@ class Syncer:
         try:
             files = call_with_retries(lambda: self.checkpoints.upload_files(root, step, sorted(before),
                                                                             config.attempt),
-                                      f"upload of {config.ckpt_dir / ref.name}", STEP_RETRY)
+                                      f"upload of {config.ckpt_dir / ref.name}", self.config.retry)
         except (StorageError, OSError):
             if self._listing(ref)[1] != before:
                 return self._gone(step, ref, version)
@@ -269,7 +280,7 @@ class Syncer:
             return self._gone(step, ref, version)
         record = call_with_retries(lambda: self.checkpoints.write_record(step, config.node_rank, files,
                                                                          config.attempt),
-                                   f"upload record of step {step}", STEP_RETRY)
+                                   f"upload record of step {step}", self.config.retry)
         seconds = time.monotonic() - started
         size = sum(entry.bytes for entry in record.files)
         self.state.shipped.append(Shipped(step=step, name=ref.name, version=version))
@@ -299,12 +310,14 @@ class Syncer:
         return False
 
     def _withdraw(self, step: int) -> None:
-        call_with_retries(lambda: self.checkpoints.withdraw(step), f"withdrawing step {step}", STEP_RETRY)
+        call_with_retries(lambda: self.checkpoints.withdraw(step), f"withdrawing step {step}", self.config.retry)
 
     def withdraw_unshipped(self) -> None:
         """On a (re)start, the coordinator's announcements it never shipped its part of came from an incarnation
         that died first: withdrawn, so no node waits for them. What is still complete is found and announced again."""
-        for announcement in self.checkpoints.announcements(self.config.attempt):
+        listed = call_with_retries(lambda: self.checkpoints.announcements(self.config.attempt),
+                                   "listing announcements", self.config.retry)
+        for announcement in listed:
             if not self.state.has_step(announcement.step):
                 log.info("withdrawing step %d (%s): announced before a restart, never shipped", announcement.step,
                          announcement.checkpoint.name)
@@ -341,7 +354,7 @@ class Syncer:
             announcement = Announcement(step=step, checkpoint=ref, attempt=self.config.attempt, nodes=nodes,
                                         required=required, announced_at=time.time())
             call_with_retries(lambda a=announcement: self.checkpoints.announce(a),
-                              f"announcement of step {step}", STEP_RETRY)
+                              f"announcement of step {step}", self.config.retry)
             self.state.newest_step = max(step, self.state.newest_step or step)
             emit("announced", step=step, name=found.name, format=found.format, nodes=nodes)
             self._ship(step, ref, found.version, own_part_required=True)
@@ -351,7 +364,7 @@ class Syncer:
         config = self.config
         waiting: list[int | str] = []
         for announcement in call_with_retries(lambda: self.checkpoints.announcements(config.attempt),
-                                              "listing announcements", STEP_RETRY):
+                                              "listing announcements", self.config.retry):
             step = announcement.step
             newest = self.state.newest_committed
             if newest is not None and step <= newest:
@@ -362,7 +375,7 @@ class Syncer:
                                                                        config.config_hash, a.attempt, a.checkpoint,
                                                                        a.required, config.lineage),
                     f"commit of {self.checkpoints.store.url_for(step_name(step))}",
-                    STEP_RETRY,
+                    self.config.retry,
                 )
             except CheckpointError as exc:
                 log.warning("%s", exc)
@@ -377,7 +390,7 @@ class Syncer:
             emit("committed", step=step, name=announcement.checkpoint.name, files=len(manifest.files),
                  bytes=manifest.total_bytes, commit_s=round(time.time() - announcement.announced_at, 3))
             deleted = call_with_retries(self._apply_retention, f"retention in {self.checkpoints.store.url}",
-                                        STEP_RETRY)
+                                        self.config.retry)
             if deleted:
                 emit("retention", deleted=deleted, keep=config.keep)
         return waiting
@@ -401,7 +414,7 @@ class Syncer:
         config = self.config
         pending: list[int | str] = []
         for announcement in call_with_retries(lambda: self.checkpoints.announcements(config.attempt),
-                                              "listing announcements", STEP_RETRY):
+                                              "listing announcements", self.config.retry):
             ref, step = announcement.checkpoint, announcement.step
             version = int(announcement.announced_at * 1e9)
             if config.node_rank not in announcement.nodes or self.state.has_step(step) or (ref.name, version) in \
@@ -448,7 +461,6 @@ class Syncer:
 
     def run(self) -> int:
         config = self.config
-        deadline: float | None = None
         stopped_at: float | None = None
         final_announced = False
         emit("started", node_rank=config.node_rank, url=config.url, coordinator=self.is_coordinator,
@@ -465,13 +477,13 @@ class Syncer:
                 if done_saving and not final_announced:
                     # Everything complete is announced: the other nodes may stop once their parts are in.
                     call_with_retries(lambda: self.checkpoints.announce_final(config.attempt),
-                                      "final announcement", STEP_RETRY)
+                                      "final announcement", self.config.retry)
                     final_announced = True
                 waiting = self.commit_pending()
             else:
                 # Read before listing: the coordinator writes every announcement before the final one.
                 final = done_saving and call_with_retries(lambda: self.checkpoints.is_final(config.attempt),
-                                                          "reading the final announcement", STEP_RETRY)
+                                                          "reading the final announcement", self.config.retry)
                 waiting = self.ship_announced()
                 if done_saving and not final:
                     waiting = waiting or ["the coordinator's final announcement"]
@@ -483,8 +495,8 @@ class Syncer:
                     emit("stopped", node_rank=config.node_rank, shipped=sorted({s.step for s in self.state.shipped}),
                          newest_committed=self.state.newest_committed)
                     return 0
-                deadline = deadline if deadline is not None else time.monotonic() + config.commit_timeout_s
-                if time.monotonic() > deadline:
+                # From the stop request, saves and uploads included: the orchestrator waits one bound from there.
+                if time.monotonic() > stopped_at + config.commit_timeout_s:
                     return fail(self._timeout_error(waiting), EXIT_COMMIT_TIMEOUT)
             self.stop_requested.wait(config.poll_s)
 
@@ -508,19 +520,25 @@ def _parse(argv: list[str]) -> SyncConfig:
     parser.add_argument("--registry-url", help="the model registry's root, whose aliases' checkpoints retention "
                         "keeps (default: the parent of --url)")
     parser.add_argument(
-        "--commit-timeout", type=float, default=600.0, help="on stop, how long to wait for other nodes' parts"
+        "--commit-timeout", type=float, default=600.0,
+        help="on stop, how long to upload and commit what is complete (other nodes' parts included)"
     )
     parser.add_argument(
         "--flush-deadline", type=float, default=20.0, help="on stop, wait this long for a save under way"
     )
+    parser.add_argument(
+        "--store-outage", type=float, default=DEFAULT_STORE_OUTAGE_S,
+        help="ride out a store that fails transiently for this long (retrying with backoff), then exit 3"
+    )
     args = parser.parse_args(argv)
     if not 0 <= args.node_rank < args.nodes:
         parser.error(f"--node-rank {args.node_rank}: must be in [0, --nodes={args.nodes})")
-    if args.poll <= 0 or args.commit_timeout < 0 or args.flush_deadline < 0 or args.procs_per_node < 1:
+    if (args.poll <= 0 or args.commit_timeout < 0 or args.flush_deadline < 0 or args.store_outage < 0
+            or args.procs_per_node < 1):
         parser.error(
             f"--poll {args.poll:g} / --commit-timeout {args.commit_timeout:g} / --flush-deadline "
-            f"{args.flush_deadline:g} / --procs-per-node {args.procs_per_node}: use a poll > 0, timeouts >= 0 and "
-            "at least one process per node"
+            f"{args.flush_deadline:g} / --store-outage {args.store_outage:g} / --procs-per-node "
+            f"{args.procs_per_node}: use a poll > 0, timeouts >= 0 and at least one process per node"
         )
     if args.keep < 1:
         parser.error(f"--keep {args.keep}: must be at least 1 (the newest committed checkpoint is never deleted)")
@@ -551,6 +569,7 @@ def _parse(argv: list[str]) -> SyncConfig:
         metrics_file=args.metrics_file,
         lineage=lineage,
         registry_url=args.registry_url,
+        store_outage_s=args.store_outage,
     )
 
 
@@ -568,7 +587,9 @@ def main(argv: list[str]) -> int:
 
         signal.signal(signal.SIGTERM, request_stop)
         return syncer.run()
-    except (SyncError, CheckpointError, StorageError) as exc:
+    except StorageError as exc:
+        return fail(f"sync: {exc}", EXIT_STORE_FAILED)
+    except (SyncError, CheckpointError) as exc:
         return fail(f"sync: {exc}")
     except OSError as exc:
         return fail(f"sync: {exc.filename or config.ckpt_dir}: {exc.strerror or exc}: check the checkpoint dir")

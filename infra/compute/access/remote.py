@@ -128,9 +128,13 @@ def wait_cancellable(process: Process, timeout: float | None) -> int:
 
 def wait_all(processes: Mapping[str, Process], deadline: float, *, failed: Callable[[str, int, Process], Exception],
              overdue: Callable[[list[str]], Exception], poll: Callable[[], None] | None = None,
-             interval_s: float = 0.5) -> None:
+             interval_s: float = 0.5, stragglers: Callable[[list[str]], bool] | None = None) -> list[str]:
     """Wait for every node's process until the monotonic deadline; the first that fails raises failed(...), the
-    deadline raises overdue(names still running); poll runs each round. The caller stops whatever is left."""
+    deadline raises overdue(names still running); poll runs each round. The caller stops whatever is left.
+
+    stragglers(names still running) is asked each round: True ends the wait early and returns those names (processes
+    that hang at exit once the work is done: the caller decides, and stops them). Returns [] when every process
+    exited 0."""
     pending = dict(processes)
     while pending:
         if poll is not None:
@@ -142,9 +146,14 @@ def wait_all(processes: Mapping[str, Process], deadline: float, *, failed: Calla
             del pending[name]
             if code != 0:
                 raise failed(name, code, process)
+        if not pending:
+            break
+        if stragglers is not None and stragglers(list(pending)):
+            return list(pending)
         if time.monotonic() > deadline:
             raise overdue(list(pending))
         CANCEL.wait(interval_s)
+    return []
 
 
 def _short(argv: Sequence[str]) -> str:

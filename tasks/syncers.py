@@ -1,0 +1,133 @@
+"""The checkpoint syncers of one training launch, one per node: started before the trainers, watched from the train
+wait loop, stopped together.
+
+A syncer that dies during training is restarted with the same arguments (the same attempt id: it resumes from its
+state file and ships nothing twice), up to MAX_RESTARTS times per node; one that gave up on the store (it already
+rode out checkpoints.store_outage_s) or keeps dying stops training with the reason, so the run never trains on
+what can no longer be committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from infra.compute.access.remote import LineSink, Process, RemoteError, Runner, last_error
+from infra.compute.providers import Node
+from infra.lifecycle.preemption_watch import TrainingError
+from infra.node.sync import EXIT_STORE_FAILED, STOP_FILE
+
+MAX_RESTARTS = 3
+# Beyond the syncer's own --commit-timeout: time for it to say which node's part is missing, and to exit.
+STOP_GRACE_S = 10.0
+POLL_S = 0.5
+
+Logger = logging.Logger | logging.LoggerAdapter[Any]
+
+
+def syncer_error(process: Process) -> str:
+    return last_error(process, ("sync:", "restore:"))
+
+
+def _how_it_ended(process: Process, code: int) -> str:
+    """A syncer killed by a signal printed nothing about it: say which signal rather than its last event line."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return syncer_error(process)
+
+
+def _exit_code(process: Process) -> int | None:
+    """None while it runs; once it ended, its code with all its output read (the error is in the last lines)."""
+    return None if process.poll() is None else process.wait(5)
+
+
+class Syncers:
+    """Every node's syncer; events (uploads, commits) from all of them are kept in `events`, in arrival order."""
+
+    def __init__(self, runners: dict[str, Runner], nodes: Sequence[Node], argv: Callable[[Node], list[str]],
+                 sink: Callable[[Node, Callable[[dict[str, Any]], None]], LineSink], logger: Logger,
+                 max_restarts: int = MAX_RESTARTS) -> None:
+        self.runners, self.nodes, self.argv, self.sink, self.logger = runners, tuple(nodes), argv, sink, logger
+        self.max_restarts = max_restarts
+        self.processes: dict[str, Process] = {}
+        self.restarts: dict[str, int] = {}
+        self.events: list[dict[str, Any]] = []
+
+    def start(self) -> None:
+        for node in self.nodes:
+            self._start(node)
+
+    def _start(self, node: Node) -> None:
+        self.processes[node.name] = self.runners[node.name].start(
+            self.argv(node), on_line=self.sink(node, self.events.append), log_path=node.path("logs", "sync.log"))
+
+    def poll(self) -> None:
+        """One round of the train wait: a syncer that died is restarted, or TrainingError says why training stops.
+        One that exited 0 was asked to stop (the node's preemption watcher flushes it on a notice): left alone."""
+        for node in self.nodes:
+            process = self.processes.get(node.name)
+            code = None if process is None else _exit_code(process)
+            if process is None or code is None or code == 0:
+                continue
+            if code == EXIT_STORE_FAILED:
+                raise TrainingError(
+                    f"{node.name}: checkpoint syncer gave up on the store: {syncer_error(process)}; training stopped "
+                    "rather than train on checkpoints that cannot be committed: check the store, raise "
+                    "checkpoints.store_outage_s to ride out longer outages, then run again (it resumes)")
+            restarts, ended = self.restarts.get(node.name, 0), _how_it_ended(process, code)
+            if restarts >= self.max_restarts:
+                raise TrainingError(
+                    f"{node.name}: checkpoint syncer died {restarts + 1} times during training (last exit {code}: "
+                    f"{ended}); training stopped rather than train on checkpoints that cannot be committed: see "
+                    f"{node.path('logs', 'sync.log')} on the node")
+            self.restarts[node.name] = restarts + 1
+            self.logger.warning("%s: checkpoint syncer exited %s during training (%s): restarting it (%d/%d); it "
+                                "resumes from its state file", node.name, code, ended, restarts + 1, self.max_restarts)
+            try:
+                self._start(node)
+            except RemoteError as exc:
+                raise TrainingError(f"{node.name}: checkpoint syncer died (exit {code}) and cannot be restarted: "
+                                    f"{exc}") from None
+
+    def newest_settled(self) -> int | None:
+        """The newest committed step when every step announced so far is committed or given up, else None."""
+        committed = [e["step"] for e in self.events if e.get("event") == "committed" and "step" in e]
+        if not committed:
+            return None
+        dropped = {e.get("step") for e in self.events if e.get("event") in ("abandoned", "skipped")}
+        announced = [e["step"] for e in self.events if e.get("event") == "announced" and e.get("step") not in dropped]
+        newest = max(committed)
+        return newest if all(step <= newest for step in announced) else None
+
+    def stop(self, timeout_s: float, grace_s: float = STOP_GRACE_S) -> None:
+        """Ask every syncer to flush what is complete and exit, and wait for all of them together, within one bound:
+        timeout_s (the syncers' own --commit-timeout) plus grace_s. A syncer that fails means checkpoints were not
+        saved."""
+        for node in self.nodes:
+            if node.name in self.processes:
+                self.runners[node.name].write_text(f"{node.sync_dir}/{STOP_FILE}", "stop\n")
+        deadline = time.monotonic() + timeout_s + grace_s
+        pending = dict(self.processes)
+        failures = []
+        while pending:
+            for name, process in list(pending.items()):
+                code = _exit_code(process)
+                if code is None:
+                    continue
+                del pending[name]
+                if code != 0:
+                    failures.append(f"{name}: checkpoint syncer exited {code}: {syncer_error(process)}")
+            if pending and time.monotonic() > deadline:
+                for name, process in pending.items():
+                    process.terminate()
+                    failures.append(f"{name}: checkpoint syncer did not flush within {timeout_s + grace_s:.0f}s")
+                break
+            time.sleep(POLL_S if pending else 0)
+        if failures:
+            raise TrainingError("; ".join(failures))

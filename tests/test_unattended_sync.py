@@ -1,0 +1,221 @@
+"""Checkpoint syncers left alone for hours: a store outage within the job's bound is ridden out (rclone stopped, then
+started again on the same port and dir); past the bound the syncer exits with its own code and training stops saying
+so; a syncer that dies is restarted from the train wait loop within seconds and resumes from its state file.
+
+The outage lasts TRAINPIPE_TEST_OUTAGE_S (25 s in CI, against a bound of max(60, 2x)); run it once by hand with 180
+for the 3-minute outage."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from servers import S3Server, free_port, rclone_s3
+from test_checkpoints import make_step, node_dirs
+from test_syncer import SyncProcess, both_running, is_event
+
+from infra.checkpoints.commit import CheckpointStore
+from infra.compute.access.remote import LocalProcess, LocalRunner, wait_all
+from infra.compute.providers import Node
+from infra.lifecycle.preemption_watch import TrainingError
+from infra.node.events import parse
+from infra.node.sync import EXIT_STORE_FAILED
+from infra.storage import open_store
+from tasks.syncers import Syncers
+
+OUTAGE_S = float(os.environ.get("TRAINPIPE_TEST_OUTAGE_S", "25"))
+OUTAGE_BOUND_S = max(60.0, 2 * OUTAGE_S)
+# An S3 endpoint nobody serves (the discard port): every request is refused, as in an outage.
+NOBODY = {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y",
+          "AWS_DEFAULT_REGION": "us-east-1"}
+SYNC_MAIN = "import sys; from infra.node.sync import main; sys.exit(main(sys.argv[1:]))"
+log = logging.getLogger(__name__)
+
+
+def test_syncers_ride_out_a_store_outage_and_commit_what_came_during_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "s3" / "root"
+    (root / "ckpt").mkdir(parents=True)  # the bucket, made before rclone first lists the root
+    port = free_port()
+    for name, value in S3Server(f"http://127.0.0.1:{port}", root).env().items():
+        monkeypatch.setenv(name, value)  # the syncers inherit it
+    url = "s3://ckpt/run-1"
+    dirs = node_dirs(tmp_path)
+    stop = tmp_path / "stop"
+    for rank in (0, 1):
+        make_step(dirs[rank], 100, rank)
+    with both_running(tmp_path, dirs, url, "--stop-file", str(stop), "--store-outage", str(OUTAGE_BOUND_S)) as running:
+        with rclone_s3(root, port=port):
+            running[0].wait_for(is_event("committed", 100))
+        # The store is gone: a checkpoint completes during the outage and every try to ship it fails.
+        outage_started = time.monotonic()
+        for rank in (0, 1):
+            make_step(dirs[rank], 200, rank)
+        while time.monotonic() - outage_started < OUTAGE_S:
+            assert [s.proc.poll() for s in running] == [None, None], "a syncer gave up within the outage bound"
+            time.sleep(0.5)
+        assert "failed" in running[0].err.read_text(), "the syncer never noticed the outage"
+        with rclone_s3(root, port=port):
+            back_at = time.monotonic()
+            running[0].wait_for(is_event("committed", 200), timeout=OUTAGE_BOUND_S)
+            log.warning("outage of %.0fs ridden out (bound %.0fs); step 200 committed %.1fs after the store came back",
+                        back_at - outage_started, OUTAGE_BOUND_S, time.monotonic() - back_at)
+            stop.touch()
+            assert [s.finish() for s in running] == [0, 0]
+            checkpoints = CheckpointStore(open_store(url))
+            assert [m.step for m in checkpoints.committed()] == [200, 100]
+            for manifest in checkpoints.committed():
+                assert checkpoints.verify(manifest.step).step == manifest.step
+
+
+def test_a_syncer_exits_with_its_own_code_once_the_store_stays_down_past_the_bound(tmp_path: Path) -> None:
+    [ckpt_dir] = node_dirs(tmp_path, nodes=1)
+    dead_store = "s3://nowhere/run-1"
+    env = {**os.environ, **NOBODY}
+    started = time.monotonic()
+    syncer = SyncProcess(tmp_path, ckpt_dir, dead_store, 0, "--store-outage", "5", nodes=1, env=env)
+    code = syncer.finish(timeout=60)
+    assert code == EXIT_STORE_FAILED, syncer.err.read_text()[-2000:]
+    assert 5 <= time.monotonic() - started < 40
+    last = syncer.err.read_text().strip().splitlines()[-1]
+    assert last.startswith("sync: ") and "failed for" in last and "check the network and the store" in last
+
+
+# -- the train wait loop's watch of the syncers (tasks.syncers), with real syncer processes on local nodes --------
+
+
+def local_nodes(tmp_path: Path, count: int = 2, env: dict[str, str] | None = None,
+                ) -> tuple[list[Node], dict[str, LocalRunner]]:
+    nodes = []
+    for rank in range(count):
+        workdir = tmp_path / f"node-{rank}"
+        (workdir / "logs").mkdir(parents=True, exist_ok=True)
+        (workdir / "ckpt").mkdir(exist_ok=True)
+        nodes.append(Node(name=f"node-{rank}", rank=rank, address="127.0.0.1", workdir=str(workdir),
+                          data_dir=str(workdir / "data"), ckpt_dir=str(workdir / "ckpt"), python=sys.executable))
+    return nodes, {node.name: LocalRunner(node.name, Path(node.workdir), env or {}) for node in nodes}
+
+
+def watched_syncers(tmp_path: Path, url: str, *extra: str, env: dict[str, str] | None = None,
+                    ) -> tuple[list[Node], Syncers]:
+    nodes, runners = local_nodes(tmp_path, env=env)
+
+    def argv(node: Node) -> list[str]:
+        return [sys.executable, "-c", SYNC_MAIN, "--ckpt-dir", node.ckpt_dir, "--sync-dir", node.sync_dir,
+                "--url", url, "--node-rank", str(node.rank), "--nodes", "2", "--attempt", "a1", "--config-hash",
+                "c0ffee", "--keep", "3", "--format", "marker", "--poll", "0.1", "--stop-file",
+                f"{node.sync_dir}/stop", *extra]
+
+    return nodes, Syncers(runners, nodes, argv, lambda node, on_event: events_to(on_event), log, max_restarts=2)
+
+
+def events_to(on_event: Callable[[dict[str, Any]], None]) -> Callable[[str], None]:
+    """The line sink the train task gives a syncer, without Prefect's logger: event lines to on_event."""
+    def sink(line: str) -> None:
+        event = parse(line)
+        if event is not None:
+            on_event(event)
+    return sink
+
+
+def poll_until(syncers: Syncers, condition: Callable[[], bool], timeout: float = 60.0) -> float:
+    """Polls like the train wait loop (every 0.5 s) until condition(); returns the seconds it took."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < timeout, f"not within {timeout}s; events {syncers.events}"
+        syncers.poll()
+        time.sleep(0.5)
+    return time.monotonic() - started
+
+
+def committed(syncers: Syncers, step: int) -> bool:
+    return any(e.get("event") == "committed" and e.get("step") == step for e in syncers.events)
+
+
+def test_a_killed_syncer_is_restarted_within_seconds_and_resumes(tmp_path: Path) -> None:
+    url = f"file://{tmp_path / 'store' / 'run-1'}"
+    nodes, syncers = watched_syncers(tmp_path, url)
+    dirs = [Path(node.ckpt_dir) for node in nodes]
+    syncers.start()
+    try:
+        for rank in (0, 1):
+            make_step(dirs[rank], 100, rank)
+        poll_until(syncers, lambda: committed(syncers, 100))
+        assert syncers.newest_settled() == 100
+        victim = syncers.processes["node-1"]
+        assert isinstance(victim, LocalProcess)
+        os.kill(victim.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        detected = poll_until(syncers, lambda: syncers.processes["node-1"] is not victim, timeout=30)
+        log.info("syncer death to restart: %.2fs", time.monotonic() - killed_at)
+        assert detected < 5, "the syncer's death was acted on late"
+        assert syncers.restarts == {"node-1": 1}
+        for rank in (0, 1):
+            make_step(dirs[rank], 200, rank)
+        poll_until(syncers, lambda: committed(syncers, 200))
+        syncers.stop(timeout_s=30)
+    finally:
+        for process in syncers.processes.values():
+            process.terminate(grace_s=2)
+    uploads = [e["step"] for e in syncers.events if e.get("event") == "uploaded" and e.get("node_rank") == 1]
+    assert uploads == [100, 200], "the restarted syncer shipped step 100 again (it resumes from its state file)"
+    assert CheckpointStore(open_store(url)).verify().step == 200
+
+
+def test_a_syncer_that_keeps_dying_stops_training_saying_why(tmp_path: Path) -> None:
+    _, syncers = watched_syncers(tmp_path, f"file://{tmp_path / 'store' / 'run-1'}")
+    syncers.start()
+    try:
+        for _ in range(syncers.max_restarts):
+            victim = syncers.processes["node-0"]
+            os.kill(victim.pid, signal.SIGKILL)  # type: ignore[attr-defined] - a LocalProcess
+            poll_until(syncers, lambda v=victim: syncers.processes["node-0"] is not v, timeout=30)
+        os.kill(syncers.processes["node-0"].pid, signal.SIGKILL)  # type: ignore[attr-defined]
+        with pytest.raises(TrainingError, match="node-0: checkpoint syncer died 3 times during training"):
+            poll_until(syncers, lambda: False, timeout=30)
+    finally:
+        for process in syncers.processes.values():
+            process.terminate(grace_s=2)
+
+
+def test_a_syncer_that_gave_up_on_the_store_stops_training_at_once(tmp_path: Path) -> None:
+    _, syncers = watched_syncers(tmp_path, "s3://nowhere/run-1", "--store-outage", "5", env=NOBODY)
+    syncers.start()
+    try:
+        with pytest.raises(TrainingError, match=r"syncer gave up on the store: sync: .*failed for") as raised:
+            poll_until(syncers, lambda: False, timeout=60)
+        assert "checkpoints.store_outage_s" in str(raised.value)
+        assert syncers.restarts == {}, "a syncer that gave up on the store was restarted"
+    finally:
+        for process in syncers.processes.values():
+            process.terminate(grace_s=2)
+
+
+# -- the wait for trainers: a node that hangs at exit once another's ranks are done ------------------------------
+
+
+def test_wait_all_hands_back_the_stragglers_once_asked(tmp_path: Path) -> None:
+    _, runners = local_nodes(tmp_path)
+    processes = {"node-0": runners["node-0"].start([sys.executable, "-c", "pass"]),
+                 "node-1": runners["node-1"].start([sys.executable, "-c", "import time; time.sleep(600)"])}
+    asked: list[list[str]] = []
+
+    def stragglers(pending: list[str]) -> bool:
+        asked.append(pending)
+        return asked.count(["node-1"]) >= 3
+
+    try:
+        hung = wait_all(processes, time.monotonic() + 120, failed=lambda *a: AssertionError(a),
+                        overdue=lambda pending: AssertionError(pending), stragglers=stragglers, interval_s=0.1)
+        assert hung == ["node-1"] and asked[-3:] == [["node-1"]] * 3
+        assert processes["node-1"].poll() is None, "wait_all stops nothing: the caller does"
+    finally:
+        processes["node-1"].terminate(grace_s=1)
