@@ -109,12 +109,18 @@ class Syncers:
         """Ask every syncer to flush what is complete and exit, and wait for all of them together, within one bound:
         timeout_s (the syncers' own --commit-timeout) plus grace_s. A syncer that fails means checkpoints were not
         saved."""
-        for node in self.nodes:
-            if node.name in self.processes:
-                self.runners[node.name].write_text(f"{node.sync_dir}/{STOP_FILE}", "stop\n")
-        deadline = time.monotonic() + timeout_s + grace_s
-        pending = dict(self.processes)
         failures = []
+        pending = dict(self.processes)
+        for node in self.nodes:
+            if node.name not in pending:
+                continue
+            try:
+                self.runners[node.name].write_text(f"{node.sync_dir}/{STOP_FILE}", "stop\n")
+            except (RemoteError, OSError) as exc:
+                # An unreachable node must not keep the others from flushing: its syncer is the one that fails.
+                failures.append(f"{node.name}: could not ask its checkpoint syncer to flush: {exc}")
+                pending.pop(node.name)  # teardown ends it with the node
+        deadline = time.monotonic() + timeout_s + grace_s
         while pending:
             for name, process in list(pending.items()):
                 code = _exit_code(process)

@@ -22,7 +22,7 @@ from test_checkpoints import make_step, node_dirs
 from test_syncer import SyncProcess, both_running, is_event
 
 from infra.checkpoints.commit import CheckpointStore
-from infra.compute.access.remote import LocalProcess, LocalRunner, wait_all
+from infra.compute.access.remote import LocalProcess, LocalRunner, RemoteError, wait_all
 from infra.compute.providers import Node
 from infra.lifecycle.preemption_watch import TrainingError
 from infra.node.events import parse
@@ -219,3 +219,31 @@ def test_wait_all_hands_back_the_stragglers_once_asked(tmp_path: Path) -> None:
         assert processes["node-1"].poll() is None, "wait_all stops nothing: the caller does"
     finally:
         processes["node-1"].terminate(grace_s=1)
+
+
+class UnreachableRunner(LocalRunner):
+    """A node whose transport is gone: writing its stop file fails the way an SSH write to a lost host does."""
+
+    def write_text(self, path: str, text: str) -> None:
+        raise RemoteError(f"{self.node_name}: connection lost")
+
+
+# Stands in for a syncer: exits 0 once asked to flush (its stop file exists), as a syncer with nothing pending does.
+WAITS_FOR_STOP = "import os, sys, time\nwhile not os.path.exists(sys.argv[1]): time.sleep(0.05)\n"
+
+
+def test_an_unreachable_node_does_not_keep_the_other_syncers_from_flushing(tmp_path: Path) -> None:
+    nodes, runners = local_nodes(tmp_path)
+    lost = nodes[0]  # asked first: before, its failed write left every later node's syncer unasked
+    runners[lost.name] = UnreachableRunner(lost.name, Path(lost.workdir), {})
+    syncers = Syncers(runners, nodes, lambda node: [sys.executable, "-c", WAITS_FOR_STOP, f"{node.sync_dir}/stop"],
+                      lambda node, on_event: events_to(on_event), log)
+    syncers.start()
+    try:
+        with pytest.raises(TrainingError) as raised:
+            syncers.stop(timeout_s=60.0)
+        assert "node-0: could not ask its checkpoint syncer to flush" in str(raised.value)
+        assert syncers.processes["node-1"].wait(5) == 0, "node-1's syncer was never asked to flush"
+    finally:
+        for process in syncers.processes.values():
+            process.terminate(grace_s=1.0)

@@ -488,7 +488,7 @@ class Syncer:
                 if done_saving and not final:
                     waiting = waiting or ["the coordinator's final announcement"]
             if stopping and not done_saving:
-                time.sleep(config.poll_s)  # the stop event is set, so waiting on it would not pause
+                self._pause()
                 continue
             if stopping:
                 if not waiting:
@@ -498,7 +498,15 @@ class Syncer:
                 # From the stop request, saves and uploads included: the orchestrator waits one bound from there.
                 if time.monotonic() > stopped_at + config.commit_timeout_s:
                     return fail(self._timeout_error(waiting), EXIT_COMMIT_TIMEOUT)
-            self.stop_requested.wait(config.poll_s)
+            self._pause()
+
+    def _pause(self) -> None:
+        """One poll interval; a stop request cuts the wait short once. Once it is set, waiting on it would return at
+        once, and a syncer waiting for other nodes' parts would read the store in a tight loop until its timeout."""
+        if self.stop_requested.is_set():
+            time.sleep(self.config.poll_s)
+        else:
+            self.stop_requested.wait(self.config.poll_s)
 
 
 def _parse(argv: list[str]) -> SyncConfig:
