@@ -59,6 +59,7 @@ class TrainOutcome:
     seconds: float
     first_step_at: float | None  # unix time the first step ended
     steps_s: float  # the training steps' own time
+    last_step_at: float | None = None  # unix time the last logged step ended (or its line arrived)
     warnings: list[str] = field(default_factory=list)  # e.g. a node whose ranks hung at exit and were stopped
 
 
@@ -259,4 +260,5 @@ def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOu
                         checkpoint_events=checkpoint_saves(progress.checkpoint_events),
                         sync_events=sync_results(syncers.events), seconds=time.monotonic() - started,
                         first_step_at=progress.clock.first_step_at, steps_s=progress.clock.steps_s(),
+                        last_step_at=progress.clock.last[1] if progress.clock.last is not None else None,
                         warnings=warnings)

@@ -147,6 +147,8 @@ def fine_tuned_promoted(summary: dict, output: str, data: Path, root: str) -> No
     assert record is not None and record.metrics["eval_loss"] == eval_loss
     # Promoted: the model's first run, production points at the committed step.
     assert summary["promotion"]["promoted"], summary["promotion"]
+    # From the last step's log line (the Trainer writes no metrics file with times) to the decision.
+    assert summary["promotion"]["decided_after_training_s"] is not None, summary["promotion"]
     assert Registry(root).resolve("hf-gpt2", "production").target == summary["checkpoint"]
     print(f"figures: input base {base['bytes']:,} bytes staged to each node in "
           f"{[first[node]['seconds'] for node in (0, 1)]} s, {[first[node]['mb_per_s'] for node in (0, 1)]} MB/s; "
