@@ -82,14 +82,18 @@ def record_training(summary: RunSummary, staged: list[Staged], outcome: TrainOut
 
 
 def record_inputs(summary: RunSummary, plan: Plan, staged: Sequence[StagedNode]) -> None:
-    """Each input's plan and how its staging went: the latest attempt's (a recovery stages again, from the cache)."""
+    """Each input's plan and how its staging went. The figures are the first staging's (what fetching it cost); a
+    recovery stages again, mostly from the cache, and is listed under `restaged` instead of hiding them."""
     for name, input_plan in plan.inputs.items():
         each = [node.inputs[name] for node in staged if name in node.inputs]
-        record = input_plan.summary()
-        if each:
-            record.update(fetched_bytes=max(s.bytes for s in each), reused_bytes=max(s.skipped_bytes for s in each),
-                          seconds=max(s.seconds for s in each), mb_per_s=min(s.mb_per_s for s in each))
-        summary.inputs[name] = record
+        figures = (dict(fetched_bytes=max(s.bytes for s in each), reused_bytes=max(s.skipped_bytes for s in each),
+                        seconds=max(s.seconds for s in each), mb_per_s=min(s.mb_per_s for s in each))
+                   if each else {})
+        earlier = summary.inputs.get(name)
+        if earlier is not None and "fetched_bytes" in earlier:
+            earlier.setdefault("restaged", []).append(figures)
+            continue
+        summary.inputs[name] = {**input_plan.summary(), **figures}
 
 
 def _input_rows(summary: RunSummary) -> list[dict[str, Any]]:
