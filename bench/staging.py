@@ -60,7 +60,9 @@ class StagingBenchConfig:
     size_mb: int = 128
     store_mbit: float = 400.0
     node_mbit: float = 2000.0
-    workers: int = 8
+    # Each stager's parallel transfers. Fewer than the stage command's 8: 2 nodes × 8 flows through the store's
+    # 400 Mbit/s link on 2 loaded cores once stalled a connection past the CRT's socket timeout and failed the stage.
+    workers: int = 4
     workdir: Path | None = None
 
     def problem(self) -> str | None:

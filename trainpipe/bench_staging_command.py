@@ -25,7 +25,7 @@ def staging(
     size_mb: Annotated[int, typer.Option(min=1, help="MB of the replicated dataset (8 files)")] = 128,
     store_mbit: Annotated[float, typer.Option(min=1, help="the store's link, Mbit/s")] = 400.0,
     node_mbit: Annotated[float, typer.Option(min=1, help="every node's link, Mbit/s")] = 2000.0,
-    workers: Annotated[int, typer.Option(min=1, help="each stager's parallel transfers (the stage command's)")] = 8,
+    workers: Annotated[int, typer.Option(min=1, help="each stager's parallel transfers")] = 4,
     json_out: JsonTable = None,
     workdir: Annotated[Path | None, typer.Option(help="scratch dir (default: system temp)")] = None,
 ) -> None:
