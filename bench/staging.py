@@ -28,6 +28,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 from infra.compute.providers import Cluster, Node
 from infra.compute.providers.netns import emulation as netns
@@ -221,21 +222,6 @@ def netns_cluster(nodes: int, node_mbit: float) -> Iterator[tuple[NetnsProvider,
         provider.terminate(name)
 
 
-@contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    """values in this process's environment (the nodes' processes inherit it), the old ones restored after."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def run_staging_benchmark(config: StagingBenchConfig, echo: Callable[[str], None] = print) -> StagingBenchReport:
     if (why := config.problem()) is not None:
         raise StagingBenchError(f"bench staging: {why}")
@@ -244,7 +230,9 @@ def run_staging_benchmark(config: StagingBenchConfig, echo: Callable[[str], None
         scratch = Path(temp)
         (scratch / "source").mkdir()
         # etag_hash '': rclone would hash every object on every listing and HEAD, CPU the link is meant to bound.
-        with NetnsStore(scratch / "s3", etag_hash="") as store, _environ(store.env()):
+        # The nodes' processes inherit this process's environment: the store's endpoint and keys are set in it for
+        # the bench's length (patch.dict restores it after), like the workspace of each cluster below.
+        with NetnsStore(scratch / "s3", etag_hash="") as store, patch.dict(os.environ, store.env()):
             bucket = store.make_bucket("bench-staging")
             files = _dataset(scratch / "source", config.size_mb)
             dataset = open_store(f"{bucket}/dataset")
@@ -255,7 +243,7 @@ def run_staging_benchmark(config: StagingBenchConfig, echo: Callable[[str], None
             store.set_link_mbit(config.store_mbit)
             for nodes in config.nodes:
                 # A workspace per cluster: its nodes' object caches (beside its dir) are its own and the bench's.
-                with (_environ({WORKSPACE_ENV: str(scratch / f"workspace-{nodes}")}),
+                with (patch.dict(os.environ, {WORKSPACE_ENV: str(scratch / f"workspace-{nodes}")}),
                       netns_cluster(nodes, config.node_mbit) as (provider, cluster)):
                     for fanout in (False, True):
                         run = stage_once(provider, cluster, store, snapshot, snapshot_url, fanout, config.workers)
