@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 from unittest.mock import patch
 
+from infra.analysis.predict import Hardware, staging_time
 from infra.compute.providers import Cluster, Node
 from infra.compute.providers.netns import emulation as netns
 from infra.compute.providers.netns.provider import NetnsProvider
@@ -107,27 +108,35 @@ class StagingBenchReport:
         return {"store_x_off": off.store_bytes / self.dataset_bytes, "store_x_on": on.store_bytes / self.dataset_bytes,
                 "wall_on_off": on.wall_s / off.wall_s, "stage_on_off": on.stage_s / off.stage_s}
 
+    def model_s(self, nodes: int, fanout: bool) -> float:
+        """What `trainpipe predict` gives for this staging: the store's link shared by the nodes, the node links."""
+        c = self.config
+        hardware = Hardware(network_gbps=c.node_mbit / 1000, store_gbps=c.node_mbit / 1000,
+                            store_egress_gbps=c.store_mbit / 1000)
+        return staging_time(self.dataset_bytes, nodes, hardware, fanout)
+
     def table(self) -> str:
         c = self.config
         lines = [f"staging {self.dataset_bytes / 1e6:,.0f} MB replicated ({FILES} files); store link "
                  f"{c.store_mbit:g} Mbit/s, node links {c.node_mbit:g} Mbit/s; store bytes counted at the store's "
                  "interface",
                  f"{'nodes':>5} {'fan-out':>7} {'store MB':>9} {'× dataset':>9} {'wall s':>7} {'on/off':>6} "
-                 f"{'stage s':>7} {'on/off':>6} {'peer MB':>8} {'fallbacks':>9}"]
+                 f"{'stage s':>7} {'on/off':>6} {'model s':>7} {'peer MB':>8} {'fallbacks':>9}"]
         for run in sorted(self.runs, key=lambda r: (r.nodes, r.fanout)):
             ratios = self.ratios(run.nodes)
             wall, stage = ((f"{ratios['wall_on_off']:.2f}×", f"{ratios['stage_on_off']:.2f}×") if run.fanout
                            else ("", ""))
             lines.append(f"{run.nodes:>5} {'on' if run.fanout else 'off':>7} {run.store_bytes / 1e6:>9,.1f} "
                          f"{run.store_bytes / self.dataset_bytes:>8.2f}× {run.wall_s:>7.1f} {wall:>6} "
-                         f"{run.stage_s:>7.1f} {stage:>6} "
+                         f"{run.stage_s:>7.1f} {stage:>6} {self.model_s(run.nodes, run.fanout):>7.1f} "
                          f"{run.node_peer_bytes / 1e6:>8,.1f} {run.fallback_files:>9}")
         return "\n".join(lines)
 
     def to_json(self) -> str:
         config = {**asdict(self.config), "workdir": str(self.config.workdir) if self.config.workdir else None}
         return json.dumps({"config": config, "dataset_bytes": self.dataset_bytes,
-                           "runs": [asdict(run) for run in self.runs],
+                           "runs": [{**asdict(run), "model_s": self.model_s(run.nodes, run.fanout)}
+                                    for run in self.runs],
                            "ratios": {str(n): self.ratios(n) for n in sorted({r.nodes for r in self.runs})}},
                           indent=2)
 
