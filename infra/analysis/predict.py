@@ -22,7 +22,13 @@ Throughputs are per node; a node's ranks share its store link, disk and memory (
                local → local: data_wait × measured disk read / target disk read (1 when either is unknown).
                local → remote (the target has no local NVMe): requests × request latency (REMOTE_REQUEST_LATENCY_S
                  unless given) + read_bytes × ranks_per_node / store.
-               Staging (target reads locally): dataset_bytes / store, once per job.
+               Staging (target reads locally), once per job, every node holding the whole (replicated) dataset D:
+                 each node reads the store at s = min(store, store_egress / nodes) (the store's egress is shared;
+                 without an egress figure each node gets its own store link);
+                 fan-out off: D / s (every node reads every byte from the store: nodes × D of egress);
+                 fan-out on: max(D / nodes / s, D / network): the store is read once, each node its 1/nodes share,
+                 the rest arrives from the peers over the node links while the shares arrive (pieces flow on), and
+                 a node's link carries its whole D either way (its share from the store, the rest from peers).
     checkpoint same mode: local part (ckpt_block − upload_wait) × memory-copy ratio (async) or disk-write ratio
                  (sync, direct); upload part upload_wait × store ratio (direct only: it blocks on the store).
                to async (local NVMe scenario): ckpt_bytes / memory_copy, the copy into host memory; the upload then
@@ -75,6 +81,9 @@ BOUND_NAMES = {"T_compute": "compute", "T_network": "network", "T_io": "I/O"}
 class Hardware:
     network_gbps: float  # node-to-node link, Gbit/s
     store_gbps: float  # node ↔ object store / network storage, Gbit/s per node
+    # The store's own egress, shared by every node reading it at once (a bucket across regions, a NAS's link);
+    # None: unbounded, each node reads at store_gbps.
+    store_egress_gbps: float | None = None
     local_disk_read_mb_s: float | None = None  # node-local NVMe; None: no local disk to stage to
     local_disk_write_mb_s: float | None = None
     memory_copy_gb_s: float = MEMORY_COPY_GB_S
@@ -85,6 +94,7 @@ class Hardware:
 
     def __post_init__(self) -> None:
         positive = {"network_gbps": self.network_gbps, "store_gbps": self.store_gbps,
+                    "store_egress_gbps": self.store_egress_gbps,
                     "memory_copy_gb_s": self.memory_copy_gb_s, "compute_speedup": self.compute_speedup,
                     "local_disk_read_mb_s": self.local_disk_read_mb_s,
                     "local_disk_write_mb_s": self.local_disk_write_mb_s}
@@ -105,6 +115,7 @@ class Target:
     price_per_hour: float | None  # the whole cluster, USD; None: unknown
     kind: Kind = "candidate"
     staged: bool = False  # stage the data to local NVMe and checkpoint async, whatever the measured run did
+    fanout: bool = False  # staging reads the store once per cluster and the nodes fill each other (dataset.fanout)
 
 
 @dataclass(frozen=True)
@@ -182,6 +193,17 @@ def _data_time(b: StepBreakdown, measured: Hardware, target: Hardware, source: s
     return b.read_requests * latency + b.read_bytes * ranks_per_node(b) / (target.store_gbps * GBIT)
 
 
+def staging_time(dataset_bytes: int, nodes: int, hw: Hardware, fanout: bool) -> float:
+    """Seconds until every node holds the whole dataset (see the module's docstring)."""
+    nodes = max(1, nodes)
+    per_node = hw.store_gbps * GBIT
+    if hw.store_egress_gbps is not None:
+        per_node = min(per_node, hw.store_egress_gbps * GBIT / nodes)
+    if not fanout or nodes == 1:
+        return dataset_bytes / per_node
+    return max(dataset_bytes / nodes / per_node, dataset_bytes / (hw.network_gbps * GBIT))
+
+
 def replay_buckets(buckets: Sequence[Sequence[float]], network_ratio: float, compute_speedup: float) -> float:
     """One step's exposed all-reduce when its buckets' service times scale by network_ratio and backward by
     1 / compute_speedup: the buckets go over the link one after another, and what is left after the last one is
@@ -244,7 +266,7 @@ def predict(breakdown: StepBreakdown, measured: Hardware, target: Target, job: J
     step = replace(b, wall_s=compute + exposed + b.sync_wait_s + data + block, comm_exposed_s=exposed,
                    comm_total_s=comm_total, data_wait_s=data, ckpt_block_s=block, ckpt_upload_wait_s=upload,
                    data_source=source, ckpt_mode=mode)
-    staging = job.dataset_bytes / (hw.store_gbps * GBIT) if source == "local" else 0.0
+    staging = staging_time(job.dataset_bytes, b.nodes, hw, target.fanout) if source == "local" else 0.0
     flush = (b.ckpt_bytes / b.ckpt_saves / (hw.store_gbps * GBIT)
              if mode != "direct" and b.ckpt_saves > 0 else 0.0)
     return Prediction(label=hw.label, kind=target.kind, hardware=hw, step=step, job_steps=job.steps,
@@ -253,23 +275,29 @@ def predict(breakdown: StepBreakdown, measured: Hardware, target: Target, job: J
 
 
 LOCAL_NVME_LABEL = "local NVMe instead of network storage"
+FANOUT_LABEL = "local NVMe, fan-out staging"
 
 
-def scenarios(measured: Hardware, price_per_hour: float | None) -> list[Target]:
+def scenarios(measured: Hardware, price_per_hour: float | None, nodes: int = 1) -> list[Target]:
     """As measured (the sanity row: it reproduces the measurement), 2× network, and local NVMe + async checkpoints
-    (omitted when the measured hardware has no local disk figure to stage to)."""
+    (omitted when the measured hardware has no local disk figure to stage to), that staged with fan-out too (on
+    more than one node)."""
     rows = [Target(replace(measured, label="as measured"), price_per_hour, "measured"),
             Target(replace(measured, network_gbps=measured.network_gbps * 2, label="2× network"), price_per_hour,
                    "scenario")]
     if measured.local_disk_read_mb_s is not None:
         rows.append(Target(replace(measured, label=LOCAL_NVME_LABEL), price_per_hour, "scenario", staged=True))
+        if nodes > 1:
+            rows.append(Target(replace(measured, label=FANOUT_LABEL), price_per_hour, "scenario", staged=True,
+                               fanout=True))
     return rows
 
 
 def what_if(breakdown: StepBreakdown, measured: Hardware, job: Job, price_per_hour: float | None = None,
             targets: Iterable[Target] = ()) -> list[Prediction]:
     """The scenarios on the measured hardware, then every target (e.g. catalog_targets), in that order."""
-    return [predict(breakdown, measured, target, job) for target in [*scenarios(measured, price_per_hour), *targets]]
+    rows = [*scenarios(measured, price_per_hour, breakdown.nodes), *targets]
+    return [predict(breakdown, measured, target, job) for target in rows]
 
 
 def instance_hardware(instance: InstanceType) -> Hardware:

@@ -1,0 +1,37 @@
+"""`trainpipe bench staging`: store bytes and staging wall time, fan-out off against on, on netns clusters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from trainpipe.bench_common import JsonTable, print_report
+from trainpipe.errors import exit_2_on
+
+
+def _node_counts(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise typer.BadParameter(f"{text!r}: give node counts separated by commas, e.g. 2,4",
+                                 param_hint="--nodes") from None
+
+
+@exit_2_on("bench.staging:StagingBenchError")
+def staging(
+    nodes: Annotated[str, typer.Option(help="cluster sizes to stage on, comma-separated")] = "2,4",
+    size_mb: Annotated[int, typer.Option(min=1, help="MB of the replicated dataset (8 files)")] = 128,
+    store_mbit: Annotated[float, typer.Option(min=1, help="the store's link, Mbit/s")] = 400.0,
+    node_mbit: Annotated[float, typer.Option(min=1, help="every node's link, Mbit/s")] = 2000.0,
+    workers: Annotated[int, typer.Option(min=1, help="each stager's parallel transfers")] = 4,
+    json_out: JsonTable = None,
+    workdir: Annotated[Path | None, typer.Option(help="scratch dir (default: system temp)")] = None,
+) -> None:
+    """Stage one replicated dataset on a netns cluster per node count with fan-out off, then on (root only):
+    bytes the store sent (counted at its interface) and wall time; every node's files are verified."""
+    from bench.staging import StagingBenchConfig, run_staging_benchmark
+
+    config = StagingBenchConfig(_node_counts(nodes), size_mb, store_mbit, node_mbit, workers, workdir)
+    print_report(run_staging_benchmark(config, echo=typer.echo), json_out)
