@@ -202,7 +202,9 @@ def test_a_sweep_on_another_machine_takes_the_dead_run_and_leaves_the_live_one(
     key = tmp_path / "id_ed25519"
     key.write_text("not used: the clusters here are never bootstrapped\n")
     monkeypatch.setenv("TRAINPIPE_SSH_KEY_FILE", str(key))
-    spec = {"nodes": 2, "procs_per_node": 1, "lease_ttl_s": TTL_S}
+    # Twice the shortest lease: on 2 loaded cores, launching four clusters and starting the sweeper can take TTL_S.
+    ttl_s = 2 * TTL_S
+    spec = {"nodes": 2, "procs_per_node": 1, "lease_ttl_s": ttl_s}
     aws = AwsProvider(bootstrap=False)
     gcp = GcpProvider(project=PROJECT, credentials=AnonymousCredentials(), api_endpoint=gce.endpoint,
                       zones=(ZONE,), bootstrap=False)
@@ -213,8 +215,12 @@ def test_a_sweep_on_another_machine_takes_the_dead_run_and_leaves_the_live_one(
             launched[name] = (provider, provider.launch(name, ClusterSpec(provider=provider.name, regions=(region,),
                                                                           **spec), f"sweep-{state}"))
     # The live runs' orchestrator: what its LeaseKeeper does for the cluster (the nodes here are not reachable).
-    beating = [Renewal(name, lambda p=provider, c=cluster: p.heartbeat(c), TTL_S / 6).start()
+    beating = [Renewal(name, lambda p=provider, c=cluster: p.heartbeat(c), ttl_s / 6).start()
                for name, (provider, cluster) in launched.items() if name.endswith("-live")]
+    # The dead runs' orchestrator beat once more just now, then died: at the early sweep they are live too.
+    for name, (provider, cluster) in launched.items():
+        if name.endswith("-dead"):
+            provider.heartbeat(cluster)
     env = {**os.environ, **gcp_env(gce, gcp_key), "TRAINPIPE_GCP_ZONES": ZONE}
     sweep = ["unshare", "--uts", "sh", "-c", "hostname sweeper-elsewhere && hostname && exec \"$@\"", "sweep",
              TRAINPIPE, "sweep"]
@@ -228,7 +234,7 @@ def test_a_sweep_on_another_machine_takes_the_dead_run_and_leaves_the_live_one(
         # with; the live ones are renewed meanwhile.
         dead = [beat for name in launched if name.endswith("-dead") for beat in heartbeats(ec2, gce, name)]
         assert len(dead) == 2 * spec["nodes"], dead
-        wait_for(lambda: time.time() > max(dead) + TTL_S, TTL_S * 3, "the dead runs' leases to expire")
+        wait_for(lambda: time.time() > max(dead) + ttl_s, ttl_s * 3, "the dead runs' leases to expire")
         late = subprocess.run(sweep, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
         assert late.returncode == 0, late.stderr
     finally:
