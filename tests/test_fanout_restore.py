@@ -8,17 +8,13 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import subprocess
-import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO
 from servers import S3Server
-from test_checkpoints import CONFIG_HASH, make_step, node_files
-from test_fanout_stage import Node, Staging, counted_store, start_server
+from test_checkpoints import CONFIG_HASH, make_step
+from test_fanout_stage import Node, Staging, counted_store, local_nodes, node_command, start_server
 
 from infra.checkpoints.commit import CheckpointManifest, CheckpointStore
 from infra.checkpoints.steps import step_name
@@ -29,6 +25,7 @@ from infra.storage.http import PASS_ENV, USER_ENV
 MB = 1 << 20
 NODES = 3
 STEP = 100
+COPY = "extra/copy.distcp"
 
 
 @pytest.fixture
@@ -39,13 +36,17 @@ def peer_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def committed(s3_url: str, tmp_path: Path) -> tuple[CheckpointStore, CheckpointManifest, list[Path]]:
-    """Step 100 committed from 3 nodes' parts (rank 1's of more than one ranged part); returns the writers' dirs."""
+    """Step 100 committed from 3 nodes' parts (rank 1's of more than one ranged part; rank 2's with the same bytes
+    under two paths); returns the writers' dirs."""
     checkpoints = CheckpointStore(open_store(f"{s3_url}/run-1"))
     writers = [tmp_path / f"writer-{rank}" / "ckpt" for rank in range(NODES)]
     for rank, ckpt_dir in enumerate(writers):
         ckpt_dir.mkdir(parents=True)
         part = make_step(ckpt_dir, STEP, rank, size=9 * MB if rank == 1 else 2 * MB, world_size=NODES)
-        checkpoints.upload_node_part(part, STEP, rank, node_files(rank), attempt="0-aaaa")
+        if rank == 2:
+            (part / "extra").mkdir()
+            (part / COPY).write_bytes((part / "__2_0.distcp").read_bytes())
+        checkpoints.upload_node_part(part, STEP, rank, list(written(ckpt_dir)), attempt="0-aaaa")
     manifest = checkpoints.try_commit(STEP, nodes=NODES, world_size=NODES, config_hash=CONFIG_HASH, attempt="0-aaaa")
     assert manifest is not None
     return checkpoints, manifest, writers
@@ -53,24 +54,15 @@ def committed(s3_url: str, tmp_path: Path) -> tuple[CheckpointStore, CheckpointM
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[list[Node]]:
-    nodes = [Node(rank, tmp_path / f"node-{rank}") for rank in range(NODES)]
-    yield nodes
-    for node in nodes:
-        if node.server is not None and node.server.poll() is None:
-            node.server.kill()
-            node.server.wait()
+    with local_nodes(tmp_path, NODES) as nodes:
+        yield nodes
 
 
 def start_restore(url: str, node: Node, nodes: list[Node], dest: Path, *, fanout: bool) -> Staging:
     peers = ["--rank", str(node.rank), "--peers", ",".join(n.url for n in nodes), "--share-dir",
              str(node.workdir / "share"), "--peer-connect-grace", "2", "--peer-wait", "60"] if fanout else []
-    process = subprocess.Popen(
-        [sys.executable, "-m", "infra.node", "restore", "--url", url, "--dest", str(dest), "--sync-dir",
-         str(node.workdir / "sync"), *peers],
-        cwd=REPO, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    restoring = Staging(process)
-    threading.Thread(target=restoring.follow, daemon=True).start()
-    return restoring
+    return node_command(["restore", "--url", url, "--dest", str(dest), "--sync-dir", str(node.workdir / "sync"),
+                         *peers])
 
 
 def finished(restoring: Staging) -> dict[str, object]:
@@ -78,14 +70,17 @@ def finished(restoring: Staging) -> dict[str, object]:
     return restoring.wait_for("restored")
 
 
+def written(ckpt_dir: Path) -> dict[str, bytes]:
+    """A node's files of the step, by path in the checkpoint."""
+    folder = ckpt_dir / step_name(STEP)
+    return {str(path.relative_to(folder)): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+
+
 def whole(writers: list[Path]) -> dict[str, bytes]:
-    return {name: (ckpt_dir / step_name(STEP) / name).read_bytes()
-            for rank, ckpt_dir in enumerate(writers) for name in node_files(rank)}
+    return {name: data for ckpt_dir in writers for name, data in written(ckpt_dir).items()}
 
 
-def held(dest: Path) -> dict[str, bytes]:
-    folder = dest / step_name(STEP)
-    return {path.name: path.read_bytes() for path in folder.iterdir()}
+held = written
 
 
 def restore_all(checkpoints: CheckpointStore, nodes: list[Node], dests: list[Path], s3_server: S3Server,
@@ -108,6 +103,7 @@ def test_fanout_restore_reads_the_store_once_and_every_node_has_the_whole_checkp
         peer_credentials: None, monkeypatch: pytest.MonkeyPatch) -> None:
     checkpoints, manifest, writers = committed
     total = manifest.total_bytes
+    unique = total - len(whole(writers)[COPY])  # the same bytes under two paths are fetched once
     off, _ = restore_all(checkpoints, cluster, [n.workdir / "off" for n in cluster], s3_server, monkeypatch,
                          fanout=False)
     assert off >= NODES * total
@@ -119,8 +115,8 @@ def test_fanout_restore_reads_the_store_once_and_every_node_has_the_whole_checkp
     print(f"store bytes / checkpoint bytes: fan-out off {off / total:.3f}, on {on / total:.3f}")
     assert on <= 1.05 * total, [e for r in restoring for e in events(r, "fanout-fallback")]
     fanned = [events(r, "restore-fanout")[0] for r in restoring]
-    assert sum(int(e["store_bytes"]) for e in fanned) == total
-    assert sum(int(e["peer_bytes"]) for e in fanned) == (NODES - 1) * total
+    assert sum(int(e["store_bytes"]) for e in fanned) == unique
+    assert sum(int(e["peer_bytes"]) for e in fanned) == (NODES - 1) * unique
     for node in cluster:
         assert held(node.workdir / "ckpt") == whole(writers)
         # The syncer learns the restored step is committed: it never ships it again.
@@ -135,7 +131,7 @@ def test_nodes_holding_their_own_parts_serve_them_and_the_store_serves_only_the_
     checkpoints, manifest, writers = committed
     expected = whole(writers)
     (writers[0] / step_name(STEP) / ".metadata").write_bytes(os.urandom(2 * MB))  # same size, other bytes
-    lost = sum(len(expected[name]) for name in node_files(2))
+    lost = len(expected["__2_0.distcp"])  # node 2's part: its copy is made on the node
     stale = len(expected[".metadata"])
     for node in cluster:
         start_server(node)
@@ -169,10 +165,10 @@ def test_a_peer_killed_mid_restore_its_files_come_from_the_store(
         cluster[2].server.wait()
         for one in restoring:
             finished(one)
-    owed = sum(len(data) for name, data in whole(writers).items() if name in node_files(2))
+    owed = len(whole(writers)["__2_0.distcp"])  # node 2's part, fetched once: its copy is made on the node
     for node, one in zip(cluster[:2], restoring, strict=True):
         assert [e["peer"] for e in events(one, "fanout-fallback")] == [2]
-        assert events(one, "restore-fanout")[0]["fallback_files"] == len(node_files(2))
+        assert events(one, "restore-fanout")[0]["fallback_files"] == 1
         assert held(node.workdir / "ckpt") == whole(writers)
     # Nodes 0 and 1 each took their own part once and node 2's part each: nothing else.
     assert store.served <= 1.05 * (manifest.total_bytes - owed + 2 * owed), store.served

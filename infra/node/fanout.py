@@ -15,6 +15,7 @@ bound is done with: what it owed comes from the store, with a `fanout-fallback` 
 
 from __future__ import annotations
 
+import argparse
 import logging
 import threading
 import time
@@ -75,6 +76,17 @@ def share_name(checksum: str) -> str:
 
 def peer_url(address: str, rank: int) -> str:
     return f"http://{address}:{PEER_PORT_BASE + rank}"
+
+
+def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The fan-out options of the node commands that exchange (stage, restore)."""
+    parser.add_argument("--peers", help="fan-out: every node's peer server URL, comma-separated in rank order (this "
+                        "node's own included); credentials in TRAINPIPE_PEER_USER/TRAINPIPE_PEER_PASS")
+    parser.add_argument("--share-dir", type=Path, help="fan-out: the dir this node's peer server serves")
+    parser.add_argument("--peer-wait", type=float, default=WAIT_S,
+                        help="fan-out: seconds to wait for a file its owner has not published yet")
+    parser.add_argument("--peer-connect-grace", type=float, default=CONNECT_GRACE_S,
+                        help="fan-out: seconds a refused connection to a peer is retried (its server starting)")
 
 
 def shares(files: Sequence[Piece], nodes: int) -> dict[str, int]:

@@ -44,6 +44,14 @@ def _holds(path: Path, entry: FileEntry) -> bool:
     return checksum_file(path, entry.checksum.algorithm) == entry.checksum
 
 
+def _copy(source: Path, target: Path) -> None:
+    """A copy, not a link: a script that rewrites one of the two files in place must not change the other."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temp = target.with_name(f".{target.name}.copy")
+    shutil.copyfile(source, temp)
+    os.replace(temp, target)
+
+
 @dataclass
 class PeerFill:
     """A CheckpointStore.restore fill for node `rank` of the peers (their URLs by rank, its own included)."""
@@ -59,9 +67,13 @@ class PeerFill:
     def __call__(self, checkpoints: CheckpointStore, manifest: CheckpointManifest, folder: Path) -> None:
         entries = {entry.path: entry for entry in manifest.files}
         pieces = [_piece(entry) for entry in manifest.files]
-        held = [piece for piece in pieces if _holds(folder / piece.key, entries[piece.key])]
-        held_keys = {piece.key for piece in held}
-        self.local_bytes = sum(piece.size for piece in held)
+        held = {piece.key for piece in pieces if _holds(folder / piece.key, entries[piece.key])}
+        self.local_bytes = sum(piece.size for piece in pieces if piece.key in held)
+        # The same bytes under two paths are exchanged once (one share name), from a copy held here if any.
+        first: dict[str, File] = {}
+        for piece in sorted(pieces, key=lambda piece: piece.key not in held):
+            first.setdefault(piece.checksum, piece)
+        unique = list(first.values())
         owner = self._owners(checkpoints, manifest, pieces)
         self.share_dir.mkdir(parents=True, exist_ok=True)
         exchange = Exchange(self.rank, self.peers, self.share_dir, lambda piece: folder / piece.key,
@@ -74,7 +86,7 @@ class PeerFill:
                 download(store, [spec], folder)
                 return
             # A peer's copy is under its share name: verified there, then moved to its path.
-            incoming = folder / INCOMING
+            incoming = folder / INCOMING / piece.key
             download(store, [spec], incoming)
             target = folder / piece.key
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -90,10 +102,13 @@ class PeerFill:
 
         source = checkpoints.source(manifest)
         try:
-            self.counts = exchange.run(pieces, [p for p in pieces if p.key not in held_keys], source, fetch_own,
+            self.counts = exchange.run(unique, [p for p in unique if p.key not in held], source, fetch_own,
                                        fetch_one, owner=owner)
         finally:
             shutil.rmtree(folder / INCOMING, ignore_errors=True)
+        for piece in pieces:
+            if piece.key not in held and first[piece.checksum] is not piece:
+                _copy(folder / first[piece.checksum].key, folder / piece.key)
         emit("restore-fanout", step=manifest.step, local_bytes=self.local_bytes,
              store_bytes=self.counts.store_bytes, peer_bytes=self.counts.peer_bytes,
              fallback_files=self.counts.fallback_files, peers_gone=self.counts.peers_gone)

@@ -19,7 +19,7 @@ from pathlib import Path
 from infra.checkpoints.commit import CheckpointError, CheckpointStore, NoCommittedCheckpoint
 from infra.checkpoints.formats import FORMATS, Detector
 from infra.node.events import emit, fail
-from infra.node.fanout import CONNECT_GRACE_S, WAIT_S
+from infra.node.fanout import add_peer_arguments
 from infra.node.peerrestore import PeerFill
 from infra.node.sync import write_restored
 from infra.storage import StorageError, open_store
@@ -36,13 +36,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--sync-dir", type=Path, help="the node's sync dir: the syncer learns what was restored")
     parser.add_argument("--format", choices=FORMATS, default="auto", help="the job's checkpoint format")
     parser.add_argument("--rank", type=int, default=0, help="fan-out: this node's rank")
-    parser.add_argument("--peers", help="fan-out: every node's peer server URL, comma-separated in rank order (this "
-                        "node's own included); credentials in TRAINPIPE_PEER_USER/TRAINPIPE_PEER_PASS")
-    parser.add_argument("--share-dir", type=Path, help="fan-out: the dir this node's peer server serves")
-    parser.add_argument("--peer-wait", type=float, default=WAIT_S,
-                        help="fan-out: seconds to wait for a file its owner has not published yet")
-    parser.add_argument("--peer-connect-grace", type=float, default=CONNECT_GRACE_S,
-                        help="fan-out: seconds a refused connection to a peer is retried (its server starting)")
+    add_peer_arguments(parser)
     args = parser.parse_args(argv)
     peers = args.peers.split(",") if args.peers else []
     if peers and (args.share_dir is None or not 0 <= args.rank < len(peers)):

@@ -27,7 +27,7 @@ from infra.dataset.manifest import DatasetError
 from infra.dataset.snapshot import DATASET, DatasetSnapshot, SnapshotFile, check_unchanged, read_snapshot
 from infra.dataset.stagecache import CacheBusy, ObjectCache, link_into
 from infra.node.events import Throttle, emit, fail
-from infra.node.fanout import CONNECT_GRACE_S, WAIT_S, Counts, Exchange, Piece
+from infra.node.fanout import Counts, Exchange, Piece, add_peer_arguments
 from infra.storage import StorageError, open_store
 from infra.storage.base import ChecksumMismatch, ObjectStore
 from infra.storage.records import DEFAULT_CONFIG
@@ -261,13 +261,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--run", default="the run", help="run id, for error messages")
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--progress-interval", type=float, default=2.0)
-    parser.add_argument("--peers", help="fan-out: every node's peer server URL, comma-separated in rank order (this "
-                        "node's own included); credentials in TRAINPIPE_PEER_USER/TRAINPIPE_PEER_PASS")
-    parser.add_argument("--share-dir", type=Path, help="fan-out: the dir this node's peer server serves")
-    parser.add_argument("--peer-wait", type=float, default=WAIT_S,
-                        help="fan-out: seconds to wait for a file its owner has not published yet")
-    parser.add_argument("--peer-connect-grace", type=float, default=CONNECT_GRACE_S,
-                        help="fan-out: seconds a refused connection to a peer is retried (its server starting)")
+    add_peer_arguments(parser)
     args = parser.parse_args(argv)
 
     throttle = Throttle(args.progress_interval)
