@@ -40,16 +40,21 @@ def committed(s3_url: str, tmp_path: Path) -> tuple[CheckpointStore, CheckpointM
     under two paths); returns the writers' dirs."""
     checkpoints = CheckpointStore(open_store(f"{s3_url}/run-1"))
     writers = [tmp_path / f"writer-{rank}" / "ckpt" for rank in range(NODES)]
-    for rank, ckpt_dir in enumerate(writers):
+    for ckpt_dir in writers:
         ckpt_dir.mkdir(parents=True)
-        part = make_step(ckpt_dir, STEP, rank, size=9 * MB if rank == 1 else 2 * MB, world_size=NODES)
+    return checkpoints, commit_step(checkpoints, writers, STEP), writers
+
+
+def commit_step(checkpoints: CheckpointStore, writers: list[Path], step: int) -> CheckpointManifest:
+    for rank, ckpt_dir in enumerate(writers):
+        part = make_step(ckpt_dir, step, rank, size=9 * MB if rank == 1 else 2 * MB, world_size=NODES)
         if rank == 2:
             (part / "extra").mkdir()
             (part / COPY).write_bytes((part / "__2_0.distcp").read_bytes())
-        checkpoints.upload_node_part(part, STEP, rank, list(written(ckpt_dir)), attempt="0-aaaa")
-    manifest = checkpoints.try_commit(STEP, nodes=NODES, world_size=NODES, config_hash=CONFIG_HASH, attempt="0-aaaa")
+        checkpoints.upload_node_part(part, step, rank, list(written(ckpt_dir, step)), attempt="0-aaaa")
+    manifest = checkpoints.try_commit(step, nodes=NODES, world_size=NODES, config_hash=CONFIG_HASH, attempt="0-aaaa")
     assert manifest is not None
-    return checkpoints, manifest, writers
+    return manifest
 
 
 @pytest.fixture
@@ -58,11 +63,12 @@ def cluster(tmp_path: Path) -> Iterator[list[Node]]:
         yield nodes
 
 
-def start_restore(url: str, node: Node, nodes: list[Node], dest: Path, *, fanout: bool) -> Staging:
+def start_restore(url: str, node: Node, nodes: list[Node], dest: Path, *, fanout: bool,
+                  peer_wait_s: float = 60) -> Staging:
     peers = ["--rank", str(node.rank), "--peers", ",".join(n.url for n in nodes), "--share-dir",
-             str(node.workdir / "share"), "--peer-connect-grace", "2", "--peer-wait", "60"] if fanout else []
+             str(node.workdir / "share"), "--peer-connect-grace", "2", "--peer-wait", str(peer_wait_s)]
     return node_command(["restore", "--url", url, "--dest", str(dest), "--sync-dir", str(node.workdir / "sync"),
-                         *peers])
+                         *(peers if fanout else [])])
 
 
 def finished(restoring: Staging) -> dict[str, object]:
@@ -70,9 +76,9 @@ def finished(restoring: Staging) -> dict[str, object]:
     return restoring.wait_for("restored")
 
 
-def written(ckpt_dir: Path) -> dict[str, bytes]:
+def written(ckpt_dir: Path, step: int = STEP) -> dict[str, bytes]:
     """A node's files of the step, by path in the checkpoint."""
-    folder = ckpt_dir / step_name(STEP)
+    folder = ckpt_dir / step_name(step)
     return {str(path.relative_to(folder)): path.read_bytes() for path in folder.rglob("*") if path.is_file()}
 
 
@@ -172,3 +178,36 @@ def test_a_peer_killed_mid_restore_its_files_come_from_the_store(
         assert held(node.workdir / "ckpt") == whole(writers)
     # Nodes 0 and 1 each took their own part once and node 2's part each: nothing else.
     assert store.served <= 1.05 * (manifest.total_bytes - owed + 2 * owed), store.served
+
+
+@pytest.mark.parametrize("how", ["flipped", "deleted"])
+def test_a_damaged_newest_step_is_set_aside_and_every_node_restores_the_one_before(
+        committed: tuple[CheckpointStore, CheckpointManifest, list[Path]], s3_server: S3Server, cluster: list[Node],
+        peer_credentials: None, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """Step 200's file of node 1 is damaged in the store. deleted: every node sees it before fetching and restores
+    step 100 from its peers. flipped (only the bytes tell): node 1 finds it fetching its part, the others when their
+    wait for node 1 ends and the store sends the same bytes; each sets it aside and restores step 100."""
+    checkpoints, older, writers = committed
+    newest = commit_step(checkpoints, writers, 200)
+    key = newest.file_key(next(e for e in newest.files if e.path == "__1_0.distcp"))
+    if how == "deleted":
+        checkpoints.store.delete(key)
+    else:
+        data = bytearray(checkpoints.store.get_bytes(key))
+        data[100] ^= 0xFF
+        checkpoints.store.put_bytes(key, bytes(data))
+    for node in cluster:
+        start_server(node)
+    with counted_store(s3_server, monkeypatch) as store:
+        restoring = [start_restore(checkpoints.store.url, node, cluster, node.workdir / "ckpt", fanout=True,
+                                   peer_wait_s=5) for node in cluster]
+        restored = [finished(one) for one in restoring]
+    assert [event["step"] for event in restored] == [STEP] * NODES
+    for node, one in zip(cluster, restoring, strict=True):
+        assert "skipped checkpoint step 200" in "".join(one.output), "".join(one.output)[-3000:]
+        assert held(node.workdir / "ckpt") == whole(writers)
+        assert not (node.workdir / "ckpt" / step_name(200)).exists(), "a skipped step's files are removed"
+    assert [note.step for note in checkpoints.set_aside_notes()] == [200]
+    if how == "deleted":
+        print(f"store bytes / step 100's bytes after a damaged step 200: {store.served / older.total_bytes:.3f}")
+        assert store.served <= 1.05 * older.total_bytes
