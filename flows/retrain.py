@@ -194,24 +194,27 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: 
         # The code and the setup go their own way beside the dataset: neither waits for the other.
         preparing = prepare_node.map(unmapped(job), unmapped(cluster), cluster.nodes, unmapped(code_url),
                                      unmapped(plan.workload.code_sha256), unmapped(launch))
-        with phase.recovery_part("stage"):
-            # The dataset and the inputs one after the other on each node, through its one cache.
-            inputs = {name: input_plan.snapshot_url for name, input_plan in plan.inputs.items()}
-            fan, why = fanout.decide(job.dataset.fanout, len(cluster.nodes), summary.cluster_bench,
-                                     [plan.dataset_url, *(i.url for i in plan.inputs.values())])
-            summary.dataset["fanout"] = {"on": fan, "why": why}
-            get_run_logger().info("fan-out staging: %s", why)
-            with (fanout.peer_servers(cluster) if fan and (staging or inputs) else nullcontext(([], None))) as peers:
+        inputs = {name: input_plan.snapshot_url for name, input_plan in plan.inputs.items()}
+        fan, why = fanout.decide(job.dataset.fanout, len(cluster.nodes), summary.cluster_bench,
+                                 [plan.dataset_url, *(i.url for i in plan.inputs.values())])
+        summary.dataset["fanout"] = {"on": fan, "why": why}
+        get_run_logger().info("fan-out staging: %s", why)
+        # The peers serve the dataset's and the inputs' shares, then the checkpoint's files a resume restores.
+        exchanging = fan and (staging or bool(inputs) or resume_step is not None)
+        with (fanout.peer_servers(cluster) if exchanging else nullcontext(([], None))) as peers:
+            with phase.recovery_part("stage"):
+                # The dataset and the inputs one after the other on each node, through its one cache.
                 nodes_staged = (stage_node.map(unmapped(cluster), cluster.nodes,
                                                unmapped(plan.dataset.snapshot_url if staging else None),
                                                unmapped(plan.dataset.shard), unmapped(inputs),
                                                peers=unmapped(peers[0]), peer_env=unmapped(peers[1])).result()
                                 if staging or inputs else [])
             staged = [s.dataset for s in nodes_staged if s.dataset is not None]
-        with phase.recovery_part("restore"):
-            restored = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.checkpoint_url),
-                                               unmapped(job.checkpoints.format)).result()
-                        if resume_step is not None else [])
+            with phase.recovery_part("restore"):
+                restored = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.checkpoint_url),
+                                                   unmapped(job.checkpoints.format), peers=unmapped(peers[0]),
+                                                   peer_env=unmapped(peers[1])).result()
+                            if resume_step is not None else [])
         # A warm start: only when nothing of this run is committed yet (a resume continues from its own commit).
         warm = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.init_from.run_url),
                                        unmapped(job.checkpoints.format), step=unmapped(plan.init_from.step),

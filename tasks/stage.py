@@ -83,17 +83,23 @@ def stage_node(cluster: Cluster, node: Node, snapshot_url: str | None, shard: st
 
 @task(name="restore-checkpoint", **TRANSIENT_RETRIES)
 def restore_checkpoint(cluster: Cluster, node: Node, checkpoint_url: str, checkpoint_format: str,
-                       timeout_s: float = 3600, step: int | None = None, dest: str | None = None) -> Restored:
+                       timeout_s: float = 3600, step: int | None = None, dest: str | None = None,
+                       peers: list[str] | None = None, peer_env: dict[str, str] | None = None) -> Restored:
     """Download the latest committed checkpoint (or `step`) into the node's checkpoint dir (the whole union of every
     node's files, under the name the script saved it as); returns its step and local path (TRAINPIPE_RESUME_FROM).
 
     With `dest` it lands there instead, apart from the run's own checkpoints, and the node's syncer is not told:
     a warm start's weights (TRAINPIPE_INIT_FROM) or the checkpoint an evaluation reads are never this run's
-    commits."""
+    commits.
+
+    peers (fan-out, tasks/fanout.py): every node's peer server URL by rank, peer_env their credentials: the nodes
+    fill each other and the store serves each file of the checkpoint once per cluster."""
     runner = get_provider(cluster.provider).runner(cluster, node)
     sink = node_line_sink(get_run_logger(), node.name)
     where = ["--dest", dest] if dest is not None else ["--dest", node.ckpt_dir, "--sync-dir", node.sync_dir]
     result = runner.run([node.python, "-m", "infra.node", "restore", "--url", checkpoint_url, *where,
-                         "--format", checkpoint_format, *(["--step", str(step)] if step is not None else [])],
-                        timeout=timeout_s, on_line=sink)
+                         "--format", checkpoint_format, *(["--step", str(step)] if step is not None else []),
+                         *(["--rank", str(node.rank), "--peers", ",".join(peers), "--share-dir", node.path(SHARE_DIR)]
+                           if peers else [])],
+                        env=peer_env, timeout=timeout_s, on_line=sink)
     return Restored.from_event(last_event(result.output, "restored"))

@@ -112,11 +112,15 @@ def start_server(node: Node) -> None:
 def start_stage(snapshot_url: str, node: Node, nodes: list[Node], *, fanout: bool) -> Staging:
     peers = ["--peers", ",".join(n.url for n in nodes), "--share-dir", str(node.workdir / "share"),
              "--peer-connect-grace", "2", "--peer-wait", "60"] if fanout else []
-    process = subprocess.Popen(
-        [sys.executable, "-m", "infra.node", "stage", "--snapshot", snapshot_url, "--rank", str(node.rank),
-         "--nodes", str(len(nodes)), "--dest", str(node.workdir / "data"), "--workdir", str(node.workdir),
-         "--cache", str(node.workdir / "cache"), "--run", "run-1", "--workers", "8", *peers],
-        cwd=REPO, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return node_command(["stage", "--snapshot", snapshot_url, "--rank", str(node.rank), "--nodes", str(len(nodes)),
+                         "--dest", str(node.workdir / "data"), "--workdir", str(node.workdir), "--cache",
+                         str(node.workdir / "cache"), "--run", "run-1", "--workers", "8", *peers])
+
+
+def node_command(args: list[str]) -> Staging:
+    """`python -m infra.node ARGS` started, its output followed (events as they come)."""
+    process = subprocess.Popen([sys.executable, "-m", "infra.node", *args], cwd=REPO, env=dict(os.environ),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     staging = Staging(process)
     threading.Thread(target=staging.follow, daemon=True).start()
     return staging
@@ -127,14 +131,23 @@ def finished(staging: Staging) -> dict[str, object]:
     return staging.wait_for("staged")
 
 
+@contextmanager
+def local_nodes(root: Path, count: int = NODES) -> Iterator[list[Node]]:
+    """Nodes under root; their peer servers (those started, even of nodes swapped into the list) stopped on exit."""
+    nodes = [Node(rank, root / f"node-{rank}") for rank in range(count)]
+    try:
+        yield nodes
+    finally:
+        for node in nodes:
+            if node.server is not None and node.server.poll() is None:
+                node.server.kill()
+                node.server.wait()
+
+
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[list[Node]]:
-    nodes = [Node(rank, tmp_path / f"node-{rank}") for rank in range(NODES)]
-    yield nodes
-    for node in nodes:
-        if node.server is not None and node.server.poll() is None:
-            node.server.kill()
-            node.server.wait()
+    with local_nodes(tmp_path) as nodes:
+        yield nodes
 
 
 def stored_bytes(files: dict[str, bytes]) -> int:

@@ -34,7 +34,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -262,6 +262,11 @@ class _StepObjects:
             if size != entry.bytes:
                 return f"{rest} has {size} bytes, the manifest says {entry.bytes}"
         return None
+
+
+# Fills a committed step's folder with its files, each verified against the manifest (infra/node/peerrestore.py);
+# raises ObjectNotFound or ChecksumMismatch for a file the store does not have whole, as the store's download does.
+Fill = Callable[["CheckpointStore", CheckpointManifest, Path], None]
 
 
 class CheckpointStore:
@@ -742,21 +747,44 @@ class CheckpointStore:
                   for start in range(0, size, VERIFY_CHUNK))
         return checksum_of_ranges(chunks, algorithm)
 
-    def restore(self, dest_dir: Path, step: int | None = None) -> Path:
+    def uploaders(self, manifest: CheckpointManifest) -> dict[str, int]:
+        """File path -> the node rank that uploaded it in the committed attempt (the lowest, when several did): the
+        node that may still hold it on its disk. A record that cannot be read leaves its files out (a restore from
+        peers fetches those from the store), never failing the restore."""
+        owners: dict[str, int] = {}
+        for rank in range(manifest.nodes):
+            try:
+                record = self._current_record(manifest.step, rank, manifest.attempt)
+            except CheckpointError as exc:
+                log.warning("%s: its files come from the store", exc)
+                continue
+            for entry in record.files if record is not None else ():
+                owners.setdefault(entry.path, rank)
+        return owners
+
+    def restore(self, dest_dir: Path, step: int | None = None, fill: Fill | None = None) -> Path:
         """Download a committed step into dest_dir/<its name>, verified; valid files already there stay.
 
-        Returns that path: the checkpoint's folder, or its file for a checkpoint that is one file."""
+        Returns that path: the checkpoint's folder, or its file for a checkpoint that is one file. fill: how the
+        files reach the folder instead of one download from the store (a restore from peers)."""
         manifest = self.verify(step, deep=False)
-        return self._download(manifest, Path(dest_dir))
+        return self._download(manifest, Path(dest_dir), fill)
 
-    def _download(self, manifest: CheckpointManifest, dest_dir: Path) -> Path:
+    def source(self, manifest: CheckpointManifest) -> ObjectStore:
+        """Where a committed step's files are, each under its path."""
+        return self.store.child(f"{step_name(manifest.step)}/{manifest.files_prefix}".rstrip("/"))
+
+    def _download(self, manifest: CheckpointManifest, dest_dir: Path, fill: Fill | None = None) -> Path:
         ref = manifest.ref
         target = dest_dir / ref.name
         # A file checkpoint's one file sits beside its siblings: download into its folder, under its own name.
         folder = target if ref.kind == "dir" else target.parent
+        if fill is not None:
+            fill(self, manifest, folder)
+            log.info("restored step %d into %s", manifest.step, target)
+            return target
         specs = [FileSpec(entry.path, entry.bytes, entry.sha256, entry.crc) for entry in manifest.files]
-        source = self.store.child(f"{step_name(manifest.step)}/{manifest.files_prefix}".rstrip("/"))
-        result = download(source, specs, folder)
+        result = download(self.source(manifest), specs, folder)
         log.info(
             "restored step %d into %s: %d files, %d skipped, %.1f MB/s",
             manifest.step,
@@ -767,7 +795,7 @@ class CheckpointStore:
         )
         return target
 
-    def restore_latest(self, dest_dir: Path) -> tuple[Path, CheckpointManifest, list[str]]:
+    def restore_latest(self, dest_dir: Path, fill: Fill | None = None) -> tuple[Path, CheckpointManifest, list[str]]:
         """Restore the newest committed step that verifies, falling back to older ones.
 
         Returns the restored path, its manifest and one warning per newer checkpoint skipped. Only damage to a
@@ -778,10 +806,13 @@ class CheckpointStore:
         A download whose bytes differ while the store's copy verifies is only skipped: that damage was in transit.
         What the node holds of a skipped checkpoint (this download's part, a survivor's own copy) is removed, so the
         retrain of its step starts from an empty folder instead of mixing its files with those.
+        fill (a restore from peers) fills the step's folder; once a download found a step damaged, the older steps
+        come from the store (the peers that did not find it may be filling the damaged step still).
         """
         warnings = []
         skipped: set[int] = set()
         committed_seen = False
+        damaged_in_download = False
         for step, objects in sorted(self._scan().items(), reverse=True):
             if not objects.has_manifest:
                 continue
@@ -792,12 +823,13 @@ class CheckpointStore:
                     continue
                 committed_seen = True
                 self.verify(step, deep=False)
-                path = self._download(manifest, Path(dest_dir))
+                path = self._download(manifest, Path(dest_dir), None if damaged_in_download else fill)
                 return path, manifest, warnings + self._set_aside_above(step, skipped)
             except CheckpointError as exc:
                 warning = self._skipped(step, str(exc))
             except (ObjectNotFound, ChecksumMismatch) as exc:
                 # The store's bytes, or only the download's? Only the store's own damage is set aside.
+                damaged_in_download = True
                 damage = self._damage(step, deep=True)
                 warning = (f"skipped checkpoint step {step}: {exc} (the store's copy verifies: the download was "
                            "damaged, not the checkpoint)") if damage is None else self._skipped(step, damage)

@@ -1,30 +1,33 @@
-"""Fan-out staging: the store is read once per cluster; every node fetches its share of the files every node needs
-and takes the rest from the share's owner over the cluster network.
+"""Fan-out: the store is read once per cluster; every node fetches its share of the files every node needs and
+takes the rest from the share's owner over the cluster network.
 
-Each node serves its share dir read-only (`python -m infra.node peer-serve`: rclone serve http, per-run basic-auth
-credentials from the environment); a peer is an http:// store the transfer engine reads like any other, and each
-byte from it is checked against the snapshot's checksum exactly as a store's byte is. Shares are a balanced, disjoint
-split of the files by checksum (infra.dataset.assign), the same on every node. A file is published (hard-linked
-into the share dir under its checksum) as soon as it is verified, so peers take pieces while they arrive: a node
-polls the owner for each file it wants with backoff. A peer that cannot be reached, refuses, sends bad bytes or does
-not have a file within the wait bound is done with: what it owed comes from the store, with a `fanout-fallback`
-event naming it and why.
+The exchange moves pieces (Piece: a key in the store, a size, a tagged checksum): a snapshot's files when staging,
+a committed checkpoint's files when restoring (infra/node/peerrestore.py). Each node serves its share dir read-only
+(`python -m infra.node peer-serve`: rclone serve http, per-run basic-auth credentials from the environment); a peer
+is an http:// store the transfer engine reads like any other, and each byte from it is checked against the piece's
+checksum exactly as a store's byte is. Shares are a balanced, disjoint split of the files by checksum
+(infra.dataset.assign), the same on every node, unless the caller names the owners (a restore: the node that wrote
+a checkpoint file, which may still hold it). A file is published (hard-linked into the share dir under its
+checksum) as soon as it is verified, so peers take pieces while they arrive: a node polls the owner for each file it
+wants with backoff. A peer that cannot be reached, refuses, sends bad bytes or does not have a file within the wait
+bound is done with: what it owed comes from the store, with a `fanout-fallback` event naming it and why.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from infra.dataset.assign import assign
 from infra.dataset.manifest import DatasetError
-from infra.dataset.snapshot import SnapshotFile
-from infra.dataset.stagecache import ObjectCache, link_into
+from infra.dataset.stagecache import link_into
 from infra.node.events import emit
 from infra.storage.base import ObjectStore, StorageError
 from infra.storage.cloud import TransientStorageError
@@ -38,20 +41,60 @@ WAIT_S = 120.0  # how long a node waits for a file its owner has not published y
 CONNECT_GRACE_S = 15.0  # a peer's server may still be starting: refused connections are retried this long
 _POLL_FIRST_S, _POLL_MAX_S = 0.05, 1.0
 
-# Fetch one file from a store into the cache, verified against the snapshot; raises DatasetError or StorageError.
-Fetch = Callable[[ObjectStore, SnapshotFile], None]
+
+
+class Piece(Protocol):
+    """One file every node needs: its key in the store, its size and its tagged checksum ("crc64nvme:<base64>",
+    "sha256:<hex>", ...): a SnapshotFile, or a File."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def checksum(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class File:
+    key: str
+    size: int
+    checksum: str
+
+
+# Fetch one piece from a store (the store, or a peer's share dir) under the given key to where it belongs on this
+# node, verified against its checksum; raises DatasetError or StorageError.
+Fetch = Callable[[ObjectStore, Piece, str], None]
+
+
+def share_name(checksum: str) -> str:
+    """A piece's name in the share dirs: its checksum, made a safe file name and URL path (base64's '/' and '+' as
+    base64url's '_' and '-'; the padding dropped). A snapshot's hex checksums keep the object cache's names."""
+    algorithm, _, value = checksum.partition(":")
+    return f"{algorithm}-{value.replace('/', '_').replace('+', '-').rstrip('=')}"
 
 
 def peer_url(address: str, rank: int) -> str:
     return f"http://{address}:{PEER_PORT_BASE + rank}"
 
 
-def shares(files: Sequence[SnapshotFile], nodes: int) -> dict[str, int]:
+def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
+    """The fan-out options of the node commands that exchange (stage, restore)."""
+    parser.add_argument("--peers", help="fan-out: every node's peer server URL, comma-separated in rank order (this "
+                        "node's own included); credentials in TRAINPIPE_PEER_USER/TRAINPIPE_PEER_PASS")
+    parser.add_argument("--share-dir", type=Path, help="fan-out: the dir this node's peer server serves")
+    parser.add_argument("--peer-wait", type=float, default=WAIT_S,
+                        help="fan-out: seconds to wait for a file its owner has not published yet")
+    parser.add_argument("--peer-connect-grace", type=float, default=CONNECT_GRACE_S,
+                        help="fan-out: seconds a refused connection to a peer is retried (its server starting)")
+
+
+def shares(files: Sequence[Piece], nodes: int) -> dict[str, int]:
     """checksum -> the rank that fetches it from the store; every node computes the same."""
     unique = sorted({file.checksum: file for file in files}.values(), key=lambda f: f.key)
     if not unique:
         return {}
-    split = assign(unique, "split", min(nodes, len(unique)))
+    split = assign(unique, "split", min(nodes, len(unique)))  # it reads only a key and a size
     return {file.checksum: rank for rank, share in enumerate(split) for file in share}
 
 
@@ -72,14 +115,15 @@ class Counts:
 
 
 class Exchange:
-    """One stage's exchange on node `rank` among the peers (their URLs by rank, this node's own included)."""
+    """One stage's exchange on node `rank` among the peers (their URLs by rank, this node's own included); `local`
+    says where a verified piece lies on this node (what gets published)."""
 
-    def __init__(self, rank: int, peer_urls: Sequence[str], share_dir: Path, cache: ObjectCache, *,
+    def __init__(self, rank: int, peer_urls: Sequence[str], share_dir: Path, local: Callable[[Piece], Path], *,
                  wait_s: float = WAIT_S, connect_grace_s: float = CONNECT_GRACE_S) -> None:
         self.rank = rank
         self.peers = [_Peer(r, HttpStore(url)) for r, url in enumerate(peer_urls)]
         self.share_dir = share_dir
-        self.cache = cache
+        self.local = local
         self.wait_s = wait_s
         self.connect_grace_s = connect_grace_s
         self.counts = Counts()
@@ -87,14 +131,16 @@ class Exchange:
         self._cancel = threading.Event()
         self._started = time.monotonic()
 
-    def publish(self, file: SnapshotFile) -> None:
-        link_into(self.cache.path(file.checksum), self.share_dir / self.cache.name(file.checksum))
+    def publish(self, file: Piece) -> None:
+        link_into(self.local(file), self.share_dir / share_name(file.checksum))
 
-    def run(self, mine: Sequence[SnapshotFile], fetch: Sequence[SnapshotFile], store: ObjectStore,
-            fetch_own: Callable[[list[SnapshotFile]], None], fetch_one: Fetch) -> Counts:
+    def run(self, mine: Sequence[Piece], fetch: Sequence[Piece], store: ObjectStore,
+            fetch_own: Callable[[list[Piece]], None], fetch_one: Fetch, owner: Mapping[str, int] | None = None
+            ) -> Counts:
         """Publish what this node already holds of its share, fetch the rest of its share from the store (fetch_own
-        publishes through on_fetched), and every other file of `fetch` from its owner, in parallel."""
-        owner = shares(mine, len(self.peers))
+        publishes through on_fetched), and every other file of `fetch` from its owner, in parallel. owner: checksum
+        -> rank for every piece of `mine`; by default a balanced split (shares)."""
+        owner = shares(mine, len(self.peers)) if owner is None else owner
         wanted = {file.checksum for file in fetch}
         for file in mine:
             if owner[file.checksum] == self.rank and file.checksum not in wanted:
@@ -117,8 +163,8 @@ class Exchange:
                 pull.result()
         return self.counts
 
-    def _from_peer(self, file: SnapshotFile, peer: _Peer, store: ObjectStore, fetch_one: Fetch) -> None:
-        name = self.cache.name(file.checksum)
+    def _from_peer(self, file: Piece, peer: _Peer, store: ObjectStore, fetch_one: Fetch) -> None:
+        name = share_name(file.checksum)
         deadline = time.monotonic() + self.wait_s
         delay = _POLL_FIRST_S
         while peer.gone is None:
@@ -139,7 +185,7 @@ class Exchange:
             if info is not None and info.size == file.size:
                 try:
                     # The share dir holds each file under its checksum's name (one namespace for every snapshot).
-                    fetch_one(peer.store, file.model_copy(update={"key": name}))
+                    fetch_one(peer.store, file, name)
                 except (DatasetError, StorageError) as exc:
                     self._give_up(peer, f"{name}: {exc}")
                     break
@@ -154,7 +200,7 @@ class Exchange:
             delay = min(_POLL_MAX_S, delay * 2)
         if self._cancel.is_set():
             return
-        fetch_one(store, file)
+        fetch_one(store, file, file.key)
         self.publish(file)
         with self._lock:
             self.counts.store_bytes += file.size

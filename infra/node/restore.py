@@ -5,7 +5,8 @@ there when it was saved (`checkpoint-500/`, `snapshot.pt`, ...), where the scrip
 TRAINPIPE_RESUME_FROM. Without --step it takes the newest committed checkpoint and falls back to the previous
 committed one when the newest turns out damaged, so a resumed job loses at most one checkpoint interval instead of
 failing; the damaged commit is set aside in the store (kept, never counted again) and each warning says so. With
---sync-dir it tells the node's syncer that what it restored is committed already.
+--sync-dir it tells the node's syncer that what it restored is committed already. With --peers (fan-out) the
+nodes fill each other (infra/node/peerrestore.py): the store serves each file of the checkpoint once per cluster.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 from infra.checkpoints.commit import CheckpointError, CheckpointStore, NoCommittedCheckpoint
 from infra.checkpoints.formats import FORMATS, Detector
 from infra.node.events import emit, fail
+from infra.node.fanout import add_peer_arguments
+from infra.node.peerrestore import PeerFill
 from infra.node.sync import write_restored
 from infra.storage import StorageError, open_store
 
@@ -32,16 +35,22 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--step", type=int, help="restore this committed step instead of the newest")
     parser.add_argument("--sync-dir", type=Path, help="the node's sync dir: the syncer learns what was restored")
     parser.add_argument("--format", choices=FORMATS, default="auto", help="the job's checkpoint format")
+    parser.add_argument("--rank", type=int, default=0, help="fan-out: this node's rank")
+    add_peer_arguments(parser)
     args = parser.parse_args(argv)
+    peers = args.peers.split(",") if args.peers else []
+    if peers and (args.share_dir is None or not 0 <= args.rank < len(peers)):
+        parser.error(f"--peers needs --share-dir and a --rank among its {len(peers)} URLs")
+    fill = PeerFill(args.rank, peers, args.share_dir, args.peer_wait, args.peer_connect_grace) if peers else None
 
     started = time.monotonic()
     try:
         checkpoints = CheckpointStore(open_store(args.url))
         if args.step is None:
-            path, manifest, warnings = checkpoints.restore_latest(args.dest)
+            path, manifest, warnings = checkpoints.restore_latest(args.dest, fill)
         else:
             manifest, warnings = checkpoints.manifest(args.step), []
-            path = checkpoints.restore(args.dest, args.step)
+            path = checkpoints.restore(args.dest, args.step, fill)
     except NoCommittedCheckpoint as exc:
         return fail(f"restore: {exc}", EXIT_NO_CHECKPOINT)
     except (CheckpointError, StorageError) as exc:

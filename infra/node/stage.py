@@ -27,7 +27,7 @@ from infra.dataset.manifest import DatasetError
 from infra.dataset.snapshot import DATASET, DatasetSnapshot, SnapshotFile, check_unchanged, read_snapshot
 from infra.dataset.stagecache import CacheBusy, ObjectCache, link_into
 from infra.node.events import Throttle, emit, fail
-from infra.node.fanout import CONNECT_GRACE_S, WAIT_S, Counts, Exchange
+from infra.node.fanout import Counts, Exchange, Piece, add_peer_arguments
 from infra.storage import StorageError, open_store
 from infra.storage.base import ChecksumMismatch, ObjectStore
 from infra.storage.records import DEFAULT_CONFIG
@@ -192,7 +192,8 @@ def stage(snapshot: DatasetSnapshot, mine: list[SnapshotFile], data_dir: Path, c
     else:
         counts = exchange.run(mine, fetch, store, lambda own: _fetch_own(store, snapshot, own, cache, workers,
                                                                          fetched, exchange.publish),
-                              lambda source, file: _fetch_one(source, snapshot, file, cache, workers, fetched))
+                              lambda source, file, key: _fetch_one(source, snapshot, _as_snapshot_file(file, key),
+                                                                   cache, workers, fetched))
     fetch_s = time.monotonic() - fetched.started
     if exchange is None:
         fetched.report(sum(f.size for f in large), len(large))
@@ -219,6 +220,12 @@ def _fetch_one(store: ObjectStore, snapshot: DatasetSnapshot, file: SnapshotFile
     else:
         _fetch_large(store, snapshot, [file], cache, workers, None)
     fetched.add(file.size)
+
+
+def _as_snapshot_file(file: Piece, key: str) -> SnapshotFile:
+    """The exchange hands back the snapshot's own file, under the key it is read by (a peer's share name)."""
+    assert isinstance(file, SnapshotFile), "staging exchanges a snapshot's files"
+    return file if file.key == key else file.model_copy(update={"key": key})
 
 
 def _fetch_own(store: ObjectStore, snapshot: DatasetSnapshot, own: list[SnapshotFile], cache: ObjectCache,
@@ -254,13 +261,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--run", default="the run", help="run id, for error messages")
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--progress-interval", type=float, default=2.0)
-    parser.add_argument("--peers", help="fan-out: every node's peer server URL, comma-separated in rank order (this "
-                        "node's own included); credentials in TRAINPIPE_PEER_USER/TRAINPIPE_PEER_PASS")
-    parser.add_argument("--share-dir", type=Path, help="fan-out: the dir this node's peer server serves")
-    parser.add_argument("--peer-wait", type=float, default=WAIT_S,
-                        help="fan-out: seconds to wait for a file its owner has not published yet")
-    parser.add_argument("--peer-connect-grace", type=float, default=CONNECT_GRACE_S,
-                        help="fan-out: seconds a refused connection to a peer is retried (its server starting)")
+    add_peer_arguments(parser)
     args = parser.parse_args(argv)
 
     throttle = Throttle(args.progress_interval)
@@ -278,7 +279,7 @@ def main(argv: list[str]) -> int:
         if not peers:
             return None
         args.share_dir.mkdir(parents=True, exist_ok=True)
-        return Exchange(args.rank, peers, args.share_dir, cache, wait_s=args.peer_wait,
+        return Exchange(args.rank, peers, args.share_dir, lambda file: cache.path(file.checksum), wait_s=args.peer_wait,
                         connect_grace_s=args.peer_connect_grace)
 
     def reporter(what: str) -> Callable[[Progress], None]:
