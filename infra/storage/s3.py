@@ -1,6 +1,7 @@
 """The s3:// object store: any S3-compatible server (AWS_ENDPOINT_URL). Whole files move through awscrt's S3
-client (s3_native.py, the transfer engine's native path), and so do listing and HEAD (s3_reads.py); small objects,
-control calls and the python engine's ranged GETs and multipart parts go through boto3.
+client (s3_native.py, the transfer engine's native path), and so do listing, HEAD and the multipart upload's
+create, complete and abort (s3_control.py); small objects, deletes and the python engine's ranged GETs and parts go
+through boto3.
 
 botocore is imported only when its client is first needed: `trainpipe cp` of a tree lists, fetches and sends
 without it (its import and client were ~0.3 s of the copy's start). The endpoint, region and credentials are read
@@ -19,16 +20,16 @@ import configparser
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from awscrt.exceptions import AwsCrtError
 
-from infra.storage import s3_native, s3_reads
+from infra.storage import s3_control, s3_native
 from infra.storage.base import ChecksumMismatch, ObjectInfo, ObjectNotFound, ObjectStore, StorageError
 from infra.storage.checksum import Checksum
 from infra.storage.cloud import BucketKeys, TransientStorageError, nothing_to_read, split_bucket_url, translating
@@ -37,6 +38,7 @@ from infra.storage.records import DEFAULT_CONFIG, FileJob, TransferConfig
 from infra.storage.stall import StalledRequest
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 # Enough for the engine's widest pool (connections are opened only when used, so a large pool costs nothing).
 MAX_POOL_CONNECTIONS = 128
@@ -263,10 +265,10 @@ class S3Store(ObjectStore):
     def child(self, prefix: str) -> S3Store:
         return S3Store(self.url_for(prefix.strip("/")))
 
-    def list(self, prefix: str = "", *, page_size: int = s3_reads.PAGE_SIZE) -> Iterator[ObjectInfo]:
+    def list(self, prefix: str = "", *, page_size: int = s3_control.PAGE_SIZE) -> Iterator[ObjectInfo]:
         client, endpoint = self._native(DEFAULT_CONFIG)
         try:
-            listed = s3_reads.list_objects(client, endpoint, self.bucket, self.keys.search_prefix(prefix),
+            listed = s3_control.list_objects(client, endpoint, self.bucket, self.keys.search_prefix(prefix),
                                            self.read_timeout_s, f"list {self.url_for(prefix)}", page_size)
         except AwsCrtError as exc:
             raise self._crt_error(exc, prefix, "list") from None
@@ -279,7 +281,7 @@ class S3Store(ObjectStore):
     def head(self, key: str) -> ObjectInfo | None:
         client, endpoint = self._native(DEFAULT_CONFIG)
         try:
-            item = s3_reads.head_object(client, endpoint, self.bucket, self.keys.name(key), self.read_timeout_s,
+            item = s3_control.head_object(client, endpoint, self.bucket, self.keys.name(key), self.read_timeout_s,
                                         f"HEAD {self.url_for(key)}")
         except AwsCrtError as exc:
             error = self._crt_error(exc, key, "stat")
@@ -352,11 +354,20 @@ class S3Store(ObjectStore):
 
     # -- multipart (infra.storage.transfer.MultipartUploads) ---------------------------------------
 
+    def _control(self, key: str, action: str, call: Callable[..., _T], *args: Any) -> _T:
+        """call(client, endpoint, bucket, name, *args, stall bound, what) through the CRT, its failure as the
+        store's one line."""
+        client, endpoint = self._native(DEFAULT_CONFIG)
+        try:
+            return call(client, endpoint, self.bucket, self.keys.name(key), *args, self.read_timeout_s,
+                        f"{action} {self.url_for(key)}")
+        except AwsCrtError as exc:
+            raise self._crt_error(exc, key, action) from None
+        except s3_control.ErrorReply as exc:
+            raise _from_code(exc.code, exc.status, exc.message, self.url_for(key), self.bucket, action) from None
+
     def start_multipart(self, key: str, *, full_object_crc: bool = False) -> str:
-        extra = {"ChecksumAlgorithm": "CRC64NVME", "ChecksumType": "FULL_OBJECT"} if full_object_crc else {}
-        with self._calling(key, "start a multipart upload"):
-            reply = self.client.create_multipart_upload(Bucket=self.bucket, Key=self.keys.name(key), **extra)
-        return str(reply["UploadId"])
+        return self._control(key, "start a multipart upload", s3_control.create_multipart, full_object_crc)
 
     def put_part(self, key: str, upload_id: str, number: int, offset: int, data: bytes) -> str:
         with self._calling(key, f"upload part {number}"):
@@ -367,14 +378,9 @@ class S3Store(ObjectStore):
 
     def finish_multipart(self, key: str, upload_id: str, tags: list[str], *, crc: Checksum | None = None
                          ) -> ObjectInfo:
-        parts = [{"ETag": tag, "PartNumber": number} for number, tag in enumerate(tags, start=1)]
         # The object's CRC64NVME, so the store checks the assembled object against the bytes that were sent.
-        extra = {"ChecksumCRC64NVME": crc.b64, "ChecksumType": "FULL_OBJECT"} if crc is not None else {}
-        with self._calling(key, "complete a multipart upload"):
-            self.client.complete_multipart_upload(
-                Bucket=self.bucket, Key=self.keys.name(key), UploadId=upload_id, MultipartUpload={"Parts": parts},
-                **extra,
-            )
+        self._control(key, "complete a multipart upload", s3_control.complete_multipart, upload_id, tags,
+                      crc.b64 if crc is not None else None)
         info = self.head(key)
         if info is None:
             raise TransientStorageError(f"{self.url_for(key)}: not visible after its multipart upload completed")
@@ -382,8 +388,7 @@ class S3Store(ObjectStore):
 
     def abort_multipart(self, key: str, upload_id: str) -> None:
         try:
-            with self._calling(key, "abort a multipart upload"):
-                self.client.abort_multipart_upload(Bucket=self.bucket, Key=self.keys.name(key), UploadId=upload_id)
+            self._control(key, "abort a multipart upload", s3_control.abort_multipart, upload_id)
         except ObjectNotFound:
             return  # NoSuchUpload: already aborted or completed
 
