@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from servers import S3Server, _serving, free_port
@@ -41,9 +40,9 @@ def moto_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 ODD_KEYS = ["a+b.bin", "a b.bin", "dir with space/x+y z.bin", "ünï/çødé ✓.bin", "100%25 & =~.bin", "plain.bin"]
 
 
-def _check_crt_listing(store: S3Store, put: Any) -> None:
+def _check_crt_listing(store: S3Store) -> None:
     for number, key in enumerate(ODD_KEYS):
-        put(key, b"x" * (number + 1))
+        store.put_bytes(key, b"x" * (number + 1))
     # Pages of 2 keys: the continuation tokens carry the listing across pages as they do across S3's 1000s.
     listed = list(store.list(page_size=2))
     assert [info.key for info in listed] == sorted(ODD_KEYS)
@@ -61,25 +60,36 @@ def test_crt_listing_of_odd_keys_over_pages(s3_url: str) -> None:
     """Listing and HEAD go through the CRT (no botocore): keys decode as botocore decodes them, over pages."""
     store = open_store(f"{s3_url}/odd")
     assert isinstance(store, S3Store)
-    _check_crt_listing(store, store.put_bytes)
+    _check_crt_listing(store)
     missing = open_store("s3://no-such-bucket-here/x")
     with pytest.raises(StorageError, match="bucket 'no-such-bucket-here' does not exist: create it or fix the URL"):
         list(missing.list())
 
 
-def test_crt_listing_against_moto(moto_s3: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_crt_listing_against_moto(on_moto: str) -> None:
     """moto encodes a listing as AWS does (rclone's encoder is its own): the same keys come back the same."""
+    s3_client().create_bucket(Bucket="odd-keys")
+    store = open_store("s3://odd-keys/root")
+    assert isinstance(store, S3Store)
+    _check_crt_listing(store)
+    # botocore's own listing of the bucket says the same.
+    pages = s3_client().get_paginator("list_objects_v2").paginate(Bucket="odd-keys", Prefix="root/")
+    assert sorted(item["Key"].removeprefix("root/") for page in pages for item in page["Contents"]) == sorted(ODD_KEYS)
+    # The multipart calls go through the CRT too: a completion the store refuses is its one line.
+    upload_id = store.start_multipart("a+b.bin")
+    with pytest.raises(StorageError, match=r"a\+b.bin: cannot complete a multipart upload: InvalidPart"):
+        store.finish_multipart("a+b.bin", upload_id, ['"no-such-part"'])
+    store.abort_multipart("a+b.bin", upload_id)
+
+
+@pytest.fixture
+def on_moto(moto_s3: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The environment pointing every S3 client at moto_server; its endpoint."""
     for name, value in {"AWS_ENDPOINT_URL": moto_s3, "AWS_ACCESS_KEY_ID": "AKIAIOSFODNN7EXAMPLE",
                         "AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
                         "AWS_DEFAULT_REGION": "us-east-1"}.items():
         monkeypatch.setenv(name, value)
-    s3_client().create_bucket(Bucket="odd-keys")
-    store = open_store("s3://odd-keys/root")
-    assert isinstance(store, S3Store)
-    _check_crt_listing(store, store.put_bytes)
-    # botocore's own listing of the bucket says the same.
-    pages = s3_client().get_paginator("list_objects_v2").paginate(Bucket="odd-keys", Prefix="root/")
-    assert sorted(item["Key"].removeprefix("root/") for page in pages for item in page["Contents"]) == sorted(ODD_KEYS)
+    return moto_s3
 
 
 @pytest.mark.parametrize("engine", ["native", "python"])
@@ -88,11 +98,7 @@ def test_engine_round_trip(s3_url: str, tmp_path: Path, engine: str) -> None:
     check_engine_round_trip(open_store(f"{s3_url}/data"), tmp_path, CONFIG.but(engine=engine))
 
 
-def test_crt_multipart_upload_against_moto(moto_s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for name, value in {"AWS_ENDPOINT_URL": moto_s3, "AWS_ACCESS_KEY_ID": "AKIAIOSFODNN7EXAMPLE",
-                        "AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
-                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(name, value)
+def test_crt_multipart_upload_against_moto(on_moto: str, tmp_path: Path) -> None:
     s3_client().create_bucket(Bucket="crt-multipart")
     store = open_store("s3://crt-multipart/data")
     assert isinstance(store, S3Store)
@@ -101,7 +107,7 @@ def test_crt_multipart_upload_against_moto(moto_s3: str, tmp_path: Path, monkeyp
         s3_client().put_object(Bucket=store.bucket, Key=store.keys.name(name), Body=b"")
 
     check_engine_round_trip(store, tmp_path, CONFIG, add_prefix_marker)
-    assert moto_s3 not in s3._crt_multipart_refused  # the CRT's own multipart upload did the large files
+    assert on_moto not in s3._crt_multipart_refused  # the CRT's own multipart upload did the large files
     # The CRT sent each file's CRC64NVME (multipart: the full-object one) and the store kept it.
     head = store.head("big/many parts.bin")
     assert head is not None and head.checksum == str(checksum_file(tmp_path / "src/big/many parts.bin"))

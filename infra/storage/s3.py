@@ -31,7 +31,7 @@ from awscrt.exceptions import AwsCrtError
 
 from infra.storage import s3_control, s3_native
 from infra.storage.base import ChecksumMismatch, ObjectInfo, ObjectNotFound, ObjectStore, StorageError
-from infra.storage.checksum import Checksum
+from infra.storage.checksum import CRC64NVME, Checksum
 from infra.storage.cloud import BucketKeys, TransientStorageError, nothing_to_read, split_bucket_url, translating
 from infra.storage.files import os_errors_named, write_all, write_atomically
 from infra.storage.records import DEFAULT_CONFIG, FileJob, TransferConfig
@@ -456,12 +456,14 @@ class S3Store(ObjectStore):
                 return parts()
             kept = None
             if echoed is None:  # the store did not say what it checked: ask what it keeps
-                stored_size, kept = s3_native.stored(client, endpoint, self.bucket, name, job,
-                                                     f"HEAD {self.url_for(key)}")
-                if stored_size != size:
+                info = s3_control.head_object(client, endpoint, self.bucket, name, job.config.stall_timeout_s,
+                                              f"HEAD {self.url_for(key)}", job.cancel)
+                if info.size != size:
                     raise StorageError(
-                        f"{self.url_for(key)}: stored {stored_size} bytes of {path}'s {size}: upload it again"
+                        f"{self.url_for(key)}: stored {info.size} bytes of {path}'s {size}: upload it again"
                     )
+                kept = Checksum.parse(info.checksum) if info.checksum else None
+                kept = kept if kept is not None and kept.algorithm == CRC64NVME else None  # the CRC sent
         except AwsCrtError as exc:
             raise self._crt_error(exc, key, "write") from None
         return s3_native.checksum_after_put(echoed, kept, path)

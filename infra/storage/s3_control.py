@@ -54,10 +54,10 @@ class ErrorReply(Exception):
         self.code, self.status, self.message = code, status, message
 
 
-def _call(client: s3.S3Client, request: http.HttpRequest, operation: str, stall_timeout_s: float, what: str
-          ) -> tuple[Headers, bytes]:
+def _call(client: s3.S3Client, request: http.HttpRequest, operation: str, stall_timeout_s: float, what: str,
+          cancel: threading.Event | None = None) -> tuple[Headers, bytes]:
     """One request, its response headers and body; a failure is the CRT's (an S3ResponseError for a server's
-    error reply), a request that moves no byte for the bound a StalledRequest."""
+    error reply), a request that moves no byte for the bound a StalledRequest, one cancelled Cancelled."""
     headers, body = Headers(), bytearray()
     watch = StallWatch(stall_timeout_s)
 
@@ -67,7 +67,7 @@ def _call(client: s3.S3Client, request: http.HttpRequest, operation: str, stall_
 
     request_ = client.make_request(type=s3.S3RequestType.DEFAULT, operation_name=operation, request=request,
                                    on_headers=headers, on_body=on_body)
-    wait(request_, threading.Event(), watch, what)
+    wait(request_, cancel or threading.Event(), watch, what)
     return headers, bytes(body)
 
 
@@ -113,12 +113,13 @@ def list_objects(client: s3.S3Client, endpoint: Endpoint, bucket: str, prefix: s
             return found
 
 
-def head_object(client: s3.S3Client, endpoint: Endpoint, bucket: str, name: str, stall_timeout_s: float, what: str
-                ) -> Listed:
-    """The object's size, version, time and full-object checksum (when the store keeps one)."""
+def head_object(client: s3.S3Client, endpoint: Endpoint, bucket: str, name: str, stall_timeout_s: float, what: str,
+                cancel: threading.Event | None = None) -> Listed:
+    """The object's size, version, time and full-object checksum (when the store keeps one): a callback's worth
+    of Python instead of a botocore call's (an upload asks this once per file the store did not echo a CRC for)."""
     request = http.HttpRequest("HEAD", endpoint.path(bucket, name), http.HttpHeaders(
         [("Host", endpoint.host(bucket)), ("x-amz-checksum-mode", "ENABLED")]))
-    headers, _ = _call(client, request, "HeadObject", stall_timeout_s, what)
+    headers, _ = _call(client, request, "HeadObject", stall_timeout_s, what, cancel)
     values = headers.values
     checksum = None
     if values.get("x-amz-checksum-type", "FULL_OBJECT") != "COMPOSITE":

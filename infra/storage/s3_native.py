@@ -546,19 +546,6 @@ def send_parts(
     return etags, crcs.total(size)
 
 
-def stored(client: s3.S3Client, endpoint: Endpoint, bucket: str, name: str, job: FileJob, what: str
-           ) -> tuple[int, Checksum | None]:
-    """(size, full-object CRC64NVME or None) the store keeps for an object: a HEAD through the CRT, a callback's
-    worth of Python instead of a botocore call's (this runs once per file uploaded)."""
-    headers = Headers()
-    request = http.HttpRequest("HEAD", endpoint.path(bucket, name), http.HttpHeaders(
-        [("Host", endpoint.host(bucket)), ("x-amz-checksum-mode", "ENABLED")]))
-    wait(client.make_request(type=s3.S3RequestType.DEFAULT, operation_name="HeadObject", request=request,
-                             on_headers=headers), job.cancel, StallWatch(job.config.stall_timeout_s), what)
-    full_object = headers.values.get("x-amz-checksum-type", "FULL_OBJECT") == "FULL_OBJECT"
-    return int(headers.values.get("content-length", -1)), headers.checksum(CRC64NVME) if full_object else None
-
-
 def checksum_after_put(echoed: Checksum | None, kept: Checksum | None, path: Path) -> Checksum:
     """The object's CRC64NVME: as the store echoed or keeps it, else computed from the file that was sent."""
     if echoed is not None:
