@@ -430,7 +430,9 @@ from infra.storage import open_store
 from infra.storage.transfer import DEFAULT_CONFIG, upload
 src = Path(sys.argv[1])
 rels = sorted(str(p.relative_to(src)) for p in src.rglob("*") if p.is_file())
-upload(src, rels, open_store(sys.argv[2]), DEFAULT_CONFIG.but(multipart_threshold=1 << 40))
+# Whole-object PUTs (rclone keeps no CRC for a multipart object); a 256 MB one is a single "part" whose response
+# waits on the server's disk, which a loaded machine can hold past the default stall bound: not timed, so no hurry.
+upload(src, rels, open_store(sys.argv[2]), DEFAULT_CONFIG.but(multipart_threshold=1 << 40, stall_timeout_s=300))
 """
 
 

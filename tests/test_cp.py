@@ -127,12 +127,20 @@ def test_bench_transfer_smoke(tmp_path: Path) -> None:
 def test_the_installed_cp_starts_on_the_storage_imports_alone(s3_url: str, tmp_path: Path) -> None:
     """`trainpipe cp` is timed start to exit against s5cmd: it must not pay for the whole CLI's imports."""
     write_tree(tmp_path / "src", {"a.bin": 1000})
+    # Nor for botocore's (its import and S3 client were ~0.3 s), typer's (pydantic) or rich's (no terminal here):
+    # listing, HEAD and the bytes both ways go through the CRT.
+    heavy = ('pandas', 'trainpipe.cli', 'prefect', 'botocore', 'boto3', 'typer', 'pydantic', 'rich')
     probe = ("import sys, runpy; sys.argv = ['trainpipe', *sys.argv[1:]]\n"
              "try:\n    runpy.run_module('trainpipe.entry', run_name='__main__')\n"
-             "finally:\n    print(sorted(m for m in ('pandas', 'trainpipe.cli', 'prefect') if m in sys.modules))")
-    result = subprocess.run([sys.executable, "-c", probe, "cp", "-r", str(tmp_path / "src"), f"{s3_url}/cp-probe"],
-                            capture_output=True, text=True, env=dict(os.environ), timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout
+             f"finally:\n    print(sorted(m for m in {heavy!r} if m in sys.modules))")
+    copies = (["-r", str(tmp_path / "src"), f"{s3_url}/cp-probe"], ["-r", f"{s3_url}/cp-probe", str(tmp_path / "back")],
+              [f"{s3_url}/cp-probe/a.bin", str(tmp_path / "one.bin")])
+    for args in copies:
+        result = subprocess.run([sys.executable, "-c", probe, "cp", *args],
+                                capture_output=True, text=True, env=dict(os.environ), timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip().splitlines()[-1] == "[]", (args, result.stdout)
+    assert (tmp_path / "back" / "a.bin").read_bytes() == (tmp_path / "one.bin").read_bytes() == (
+        tmp_path / "src" / "a.bin").read_bytes()
     bad = subprocess.run([TRAINPIPE, "cp", str(tmp_path / "missing"), f"{s3_url}/x"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "no such local file" in bad.stderr

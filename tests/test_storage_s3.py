@@ -36,17 +36,66 @@ def moto_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield f"http://127.0.0.1:{port}"
 
 
+# Keys S3 must encode in a listing: '+' (a space in a form encoding), spaces, unicode, '%', '&', '=', '~'.
+ODD_KEYS = ["a+b.bin", "a b.bin", "dir with space/x+y z.bin", "ünï/çødé ✓.bin", "100%25 & =~.bin", "plain.bin"]
+
+
+def _check_crt_listing(store: S3Store) -> None:
+    for number, key in enumerate(ODD_KEYS):
+        store.put_bytes(key, b"x" * (number + 1))
+    # Pages of 2 keys: the continuation tokens carry the listing across pages as they do across S3's 1000s.
+    listed = list(store.list(page_size=2))
+    assert [info.key for info in listed] == sorted(ODD_KEYS)
+    assert {info.key: info.size for info in listed} == {key: n + 1 for n, key in enumerate(ODD_KEYS)}
+    assert all(info.mtime and info.mtime > 0 for info in listed)
+    # A prefix with the same characters goes out encoded in the query and comes back decoded.
+    assert [info.key for info in store.list("dir with space/x+")] == ["dir with space/x+y z.bin"]
+    assert [info.key for info in store.child("ünï").list()] == ["çødé ✓.bin"]
+    head = store.head("ünï/çødé ✓.bin")
+    assert head is not None and head.size == ODD_KEYS.index("ünï/çødé ✓.bin") + 1
+    assert store.head("a+b") is None
+
+
+def test_crt_listing_of_odd_keys_over_pages(s3_url: str) -> None:
+    """Listing and HEAD go through the CRT (no botocore): keys decode as botocore decodes them, over pages."""
+    store = open_store(f"{s3_url}/odd")
+    assert isinstance(store, S3Store)
+    _check_crt_listing(store)
+
+
+def test_crt_listing_against_moto(on_moto: str) -> None:
+    """moto encodes a listing as AWS does (rclone's encoder is its own): the same keys come back the same."""
+    s3_client().create_bucket(Bucket="odd-keys")
+    store = open_store("s3://odd-keys/root")
+    assert isinstance(store, S3Store)
+    _check_crt_listing(store)
+    # botocore's own listing of the bucket says the same.
+    pages = s3_client().get_paginator("list_objects_v2").paginate(Bucket="odd-keys", Prefix="root/")
+    assert sorted(item["Key"].removeprefix("root/") for page in pages for item in page["Contents"]) == sorted(ODD_KEYS)
+    # The multipart calls go through the CRT too: a completion the store refuses is its one line.
+    upload_id = store.start_multipart("a+b.bin")
+    with pytest.raises(StorageError, match=r"a\+b.bin: cannot complete a multipart upload: InvalidPart"):
+        store.finish_multipart("a+b.bin", upload_id, ['"no-such-part"'])
+    store.abort_multipart("a+b.bin", upload_id)
+
+
+@pytest.fixture
+def on_moto(moto_s3: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The environment pointing every S3 client at moto_server; its endpoint."""
+    for name, value in {"AWS_ENDPOINT_URL": moto_s3, "AWS_ACCESS_KEY_ID": "AKIAIOSFODNN7EXAMPLE",
+                        "AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(name, value)
+    return moto_s3
+
+
 @pytest.mark.parametrize("engine", ["native", "python"])
 def test_engine_round_trip(s3_url: str, tmp_path: Path, engine: str) -> None:
     # rclone over a directory cannot hold a 0-byte "prefix/" marker as S3 does (it becomes a file): moto's does.
     check_engine_round_trip(open_store(f"{s3_url}/data"), tmp_path, CONFIG.but(engine=engine))
 
 
-def test_crt_multipart_upload_against_moto(moto_s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for name, value in {"AWS_ENDPOINT_URL": moto_s3, "AWS_ACCESS_KEY_ID": "AKIAIOSFODNN7EXAMPLE",
-                        "AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
-                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(name, value)
+def test_crt_multipart_upload_against_moto(on_moto: str, tmp_path: Path) -> None:
     s3_client().create_bucket(Bucket="crt-multipart")
     store = open_store("s3://crt-multipart/data")
     assert isinstance(store, S3Store)
@@ -55,7 +104,7 @@ def test_crt_multipart_upload_against_moto(moto_s3: str, tmp_path: Path, monkeyp
         s3_client().put_object(Bucket=store.bucket, Key=store.keys.name(name), Body=b"")
 
     check_engine_round_trip(store, tmp_path, CONFIG, add_prefix_marker)
-    assert moto_s3 not in s3._crt_multipart_refused  # the CRT's own multipart upload did the large files
+    assert on_moto not in s3._crt_multipart_refused  # the CRT's own multipart upload did the large files
     # The CRT sent each file's CRC64NVME (multipart: the full-object one) and the store kept it.
     head = store.head("big/many parts.bin")
     assert head is not None and head.checksum == str(checksum_file(tmp_path / "src/big/many parts.bin"))

@@ -338,7 +338,24 @@ def _ancestors(run_url: str, manifest: CheckpointManifest) -> list[str]:
 
 app.command("serve")(serve_command.serve)
 app.command("submit")(user_errors_exit_2(serve_command.submit))
-app.command("cp")(user_errors_exit_2(cp_command.cp))
+
+
+@app.command("cp", help=cp_command.DOC)
+@user_errors_exit_2
+def cp(
+    src: Annotated[str, typer.Argument(help=cp_command.HELP["src"])],
+    dst: Annotated[str, typer.Argument(help=cp_command.HELP["dst"])],
+    recursive: Annotated[bool, typer.Option("--recursive", "-r", help=cp_command.HELP["recursive"])] = False,
+    workers: Annotated[int, typer.Option(min=1, help=cp_command.HELP["workers"])] = cp_command.DEFAULT_CONFIG.workers,
+    part_size_mb: Annotated[int, typer.Option(min=1, help=cp_command.HELP["part_size_mb"])] = (
+        cp_command.DEFAULT_CONFIG.part_size >> 20
+    ),
+    engine: Annotated[str, typer.Option(help=cp_command.HELP["engine"])] = cp_command.DEFAULT_CONFIG.engine,
+) -> None:
+    """`trainpipe cp` as the whole command line lists it (the installed command runs cp_command.main)."""
+    cp_command.copy(src, dst, recursive, workers, part_size_mb, engine)
+
+
 app.command("predict")(predict_command.predict)
 app.add_typer(bench_command.bench_app, name="bench")
 app.add_typer(catalog_command.catalog_app, name="catalog")

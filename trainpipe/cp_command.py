@@ -4,30 +4,25 @@ Like `aws s3 cp`: a DST ending in '/' (or an existing local directory) receives 
 with --recursive every object under SRC lands under DST at the same relative key, and DST then holds exactly
 those files (what was verified is remembered in the user's cache dir, not in DST). Between two object stores the
 bytes pass through a temporary directory on this machine.
+
+It is timed start to exit against s5cmd (`trainpipe bench transfer`), so it starts on the storage engine's imports
+alone: its arguments are read with argparse (typer brings pydantic: ~0.2 s), rich's bar is imported only for a
+terminal, and an s3:// copy lists and moves its bytes through the CRT without botocore (infra.storage.s3).
+`trainpipe.cli` gives the same command, with the same options, to `trainpipe --help`.
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
-
-import typer
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-from rich.progress import Progress as ProgressBar
 
 from infra.storage import ObjectStore, StorageError, open_store
 from infra.storage.records import ENGINES
@@ -81,10 +76,27 @@ class Files:
     etags: list[str | None] | None = None  # objects' versions, from a listing
 
 
+# What each option means, for argparse here and typer in trainpipe.cli.
+HELP = {
+    "src": "local path, file://, s3://bucket/key or gs://bucket/key",
+    "dst": "where to copy to; ending in '/' means 'into this directory/prefix'",
+    "recursive": "copy every object under SRC",
+    "workers": "parts in flight (python engine)",
+    "part_size_mb": "bytes per ranged GET / multipart part, in MiB",
+    "engine": f"{' or '.join(ENGINES)}: the store's own engine (awscrt, transfer_manager) or ranged parts through "
+              "Python",
+}
+DOC = "Copy files and objects (like `aws s3 cp`), parallel, ranged, verified; prints bytes, seconds and MB/s."
+
+
 class Bar:
     """A rich progress bar on stderr, fed by the engine's progress callback."""
 
-    def __init__(self, label: str, console: Console) -> None:
+    def __init__(self, label: str) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+        from rich.progress import Progress as ProgressBar
+
         self._bar = ProgressBar(
             TextColumn("{task.description}"),
             BarColumn(),
@@ -92,7 +104,7 @@ class Bar:
             TransferSpeedColumn(),
             TextColumn("{task.fields[files]}"),
             TimeRemainingColumn(),
-            console=console,
+            console=Console(stderr=True),
             transient=True,
         )
         self._task = self._bar.add_task(label, total=None, files="")
@@ -103,12 +115,19 @@ class Bar:
 
     @contextmanager
     def shown(self) -> Iterator[Callable[[Progress], None]]:
-        """The bar on a terminal; elsewhere (logs, pipes) only the final line says what happened."""
-        if not self._bar.console.is_terminal:
-            yield lambda progress: None
-            return
         with self._bar:
             yield self
+
+
+@contextmanager
+def _progress(label: str) -> Iterator[Callable[[Progress], None]]:
+    """The bar on a terminal; elsewhere (logs, pipes) only the final line says what happened (and rich, ~0.07 s of
+    imports, is not loaded)."""
+    if not sys.stderr.isatty():
+        yield lambda progress: None
+        return
+    with Bar(label).shown() as bar:
+        yield bar
 
 
 def _list(store: ObjectStore) -> Files:
@@ -181,22 +200,9 @@ def _copy(
     return TransferResult(sent.files, fetched.seconds + sent.seconds, sent.engine)
 
 
-def cp(
-    src: Annotated[str, typer.Argument(help="local path, file://, s3://bucket/key or gs://bucket/key")],
-    dst: Annotated[str, typer.Argument(help="where to copy to; ending in '/' means 'into this directory/prefix'")],
-    recursive: Annotated[bool, typer.Option("--recursive", "-r", help="copy every object under SRC")] = False,
-    workers: Annotated[int, typer.Option(min=1, help="parts in flight (python engine)")] = (
-        DEFAULT_CONFIG.workers
-    ),
-    part_size_mb: Annotated[int, typer.Option(min=1, help="bytes per ranged GET / multipart part, in MiB")] = (
-        DEFAULT_CONFIG.part_size >> 20
-    ),
-    engine: Annotated[str, typer.Option(help=f"{' or '.join(ENGINES)}: the store's own engine (awscrt, "
-                                             "transfer_manager) or ranged parts through Python")] = (
-        DEFAULT_CONFIG.engine
-    ),
-) -> None:
-    """Copy files and objects (like `aws s3 cp`), parallel, ranged, verified; prints bytes, seconds and MB/s."""
+def copy(src: str, dst: str, recursive: bool = False, workers: int = DEFAULT_CONFIG.workers,
+         part_size_mb: int = DEFAULT_CONFIG.part_size >> 20, engine: str = DEFAULT_CONFIG.engine) -> None:
+    """`trainpipe cp`: copy, then print one line of bytes, seconds and MB/s."""
     started = time.monotonic()
     if engine not in ENGINES:
         raise StorageError(f"--engine {engine!r}: use {' or '.join(ENGINES)}")
@@ -207,23 +213,39 @@ def cp(
     # What is loaded by now (the store's client among it) lives as long as the copy: keep the garbage collector from
     # walking it again and again while the transfer allocates (several percent of the client's CPU per GB).
     gc.freeze()
-    console = Console(stderr=True)
-    with Bar(f"{src} → {dst}", console).shown() as bar:
+    with _progress(f"{src} → {dst}") as bar:
         result = _copy(root, files, dst_root, dst_keys, target.is_local, config, bar)
     seconds = time.monotonic() - started
     skipped = f" ({result.files_skipped} already there and valid)" if result.files_skipped else ""
-    typer.echo(f"copied {len(result.files)} files{skipped}, {result.bytes_moved:,} bytes in {seconds:.2f} s: "
-               f"{result.bytes_moved / 1e6 / seconds if seconds > 0 else 0.0:.1f} MB/s")
+    print(f"copied {len(result.files)} files{skipped}, {result.bytes_moved:,} bytes in {seconds:.2f} s: "
+          f"{result.bytes_moved / 1e6 / seconds if seconds > 0 else 0.0:.1f} MB/s", flush=True)
 
 
-def main() -> None:
-    """`python -m trainpipe.cp_command SRC DST`: cp without importing the rest of the CLI (starts ~1 s sooner)."""
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is less than the minimum of 1")
+    return value
+
+
+def main(argv: list[str] | None = None, prog: str = "trainpipe cp") -> None:
+    """`trainpipe cp SRC DST` (and `python -m trainpipe.cp_command SRC DST`): a mistake in what was given is one line
+    on stderr and exit code 2."""
+    parser = argparse.ArgumentParser(prog=prog, description=DOC)
+    parser.add_argument("src", help=HELP["src"])
+    parser.add_argument("dst", help=HELP["dst"])
+    parser.add_argument("--recursive", "-r", action="store_true", help=HELP["recursive"])
+    parser.add_argument("--workers", type=_positive, default=DEFAULT_CONFIG.workers, help=HELP["workers"])
+    parser.add_argument("--part-size-mb", type=_positive, default=DEFAULT_CONFIG.part_size >> 20,
+                        help=HELP["part_size_mb"])
+    parser.add_argument("--engine", default=DEFAULT_CONFIG.engine, help=HELP["engine"])
+    args = parser.parse_args(argv)
     try:
-        typer.run(cp)
+        copy(args.src, args.dst, args.recursive, args.workers, args.part_size_mb, args.engine)
     except StorageError as exc:
-        typer.echo(f"error: {exc}", err=True)
+        print(f"error: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
-    main()
+    main(prog="python -m trainpipe.cp_command")

@@ -1,6 +1,13 @@
 """The s3:// object store: any S3-compatible server (AWS_ENDPOINT_URL). Whole files move through awscrt's S3
-client (s3_native.py, the transfer engine's native path); listing, HEAD, small objects and control calls, and
-the python engine's ranged GETs and multipart parts, go through boto3.
+client (s3_native.py, the transfer engine's native path), and so do listing, HEAD and the multipart upload's
+create, complete and abort (s3_control.py); small objects, deletes and the python engine's ranged GETs and parts go
+through boto3.
+
+botocore is imported only when its client is first needed: `trainpipe cp` of a tree lists, fetches and sends
+without it (its import and client were ~0.3 s of the copy's start). The endpoint, region and credentials are read
+as botocore reads them: credentials from the environment when AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY are set
+(first in botocore's chain too), else from botocore's standard chain (profiles, SSO, roles); the region from
+AWS_DEFAULT_REGION or AWS_REGION, else the profile's in the config file.
 
 botocore's own retries are off: the transfer engine retries each request (each part on its own) with logged
 backoff, so every failure here is either marked transient (throttling, 5xx, dropped connections) or is a
@@ -9,31 +16,29 @@ one-line StorageError naming the object and the fix.
 
 from __future__ import annotations
 
+import configparser
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-import botocore.exceptions
-import botocore.session
-import urllib3.exceptions
 from awscrt.exceptions import AwsCrtError
-from botocore.config import Config
 
-from infra.storage import s3_native
+from infra.storage import s3_control, s3_native
 from infra.storage.base import ChecksumMismatch, ObjectInfo, ObjectNotFound, ObjectStore, StorageError
-from infra.storage.checksum import CRC32C, CRC64NVME, Checksum
+from infra.storage.checksum import CRC64NVME, Checksum
 from infra.storage.cloud import BucketKeys, TransientStorageError, nothing_to_read, split_bucket_url, translating
 from infra.storage.files import os_errors_named, write_all, write_atomically
-from infra.storage.records import FileJob, TransferConfig
+from infra.storage.records import DEFAULT_CONFIG, FileJob, TransferConfig
 from infra.storage.stall import StalledRequest
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 # Enough for the engine's widest pool (connections are opened only when used, so a large pool costs nothing).
 MAX_POOL_CONNECTIONS = 128
@@ -51,15 +56,6 @@ _DENIED = {
     "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken", "403",
     "AllAccessDisabled", "AccountProblem",
 }
-# Failures of the connection itself, before or during a response: a retry on a fresh connection can succeed.
-_CONNECTION_ERRORS = (
-    botocore.exceptions.ConnectionError,
-    botocore.exceptions.HTTPClientError,
-    botocore.exceptions.IncompleteReadError,
-    urllib3.exceptions.HTTPError,
-    ConnectionError,
-    TimeoutError,
-)
 
 # Which endpoint, region and credentials the standard chain finds: a change of any of these is another connection.
 _ENVIRONMENT = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE",
@@ -67,21 +63,45 @@ _ENVIRONMENT = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DE
                 "AWS_SHARED_CREDENTIALS_FILE")
 # Endpoints whose reply to CreateMultipartUpload the CRT cannot read (rclone): large files go part by part there.
 _crt_multipart_refused: set[str | None] = set()
-# The full-object checksums a HEAD may report that the engine can check (a multipart object's COMPOSITE ones,
-# "<base64>-<parts>", are not of the whole object).
-_HEAD_CHECKSUMS = {"ChecksumCRC64NVME": CRC64NVME, "ChecksumCRC32C": CRC32C}
+
+
+@dataclass(frozen=True)
+class _StaticCredentials:
+    """Credentials from the environment, in the shape botocore's have (what s3_native's provider reads)."""
+
+    access_key: str
+    secret_key: str
+    token: str | None
+
+    def get_frozen_credentials(self) -> _StaticCredentials:
+        return self
 
 
 @dataclass
 class _Connection:
     """One endpoint, region and set of credentials, with the clients made for it (each made once, when first
-    needed: a botocore session alone costs tens of milliseconds)."""
+    needed: a botocore session alone costs tens of milliseconds, its import and S3 client ~0.3 s)."""
 
-    session: Any
     endpoint: str | None
     region: str
+    env_credentials: _StaticCredentials | None
     boto: dict[float, Any] = field(default_factory=dict)  # by the read timeout (the stall bound) it was made with
     crt: dict[tuple[Any, ...], Any] = field(default_factory=dict)  # by the tuning the CRT client was made with
+    _session: Any = None
+
+    def session(self) -> Any:
+        """botocore's session (what boto3 wraps), made on first use: the same credential chain and config,
+        without importing s3transfer, which boto3 does on import and which no path here uses."""
+        if self._session is None:
+            import botocore.session
+
+            self._session = botocore.session.Session()
+        return self._session
+
+    def credentials(self) -> Any:
+        """The credentials the standard chain finds (None when there are none): the environment's, else botocore's
+        chain (refreshed by botocore when they expire)."""
+        return self.env_credentials or self.session().get_credentials()
 
 
 _connections: dict[tuple[str | None, ...], _Connection] = {}
@@ -92,17 +112,30 @@ def _endpoint() -> str | None:
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
 
 
+def _region() -> str:
+    """botocore's region (AWS_DEFAULT_REGION, else the profile's in the config file), or AWS_REGION (the CRT's and
+    the newer SDKs'); a custom endpoint (rclone, MinIO, ...) has none of its own, but v4 signatures need one."""
+    region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION")
+    if region:
+        return region
+    profile = os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE") or "default"
+    config = configparser.RawConfigParser()
+    config.read(Path(os.environ.get("AWS_CONFIG_FILE") or "~/.aws/config").expanduser())
+    section = "default" if profile == "default" else f"profile {profile}"
+    return config.get(section, "region", fallback="") or "us-east-1"
+
+
+def _env_credentials() -> _StaticCredentials | None:
+    key, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
+    return _StaticCredentials(key, secret, os.environ.get("AWS_SESSION_TOKEN") or None) if key and secret else None
+
+
 def _connection() -> _Connection:
     key = tuple(os.environ.get(name) for name in _ENVIRONMENT)
     with _connections_lock:
         connection = _connections.get(key)
         if connection is None:
-            # botocore's session (what boto3 wraps): the same credential chain and config, without importing
-            # s3transfer, which boto3 does on import and which no path here uses.
-            session = botocore.session.Session()
-            # A custom endpoint (rclone, MinIO, ...) has no region of its own, but v4 signatures need one.
-            connection = _Connection(session, _endpoint(), session.get_config_variable("region") or "us-east-1")
-            _connections[key] = connection
+            connection = _connections[key] = _Connection(_endpoint(), _region(), _env_credentials())
         return connection
 
 
@@ -112,6 +145,8 @@ def s3_client(read_timeout_s: float = READ_TIMEOUT_S) -> Any:
     connection = _connection()
     with _connections_lock:
         if read_timeout_s not in connection.boto:
+            from botocore.config import Config
+
             config = Config(
                 max_pool_connections=MAX_POOL_CONNECTIONS,
                 retries={"total_max_attempts": 1, "mode": "standard"},
@@ -123,13 +158,31 @@ def s3_client(read_timeout_s: float = READ_TIMEOUT_S) -> Any:
                 response_checksum_validation="when_required",
                 s3={"addressing_style": "path"} if connection.endpoint else {},
             )
-            connection.boto[read_timeout_s] = connection.session.create_client(
+            connection.boto[read_timeout_s] = connection.session().create_client(
                 "s3", endpoint_url=connection.endpoint, region_name=connection.region, config=config
             )
         return connection.boto[read_timeout_s]
 
 
-def _code(exc: botocore.exceptions.ClientError) -> tuple[str, int]:
+def _connection_errors() -> tuple[type[BaseException], ...]:
+    """Failures of the connection itself, before or during a response: a retry on a fresh connection can succeed.
+    (Imported with the client that raises them.)"""
+    import botocore.exceptions
+    import urllib3.exceptions
+
+    return (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError,
+            botocore.exceptions.IncompleteReadError, urllib3.exceptions.HTTPError, ConnectionError, TimeoutError)
+
+
+def _boto_errors() -> tuple[type[BaseException], ...]:
+    """What a boto call may raise that the store translates."""
+    import botocore.exceptions
+
+    return botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, *_connection_errors()
+
+
+def _code(exc: Any) -> tuple[str, int]:
+    """(code, HTTP status) of a botocore ClientError."""
     error = exc.response.get("Error", {})
     status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
     return str(error.get("Code") or status), status
@@ -156,6 +209,8 @@ _NO_CREDENTIALS = "no AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCE
 
 def translate(exc: Exception, url: str, bucket: str, action: str) -> StorageError:
     """The one-line StorageError for a boto failure; transient ones are marked so the engine retries them."""
+    import botocore.exceptions
+
     if isinstance(exc, botocore.exceptions.ClientError):
         code, status = _code(exc)
         return _from_code(code, status, exc.response.get("Error", {}).get("Message") or "", url, bucket, action)
@@ -163,7 +218,7 @@ def translate(exc: Exception, url: str, bucket: str, action: str) -> StorageErro
         return StorageError(f"{url}: {_NO_CREDENTIALS}")
     if isinstance(exc, botocore.exceptions.ReadTimeoutError | botocore.exceptions.ConnectTimeoutError):
         return StalledRequest(f"{url}: cannot {action}: stalled: {type(exc).__name__}: {' '.join(str(exc).split())}")
-    if isinstance(exc, _CONNECTION_ERRORS):
+    if isinstance(exc, _connection_errors()):
         return TransientStorageError(f"{url}: cannot {action}: {type(exc).__name__}: {' '.join(str(exc).split())}")
     return StorageError(f"{url}: cannot {action}: {type(exc).__name__}: {' '.join(str(exc).split())}")
 
@@ -178,16 +233,27 @@ class S3Store(ObjectStore):
         super().__init__(url)
         self.bucket, prefix = split_bucket_url(self.url, "s3")
         self.keys = BucketKeys(self.url, prefix)
-        self.client = s3_client()
+        self.read_timeout_s = READ_TIMEOUT_S
+        self._client: Any = None
+
+    @property
+    def client(self) -> Any:
+        """boto3's client, made on first use (listing, HEAD and whole files go through the CRT without it)."""
+        if self._client is None:
+            self._client = s3_client(self.read_timeout_s)
+        return self._client
+
+    @client.setter
+    def client(self, client: Any) -> None:
+        self._client = client
 
     def with_stall_timeout(self, seconds: float) -> S3Store:
         bounded = S3Store(self.url)
-        bounded.client = s3_client(seconds)
+        bounded.read_timeout_s = seconds
         return bounded
 
     def _calling(self, key: str, action: str) -> AbstractContextManager[None]:
-        return translating((botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError, *_CONNECTION_ERRORS),
-                           lambda exc: translate(exc, self.url_for(key), self.bucket, action))
+        return translating(_boto_errors(), lambda exc: translate(exc, self.url_for(key), self.bucket, action))
 
     def _info(self, key: str, size: int, etag: str | None, modified: Any = None, checksum: str | None = None
               ) -> ObjectInfo:
@@ -199,36 +265,36 @@ class S3Store(ObjectStore):
     def child(self, prefix: str) -> S3Store:
         return S3Store(self.url_for(prefix.strip("/")))
 
-    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        found: list[ObjectInfo] = []
-        with self._calling(prefix, "list"):
-            pages = self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=self.keys.search_prefix(prefix)
-            )
-            for page in pages:
-                for item in page.get("Contents", []):
-                    key = self.keys.key(item["Key"])
-                    if key and not key.endswith("/"):  # "directory" markers are not objects
-                        found.append(self._info(key, item["Size"], item.get("ETag"), item.get("LastModified")))
+    def list(self, prefix: str = "", *, page_size: int = s3_control.PAGE_SIZE) -> Iterator[ObjectInfo]:
+        client, endpoint = self._native(DEFAULT_CONFIG)
+        try:
+            listed = s3_control.list_objects(client, endpoint, self.bucket, self.keys.search_prefix(prefix),
+                                           self.read_timeout_s, f"list {self.url_for(prefix)}", page_size)
+        except AwsCrtError as exc:
+            raise self._crt_error(exc, prefix, "list") from None
+        found = [ObjectInfo(key, item.size, item.etag, item.modified) for item in listed
+                 if (key := self.keys.key(item.name)) and not key.endswith("/")]  # "directories" are not objects
         # Servers over file systems (rclone) list in directory order; callers are promised key order.
         found.sort(key=lambda info: info.key)
         return iter(found)
 
     def head(self, key: str) -> ObjectInfo | None:
+        client, endpoint = self._native(DEFAULT_CONFIG)
         try:
-            with self._calling(key, "stat"):
-                reply = self.client.head_object(Bucket=self.bucket, Key=self.keys.name(key), ChecksumMode="ENABLED")
-        except ObjectNotFound:
-            return None
-        checksum = None
-        if reply.get("ChecksumType") != "COMPOSITE":
-            checksum = next((f"{algorithm}:{reply[field]}" for field, algorithm in _HEAD_CHECKSUMS.items()
-                             if reply.get(field)), None)
-        return self._info(key, reply["ContentLength"], reply.get("ETag"), reply.get("LastModified"), checksum)
+            item = s3_control.head_object(client, endpoint, self.bucket, self.keys.name(key), self.read_timeout_s,
+                                        f"HEAD {self.url_for(key)}")
+        except AwsCrtError as exc:
+            error = self._crt_error(exc, key, "stat")
+            if isinstance(error, ObjectNotFound):
+                return None
+            raise error from None
+        return ObjectInfo(key, item.size, item.etag, item.modified, item.checksum)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         if nothing_to_read(self.url_for(key), start, length):
             return b""
+        import botocore.exceptions  # loaded with the client the call below makes
+
         with self._calling(key, f"read bytes {start}-{start + length - 1}"):
             try:
                 reply = self.client.get_object(
@@ -288,11 +354,20 @@ class S3Store(ObjectStore):
 
     # -- multipart (infra.storage.transfer.MultipartUploads) ---------------------------------------
 
+    def _control(self, key: str, action: str, call: Callable[..., _T], *args: Any) -> _T:
+        """call(client, endpoint, bucket, name, *args, stall bound, what) through the CRT, its failure as the
+        store's one line."""
+        client, endpoint = self._native(DEFAULT_CONFIG)
+        try:
+            return call(client, endpoint, self.bucket, self.keys.name(key), *args, self.read_timeout_s,
+                        f"{action} {self.url_for(key)}")
+        except AwsCrtError as exc:
+            raise self._crt_error(exc, key, action) from None
+        except s3_control.ErrorReply as exc:
+            raise _from_code(exc.code, exc.status, exc.message, self.url_for(key), self.bucket, action) from None
+
     def start_multipart(self, key: str, *, full_object_crc: bool = False) -> str:
-        extra = {"ChecksumAlgorithm": "CRC64NVME", "ChecksumType": "FULL_OBJECT"} if full_object_crc else {}
-        with self._calling(key, "start a multipart upload"):
-            reply = self.client.create_multipart_upload(Bucket=self.bucket, Key=self.keys.name(key), **extra)
-        return str(reply["UploadId"])
+        return self._control(key, "start a multipart upload", s3_control.create_multipart, full_object_crc)
 
     def put_part(self, key: str, upload_id: str, number: int, offset: int, data: bytes) -> str:
         with self._calling(key, f"upload part {number}"):
@@ -303,14 +378,9 @@ class S3Store(ObjectStore):
 
     def finish_multipart(self, key: str, upload_id: str, tags: list[str], *, crc: Checksum | None = None
                          ) -> ObjectInfo:
-        parts = [{"ETag": tag, "PartNumber": number} for number, tag in enumerate(tags, start=1)]
         # The object's CRC64NVME, so the store checks the assembled object against the bytes that were sent.
-        extra = {"ChecksumCRC64NVME": crc.b64, "ChecksumType": "FULL_OBJECT"} if crc is not None else {}
-        with self._calling(key, "complete a multipart upload"):
-            self.client.complete_multipart_upload(
-                Bucket=self.bucket, Key=self.keys.name(key), UploadId=upload_id, MultipartUpload={"Parts": parts},
-                **extra,
-            )
+        self._control(key, "complete a multipart upload", s3_control.complete_multipart, upload_id, tags,
+                      crc.b64 if crc is not None else None)
         info = self.head(key)
         if info is None:
             raise TransientStorageError(f"{self.url_for(key)}: not visible after its multipart upload completed")
@@ -318,8 +388,7 @@ class S3Store(ObjectStore):
 
     def abort_multipart(self, key: str, upload_id: str) -> None:
         try:
-            with self._calling(key, "abort a multipart upload"):
-                self.client.abort_multipart_upload(Bucket=self.bucket, Key=self.keys.name(key), UploadId=upload_id)
+            self._control(key, "abort a multipart upload", s3_control.abort_multipart, upload_id)
         except ObjectNotFound:
             return  # NoSuchUpload: already aborted or completed
 
@@ -334,7 +403,7 @@ class S3Store(ObjectStore):
         with _connections_lock:
             client = connection.crt.get(tuning)
             if client is None:
-                credentials = connection.session.get_credentials()
+                credentials = connection.credentials()
                 if credentials is None:
                     raise StorageError(f"{self.url}: {_NO_CREDENTIALS}")
                 client = connection.crt[tuning] = s3_native.new_client(endpoint, credentials, config)
@@ -387,12 +456,14 @@ class S3Store(ObjectStore):
                 return parts()
             kept = None
             if echoed is None:  # the store did not say what it checked: ask what it keeps
-                stored_size, kept = s3_native.stored(client, endpoint, self.bucket, name, job,
-                                                     f"HEAD {self.url_for(key)}")
-                if stored_size != size:
+                info = s3_control.head_object(client, endpoint, self.bucket, name, job.config.stall_timeout_s,
+                                              f"HEAD {self.url_for(key)}", job.cancel)
+                if info.size != size:
                     raise StorageError(
-                        f"{self.url_for(key)}: stored {stored_size} bytes of {path}'s {size}: upload it again"
+                        f"{self.url_for(key)}: stored {info.size} bytes of {path}'s {size}: upload it again"
                     )
+                kept = Checksum.parse(info.checksum) if info.checksum else None
+                kept = kept if kept is not None and kept.algorithm == CRC64NVME else None  # the CRC sent
         except AwsCrtError as exc:
             raise self._crt_error(exc, key, "write") from None
         return s3_native.checksum_after_put(echoed, kept, path)

@@ -2,15 +2,16 @@
 
 GETs write straight into the landing file (`recv_filepath`, O_DIRECT) and are checked in C against the expected
 CRC64NVME (or CRC32C / sha256) as they arrive; PUTs read straight from the file (`send_filepath`) and carry their
-CRC64NVME in a header, so the store checks it. No byte passes through Python. boto3 stays for listing, HEAD and
-control calls; both clients get their credentials from botocore's standard chain.
+CRC64NVME in a header, so the store checks it. No byte passes through Python. Listing, HEAD and the multipart
+calls go through this client too (s3_control.py); boto3 is left for small objects and the python engine.
 
 A custom endpoint (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL: rclone, MinIO, moto) is reached through the Host header
 with path-style keys, TLS off for http://; the CRT keeps connections per host name (not per port), so there is one
 client per endpoint. The CRT's own multipart upload needs `<InitiateMultipartUploadResult>` in the reply to
 CreateMultipartUpload; a server that answers otherwise (rclone: `<InitiateMultipartUpload>`) gets its large files
-part by part instead: boto3 starts and completes the upload, each part is one CRT request reading its range of
-the file, and the part CRCs join into the object's CRC64NVME, sent with the completion.
+part by part instead: the upload is started and completed by CRT requests of our own (s3_control.py), each part is
+one CRT request reading its range of the file, and the part CRCs join into the object's CRC64NVME,
+sent with the completion.
 
 Retries of failed part requests are the CRT's (its standard strategy, bounded by the engine's RetryPolicy); each
 one is logged through Python logging by the bridge below, like the engine's own retries.
@@ -137,7 +138,8 @@ def _bridge_crt_log() -> None:
 
 
 def _credentials_provider(credentials: Any) -> auth.AwsCredentialsProvider:
-    """botocore's resolved credentials (refreshed by botocore when they expire) as a CRT provider."""
+    """Resolved credentials (botocore's, refreshed by botocore when they expire, or the environment's) as a CRT
+    provider."""
 
     def current() -> auth.AwsCredentials:
         frozen = credentials.get_frozen_credentials()
@@ -542,19 +544,6 @@ def send_parts(
         etags.append(headers.values.get("etag", ""))
         crcs.add_crc(body.offset, body.length, body.crc.value)
     return etags, crcs.total(size)
-
-
-def stored(client: s3.S3Client, endpoint: Endpoint, bucket: str, name: str, job: FileJob, what: str
-           ) -> tuple[int, Checksum | None]:
-    """(size, full-object CRC64NVME or None) the store keeps for an object: a HEAD through the CRT, a callback's
-    worth of Python instead of a botocore call's (this runs once per file uploaded)."""
-    headers = Headers()
-    request = http.HttpRequest("HEAD", endpoint.path(bucket, name), http.HttpHeaders(
-        [("Host", endpoint.host(bucket)), ("x-amz-checksum-mode", "ENABLED")]))
-    wait(client.make_request(type=s3.S3RequestType.DEFAULT, operation_name="HeadObject", request=request,
-                             on_headers=headers), job.cancel, StallWatch(job.config.stall_timeout_s), what)
-    full_object = headers.values.get("x-amz-checksum-type", "FULL_OBJECT") == "FULL_OBJECT"
-    return int(headers.values.get("content-length", -1)), headers.checksum(CRC64NVME) if full_object else None
 
 
 def checksum_after_put(echoed: Checksum | None, kept: Checksum | None, path: Path) -> Checksum:
