@@ -427,7 +427,7 @@ def send(client: s3.S3Client, request: http.HttpRequest, path: Path, job: FileJo
     """PUT the file with its CRC64NVME in a header (the CRT computes it from the bytes it sends; the store checks
     it). Returns the CRC when the store echoed it (AWS does; rclone and moto do not)."""
     headers = Headers()
-    watch = StallWatch(job.config.stall_timeout_s)
+    watch = StallWatch(job.config.stall_timeout_s, link=TRAFFIC.received_idle_s)
 
     def progress(count: int) -> None:
         watch.moved()
@@ -508,8 +508,11 @@ def send_parts(
     crcs = PartCrcs(CRC64NVME)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     requests: list[tuple[s3.S3Request, Headers, FileRange]] = []
-    # One watch for all parts: the upload stalls when none of them moves (a part's body is read when it is sent).
-    watch = StallWatch(job.config.stall_timeout_s)
+    # One watch for all parts: the upload stalls when none of them moves (a part's body is read when it is sent)
+    # and the engine's connections are quiet too: a file whose parts wait behind other files' in the CRT's queue
+    # shows no progress of its own while the link is busy (on a loaded machine such files were retried until they
+    # failed). One stalled connection among moving ones is left to the CRT's throughput check, as for GETs.
+    watch = StallWatch(job.config.stall_timeout_s, link=TRAFFIC.received_idle_s)
     try:
         for number, offset in enumerate(range(0, size, part_size), start=1):
             length = min(part_size, size - offset)
