@@ -139,13 +139,12 @@ def create_gcs_bucket(server: GcsServer, name: str) -> str:
     return f"gs://{name}"
 
 
-class CountingProxy:
-    """A TCP proxy on a free loopback port in front of 127.0.0.1:upstream_port that counts the bytes the upstream
-    sends back: what a store served, counted at the store's side rather than by its clients."""
+class LoopbackProxy:
+    """A TCP proxy on a free loopback port in front of 127.0.0.1:upstream_port; what each connection does is the
+    subclass's (connected). A subclass sets its own fields before calling this __init__: accepting starts here."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
-        self.served = 0
         self._lock = threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = int(self._listener.getsockname()[1])
@@ -161,9 +160,26 @@ class CountingProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return  # closed
-            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
-            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+            self.connected(client, socket.create_connection(("127.0.0.1", self.upstream_port)))
+
+    def connected(self, client: socket.socket, upstream: socket.socket) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+class CountingProxy(LoopbackProxy):
+    """Counts the bytes the upstream sends back: what a store served, counted at the store's side rather than by its
+    clients."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.served = 0
+        super().__init__(upstream_port)
+
+    def connected(self, client: socket.socket, upstream: socket.socket) -> None:
+        threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+        threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket, count: bool) -> None:
         try:
@@ -177,6 +193,3 @@ class CountingProxy:
         for sock in (src, dst):
             with suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self._listener.close()

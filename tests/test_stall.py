@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from servers import free_port
+from servers import LoopbackProxy
 
 from infra.storage import open_store, s3, s3_native
 from infra.storage.checksum import Checksum, checksum_bytes
@@ -28,30 +28,20 @@ CONFIG = TransferConfig(workers=4, part_size=MIN_PART_SIZE, multipart_threshold=
                         retry=RetryPolicy(attempts=4, base_s=0.01, max_s=0.05), stall_timeout_s=STALL_S)
 
 
-class StallingProxy:
+class StallingProxy(LoopbackProxy):
     """A TCP proxy whose first connection to carry STALL_AFTER_BYTES stops forwarding there, in both directions;
     the client's side is held open (no FIN, no reset) until the proxy closes: a stalled path, not a broken one."""
 
     def __init__(self, upstream_port: int) -> None:
-        self.port = free_port()
-        self.upstream_port = upstream_port
         self.stalled_at: float | None = None  # time.monotonic() of the stall
         self._held: list[socket.socket] = []
-        self._lock = threading.Lock()
         self._closed = threading.Event()
-        self._listener = socket.create_server(("127.0.0.1", self.port))
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(upstream_port)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return  # closed
-            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
-            carried = [0]
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(src, dst, carried, client, upstream), daemon=True).start()
+    def connected(self, client: socket.socket, upstream: socket.socket) -> None:
+        carried = [0]
+        for src, dst in ((client, upstream), (upstream, client)):
+            threading.Thread(target=self._pump, args=(src, dst, carried, client, upstream), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket, carried: list[int], *both: socket.socket) -> None:
         try:
@@ -87,7 +77,7 @@ class StallingProxy:
 
     def close(self) -> None:
         self._closed.set()
-        self._listener.close()
+        super().close()
         for sock in self._held:
             sock.close()
 

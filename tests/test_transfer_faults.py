@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from servers import S3Server, free_port
+from servers import LoopbackProxy, S3Server
 from store_checks import FAST_RETRY
 from typer.testing import CliRunner
 
@@ -29,7 +29,7 @@ RETRY = RetryPolicy(attempts=8, base_s=0.01, max_s=0.05)
 CONFIG = TransferConfig(workers=4, part_size=MIN_PART_SIZE, multipart_threshold=MIN_PART_SIZE, retry=RETRY)
 
 
-class CuttingProxy:
+class CuttingProxy(LoopbackProxy):
     """A TCP proxy to the S3 server that resets the next `arm(n)` connections that carry CUT_AFTER_BYTES.
 
     A budget rather than every Nth connection: which connections carry a body depends on how the client pools
@@ -40,27 +40,17 @@ class CuttingProxy:
     """
 
     def __init__(self, upstream_port: int) -> None:
-        self.port = free_port()
-        self.upstream_port = upstream_port
         self.connections = 0
         self.cuts = 0
         self._cuts_left = 0
-        self._lock = threading.Lock()
-        self._listener = socket.create_server(("127.0.0.1", self.port))
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(upstream_port)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return  # closed
-            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
-            with self._lock:
-                self.connections += 1
-            carried = [0]  # bytes both directions of this connection carried so far
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b, carried, client, upstream), daemon=True).start()
+    def connected(self, client: socket.socket, upstream: socket.socket) -> None:
+        with self._lock:
+            self.connections += 1
+        carried = [0]  # bytes both directions of this connection carried so far
+        for a, b in ((client, upstream), (upstream, client)):
+            threading.Thread(target=self._pump, args=(a, b, carried, client, upstream), daemon=True).start()
 
     def arm(self, cuts: int) -> None:
         with self._lock:
@@ -90,9 +80,6 @@ class CuttingProxy:
         except OSError:
             for sock in both:
                 sock.close()
-
-    def close(self) -> None:
-        self._listener.close()
 
 
 @pytest.fixture
