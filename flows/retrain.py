@@ -152,6 +152,7 @@ def run_closed(summary: RunSummary, teardown: Callable[[], int], record: Callabl
         yield
     except BaseException as exc:
         failure = exc
+        CANCEL.interrupted(exc)  # a SIGTERM (Prefect's TerminationSignal) is a cancel: the status says so
         raise
     finally:
         teardown_error: Exception | None = None

@@ -57,6 +57,13 @@ class CancelToken:
             log.warning("cancelling the run: %s", reason)
         self._cancelled.set()
 
+    def interrupted(self, exc: BaseException) -> None:
+        """An interrupt unwinding the main thread (a BaseException that is no Exception: Prefect's TerminationSignal,
+        KeyboardInterrupt) cancels the token, so the threads it leaves behind stop at their next wait. How a SIGTERM
+        reaches the token where Prefect's own SIGTERM handler must stay installed (signals_cancel)."""
+        if not isinstance(exc, Exception):
+            self.cancel(f"{type(exc).__name__} received", getattr(exc, "signal", None))
+
     def hurry(self, reason: str) -> None:
         self.cancel(reason)
         if not self._hurry.is_set():
@@ -149,9 +156,17 @@ def signals_cancel(stop_signal: int = signal.SIGTERM, also: tuple[int, ...] = (s
             raise Cancelled(f"run cancelled ({signal_name(signum)})")
 
     handler = cancelling_handler(stop, token)
-    previous = {signum: signal.signal(signum, handler) for signum in (stop_signal, *also)}
+    # Prefect's runner acknowledges a cancel (and ends the run Cancelled) only while its own SIGTERM bridge is the
+    # installed handler (an identity check): that one stays, and its TerminationSignal cancels the token where it
+    # unwinds the waits (CancelToken.interrupted). Replaced, a cancel from the API ended the run Crashed.
+    prefects = getattr(current, "__module__", "").startswith("prefect.")
+    ours = (*also,) if prefects else (stop_signal, *also)
+    previous = {signum: signal.signal(signum, handler) for signum in ours}
     try:
         yield
+    except BaseException as exc:
+        token.interrupted(exc)
+        raise
     finally:
         for signum, old in previous.items():
             signal.signal(signum, old)

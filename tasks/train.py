@@ -10,6 +10,7 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
+from infra.cancel import CANCEL
 from infra.checkpoints.lineage import Lineage
 from infra.compute.access.remote import Process, RemoteError, Runner, wait_all
 from infra.compute.providers import Cluster, Node, get_provider
@@ -241,6 +242,7 @@ def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOu
             for name in pending:  # the hung ones, and torchrun's agents waiting for them in the exit barrier
                 trainers[name].terminate()
     except BaseException as failure:
+        CANCEL.interrupted(failure)  # a second signal during the flush below then skips it
         # SIGTERM first: each script finishes its save in flight (and a last one if the deadline allows) ...
         deadline_s = job.checkpoints.flush_deadline_s
         for process in trainers.values():

@@ -46,6 +46,9 @@ def in_parallel(items: list[T], work: Callable[[T], Any]) -> list[tuple[T, Any, 
         while pending:
             pending = list(wait(pending, timeout=_CANCEL_POLL_S).not_done)
             CANCEL.check()  # workers a cancel stopped raised Cancelled: so does the wait for them
+    except BaseException as exc:
+        CANCEL.interrupted(exc)  # a SIGTERM through Prefect's handler: the workers stop too
+        raise
     finally:
         # On a cancel, the caller's teardown need not wait for workers still inside a connect attempt.
         pool.shutdown(wait=not CANCEL.cancelled or CANCEL.shielded, cancel_futures=True)
