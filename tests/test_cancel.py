@@ -75,7 +75,9 @@ def test_a_cancel_ends_every_hosts_ssh_wait_and_their_threads() -> None:
 
     waiting = threading.Thread(target=boot_waits)
     waiting.start()
-    time.sleep(0.5)  # inside the retries (a cancel before the first attempt is the easy case)
+    # Both hosts' waits have begun (their first attempt is refused at once; a cancel before it is the easy case).
+    wait_for(lambda: len([t for t in threading.enumerate() if t.name.startswith("ssh-host")]) == 2, 10,
+             "both hosts' waits starting")
     cancelled_at = time.monotonic()
     CANCEL.cancel("test")
     waiting.join(10)
