@@ -18,6 +18,7 @@ from infra.compute.providers.base import (
     PriceError,
     Provider,
     QuotaError,
+    ReplacementUnavailable,
 )
 from infra.compute.providers.registry import PROVIDER_NAMES, PROVIDERS, provider_entry
 
@@ -35,5 +36,5 @@ def all_providers() -> list[Provider]:
 
 __all__ = [
     "CapacityError", "Cluster", "ClusterRecord", "InvalidRequestError", "LaunchError", "Node", "PriceError",
-    "Provider", "QuotaError", "all_providers", "get_provider",
+    "Provider", "QuotaError", "ReplacementUnavailable", "all_providers", "get_provider",
 ]

@@ -1,6 +1,6 @@
 """The few operations every provider implements (SkyPilot's provision interface, in spirit).
 
-The flow only ever calls these: launch, describe, terminate, list_clusters, runner and
+The flow only ever calls these: launch, replace_nodes, describe, terminate, list_clusters, runner and
 preemption_notices. Launch failures are typed so failover can decide what to try next.
 """
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,13 @@ class PriceError(LaunchError):
 
 class InvalidRequestError(LaunchError):
     """The request can never succeed as written: fix the config."""
+
+
+class ReplacementUnavailable(LaunchError):
+    """Lost nodes cannot be replaced in the cluster's own placement (no capacity there now, or a provider that cannot
+    replace single nodes): the caller relaunches the whole cluster instead, under its failover policy."""
+
+    transient = True
 
 
 @dataclass(frozen=True)
@@ -163,6 +171,20 @@ class Provider(ABC):
         """Terminate, except that a relaunch on the same machines finds their staged data again: a recovery's
         teardown. A provider whose machines never come back (cloud instances) simply terminates."""
         return self.terminate(cluster_name)
+
+    def replace_nodes(self, cluster: Cluster, lost: Sequence[str]) -> Cluster:
+        """Replace only the lost nodes (by name) of a running cluster; the survivors are not touched.
+
+        What is left of each lost node is ended first. Each replacement takes the lost node's rank, name and paths,
+        in the cluster's own placement (the AWS placement group and zone, the GCP compact policy and zone, the same
+        host and dir on local, netns and ssh); it starts empty, reachable and bootstrapped like a launched node. The
+        returned cluster is the same cluster (name, run, created_at, price) with the new nodes in place and the
+        provider's own state updated; the cluster record, the lease and heartbeat tags and list_clusters follow the
+        new membership, so teardown and the sweeper find the replacement too, even if the caller dies half way.
+
+        Raises ReplacementUnavailable when the placement cannot take a new node now (the caller then relaunches the
+        whole cluster elsewhere); a replacement that fails half way leaves no new instance behind."""
+        raise ReplacementUnavailable(f"the {self.name} provider cannot replace single nodes")
 
     @abstractmethod
     def list_clusters(self) -> list[ClusterRecord]: ...
