@@ -22,9 +22,10 @@ from typing import Any
 
 import pytest
 import test_aws_provider as aws_tests
+import test_cloud_teardown as teardown_tests
 import test_gcp_provider as gcp_tests
-from aws_server import Ec2Server, moto_ec2
-from cloud_env import aws_env, aws_left, ec2_client, gcp_env, gcp_key_file, gcp_left, register_image, wait_for
+from aws_server import Ec2Server
+from cloud_env import aws_env, aws_left, ec2_client, gcp_env, gcp_key_file, gcp_left, wait_for
 from cloud_nodes import (
     Instance,
     Machines,
@@ -39,6 +40,7 @@ from cloud_nodes import Node as StandIn
 from gce_server import PROJECT, GceServer
 from google.auth.credentials import AnonymousCredentials
 from sshd import require_sshd
+from test_cloud_teardown import AWS_PREFIX, GCP_PREFIX, REGION
 
 import infra.compute.providers.gcp.provider as gcp_module
 from infra.compute.providers.aws.provider import (
@@ -68,28 +70,12 @@ from infra.compute.providers.gcp.provider import (
 )
 from infra.lifecycle.sweep import sweep_clusters
 
-REGION, GCP_REGION = "us-east-1", "us-central1"
-AWS_PREFIX, GCP_PREFIX = "127.81.1.", "127.81.2."  # loopback addresses of the instances (stand-ins answer there)
+GCP_REGION = "us-central1"
 TTL_S = 10.0  # the shortest lease a job may have: the kill test waits for it to expire
 CLUSTER_TAGS = (TAG_CLUSTER, TAG_RUN, TAG_OWNER, TAG_CREATED, TAG_LEASE_TTL)
 CLUSTER_LABELS = (LABEL_CLUSTER, LABEL_RUN, LABEL_OWNER, LABEL_CREATED, LABEL_LEASE_TTL)
-
-
-@pytest.fixture(scope="module")
-def ec2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ec2Server]:
-    with moto_ec2(tmp_path_factory.mktemp("moto"), public_ip_prefix=AWS_PREFIX) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def image(ec2: Ec2Server) -> str:
-    return register_image(ec2, REGION)
-
-
-@pytest.fixture(scope="module")
-def gce() -> Iterator[GceServer]:
-    with GceServer(nat_prefix=GCP_PREFIX) as server:
-        yield server
+# The simulated clouds whose instances have loopback addresses (where the stand-ins answer), module-scoped here too.
+ec2, image, gce = teardown_tests.ec2, teardown_tests.image, teardown_tests.gce
 
 
 @pytest.fixture
