@@ -42,6 +42,7 @@ from google.auth.credentials import AnonymousCredentials
 from sshd import require_sshd
 from test_cloud_teardown import AWS_PREFIX, GCP_PREFIX, REGION
 
+import infra.compute.providers.cloud as cloud
 import infra.compute.providers.gcp.provider as gcp_module
 from infra.compute.providers.aws.provider import (
     TAG_CLUSTER,
@@ -68,6 +69,7 @@ from infra.compute.providers.gcp.provider import (
     GcpProvider,
     resource_name,
 )
+from infra.compute.providers.hosts import HostUnreachableError
 from infra.lifecycle.sweep import sweep_clusters
 
 GCP_REGION = "us-central1"
@@ -305,6 +307,23 @@ def test_gcp_without_capacity_in_the_zone_the_replacement_is_unavailable_and_lea
         [cluster.nodes[2].name], "only the survivor is left"
     provider.terminate(name)
     assert gcp_left(gce, name) == {}
+
+
+def test_a_replacement_that_never_answers_is_ended_before_the_failure_is_raised(
+        aws_setup: dict[str, str], ec2: Ec2Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not a capacity problem: the new instance runs but nobody answers at its address (no stand-in here)."""
+    name = "tp-replace-aws-mute"
+    cluster = launch(aws_provider(), name, nodes=2)
+    lost = cluster.nodes[0].name
+    ec2_client(ec2, REGION).terminate_instances(InstanceIds=[cluster.owner["instances"][lost]])
+    monkeypatch.setattr(cloud, "BOOT_TIMEOUT_S", 1.0)
+    with pytest.raises(HostUnreachableError, match=lost):
+        aws_provider(bootstrap=True).replace_nodes(cluster, [lost])
+    live = aws_instances(ec2, name, "pending", "running", "stopping", "stopped", "shutting-down")
+    assert [i["InstanceId"] for i in live] == [cluster.owner["instances"][cluster.nodes[1].name]]
+    assert len(aws_instances(ec2, name)) == 3, "the replacement was started, then ended"
+    aws_provider().terminate(name)
+    assert aws_left(ec2, name, REGION) == {}
 
 
 # -- (c) kill matrix row: the orchestrator killed while the replacement boots ----------------------------------------
