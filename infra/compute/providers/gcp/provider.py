@@ -16,12 +16,13 @@ like the cluster's others, so describe, teardown and the sweeper see the new mem
 from __future__ import annotations
 
 import hashlib
-import importlib.util
+import importlib
 import json
 import logging
 import os
 import re
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -59,21 +60,29 @@ from infra.job.spec import ClusterSpec
 from infra.node import gce_self_delete
 
 
-def _lazy_module(name: str) -> ModuleType:
-    """The module, loaded on first attribute access: google.cloud.compute_v1 takes ~1.5 s to import, and every
-    `trainpipe status` and sweep builds this provider, mostly on machines that never call GCP."""
-    spec = importlib.util.find_spec(name)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"{name} is not installed: pip install google-cloud-compute")
-    loader = importlib.util.LazyLoader(spec.loader)
-    spec.loader = loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    loader.exec_module(module)
-    return module
+class _LazyModule:
+    """A module imported on first attribute access: google.cloud.compute_v1 takes ~1.5 s to import, and every
+    `trainpipe status` and sweep builds this provider, mostly on machines that never call GCP.
+
+    Not importlib's LazyLoader: on Python 3.11 two threads touching it at once (a launch and its heartbeat thread) can
+    see the module half-executed (AttributeError on a class it defines). The import here happens once, under a lock."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._module: ModuleType | None = None
+
+    def __getattr__(self, attr: str) -> Any:
+        module = self._module
+        if module is None:
+            with self._lock:
+                if self._module is None:
+                    self._module = importlib.import_module(self._name)
+                module = self._module
+        return getattr(module, attr)
 
 
-compute_v1 = sys.modules.get("google.cloud.compute_v1") or _lazy_module("google.cloud.compute_v1")
+compute_v1: Any = sys.modules.get("google.cloud.compute_v1") or _LazyModule("google.cloud.compute_v1")
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
