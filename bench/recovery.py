@@ -259,8 +259,16 @@ def job_for(config: RecoveryBenchConfig, path: str) -> JobSpec:
     })
 
 
+def committed_bytes(summary: dict[str, Any], step: int) -> int:
+    """The bytes of the run's committed checkpoint of `step`, beside its final one in the store."""
+    final = summary.get("checkpoint")
+    if not final:
+        raise RecoveryBenchError(f"run {summary.get('run_id')}: no committed checkpoint in its summary")
+    return CheckpointStore(open_store(final.rsplit("/", 1)[0])).manifest(step).total_bytes
+
+
 def measured_run(path: str, run_id: str, summary: dict[str, Any], meter: StoreMeter,
-                 checkpoint_bytes: Callable[[int], int]) -> RecoveryRun:
+                 checkpoint_bytes: Callable[[dict[str, Any], int], int] = committed_bytes) -> RecoveryRun:
     """The run's one recovery, its store bytes from the meter; RecoveryBenchError where it did not recover."""
     records = summary.get("recoveries") or []
     if summary.get("status") != "completed" or len(records) != 1:
@@ -276,7 +284,7 @@ def measured_run(path: str, run_id: str, summary: dict[str, Any], meter: StoreMe
                        detect_to_first_step_s=first,
                        store_bytes=meter.between(detected, detected + max(resumed, first or 0.0)),
                        store_bytes_to_resume=meter.between(detected, detected + resumed),
-                       checkpoint_bytes=checkpoint_bytes(step) if step is not None else 0,
+                       checkpoint_bytes=checkpoint_bytes(summary, step) if step is not None else 0,
                        resumed_from_step=step, steps_lost=record.get("steps_lost"),
                        reused_bytes=record.get("reused_bytes", 0), seconds=record.get("seconds") or {})
 
@@ -308,9 +316,7 @@ def run_recovery_benchmark(config: RecoveryBenchConfig, run_job: Callable[[JobSp
                 echo(f"recovery path {path}: {config.nodes} nodes, node {config.preempt_node} preempted at step "
                      f"{config.preempt_at_step}, run {run_id}")
                 summary = run_job(job_for(config, path), run_id)
-                checkpoints = CheckpointStore(open_store(f"s3://{CKPT_BUCKET}/{path}"))
-                run = measured_run(path, run_id, summary, meter,
-                                   lambda step, found=checkpoints: found.manifest(step).total_bytes)
+                run = measured_run(path, run_id, summary, meter)
                 report.runs.append(run)
                 echo(f"recovery path {path} (took {run.took or 'not recorded'}): detection → resumed "
                      f"{run.detect_to_resume_s:.1f} s, store sent {run.store_bytes / 1e6:,.1f} MB "

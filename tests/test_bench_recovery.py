@@ -62,11 +62,11 @@ def test_a_runs_store_bytes_run_from_the_detection_to_the_first_step_after_it() 
     meter = StoreMeter(lambda: 0)
     meter.samples = list(SAMPLES)
     summary = {"status": "completed", "recoveries": [record(100.0, 5.0, 8.0, RECORDED["cluster"])]}
-    run = measured_run("cluster", "r1", summary, meter, lambda step: step * MB)
+    run = measured_run("cluster", "r1", summary, meter, lambda summary, step: step * MB)
     assert (run.store_bytes, run.store_bytes_to_resume) == (800 * MB, 500 * MB)
     assert (run.took, run.checkpoint_bytes, run.resumed_from_step) == ("relaunched-cluster", 30 * MB, 30)
     with pytest.raises(RuntimeError, match="path nodes: run r2 failed with 0 recoveries: boom"):
-        measured_run("nodes", "r2", {"status": "failed", "error": "boom"}, meter, lambda step: 0)
+        measured_run("nodes", "r2", {"status": "failed", "error": "boom"}, meter)
 
 
 def run(path: str, resume_s: float, store_mb: int) -> RecoveryRun:
