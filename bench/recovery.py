@@ -172,6 +172,12 @@ class RecoveryRun:
     reused_bytes: int
     seconds: dict[str, float] = field(default_factory=dict)  # the record's per-phase split
 
+    @property
+    def unsplit_s(self) -> float:
+        """Detection → resumed outside the record's phases: stopping the other nodes and their syncers' last
+        uploads, before the teardown."""
+        return self.detect_to_resume_s - sum(self.seconds.values())
+
 
 @dataclass
 class RecoveryBenchReport:
@@ -219,7 +225,8 @@ class RecoveryBenchReport:
             lines.append(f"{run.path:<8} {run.took or '(not recorded)':<19} {run.detect_to_resume_s:>16.1f} "
                          f"{first:>11} {run.store_bytes / 1e6:>9,.1f} {self.share(run):>10.1%} "
                          f"{run.checkpoint_bytes / 1e6:>8,.1f} {run.reused_bytes / 1e6:>9,.1f} {ratio:>9}")
-            lines.append(f"{'':<8} phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in run.seconds.items()))
+            lines.append(f"{'':<8} phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in run.seconds.items())
+                         + f"; before them (stopping the rest, last uploads) {run.unsplit_s:.1f} s")
         lines += [f"{path:<8} not measured: {why}" for path, why in self.not_measured.items()]
         if (ratios := self.ratios()) is not None:
             lines.append(f"replace-one: detection→resumed {ratios['resume_nodes_cluster']:.2f}× the whole relaunch "
@@ -231,7 +238,8 @@ class RecoveryBenchReport:
     def to_json(self) -> str:
         config = {**asdict(self.config), "workdir": str(self.config.workdir) if self.config.workdir else None}
         return json.dumps({"config": config, "dataset_bytes": self.dataset_bytes,
-                           "runs": [{**asdict(run), "store_share": self.share(run)} for run in self.runs],
+                           "runs": [{**asdict(run), "store_share": self.share(run), "unsplit_s": run.unsplit_s}
+                                    for run in self.runs],
                            "not_measured": self.not_measured, "ratios": self.ratios(),
                            "meets_targets": self.meets_targets()}, indent=2)
 
