@@ -325,6 +325,10 @@ def run_recovery_benchmark(config: RecoveryBenchConfig, run_job: Callable[[JobSp
                      f"{config.preempt_at_step}, run {run_id}")
                 summary = run_job(job_for(config, path), run_id)
                 run = measured_run(path, run_id, summary, meter)
+                if path == "nodes" and run.took is None:  # the flow took no path of its own: the whole relaunch
+                    report.not_measured[path] = (f"run {run_id}: its recovery record names no path: this trainpipe's "
+                                                 "flow relaunches the whole cluster whatever recovery.replace says")
+                    continue
                 report.runs.append(run)
                 echo(f"recovery path {path} (took {run.took or 'not recorded'}): detection → resumed "
                      f"{run.detect_to_resume_s:.1f} s, store sent {run.store_bytes / 1e6:,.1f} MB "
