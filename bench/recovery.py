@@ -38,6 +38,7 @@ from unittest.mock import patch
 
 from bench.staging import store_tx_bytes
 from bench.trainer_flags import VOCAB_SIZE, ModelShape
+from infra.analysis.predict import Hardware, Recovery, recovery
 from infra.checkpoints.commit import CheckpointStore
 from infra.compute.providers.netns import emulation as netns
 from infra.dataset.synth import TOKEN_BYTES, synthesize
@@ -193,6 +194,15 @@ class RecoveryBenchReport:
         """The run's store bytes over what a recovery could need from the store: dataset + checkpoint."""
         return run.store_bytes / (self.dataset_bytes + run.checkpoint_bytes)
 
+    def model(self, run: RecoveryRun) -> Recovery:
+        """What `trainpipe predict` gives for this recovery on these links: the data moved and the store's bytes.
+        Its whole relaunch stages the dataset again, as new machines on a cloud must (netns keeps every host dir)."""
+        c = self.config
+        hardware = Hardware(network_gbps=c.node_mbit / 1000, store_gbps=c.node_mbit / 1000,
+                            store_egress_gbps=c.store_mbit / 1000)
+        return recovery(self.dataset_bytes, run.checkpoint_bytes // c.nodes, c.nodes, hardware, c.fanout != "off",
+                        replace_nodes=run.path == "nodes")
+
     def ratios(self) -> dict[str, float] | None:
         """Replace-one against the whole relaunch, and whether it meets the targets; None until both ran."""
         nodes, cluster = self.run("nodes"), self.run("cluster")
@@ -217,17 +227,21 @@ class RecoveryBenchReport:
                  f"store link {c.store_mbit:g} Mbit/s, node links {c.node_mbit:g} Mbit/s; store bytes counted at the "
                  "store's interface from the detection to the first step after it",
                  f"{'path':<8} {'took':<19} {'detect→resumed s':>16} {'→1st step s':>11} {'store MB':>9} "
-                 f"{'% data+ckpt':>11} {'ckpt MB':>8} {'reused MB':>9} {'× cluster':>9}"]
+                 f"{'% data+ckpt':>11} {'ckpt MB':>8} {'reused MB':>9} {'× cluster':>9} {'model s':>7} "
+                 f"{'model MB':>8}"]
         cluster = self.run("cluster")
         for run in sorted(self.runs, key=lambda r: PATHS.index(r.path)):
             ratio = f"{run.detect_to_resume_s / cluster.detect_to_resume_s:.2f}×" if cluster else ""
             first = "" if run.detect_to_first_step_s is None else f"{run.detect_to_first_step_s:.1f}"
             lines.append(f"{run.path:<8} {run.took or '(not recorded)':<19} {run.detect_to_resume_s:>16.1f} "
                          f"{first:>11} {run.store_bytes / 1e6:>9,.1f} {self.share(run):>10.1%} "
-                         f"{run.checkpoint_bytes / 1e6:>8,.1f} {run.reused_bytes / 1e6:>9,.1f} {ratio:>9}")
+                         f"{run.checkpoint_bytes / 1e6:>8,.1f} {run.reused_bytes / 1e6:>9,.1f} {ratio:>9} "
+                         f"{self.model(run).seconds:>7.1f} {self.model(run).store_bytes / 1e6:>8,.1f}")
             lines.append(f"{'':<8} phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in run.seconds.items())
                          + f"; before them (stopping the rest, last uploads) {run.unsplit_s:.1f} s")
         lines += [f"{path:<8} not measured: {why}" for path, why in self.not_measured.items()]
+        lines.append("model s, model MB: trainpipe predict's recovery (the data moved, without provisioning and "
+                     "start-up; its whole relaunch re-stages the dataset as a cloud's new machines must)")
         if (ratios := self.ratios()) is not None:
             lines.append(f"replace-one: detection→resumed {ratios['resume_nodes_cluster']:.2f}× the whole relaunch "
                          f"(target ≤ {TIME_TARGET:g}×), store bytes {ratios['store_share_nodes']:.1%} of dataset + "
@@ -238,7 +252,8 @@ class RecoveryBenchReport:
     def to_json(self) -> str:
         config = {**asdict(self.config), "workdir": str(self.config.workdir) if self.config.workdir else None}
         return json.dumps({"config": config, "dataset_bytes": self.dataset_bytes,
-                           "runs": [{**asdict(run), "store_share": self.share(run), "unsplit_s": run.unsplit_s}
+                           "runs": [{**asdict(run), "store_share": self.share(run), "unsplit_s": run.unsplit_s,
+                                     "model": asdict(self.model(run))}
                                     for run in self.runs],
                            "not_measured": self.not_measured, "ratios": self.ratios(),
                            "meets_targets": self.meets_targets()}, indent=2)
