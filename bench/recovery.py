@@ -172,6 +172,7 @@ class RecoveryRun:
     steps_lost: int | None
     reused_bytes: int
     seconds: dict[str, float] = field(default_factory=dict)  # the record's per-phase split
+    fallback: str | None = None  # why the lost node could not be replaced alone (the record's, where it says)
 
     @property
     def unsplit_s(self) -> float:
@@ -239,6 +240,8 @@ class RecoveryBenchReport:
                          f"{self.model(run).seconds:>7.1f} {self.model(run).store_bytes / 1e6:>8,.1f}")
             lines.append(f"{'':<8} phases: " + ", ".join(f"{k} {v:.1f} s" for k, v in run.seconds.items())
                          + f"; before them (stopping the rest, last uploads) {run.unsplit_s:.1f} s")
+            if run.fallback:
+                lines.append(f"{'':<8} relaunched the whole cluster because: {run.fallback}")
         lines += [f"{path:<8} not measured: {why}" for path, why in self.not_measured.items()]
         lines.append("model s, model MB: trainpipe predict's recovery (the data moved, without provisioning and "
                      "start-up; its whole relaunch re-stages the dataset as a cloud's new machines must)")
@@ -309,7 +312,8 @@ def measured_run(path: str, run_id: str, summary: dict[str, Any], meter: StoreMe
                        store_bytes_to_resume=meter.between(detected, detected + resumed),
                        checkpoint_bytes=checkpoint_bytes(summary, step) if step is not None else 0,
                        resumed_from_step=step, steps_lost=record.get("steps_lost"),
-                       reused_bytes=record.get("reused_bytes", 0), seconds=record.get("seconds") or {})
+                       reused_bytes=record.get("reused_bytes", 0), seconds=record.get("seconds") or {},
+                       fallback=record.get("fallback"))
 
 
 def run_recovery_benchmark(config: RecoveryBenchConfig, run_job: Callable[[JobSpec, str], dict[str, Any]],

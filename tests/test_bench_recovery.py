@@ -7,6 +7,7 @@ table's figures, and the job it builds for each path."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -99,6 +100,10 @@ def test_the_report_sets_replace_one_against_the_whole_relaunch_and_the_targets(
     slow = RecoveryBenchReport(RecoveryBenchConfig(), dataset_bytes=60 * MB,
                                runs=[run("cluster", 40.0, 100), run("nodes", 30.0, 4)])
     assert slow.meets_targets() is False and "DOES NOT meet" in slow.table()
+
+    fell_back = replace(run("nodes", 40.0, 100), took=RECORDED["cluster"], fallback="no capacity in the zone")
+    assert "relaunched the whole cluster because: no capacity in the zone" in RecoveryBenchReport(
+        RecoveryBenchConfig(), dataset_bytes=60 * MB, runs=[fell_back]).table()
 
 
 def test_a_path_not_measured_is_said_and_leaves_the_ratios_out() -> None:
