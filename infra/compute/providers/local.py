@@ -32,6 +32,7 @@ from infra.compute.providers.base import (
     lost_nodes,
 )
 from infra.compute.providers.launcher import launcher, launcher_alive
+from infra.dataset.stagecache import node_cache_dir
 from infra.job.spec import ClusterSpec
 from infra.node.preemption import NOTICE_FILE, read_notice
 from infra.node.processes import CLUSTER_TAG, NODE_TAG, kill_processes, tagged_processes
@@ -99,7 +100,8 @@ class LocalProvider(Provider):
         return cluster
 
     def replace_nodes(self, cluster: Cluster, lost: Sequence[str]) -> Cluster:
-        """The same node again in the same dir, empty: what is left of it (processes, files) goes first. The record
+        """The same node again in the same dir, empty: what is left of it (processes, files, its dataset cache) goes
+        first. The record
         is rewritten (atomically) last, counting the replacements; until then teardown finds the node by the record
         it already had, since name and dir do not change."""
         base = self._dir(cluster.name)
@@ -113,6 +115,9 @@ class LocalProvider(Provider):
             left = [p for p in cluster_processes(base) if _node_of(p) == node.name]
             kill_processes(left)
             shutil.rmtree(node.workdir, ignore_errors=True)
+            # The node's dataset cache outlives its dir (across runs, as a machine's disk would): a new machine has
+            # none, so the replacement is filled from its peers or the store, not from what the lost node fetched.
+            shutil.rmtree(node_cache_dir(self.name, node.workdir), ignore_errors=True)
             _make_node_dir(node, cluster.name)
             log.info("%s: replaced in %s (%d processes of the lost node ended)", node.name, node.workdir, len(left))
         replaced = dict(cluster.owner.get("replaced", {}))
