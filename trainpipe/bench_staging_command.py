@@ -49,7 +49,7 @@ def staging(
                                           dataset_mb=recovery_dataset_mb, store_mbit=store_mbit, node_mbit=node_mbit,
                                           workdir=workdir)
     if recovery and (why := recovery_config.problem()) is not None:  # before the staging half's minutes
-        raise typer.BadParameter(why, param_hint="--recovery-*")
+        raise typer.BadParameter(why, param_hint="--recovery-nodes / --recovery-paths")
     if staging_runs:
         print_report(run_staging_benchmark(config, echo=typer.echo), json_out)
     if recovery:
