@@ -1,7 +1,9 @@
 """retrain: plan → provision → verify → stage → train → sync → evaluate → promote → teardown (always) → report.
 
-A preemption during training loops back: teardown → provision → verify → stage + restore → train, resuming
-from the latest committed checkpoint, at most recovery.max_recoveries times within recovery.deadline_s.
+A preemption during training loops back, resuming from the latest committed checkpoint, at most
+recovery.max_recoveries times within recovery.deadline_s: the lost nodes replaced alone → verify them → stage (the new
+nodes filled from their peers) + restore → train on every node; or, where they cannot be (or recovery.replace is
+cluster), teardown → provision → verify → stage + restore → train.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from tasks.evaluate import Evaluation, evaluate_checkpoint
 from tasks.node_output import start_loss_curve
 from tasks.plan import plan_run
 from tasks.promote import Decision, promote_checkpoint
+from tasks.replace import Replaced, rejoin_node, replace_or_relaunch
 from tasks.report import (
     publish_summary,
     record_failure,
@@ -110,23 +113,28 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
             checkpoint_url = plan.checkpoint_url
             code_url = publish_code(job, plan)
         summary.dataset = plan.dataset.summary()
-        resume_step, recovery = plan.resume_step, None
+        resume_step, recovery, replaced = plan.resume_step, None, None
         while True:
             try:
                 cluster, staged, outcome, launch = train_on_a_cluster(job, plan, code_url, summary, cluster_name,
-                                                                      resume_step, recovery)
+                                                                      resume_step, recovery, replaced)
                 _trained(summary, recovery, outcome.first_step_at, outcome.steps_s)
                 break
             except Preempted as preempted:
                 _trained(summary, recovery, preempted.first_step_at, preempted.steps_s)
-                # The nodes are gone or going: tear down what is left, launch again, resume from the last commit.
-                recovery = recoveries.begin(preempted.node, preempted.reason, preempted.with_notice,
+                recovery = recoveries.begin(preempted.nodes, preempted.reason, preempted.with_notice,
                                             preempted.step_reached, preempted.detected_at)
-                with Phases(summary, recovery)("teardown"):
-                    teardown_cluster.with_options(task_run_name=f"recovery-{recovery.number}: teardown after "
-                                                  f"{preempted}")(job.cluster.provider, cluster_name, keep_data=True)
-                job = _avoiding(job, plan, recoveries, summary.attempts)
                 resume_step = latest_committed_step(plan.checkpoint_url)
+                # Only the lost nodes replaced, the survivors kept as they are ...
+                with Phases(summary, recovery)("provision"):
+                    replaced = replace_or_relaunch(job, cluster_name, preempted, recovery)
+                if replaced is None:
+                    # ... or the whole cluster: tear down what is left, launch again (elsewhere, by the failover).
+                    with Phases(summary, recovery)("teardown"):
+                        teardown_cluster.with_options(task_run_name=f"recovery-{recovery.number}: teardown after "
+                                                      f"{preempted}")(job.cluster.provider, cluster_name,
+                                                                      keep_data=True)
+                    job = _avoiding(job, plan, recoveries, summary.attempts)
         with phase("sync"):
             verified = verify_committed_checkpoint(cluster, plan.checkpoint_url, job.checkpoints.format)
         record_training(summary, staged, outcome, verified, plan.checkpoint_url)
@@ -172,28 +180,41 @@ def run_closed(summary: RunSummary, teardown: Callable[[], int], record: Callabl
 
 
 def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: RunSummary, cluster_name: str,
-                       resume_step: int | None, recovery: RecoveryRecord | None
+                       resume_step: int | None, recovery: RecoveryRecord | None, replaced: Replaced | None = None
                        ) -> tuple[Cluster, list[Staged], TrainOutcome, TrainLaunch]:
     """provision → verify → stage (+ code, setup, restore) → train, once; a recovery records how long each step
-    took it."""
+    took it.
+
+    replaced: the cluster of a replace-one recovery instead of a new one. Only its new nodes are verified and get the
+    code and the setup; the survivors rejoin as they are (the cluster bench is not rerun); every node stages (the
+    survivors' caches make theirs a no-op) and restores."""
     phase = Phases(summary, recovery)
-    with phase("provision"):
-        cluster = provision_cluster(job, cluster_name, summary.run_id)
-    record_launch(summary, cluster)
+    if replaced is None:
+        with phase("provision"):
+            cluster = provision_cluster(job, cluster_name, summary.run_id)
+        record_launch(summary, cluster)
+    else:
+        cluster = replaced.cluster
+    new = [node for node in cluster.nodes if replaced is None or replaced.is_new(node)]
+    survivors = [node for node in cluster.nodes if node not in new]
     # Remote access reads every batch from the store: nothing is staged, so nodes need no room for the dataset.
     staging = job.dataset.access == "staged"
+    attempt = recovery.number if recovery is not None else 0
     with phase("verify"):
         # Each node needs room for what it will hold (split: its share), not the whole dataset.
-        need_bytes = [(plan.dataset.node_bytes[node.rank] if staging else 0) + plan.inputs_bytes
-                      for node in cluster.nodes]
-        probes = verify_node.map(unmapped(cluster), cluster.nodes, need_bytes).result()
-        summary.cluster_bench = bench_cluster(job, cluster)
-    attempt = recovery.number if recovery is not None else 0
-    launch = TrainLaunch(plan.checkpoint_url, plan.dataset_url, probes[0].free_port, plan.workload.config_hash,
+        need_bytes = [(plan.dataset.node_bytes[node.rank] if staging else 0) + plan.inputs_bytes for node in new]
+        probing = verify_node.map(unmapped(cluster), new, need_bytes)
+        rejoined = (rejoin_node.map(unmapped(cluster), survivors, unmapped(attempt),
+                                    unmapped(resume_step is None)).result() if survivors else [])
+        ports = {node.name: port for node, port in zip(survivors, rejoined, strict=True)}
+        ports.update({node.name: probe.free_port for node, probe in zip(new, probing.result(), strict=True)})
+        if not survivors:
+            summary.cluster_bench = bench_cluster(job, cluster)
+    launch = TrainLaunch(plan.checkpoint_url, plan.dataset_url, ports[cluster.head.name], plan.workload.config_hash,
                          attempt=attempt, attempt_id=f"{attempt}-{uuid.uuid4().hex[:8]}")
     with phase("stage"):
         # The code and the setup go their own way beside the dataset: neither waits for the other.
-        preparing = prepare_node.map(unmapped(job), unmapped(cluster), cluster.nodes, unmapped(code_url),
+        preparing = prepare_node.map(unmapped(job), unmapped(cluster), new, unmapped(code_url),
                                      unmapped(plan.workload.code_sha256), unmapped(launch))
         inputs = {name: input_plan.snapshot_url for name, input_plan in plan.inputs.items()}
         fan, why = fanout.decide(job.dataset.fanout, len(cluster.nodes), summary.cluster_bench,
@@ -208,13 +229,16 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: 
                 nodes_staged = (stage_node.map(unmapped(cluster), cluster.nodes,
                                                unmapped(plan.dataset.snapshot_url if staging else None),
                                                unmapped(plan.dataset.shard), unmapped(inputs),
-                                               peers=unmapped(peers[0]), peer_env=unmapped(peers[1])).result()
+                                               peers=unmapped(peers[0]), peer_env=unmapped(peers[1]),
+                                               holders=unmapped([node.rank for node in survivors])).result()
                                 if staging or inputs else [])
             staged = [s.dataset for s in nodes_staged if s.dataset is not None]
             with phase.recovery_part("restore"):
+                # A survivor's saves newer than the commit are dropped (prune): never committed, and misleading.
                 restored = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.checkpoint_url),
                                                    unmapped(job.checkpoints.format), peers=unmapped(peers[0]),
-                                                   peer_env=unmapped(peers[1])).result()
+                                                   peer_env=unmapped(peers[1]),
+                                                   prune=unmapped(bool(survivors))).result()
                             if resume_step is not None else [])
         # A warm start: only when nothing of this run is committed yet (a resume continues from its own commit).
         warm = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.init_from.run_url),

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from prefect import get_run_logger, task
 from prefect.exceptions import MissingContextError
 
 from infra.cancel import CANCEL
-from infra.compute.providers import Cluster, Provider, get_provider
+from infra.compute.providers import Cluster, Node, Provider, get_provider
 from infra.job.spec import JobSpec
 from infra.lifecycle.lease import LEASE_FILE, RENEWALS_PER_TTL, LeaseKeeper
 from infra.node.sync import STOP_FILE
@@ -17,16 +18,18 @@ from tasks.policy import TRANSIENT_RETRIES
 _lease_keepers: dict[str, LeaseKeeper] = {}
 
 
-def _start_lease(provider: Provider, cluster: Cluster, ttl_s: float) -> None:
-    """Start every node's watchdog, then keep its lease fresh from this process for as long as it lives.
+def start_lease(provider: Provider, cluster: Cluster, ttl_s: float, nodes: Sequence[Node] | None = None) -> None:
+    """Start the watchdog of `nodes` (default: every node), then keep every node's lease fresh from this process for
+    as long as it lives.
 
     One keeper per cluster name: a retried provision replaces the keeper of the attempt it tore down (else that
-    keeper would renew leases for ever, in a long-lived `trainpipe serve` above all), and a start that fails stops
-    the keeper it began."""
+    keeper would renew leases for ever, in a long-lived `trainpipe serve` above all), a replacement of lost nodes
+    replaces it with one that follows the new membership (the survivors' watchdogs run on: only the new nodes get
+    one), and a start that fails stops the keeper it began."""
     _stop_lease(cluster.name)
     _lease_keepers[cluster.name] = LeaseKeeper(provider, cluster, ttl_s / RENEWALS_PER_TTL).start()
     try:
-        for node in cluster.nodes:
+        for node in cluster.nodes if nodes is None else nodes:
             provider.runner(cluster, node).start(
                 [node.python, "-m", "infra.node", "watch", "--lease", node.path(LEASE_FILE), "--ttl", str(ttl_s),
                  "--on-expire", provider.lease_expiry, "--notice-source", provider.notice_source,
@@ -53,7 +56,7 @@ def provision_cluster(job: JobSpec, cluster_name: str, run_id: str) -> Cluster:
         _stop_lease(cluster_name)
         provider.terminate(cluster_name)
     cluster = provider.launch(cluster_name, job.cluster, run_id)
-    _start_lease(provider, cluster, job.cluster.lease_ttl_s)
+    start_lease(provider, cluster, job.cluster.lease_ttl_s)
     logger.info("launched %s on %s: %s", cluster.name, provider.name, ", ".join(n.name for n in cluster.nodes))
     return cluster
 

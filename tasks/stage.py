@@ -52,7 +52,7 @@ def _progress_artifact(node: Node, what: str) -> Callable[[dict[str, Any]], None
 @task(name="stage-data", **TRANSIENT_RETRIES)
 def stage_node(cluster: Cluster, node: Node, snapshot_url: str | None, shard: str, inputs: dict[str, str],
                timeout_s: float = 3600, peers: list[str] | None = None,
-               peer_env: dict[str, str] | None = None) -> StagedNode:
+               peer_env: dict[str, str] | None = None, holders: list[int] | None = None) -> StagedNode:
     """Mirror the node's files of the run's dataset snapshot into its data dir (<workdir>/data-files.txt lists them;
     snapshot_url None: the dataset is read from the store, not staged), and each input's snapshot (inputs: name ->
     snapshot URL) whole into <workdir>/inputs/<name>, through the node's one cache.
@@ -60,7 +60,8 @@ def stage_node(cluster: Cluster, node: Node, snapshot_url: str | None, shard: st
     Each `staged` (`input-staged`) event: files and node_bytes (what the node holds), bytes (fetched), skipped_files
     and skipped_bytes (reused from the node's cache or data dir), seconds and mb_per_s (of the fetch).
 
-    peers (fan-out, tasks/fanout.py): every node's peer server URL by rank; peer_env their credentials."""
+    peers (fan-out, tasks/fanout.py): every node's peer server URL by rank; peer_env their credentials; holders: the
+    ranks that hold the files already (the survivors of a replace-one recovery): the others are filled from them."""
     runner = get_provider(cluster.provider).runner(cluster, node)
     sink = node_line_sink(get_run_logger(), node.name, on_event=_progress_artifact(node, "stage"))
     dataset = (["--snapshot", snapshot_url, "--dest", node.data_dir] if snapshot_url is not None else [])
@@ -70,7 +71,8 @@ def stage_node(cluster: Cluster, node: Node, snapshot_url: str | None, shard: st
                          "--rank", str(node.rank), "--nodes", str(len(cluster.nodes)), "--shard", shard,
                          "--workdir", node.workdir,
                          "--cache", node_cache_dir(cluster.provider, node.workdir), "--run", cluster.run_id,
-                         *(["--peers", ",".join(peers), "--share-dir", node.path(SHARE_DIR)] if peers else [])],
+                         *(["--peers", ",".join(peers), "--share-dir", node.path(SHARE_DIR)] if peers else []),
+                         *(["--holders", ",".join(map(str, holders))] if peers and holders else [])],
                         env=peer_env, timeout=timeout_s, on_line=sink)
     staged = {event["name"]: Staged.from_event(event) for event in map(parse, result.output.splitlines())
               if event is not None and event["event"] == "input-staged"}
@@ -84,7 +86,8 @@ def stage_node(cluster: Cluster, node: Node, snapshot_url: str | None, shard: st
 @task(name="restore-checkpoint", **TRANSIENT_RETRIES)
 def restore_checkpoint(cluster: Cluster, node: Node, checkpoint_url: str, checkpoint_format: str,
                        timeout_s: float = 3600, step: int | None = None, dest: str | None = None,
-                       peers: list[str] | None = None, peer_env: dict[str, str] | None = None) -> Restored:
+                       peers: list[str] | None = None, peer_env: dict[str, str] | None = None,
+                       prune: bool = False) -> Restored:
     """Download the latest committed checkpoint (or `step`) into the node's checkpoint dir (the whole union of every
     node's files, under the name the script saved it as); returns its step and local path (TRAINPIPE_RESUME_FROM).
 
@@ -93,12 +96,15 @@ def restore_checkpoint(cluster: Cluster, node: Node, checkpoint_url: str, checkp
     commits.
 
     peers (fan-out, tasks/fanout.py): every node's peer server URL by rank, peer_env their credentials: the nodes
-    fill each other and the store serves each file of the checkpoint once per cluster."""
+    fill each other and the store serves each file of the checkpoint once per cluster.
+
+    prune: the node's checkpoint dir keeps only the restored checkpoint (a survivor of a replace-one recovery)."""
     runner = get_provider(cluster.provider).runner(cluster, node)
     sink = node_line_sink(get_run_logger(), node.name)
     where = ["--dest", dest] if dest is not None else ["--dest", node.ckpt_dir, "--sync-dir", node.sync_dir]
     result = runner.run([node.python, "-m", "infra.node", "restore", "--url", checkpoint_url, *where,
                          "--format", checkpoint_format, *(["--step", str(step)] if step is not None else []),
+                         *(["--prune"] if prune else []),
                          *(["--rank", str(node.rank), "--peers", ",".join(peers), "--share-dir", node.path(SHARE_DIR)]
                            if peers else [])],
                         env=peer_env, timeout=timeout_s, on_line=sink)

@@ -243,6 +243,7 @@ def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOu
                 trainers[name].terminate()
     except BaseException as failure:
         CANCEL.interrupted(failure)  # a second signal during the flush below then skips it
+        watch.disarm()
         # SIGTERM first: each script finishes its save in flight (and a last one if the deadline allows) ...
         deadline_s = job.checkpoints.flush_deadline_s
         for process in trainers.values():

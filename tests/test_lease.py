@@ -162,21 +162,21 @@ class WatchdogsFail(LocalProvider):
 
 
 def test_a_provision_retry_leaves_one_lease_keeper_and_a_failed_start_none(tmp_path: Path) -> None:
-    from tasks.cluster import _lease_keepers, _start_lease, _stop_lease
+    from tasks.cluster import _lease_keepers, _stop_lease, start_lease
 
     provider = LocalProvider(tmp_path / "clusters")
     cluster = provider.launch("tp-lease-retry", ClusterSpec(nodes=2), "lease-retry")
     try:
-        _start_lease(provider, cluster, ttl_s=60)
+        start_lease(provider, cluster, ttl_s=60)
         first = _lease_keepers[cluster.name]
-        _start_lease(provider, cluster, ttl_s=60)  # what a retried provision does after tearing the first down
+        start_lease(provider, cluster, ttl_s=60)  # what a retried provision does after tearing the first down
         assert _lease_keepers[cluster.name] is not first
         assert len(renewing(cluster)) == 1, "the first attempt's keeper still renews leases"
         _stop_lease(cluster.name)
 
         failing = WatchdogsFail(tmp_path / "clusters")
         with pytest.raises(RemoteError, match="cannot start"):
-            _start_lease(failing, cluster, ttl_s=60)
+            start_lease(failing, cluster, ttl_s=60)
         assert cluster.name not in _lease_keepers and renewing(cluster) == []
     finally:
         _stop_lease(cluster.name)

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from conftest import REPO, TRAINPIPE, cannot_run_here
 from jobs import job_config, make_dataset, write_config
+from provider_checks import assert_replaces_only_the_lost
 from test_cluster_bench import bench_task_failure
 from test_pipeline_e2e import tagged_processes
 
@@ -337,6 +338,17 @@ def test_describe_and_nodes_alive_follow_the_record(provider: NetnsProvider) -> 
     finally:
         provider.terminate(cluster.name)
     assert provider.describe(cluster.name) is None
+
+
+def test_replace_nodes_gives_the_lost_node_its_namespace_again_empty(provider: NetnsProvider) -> None:
+    cluster: Cluster = provider.launch("tp-netns-replace", spec_for(nodes=2), "netns-replace")
+    try:
+        replaced = assert_replaces_only_the_lost(provider, cluster)
+        runner = provider.runner(replaced, replaced.nodes[1])
+        assert runner.run(["ip", "-4", "-o", "addr", "show", netns.INNER_IF]).output.count(
+            f" {replaced.nodes[1].address}/") == 1, "the replacement answers on the lost node's address"
+    finally:
+        provider.terminate(cluster.name)
 
 
 def test_the_example_is_a_two_node_netns_job_on_1_gbit_links() -> None:

@@ -172,13 +172,13 @@ def test_eager_next_region_blocks_the_region_same_zone_first_only_a_zone_hit_twi
 
 def test_recoveries_stop_at_max_and_at_the_deadline() -> None:
     recoveries = Recoveries(RecoverySpec(max_recoveries=1))
-    recoveries.begin("n1", "spot", True, 50, time.time())
+    recoveries.begin(["n1"], "spot", True, 50, time.time())
     with pytest.raises(RecoveryExhausted, match="max_recoveries"):
-        recoveries.begin("n1", "spot", True, 90, time.time())
+        recoveries.begin(["n1"], "spot", True, 90, time.time())
     late = Recoveries(RecoverySpec(deadline_s=0.01))
     late.started -= 1.0  # the run began a second ago: past its 0.01 s deadline, with no clock to wait on
     with pytest.raises(RecoveryExhausted, match="deadline_s"):
-        late.begin("n0", "vanished without notice", False, 10, time.time())
+        late.begin(["n0"], "vanished without notice", False, 10, time.time())
 
 
 def test_chaos_on_a_cloud_provider_or_a_missing_node_is_refused(tmp_path: Path) -> None:

@@ -23,13 +23,14 @@ import psutil
 import pytest
 from cmdline_scan import CommandLineScan
 from jobs import job_config, make_dataset
+from provider_checks import assert_replaces_only_the_lost
 from sshd import SshServer, ssh_servers
 
 from infra.checkpoints.commit import CheckpointStore
 from infra.compute.access.bootstrap import bootstrap_node, build_wheel
 from infra.compute.access.ssh import SshRunner, close_connections
 from infra.compute.providers import InvalidRequestError, get_provider
-from infra.compute.providers.base import Cluster
+from infra.compute.providers.base import Cluster, ReplacementUnavailable
 from infra.compute.providers.local import CLUSTER_TAG
 from infra.compute.providers.ssh.provider import RESERVATION, HostReservedError, SshProvider
 from infra.job.spec import ClusterSpec, ConfigError, parse_job
@@ -283,6 +284,28 @@ def test_unreachable_host_at_teardown_is_reported_and_kept(workspace: Path, serv
         second.start()
     assert provider.terminate("tp-gone") is True
     assert provider.describe("tp-gone") is None and list(workdirs[1].iterdir()) == []
+
+
+def test_replace_nodes_renews_the_lost_node_on_its_own_host_or_is_unavailable(workspace: Path, servers: Servers,
+                                                                             workdirs: list[Path]) -> None:
+    _, (_, second) = servers
+    provider = SshProvider(teardown_connect_s=1.5)
+    cluster = provider.launch("tp-renew", ssh_spec(servers, workdirs), "renew")
+    try:
+        replaced = assert_replaces_only_the_lost(provider, cluster)
+        holder = json.loads((workdirs[1] / RESERVATION).read_text())
+        assert holder["cluster"] == "tp-renew", "the host stays reserved for the cluster"
+        second.stop()
+        close_connections()
+        try:
+            with pytest.raises(ReplacementUnavailable, match=cluster.nodes[1].name):
+                provider.replace_nodes(replaced, [cluster.nodes[1].name])
+        finally:
+            second.start()
+        assert provider.describe("tp-renew") == replaced, "a failed replacement leaves the record as it was"
+    finally:
+        provider.terminate("tp-renew")
+    assert all(list(workdir.iterdir()) == [] for workdir in workdirs)
 
 
 def test_bootstrap_installs_the_wheel_on_a_node_without_trainpipe(servers: Servers, tmp_path: Path) -> None:

@@ -16,6 +16,10 @@ class RecoverySpec(StrictModel):
     failover: Literal["same_zone_first", "eager_next_region"] = Field(
         "same_zone_first", description="same_zone_first: retry where the preempted cluster ran, then move on; "
         "eager_next_region: block the preempted region for the next attempt at once.")
+    replace: Literal["nodes", "cluster"] = Field(
+        "nodes", description="nodes: replace only the lost nodes in the cluster's own placement (survivors keep their "
+        "staged data, code and local checkpoints), and relaunch the whole cluster only when that placement cannot "
+        "take a new node; cluster: relaunch the whole cluster after every preemption.")
     confirm_s: float = Field(5.0, ge=0, le=300, description="A node that vanishes without notice counts as "
                              "preempted after it stays gone this long.")
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from infra.compute.access.remote import Runner
+from infra.compute.access.remote import Process, RemoteError, Runner
 from infra.compute.providers import Cluster, Node, Provider
 from infra.job.recovery_spec import PreemptSpec
 from infra.workload.progress import StepClock
@@ -38,15 +38,21 @@ class TrainingError(RuntimeError):
 
 
 class Preempted(TrainingError):
-    """A node was taken away: the flow tears down, re-provisions and resumes from the latest commit."""
+    """Nodes were taken away: the flow replaces them (or relaunches the cluster) and resumes from the latest commit.
 
-    def __init__(self, node: str, reason: str, with_notice: bool, progress: TrainingProgress) -> None:
+    nodes: every node lost to this attempt (several can go at once), the first the one that decided it."""
+
+    def __init__(self, nodes: Sequence[str], reason: str, with_notice: bool, progress: TrainingProgress) -> None:
         step_reached = progress.last_step
-        super().__init__(f"{node} preempted ({reason}) at step {step_reached}")
-        self.node, self.reason, self.with_notice, self.step_reached = node, reason, with_notice, step_reached
+        super().__init__(f"{', '.join(nodes)} preempted ({reason}) at step {step_reached}")
+        self.nodes, self.reason, self.with_notice, self.step_reached = tuple(nodes), reason, with_notice, step_reached
         self.detected_at = time.time()
         # How far this attempt's steps got before the node went: the run's overhead counts what they took.
         self.first_step_at, self.steps_s = progress.clock.first_step_at, progress.clock.steps_s()
+
+    @property
+    def node(self) -> str:
+        return self.nodes[0]
 
 
 @dataclass
@@ -55,6 +61,7 @@ class _Injection:
     node_name: str
     runner: Runner
     trigger_path: str
+    process: Process
     fired: bool = False
 
 
@@ -78,11 +85,22 @@ class PreemptionWatch:
             node = self.cluster.nodes[event.node]
             runner = self.runners[node.name]
             trigger = node.path(CHAOS_TRIGGER)
-            runner.start(node_argv(node, trigger, event.notice_s), log_path=node.path("logs", "chaos.log"))
-            self.injections.append(_Injection(event, node.name, runner, trigger))
+            process = runner.start(node_argv(node, trigger, event.notice_s), log_path=node.path("logs", "chaos.log"))
+            self.injections.append(_Injection(event, node.name, runner, trigger, process))
             when = f"step {event.at_step}" if event.at_step is not None else f"{event.after_s:.0f}s into training"
             self.logger.warning("chaos: %s will be preempted at %s (%s)", node.name, when,
                                 f"{event.notice_s:.0f}s notice" if event.notice_s else "no notice")
+
+    def disarm(self) -> None:
+        """End the injectors that have not fired: a survivor of a replace-one recovery keeps its dir, and an armed
+        injector left there would take its node away on the next attempt's trigger."""
+        for injection in self.injections:
+            if injection.fired:
+                continue
+            try:
+                injection.process.terminate(grace_s=5.0)
+            except (RemoteError, OSError) as exc:  # a node gone with its injector: nothing left to end there
+                self.logger.warning("chaos: %s: its injector could not be ended (%s)", injection.node_name, exc)
 
     def _fire_due(self) -> None:
         elapsed = time.monotonic() - self.started
@@ -106,15 +124,21 @@ class PreemptionWatch:
                 self.logger.warning("%s: preemption notice (%s), %.0fs left", notice.node, notice.reason,
                                     notice.deadline - time.time())
         now = time.monotonic()
+        gone = []
         for node, alive in self.provider.nodes_alive(self.cluster).items():
             if alive:
                 self._gone_since.pop(node, None)
-                continue
-            since = self._gone_since.setdefault(node, now)
-            if now - since >= confirm_s:
-                reason = self._notices.get(node, "vanished without notice")
-                return Preempted(node, reason, node in self._notices, self.progress)
-        return None
+            else:
+                gone.append(node)
+                self._gone_since.setdefault(node, now)
+        confirmed = [node for node in gone if now - self._gone_since[node] >= confirm_s]
+        if not confirmed:
+            return None
+        # Once one node is confirmed lost, every node gone or noticed is lost to this attempt too: they go together.
+        lost = [*confirmed, *(n for n in gone if n not in confirmed), *(n for n in self._notices if n not in gone)]
+        first = confirmed[0]
+        return Preempted(lost, self._notices.get(first, "vanished without notice"), first in self._notices,
+                         self.progress)
 
     def poll(self) -> None:
         """Called from the wait loop: fires due chaos, and raises Preempted for a node confirmed gone."""
@@ -158,7 +182,7 @@ class PreemptionWatch:
                 return preempted
             noticed = next(iter(self._notices.items()), None)
             if noticed is not None:
-                return Preempted(noticed[0], noticed[1], True, self.progress)
+                return Preempted(list(self._notices), noticed[1], True, self.progress)
             if time.monotonic() >= deadline:
                 return failure
             time.sleep(0.5)

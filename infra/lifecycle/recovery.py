@@ -1,13 +1,16 @@
 """Bookkeeping for recoveries from preemption: when to give up, where to go next, and what each one cost.
 
-For each recovery the run summary gets: the node and reason, the step training had reached and the committed
+For each recovery the run summary gets: the nodes and reason, the path it took (only the lost nodes replaced, or
+the whole cluster relaunched, and why a replacement fell back), the step training had reached and the committed
 step it resumed from (steps_lost is the work redone), and the time from the detection to training resumed,
-split into teardown, provision, verify, stage and restore, with the extra cost of that time at the cluster's price.
+split into teardown, provision, verify, stage and restore (a replacement has no teardown; its provision is the
+provider's replace_nodes), with the extra cost of that time at the cluster's price.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -19,6 +22,8 @@ from infra.job.spec import ClusterSpec
 from infra.job.summary import timed_into
 
 RECOVERY_PHASES = ("teardown", "provision", "verify", "stage", "restore")
+REPLACED = "replaced-nodes"  # only the lost nodes replaced, the survivors kept
+RELAUNCHED = "relaunched-cluster"  # the whole cluster torn down and launched again
 
 
 class RecoveryExhausted(RuntimeError):
@@ -40,6 +45,16 @@ class RecoveryRecord:
     steps_lost: int | None = None
     extra_cost_usd: float | None = None
     time_to_first_step_s: float | None = None  # from detection to the end of the first step trained after it
+    nodes: list[str] = field(default_factory=list)  # every node lost (node is the first, the one that decided it)
+    path: str = RELAUNCHED  # REPLACED or RELAUNCHED
+    replaced: list[str] = field(default_factory=list)  # the nodes replaced on their own (path REPLACED)
+    fallback: str | None = None  # why the lost nodes could not be replaced alone (ReplacementUnavailable)
+
+    def replaced_nodes(self, names: Sequence[str]) -> None:
+        self.path, self.replaced = REPLACED, list(names)
+
+    def fell_back(self, why: str) -> None:
+        self.path, self.fallback = RELAUNCHED, why
 
     def phase(self, name: str) -> AbstractContextManager[None]:
         return timed_into(self.seconds, name)
@@ -69,8 +84,10 @@ class Recoveries:
         self.blocked: list[tuple[str, str | None]] = []  # (region, zone or None for the whole region)
         self._preempted_in: list[tuple[str, str | None]] = []
 
-    def begin(self, node: str, reason: str, with_notice: bool, step_reached: int, detected_at: float) -> RecoveryRecord:
+    def begin(self, nodes: Sequence[str], reason: str, with_notice: bool, step_reached: int,
+              detected_at: float) -> RecoveryRecord:
         """A new recovery, or RecoveryExhausted naming why not."""
+        node = ", ".join(nodes)
         if len(self.records) >= self.policy.max_recoveries:
             raise RecoveryExhausted(f"{node} preempted ({reason}) after {len(self.records)} recoveries: "
                                     "recovery.max_recoveries is spent: raise it or rerun with the same run id")
@@ -78,7 +95,8 @@ class Recoveries:
         if elapsed >= self.policy.deadline_s:
             raise RecoveryExhausted(f"{node} preempted ({reason}) {elapsed:.0f}s into the run, past "
                                     "recovery.deadline_s: raise it or rerun with the same run id")
-        record = RecoveryRecord(len(self.records) + 1, node, reason, with_notice, step_reached, detected_at)
+        record = RecoveryRecord(len(self.records) + 1, nodes[0], reason, with_notice, step_reached, detected_at,
+                                nodes=list(nodes))
         self.records.append(record)
         return record
 

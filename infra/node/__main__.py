@@ -19,6 +19,7 @@ COMMANDS = {
     "chaos": "infra.node.chaos",
     "code": "infra.node.code",
     "peer-serve": "infra.node.peerserve",
+    "rejoin": "infra.node.rejoin",
 }
 
 

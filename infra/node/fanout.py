@@ -89,13 +89,15 @@ def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fan-out: seconds a refused connection to a peer is retried (its server starting)")
 
 
-def shares(files: Sequence[Piece], nodes: int) -> dict[str, int]:
-    """checksum -> the rank that fetches it from the store; every node computes the same."""
+def shares(files: Sequence[Piece], nodes: int, holders: Sequence[int] = ()) -> dict[str, int]:
+    """checksum -> the rank that fetches it from the store; every node computes the same. holders: only these ranks
+    own files (the nodes that already hold them: a replaced node's survivors), default every rank."""
     unique = sorted({file.checksum: file for file in files}.values(), key=lambda f: f.key)
     if not unique:
         return {}
-    split = assign(unique, "split", min(nodes, len(unique)))  # it reads only a key and a size
-    return {file.checksum: rank for rank, share in enumerate(split) for file in share}
+    ranks = sorted(holders) if holders else list(range(nodes))
+    split = assign(unique, "split", min(len(ranks), len(unique)))  # it reads only a key and a size
+    return {file.checksum: ranks[index] for index, share in enumerate(split) for file in share}
 
 
 @dataclass
@@ -119,8 +121,9 @@ class Exchange:
     says where a verified piece lies on this node (what gets published)."""
 
     def __init__(self, rank: int, peer_urls: Sequence[str], share_dir: Path, local: Callable[[Piece], Path], *,
-                 wait_s: float = WAIT_S, connect_grace_s: float = CONNECT_GRACE_S) -> None:
+                 wait_s: float = WAIT_S, connect_grace_s: float = CONNECT_GRACE_S, holders: Sequence[int] = ()) -> None:
         self.rank = rank
+        self.holders = tuple(holders)  # the ranks that own the shares (shares()); empty: every rank
         self.peers = [_Peer(r, HttpStore(url)) for r, url in enumerate(peer_urls)]
         self.share_dir = share_dir
         self.local = local
@@ -139,8 +142,8 @@ class Exchange:
             ) -> Counts:
         """Publish what this node already holds of its share, fetch the rest of its share from the store (fetch_own
         publishes through on_fetched), and every other file of `fetch` from its owner, in parallel. owner: checksum
-        -> rank for every piece of `mine`; by default a balanced split (shares)."""
-        owner = shares(mine, len(self.peers)) if owner is None else owner
+        -> rank for every piece of `mine`; by default a balanced split among the holders (shares)."""
+        owner = shares(mine, len(self.peers), self.holders) if owner is None else owner
         wanted = {file.checksum for file in fetch}
         for file in mine:
             if owner[file.checksum] == self.rank and file.checksum not in wanted:

@@ -12,6 +12,7 @@ nodes fill each other (infra/node/peerrestore.py): the store serves each file of
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -36,6 +37,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--sync-dir", type=Path, help="the node's sync dir: the syncer learns what was restored")
     parser.add_argument("--format", choices=FORMATS, default="auto", help="the job's checkpoint format")
     parser.add_argument("--rank", type=int, default=0, help="fan-out: this node's rank")
+    parser.add_argument("--prune", action="store_true", help="afterwards DEST holds only the restored checkpoint: a "
+                        "node that survived a preemption drops its saves newer than the commit (never committed, and "
+                        "a syncer or script that found them would take them for this attempt's)")
     add_peer_arguments(parser)
     args = parser.parse_args(argv)
     peers = args.peers.split(",") if args.peers else []
@@ -57,6 +61,8 @@ def main(argv: list[str]) -> int:
         return fail(f"restore: {exc}")
     except OSError as exc:
         return fail(f"restore: {exc.filename or args.dest}: {exc.strerror or exc}: fix --dest or free disk space")
+    if args.prune:
+        prune_all_but(args.dest, Path(path))
     if args.sync_dir is not None:
         # What the node's syncer will see in the checkpoint dir now is the committed step: never shipped again.
         write_restored(args.sync_dir, manifest.step, Detector(args.dest, args.format).scan())
@@ -65,3 +71,16 @@ def main(argv: list[str]) -> int:
     emit("restored", step=manifest.step, path=str(path), name=manifest.ref.name, bytes=manifest.total_bytes,
          seconds=round(time.monotonic() - started, 3), config_hash=manifest.config_hash, warnings=warnings)
     return 0
+
+
+def prune_all_but(directory: Path, kept: Path) -> None:
+    """Remove every entry of directory but the one that holds kept."""
+    top = kept.relative_to(directory).parts[0]
+    for entry in directory.iterdir():
+        if entry.name == top:
+            continue
+        print(f"restore: removing {entry}: not the restored checkpoint", file=sys.stderr, flush=True)
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()

@@ -262,6 +262,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--progress-interval", type=float, default=2.0)
     add_peer_arguments(parser)
+    parser.add_argument("--holders", help="fan-out: comma-separated ranks that already hold the files (the survivors "
+                        "of a replaced node): only they fetch from the store what they lack, the others take every "
+                        "file from them (default: every rank fetches its share)")
     args = parser.parse_args(argv)
 
     throttle = Throttle(args.progress_interval)
@@ -271,6 +274,9 @@ def main(argv: list[str]) -> int:
     if args.snapshot is not None and args.dest is None:
         parser.error("--snapshot needs --dest")
     peers = args.peers.split(",") if args.peers else []
+    holders = [int(rank) for rank in args.holders.split(",")] if args.holders else []
+    if any(not 0 <= rank < args.nodes for rank in holders):
+        parser.error(f"--holders {args.holders}: ranks must be below --nodes {args.nodes}")
     if peers and (args.share_dir is None or len(peers) != args.nodes):
         parser.error(f"--peers needs --share-dir and one URL per node ({args.nodes}), got {len(peers)}")
 
@@ -280,7 +286,7 @@ def main(argv: list[str]) -> int:
             return None
         args.share_dir.mkdir(parents=True, exist_ok=True)
         return Exchange(args.rank, peers, args.share_dir, lambda file: cache.path(file.checksum), wait_s=args.peer_wait,
-                        connect_grace_s=args.peer_connect_grace)
+                        connect_grace_s=args.peer_connect_grace, holders=holders)
 
     def reporter(what: str) -> Callable[[Progress], None]:
         def report(progress: Progress) -> None:

@@ -127,6 +127,15 @@ class Cluster:
         return cls(**data)
 
 
+def lost_nodes(cluster: Cluster, lost: Sequence[str]) -> list[Node]:
+    """The cluster's nodes named in lost, in rank order; a name the cluster does not have is a caller's bug."""
+    unknown = sorted(set(lost) - {node.name for node in cluster.nodes})
+    if unknown or not lost:
+        raise ValueError(f"{cluster.name}: cannot replace {unknown or 'no nodes'}: its nodes are "
+                         f"{', '.join(node.name for node in cluster.nodes)}")
+    return [node for node in cluster.nodes if node.name in lost]
+
+
 @dataclass(frozen=True)
 class ClusterRecord:
     """What list_clusters reports: enough for the sweeper to decide whether the cluster is orphaned."""

@@ -13,6 +13,8 @@ import shutil
 import socket
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -26,8 +28,11 @@ from infra.compute.providers.base import (
     Node,
     PreemptionNotice,
     Provider,
+    ReplacementUnavailable,
+    lost_nodes,
 )
 from infra.compute.providers.launcher import launcher, launcher_alive
+from infra.dataset.stagecache import node_cache_dir
 from infra.job.spec import ClusterSpec
 from infra.node.preemption import NOTICE_FILE, read_notice
 from infra.node.processes import CLUSTER_TAG, NODE_TAG, kill_processes, tagged_processes
@@ -91,10 +96,40 @@ class LocalProvider(Provider):
             (staging / RECORD).write_text(cluster.to_json())
             os.rename(staging, base)
         for node in nodes:
-            for sub in ("data", "ckpt", "logs"):
-                Path(node.workdir, sub).mkdir(parents=True, exist_ok=True)
-            Path(node.workdir, NODE_MARKER).write_text(f"{cluster_name}\n")
+            _make_node_dir(node, cluster_name)
         return cluster
+
+    def replace_nodes(self, cluster: Cluster, lost: Sequence[str]) -> Cluster:
+        """The same node again in the same dir, empty: what is left of it (processes, files, its dataset cache) goes
+        first. The record
+        is rewritten (atomically) last, counting the replacements; until then teardown finds the node by the record
+        it already had, since name and dir do not change."""
+        base = self._dir(cluster.name)
+        gone = lost_nodes(cluster, lost)
+        if not (base / RECORD).is_file():
+            raise ReplacementUnavailable(f"{cluster.name}: its record {base / RECORD} is gone: the cluster was torn "
+                                         "down")
+        for node in gone:
+            self._check_replaceable(cluster, node)
+        for node in gone:
+            left = [p for p in cluster_processes(base) if _node_of(p) == node.name]
+            kill_processes(left)
+            shutil.rmtree(node.workdir, ignore_errors=True)
+            # The node's dataset cache outlives its dir (across runs, as a machine's disk would): a new machine has
+            # none, so the replacement is filled from its peers or the store, not from what the lost node fetched.
+            shutil.rmtree(node_cache_dir(self.name, node.workdir), ignore_errors=True)
+            _make_node_dir(node, cluster.name)
+            log.info("%s: replaced in %s (%d processes of the lost node ended)", node.name, node.workdir, len(left))
+        replaced = dict(cluster.owner.get("replaced", {}))
+        for node in gone:
+            replaced[node.name] = int(replaced.get(node.name, 0)) + 1
+        updated = replace(cluster, owner={**cluster.owner, "replaced": replaced})
+        _write_atomically(base / RECORD, updated.to_json())
+        return updated
+
+    def _check_replaceable(self, cluster: Cluster, node: Node) -> None:
+        """Raise ReplacementUnavailable when the node's place cannot take a new node now (a provider built on this
+        one checks its own resources: netns, the node's namespace)."""
 
     def _node_address(self, cluster_name: str, rank: int) -> str:
         """Where the other nodes reach node `rank`: a provider built on this one (netns) gives each node its own."""
@@ -166,6 +201,19 @@ class LocalProvider(Provider):
     def nodes_alive(self, cluster: Cluster) -> dict[str, bool]:
         # The marker, not the directory: a lease renewal racing a reclaimed node would recreate the directory.
         return {node.name: (Path(node.workdir) / NODE_MARKER).is_file() for node in cluster.nodes}
+
+
+def _make_node_dir(node: Node, cluster_name: str) -> None:
+    for sub in ("data", "ckpt", "logs"):
+        Path(node.workdir, sub).mkdir(parents=True, exist_ok=True)
+    Path(node.workdir, NODE_MARKER).write_text(f"{cluster_name}\n")
+
+
+def _node_of(process: psutil.Process) -> str | None:
+    try:
+        return process.environ().get(NODE_TAG)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -22,7 +22,14 @@ import time
 from pathlib import Path
 
 from infra.compute.access.remote import Runner
-from infra.compute.providers.base import Cluster, ClusterRecord, InvalidRequestError, LaunchError, Node
+from infra.compute.providers.base import (
+    Cluster,
+    ClusterRecord,
+    InvalidRequestError,
+    LaunchError,
+    Node,
+    ReplacementUnavailable,
+)
 from infra.compute.providers.launcher import launcher
 from infra.compute.providers.local import RECORD, LocalProvider, owner_alive
 from infra.compute.providers.netns import emulation as netns
@@ -79,6 +86,13 @@ class NetnsProvider(LocalProvider):
         shaped = f"{spec.netns.link_mbit:g} Mbit/s links" if spec.netns.link_mbit else "unshaped links"
         log.info("netns cluster %s: %s on %s", cluster_name, ", ".join(n.address for n in cluster.nodes), shaped)
         return cluster
+
+    def _check_replaceable(self, cluster: Cluster, node: Node) -> None:
+        # The replacement is the same host on the network: its namespace (address, shaped link) must still be there.
+        namespace = netns.node_namespace(self.group(cluster.name), node.rank)
+        if namespace not in netns.namespaces():
+            raise ReplacementUnavailable(f"{node.name}: its network namespace {namespace} is gone: the cluster's "
+                                         "network is torn down")
 
     def _node_address(self, cluster_name: str, rank: int) -> str:
         return netns.namespace_address(netns.node_namespace(self.group(cluster_name), rank))

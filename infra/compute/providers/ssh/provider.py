@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ from infra.compute.providers.base import (
     Node,
     PreemptionNotice,
     Provider,
+    ReplacementUnavailable,
+    lost_nodes,
 )
 from infra.compute.providers.hosts import in_parallel, launch_error
 from infra.compute.providers.launcher import launcher, launcher_alive
@@ -52,9 +55,10 @@ TEARDOWN_GRACE_S = 5.0
 LAUNCH_CONNECT_S = 60.0  # a machine that is rebooting gets this long to answer
 TEARDOWN_CONNECT_S = 20.0  # terminate (and nodes_alive, which teardown asks) gives up on a host after this long
 
-# Runs with the host's python, stdlib only: argv = mode, cluster tag, [grace, cluster dir, reservation, cluster name,
-# record]. "count" prints how many processes carry the tag; "teardown" ends them (SIGTERM, SIGKILL after grace),
-# removes the dir and releases the reservation when it is this cluster's, and prints what it did.
+# Runs with the host's python, stdlib only: argv = mode, cluster tag, [grace, cluster dir, [reservation, cluster name,
+# record]]. "count" prints how many processes carry the tag; "teardown" ends them (SIGTERM, SIGKILL after grace),
+# removes the dir and releases the reservation when it is this cluster's, and prints what it did; "empty" does the
+# same but keeps the reservation (a node replaced on its own host).
 HOST_ADMIN = r"""
 import json, os, shutil, signal, sys, time
 
@@ -94,7 +98,7 @@ if mode == "count":
     print(json.dumps({"processes": len(tagged())}))
     sys.exit(0)
 
-grace, directory, reservation, cluster, record = float(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6], sys.argv[7]
+grace, directory = float(sys.argv[3]), sys.argv[4]
 left, termed = signal_until_gone(signal.SIGTERM, grace)
 killed = set()
 if left:
@@ -102,14 +106,16 @@ if left:
 existed = os.path.isdir(directory)
 shutil.rmtree(directory, ignore_errors=True)
 released = False
-try:
-    with open(reservation) as handle:
-        holder = json.load(handle)
-    if holder.get("cluster") == cluster and holder.get("record") == record:
-        os.remove(reservation)
-        released = True
-except (OSError, ValueError):
-    pass
+if mode == "teardown":
+    reservation, cluster, record = sys.argv[5], sys.argv[6], sys.argv[7]
+    try:
+        with open(reservation) as handle:
+            holder = json.load(handle)
+        if holder.get("cluster") == cluster and holder.get("record") == record:
+            os.remove(reservation)
+            released = True
+    except (OSError, ValueError):
+        pass
 print(json.dumps({"processes": len(termed | killed), "killed": len(killed), "left": len(left),
                   "dir_removed": existed and not os.path.exists(directory), "released": released}))
 """
@@ -276,6 +282,48 @@ class SshProvider(Provider):
     def _roll_back(self, cluster: Cluster, hosts: list[_Host]) -> None:
         """Undo the reservations and dirs of a failed launch on the hosts it reached."""
         self._clean(cluster, hosts, LAUNCH_CONNECT_S)
+
+    # -- replacing lost nodes ---------------------------------------------------------------------------------------
+
+    def replace_nodes(self, cluster: Cluster, lost: Sequence[str]) -> Cluster:
+        """The user's machines are the placement: a lost node's replacement is its own host again, emptied and
+        bootstrapped, when it answers within teardown_connect_s and is still this cluster's (else
+        ReplacementUnavailable, and the caller relaunches the whole cluster)."""
+        names = {node.name for node in lost_nodes(cluster, lost)}
+        if self.describe(cluster.name) is None:
+            raise ReplacementUnavailable(f"{cluster.name}: its record is gone: the cluster was torn down")
+        hosts = [host for host in self._hosts(cluster) if host.node.name in names]
+        outcomes = in_parallel(hosts, lambda host: self._renew(host, cluster))
+        failures = [(host, error) for host, _, error in outcomes if error is not None]
+        unexpected = [error for _, error in failures if not isinstance(error, LaunchError | RemoteError | OSError)]
+        if unexpected:
+            raise unexpected[0]  # a bug, not a host problem: keep its type and traceback
+        if failures:
+            raise ReplacementUnavailable("; ".join(f"{host.node.name} ({host.host.host}:{host.host.port}): {error}"
+                                                   for host, error in failures)) from failures[0][1]
+        reports = {host.node.name: report.to_dict() for host, report, _ in outcomes}
+        replaced = dict(cluster.owner.get("replaced", {}))
+        for name in names:
+            replaced[name] = int(replaced.get(name, 0)) + 1
+        updated = replace(cluster, bootstrap={**cluster.bootstrap, **reports},
+                          owner={**cluster.owner, "replaced": replaced})
+        self._write_record(updated)
+        return updated
+
+    def _renew(self, host: _Host, cluster: Cluster) -> NodeReport:
+        """The lost node's host again: still reserved for this cluster, what the node left ended and removed, its
+        dirs made and the host bootstrapped as at launch."""
+        runner = host.runner(self.teardown_connect_s)
+        runner.connect()
+        self._reserve(runner, host, cluster)
+        result = _admin(runner, host.host.python, ["empty", host.node.workdir, str(TEARDOWN_GRACE_S),
+                                                   host.node.workdir])
+        for sub in ("data", "ckpt", "logs"):
+            runner.makedirs(f"{host.node.workdir}/{sub}")
+        report = bootstrap_node(runner, host.host.python, self.wheel, workdir=host.node.workdir)
+        log.info("%s: replaced on %s (%d processes of the lost node ended)", host.node.name, host.host.host,
+                 result["processes"])
+        return report
 
     # -- teardown ---------------------------------------------------------------------------------------------------
 

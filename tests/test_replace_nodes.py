@@ -1,0 +1,126 @@
+"""Replace only what was lost: the provider's replace_nodes on the local provider (netns and ssh have theirs in
+test_netns.py and test_ssh_provider.py, through the same shared check), and the retrain flow's replace-one recovery
+end to end on 3 local nodes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from jobs import job_config, make_dataset
+from provider_checks import assert_replaces_only_the_lost
+from test_pipeline_e2e import tagged_processes
+
+from infra.compute.providers.base import ReplacementUnavailable
+from infra.compute.providers.local import LocalProvider
+from infra.dataset.stagecache import node_cache_dir
+from infra.job.plan import cluster_name_for
+from infra.job.spec import ClusterSpec, parse_job
+from infra.node.processes import NODE_TAG
+
+
+def test_local_replace_nodes_replaces_only_the_lost_node(tmp_path: Path) -> None:
+    provider = LocalProvider(tmp_path / "clusters")
+    cluster = provider.launch("tp-replace", ClusterSpec(nodes=2), "replace")
+    caches = [Path(node_cache_dir("local", node.workdir)) for node in cluster.nodes]
+    for cache in caches:  # what each node fetched in this run or earlier ones, kept outside its dir
+        cache.mkdir(parents=True)
+    try:
+        replaced = assert_replaces_only_the_lost(provider, cluster)
+        assert [cache.is_dir() for cache in caches] == [True, False], "a new machine has no dataset cache"
+    finally:
+        provider.terminate(cluster.name)
+    with pytest.raises(ReplacementUnavailable, match="torn down"):
+        provider.replace_nodes(replaced, [replaced.nodes[1].name])
+
+
+class NodeWatch:
+    """Polls a local cluster's nodes while the flow runs (in the main thread: it installs signal handlers): each
+    node's lease watchdog pids, and a marker written into each node's dir once every node has its watchdog (before
+    any preemption) and whether the survivors' markers were still there when the replacement's watchdog came up."""
+
+    def __init__(self, workspace: Path, cluster_name: str, nodes: int) -> None:
+        self.names = [f"{cluster_name}-node-{rank}" for rank in range(nodes)]
+        self.dirs = [workspace / "clusters" / cluster_name / f"node-{rank}" for rank in range(nodes)]
+        self.watchers: dict[str, list[int]] = {name: [] for name in self.names}  # distinct pids, in order seen
+        self.marked = False
+        self.markers_at_replacement: list[bool] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> NodeWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            pids: dict[str, list[int]] = {name: [] for name in self.names}
+            for process in psutil.process_iter():
+                try:
+                    node = process.environ().get(NODE_TAG)
+                    if node in pids and process.cmdline()[1:4] == ["-m", "infra.node", "watch"]:
+                        pids[node].append(process.pid)
+                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, IndexError):
+                    continue
+            for name, found in pids.items():
+                self.watchers[name] += [pid for pid in found if pid not in self.watchers[name]]
+            if not self.marked and all(pids.values()):
+                for directory in self.dirs:
+                    (directory / MARKER).write_text("before the preemption\n")
+                self.marked = True
+            if self.markers_at_replacement is None and len(self.watchers[self.names[1]]) > 1:
+                self.markers_at_replacement = [(directory / MARKER).is_file() for directory in self.dirs]
+
+
+MARKER = "marker-from-the-test"
+
+
+def test_a_preempted_node_is_replaced_alone_filled_from_its_peers_and_training_resumes(
+        prefect_server: None, workspace: Path, tmp_path: Path) -> None:
+    from flows.retrain import retrain
+
+    dataset = make_dataset(tmp_path / "dataset")
+    # ~50 ms steps (batch 256), a commit every 40: the preemption at step 60 resumes from step 40.
+    config = job_config(tmp_path, dataset, steps=160, batch_size=256)
+    config["cluster"]["nodes"] = 3
+    config["dataset"]["fanout"] = "on"  # a file:// store is auto's "off": fan-out on, so the peers fill the new node
+    config["recovery"] = {"confirm_s": 2}
+    config["chaos"] = {"preempt": [{"node": 1, "attempt": 0, "at_step": 60}]}  # vanishes without notice
+    run_id = "replace-one"
+    cluster_name = cluster_name_for(run_id)
+
+    started = time.monotonic()
+    with NodeWatch(workspace, cluster_name, 3) as seen:
+        summary = retrain(parse_job(config), run_id)
+    elapsed = time.monotonic() - started
+
+    assert summary["status"] == "completed" and summary["steps"] == 160, summary.get("error")
+    [recovery] = summary["recoveries"]
+    lost = f"{cluster_name}-node-1"
+    assert (recovery["path"], recovery["replaced"], recovery["fallback"]) == ("replaced-nodes", [lost], None)
+    assert recovery["nodes"] == [lost] and recovery["reason"] == "vanished without notice"
+    assert 40 <= recovery["resumed_from_step"] <= recovery["step_reached"] < 160, recovery
+    assert {"provision", "verify", "stage", "restore"} <= set(recovery["seconds"]) and "teardown" not in (
+        recovery["seconds"]), "nothing is torn down on the replace path"
+    assert [a["outcome"] for a in summary["attempts"]] == ["launched"], "the cluster was launched once"
+    # Survivors not relaunched: the same watchdog process all along, and the test's marker still in their dirs when
+    # the replacement's watchdog came up; the replacement started empty (the lost node's marker is gone).
+    assert seen.marked, "the nodes never all had their watchdogs"
+    assert [len(seen.watchers[name]) for name in seen.names] == [1, 2, 1], seen.watchers
+    assert seen.markers_at_replacement == [True, False, True]
+    # The attempt after the replacement staged the dataset: the survivors from their caches, the new node from them.
+    dataset_bytes = summary["dataset"]["bytes"]
+    assert summary["stage"]["store_bytes"] == [0, 0, 0], summary["stage"]
+    assert summary["stage"]["peer_bytes"] == [0, dataset_bytes, 0], summary["stage"]
+    assert recovery["reused_bytes"] == 2 * dataset_bytes, "each survivor's staging was a no-op"
+    assert summary["nodes_left"] == 0
+    assert not tagged_processes(workspace), "node processes outlived the run"
+    print(f"replace-one run: {elapsed:.1f}s; detection to resumed {recovery['notice_to_resume_s']}s, phases "
+          f"{recovery['seconds']}")
