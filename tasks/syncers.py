@@ -18,7 +18,7 @@ from typing import Any
 from infra.compute.access.remote import LineSink, Process, RemoteError, Runner, last_error
 from infra.compute.providers import Node
 from infra.lifecycle.preemption_watch import TrainingError
-from infra.node.sync import EXIT_STORE_FAILED, STOP_FILE
+from infra.node.sync import EXIT_STORE_FAILED, STOP_FILE, stop_request
 
 MAX_RESTARTS = 3
 # Beyond the syncer's own --commit-timeout: time for it to say which node's part is missing, and to exit.
@@ -105,17 +105,21 @@ class Syncers:
         newest = max(committed)
         return newest if all(step <= newest for step in announced) else None
 
-    def stop(self, timeout_s: float, grace_s: float = STOP_GRACE_S) -> None:
+    def stop(self, timeout_s: float, grace_s: float = STOP_GRACE_S, lost: Sequence[str] = ()) -> None:
         """Ask every syncer to flush what is complete and exit, and wait for all of them together, within one bound:
         timeout_s (the syncers' own --commit-timeout) plus grace_s. A syncer that fails means checkpoints were not
-        saved."""
+        saved.
+
+        lost: nodes preempted (gone with their syncers): nothing is asked of them or waited for, and the others are
+        told, so that a step missing a lost node's part is not waited for either."""
         failures = []
-        pending = dict(self.processes)
+        pending = {name: process for name, process in self.processes.items() if name not in lost}
+        request = stop_request([node.rank for node in self.nodes if node.name in lost])
         for node in self.nodes:
             if node.name not in pending:
                 continue
             try:
-                self.runners[node.name].write_text(f"{node.sync_dir}/{STOP_FILE}", "stop\n")
+                self.runners[node.name].write_text(f"{node.sync_dir}/{STOP_FILE}", request)
             except (RemoteError, OSError) as exc:
                 # An unreachable node must not keep the others from flushing: its syncer is the one that fails.
                 failures.append(f"{node.name}: could not ask its checkpoint syncer to flush: {exc}")

@@ -250,10 +250,11 @@ def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOu
             process.terminate(grace_s=deadline_s + TRAINER_EXIT_GRACE_S)
         # ... then the syncers upload and commit what completed (final_upload_timeout_s, however long the save
         # deadline): committed checkpoints are what the next attempt resumes from. A lost node's part never comes:
-        # then only the save deadline, not a wait for the commit timeout.
-        timeout_s, grace_s = (deadline_s, 0.0) if isinstance(failure, Preempted) else (upload_s, STOP_GRACE_S)
+        # then only the save deadline, and the others are told not to wait for its part at all.
+        lost = failure.nodes if isinstance(failure, Preempted) else ()
+        timeout_s, grace_s = (deadline_s, 0.0) if lost else (upload_s, STOP_GRACE_S)
         try:
-            syncers.stop(timeout_s, grace_s)
+            syncers.stop(timeout_s, grace_s, lost=lost)
         except (TrainingError, RemoteError) as flush_error:
             logger.error("after the training failure, checkpoint flush failed too: %s", flush_error)
         raise

@@ -21,6 +21,7 @@ from test_checkpoints import CONFIG_HASH, make_step, node_dirs
 from infra.checkpoints.commit import Announcement, CheckpointRef, CheckpointStore
 from infra.checkpoints.steps import step_name
 from infra.node import restore
+from infra.node.sync import stop_request
 from infra.storage import open_store
 
 # Logging as `python -m infra.node` sets it up: the syncer's log lines (a stop request received) are events too.
@@ -296,3 +297,37 @@ def test_a_node_stops_once_the_coordinator_says_nothing_more_will_come(
         syncer.finish()
     assert syncer.uploaded_steps() == [100, 200]
     assert [status.nodes_uploaded for status in checkpoints.list_steps()] == [[1], [1]]
+
+
+def test_a_flush_after_a_preemption_waits_for_no_part_of_a_lost_node(tmp_path: Path,
+                                                                    checkpoints: CheckpointStore) -> None:
+    """The head's syncer waited out the whole flush bound (20 s in the recovery bench) for the part of a node that was
+    gone: the stop request names the lost nodes, and a step that misses one of their parts is not waited for."""
+    dirs = node_dirs(tmp_path)
+    stop = tmp_path / "stop"
+    make_step(dirs[0], 100, 0)
+    head = SyncProcess(tmp_path, dirs[0], checkpoints.store.url, 0, "--stop-file", str(stop), "--commit-timeout", "120")
+    try:
+        head.wait_for(is_event("announced", 100))
+        stop.write_text(stop_request([1]))  # node 1 owes __1_0.distcp and is gone
+        assert head.finish(timeout=60) == 0, head.err.read_text()
+    finally:
+        head.finish()
+    assert head.wait_for(is_event("uncommittable", 100))["lost"] == [1]
+    assert checkpoints.latest() is None
+
+
+def test_a_node_whose_coordinator_was_lost_ships_what_was_announced_and_stops(tmp_path: Path,
+                                                                             checkpoints: CheckpointStore) -> None:
+    dirs = node_dirs(tmp_path)
+    stop = tmp_path / "stop"
+    make_step(dirs[1], 100, 1)
+    checkpoints.announce(Announcement(step=100, checkpoint=CheckpointRef(name=step_name(100)), attempt="a1",
+                                      nodes=[0, 1], required=["__1_0.distcp"], announced_at=time.time()))
+    node = SyncProcess(tmp_path, dirs[1], checkpoints.store.url, 1, "--stop-file", str(stop), "--commit-timeout", "120")
+    try:
+        node.wait_for(is_event("uploaded", 100))
+        stop.write_text(stop_request([0]))  # no final announcement will ever come
+        assert node.finish(timeout=60) == 0, node.err.read_text()
+    finally:
+        node.finish()

@@ -22,6 +22,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -71,6 +72,22 @@ OUTAGE_RETRY_MAX_S = 15.0
 EMPTY_PART_GRACE_S = 5.0
 RESTORED = "restored.json"
 STOP_FILE = "stop"  # in the sync dir: the orchestrator (or the node's watcher) asks the syncer to flush and exit
+LOST = "lost"  # a line of the stop file, `lost <rank> ...`: nodes preempted before the flush, whose parts never come
+
+
+def stop_request(lost_ranks: Sequence[int] = ()) -> str:
+    """The stop file's text: flush and exit; the lost nodes' parts are not waited for (they are gone with them)."""
+    return "stop\n" + (f"{LOST} {' '.join(map(str, sorted(lost_ranks)))}\n" if lost_ranks else "")
+
+
+def lost_ranks(stop_file: Path | None) -> frozenset[int]:
+    """The ranks a stop request names lost; none when there is no request (or the node's watcher wrote it)."""
+    try:
+        text = stop_file.read_text() if stop_file is not None else ""
+    except FileNotFoundError:
+        return frozenset()
+    return frozenset(int(rank) for line in text.splitlines() if line.startswith(f"{LOST} ")
+                     for rank in line.split()[1:])
 
 
 class Shipped(BaseModel):
@@ -197,6 +214,7 @@ class Syncer:
         self.detector = Detector(config.ckpt_dir, config.format)
         self.state = self._load_state()
         self.gone: set[tuple[str, int]] = set()  # (name, version) deleted locally before it could be shipped
+        self.lost_steps: set[int] = set()  # steps a lost node's missing part keeps from being committed (said once)
         self.first_seen: dict[int, float] = {}  # announced step -> when this node first saw the announcement
         # An Event rather than a flag so a stop request (SIGTERM) also cuts the poll sleep short.
         self.stop_requested = threading.Event()
@@ -383,7 +401,8 @@ class Syncer:
                 self._withdraw(step)
                 continue
             if manifest is None:
-                waiting.append(step)
+                if not self._part_lost(announcement.step, announcement.nodes):
+                    waiting.append(step)
                 continue
             self.state.newest_committed = step
             self._save_state()
@@ -394,6 +413,18 @@ class Syncer:
             if deleted:
                 emit("retention", deleted=deleted, keep=config.keep)
         return waiting
+
+    def _part_lost(self, step: int, nodes: Sequence[int]) -> bool:
+        """Whether a step can no longer be committed because a node the stop request names lost never uploaded its
+        part: nothing to wait for (the head's syncer waited out the whole flush bound for it)."""
+        lost = lost_ranks(self.config.stop_file)
+        gone = sorted(set(self.checkpoints.missing_records(step, nodes, self.config.attempt)) & lost) if lost else []
+        if gone and step not in self.lost_steps:
+            self.lost_steps.add(step)
+            log.warning("step %d cannot be committed: node(s) %s were lost before their part was uploaded", step,
+                        ", ".join(map(str, gone)))
+            emit("uncommittable", step=step, lost=gone)
+        return bool(gone)
 
     def _apply_retention(self) -> list[int]:
         """The store retention, never deleting a step a model alias points at or pointed at recently; skipped (and
@@ -485,7 +516,8 @@ class Syncer:
                 final = done_saving and call_with_retries(lambda: self.checkpoints.is_final(config.attempt),
                                                           "reading the final announcement", self.config.retry)
                 waiting = self.ship_announced()
-                if done_saving and not final:
+                # A lost coordinator announces nothing more: what it announced is all there is to ship.
+                if done_saving and not final and 0 not in lost_ranks(config.stop_file):
                     waiting = waiting or ["the coordinator's final announcement"]
             if stopping and not done_saving:
                 self._pause()
