@@ -105,13 +105,16 @@ class Syncers:
         newest = max(committed)
         return newest if all(step <= newest for step in announced) else None
 
-    def stop(self, timeout_s: float, grace_s: float = STOP_GRACE_S, lost: Sequence[str] = ()) -> None:
+    def stop(self, timeout_s: float, grace_s: float = STOP_GRACE_S, lost: Sequence[str] = (),
+             each_round: Callable[[], None] | None = None) -> None:
         """Ask every syncer to flush what is complete and exit, and wait for all of them together, within one bound:
         timeout_s (the syncers' own --commit-timeout) plus grace_s. A syncer that fails means checkpoints were not
         saved.
 
         lost: nodes preempted (gone with their syncers): nothing is asked of them or waited for, and the others are
-        told, so that a step missing a lost node's part is not waited for either."""
+        told, so that a step missing a lost node's part is not waited for either. each_round: called every round
+        of the wait (the preemption watch): what it raises ends the wait, the syncers still flushing stopped; a node
+        lost during the final flush is then acted on at once, not after the whole bound."""
         failures = []
         pending = {name: process for name, process in self.processes.items() if name not in lost}
         request = stop_request([node.rank for node in self.nodes if node.name in lost])
@@ -126,6 +129,13 @@ class Syncers:
                 pending.pop(node.name)  # teardown ends it with the node
         deadline = time.monotonic() + timeout_s + grace_s
         while pending:
+            try:
+                if each_round is not None:
+                    each_round()
+            except BaseException:
+                for process in pending.values():
+                    process.terminate()
+                raise
             for name, process in list(pending.items()):
                 code = _exit_code(process)
                 if code is None:

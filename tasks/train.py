@@ -258,7 +258,8 @@ def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOu
         except (TrainingError, RemoteError) as flush_error:
             logger.error("after the training failure, checkpoint flush failed too: %s", flush_error)
         raise
-    syncers.stop(upload_s)
+    watch.disarm()  # training is over: nothing more to inject, but a node lost now is still a preemption
+    syncers.stop(upload_s, each_round=watch.poll)
     metrics(force=True)
     return TrainOutcome(points=progress.points, facts=progress.facts,
                         checkpoint_events=checkpoint_saves(progress.checkpoint_events),

@@ -247,3 +247,29 @@ def test_an_unreachable_node_does_not_keep_the_other_syncers_from_flushing(tmp_p
     finally:
         for process in syncers.processes.values():
             process.terminate(grace_s=1.0)
+
+
+def test_a_node_lost_during_the_final_flush_ends_the_wait_at_once(tmp_path: Path) -> None:
+    """The final flush waited up to its whole bound (final_upload_timeout_s, 900 s by default) for the part of a node
+    gone during it; the train task's preemption watch, run every round of the wait, ends it as soon as the node is
+    confirmed gone, and the syncers still waiting are stopped."""
+    store = tmp_path / "store"
+    nodes, syncers = watched_syncers(tmp_path, f"file://{store}")
+    make_step(Path(nodes[0].ckpt_dir), 100, 0)  # node 1's part of step 100 will never come
+    syncers.start()
+    try:
+        poll_until(syncers, lambda: any(e.get("event") == "announced" for e in syncers.events))
+        syncers.processes["node-1"].terminate(grace_s=0.0)  # the node is gone, its syncer with it
+
+        def watch() -> None:
+            if syncers.processes["node-1"].poll() is not None:
+                raise TrainingError("node-1 preempted (vanished without notice)")
+
+        started = time.monotonic()
+        with pytest.raises(TrainingError, match="node-1 preempted"):
+            syncers.stop(timeout_s=600.0, each_round=watch)
+        assert time.monotonic() - started < 60, "waited for the lost node's part"
+        assert syncers.processes["node-0"].wait(30) is not None, "the head's syncer was left running"
+    finally:
+        for process in syncers.processes.values():
+            process.terminate(grace_s=1.0)
