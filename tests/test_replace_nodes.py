@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 import pytest
 from jobs import job_config, make_dataset
+from prefect import flow
 from provider_checks import assert_replaces_only_the_lost
 from test_pipeline_e2e import tagged_processes
 
@@ -19,7 +21,11 @@ from infra.compute.providers.local import LocalProvider
 from infra.dataset.stagecache import node_cache_dir
 from infra.job.plan import cluster_name_for
 from infra.job.spec import ClusterSpec, parse_job
+from infra.lifecycle.preemption_watch import Preempted
+from infra.lifecycle.recovery import Recoveries
 from infra.node.processes import NODE_TAG
+from infra.workload.progress import StepClock
+from tasks.replace import Replaced, replace_or_relaunch
 
 
 def test_local_replace_nodes_replaces_only_the_lost_node(tmp_path: Path) -> None:
@@ -124,3 +130,32 @@ def test_a_preempted_node_is_replaced_alone_filled_from_its_peers_and_training_r
     assert not tagged_processes(workspace), "node processes outlived the run"
     print(f"replace-one run: {elapsed:.1f}s; detection to resumed {recovery['notice_to_resume_s']}s, phases "
           f"{recovery['seconds']}")
+
+
+@dataclass
+class _Progress:
+    last_step: int = 50
+    clock: StepClock = field(default_factory=StepClock)
+
+
+@pytest.mark.parametrize("replace", ["nodes", "cluster"])
+def test_replacement_unavailable_or_replace_cluster_takes_the_whole_relaunch(prefect_server: None, workspace: Path,
+                                                                            tmp_path: Path, replace: str) -> None:
+    """recovery.replace: cluster never tries a replacement; with nodes, a cluster whose placement cannot take a new
+    node (here: its record is gone, ReplacementUnavailable) falls back to the relaunch, and the record says why."""
+    config = job_config(tmp_path, "file:///tmp/unused")
+    config["recovery"] = {"replace": replace}
+    job = parse_job(config)
+    preempted = Preempted(["tp-gone-node-1"], "vanished without notice", False, _Progress())
+    recovery = Recoveries(job.recovery).begin(preempted.nodes, preempted.reason, False, 50, time.time())
+
+    @flow
+    def recover() -> Replaced | None:
+        return replace_or_relaunch(job, "tp-gone", preempted, recovery)
+
+    assert recover() is None
+    assert (recovery.path, recovery.replaced) == ("relaunched-cluster", [])
+    if replace == "cluster":
+        assert recovery.fallback is None, "nothing was tried"
+    else:
+        assert recovery.fallback is not None and "tp-gone: no cluster record" in recovery.fallback
