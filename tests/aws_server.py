@@ -1,7 +1,9 @@
 """A simulated EC2 control plane: a real `moto_server` process on a free loopback port.
 
 moto 5 has no placement groups, so the server started here adds CreatePlacementGroup, DescribePlacementGroups and
-DeletePlacementGroup to moto's EC2 backend (in memory, with tags, EC2's error codes). Two more of EC2's ways are
+DeletePlacementGroup to moto's EC2 backend (in memory, with tags, EC2's error codes), and RunInstances places an
+instance in the group its Placement names (refused, as by EC2, when there is no such group), which DescribeInstances
+then shows. Two more of EC2's ways are
 added on request (moto_ec2's arguments): public addresses from a given prefix (where tests run a stand-in for the
 instances' machines, tests/cloud_nodes.py), and instances that stay `shutting-down` for a while after
 TerminateInstances, as EC2's do, before `terminated`. Everything else is moto's.
@@ -128,6 +130,18 @@ def _add_placement_groups() -> None:
             raise EC2ClientError("InvalidPlacementGroup.Unknown", f"The Placement Group '{name}' is unknown.")
         return EmptyResult()
 
+    run = EC2Response.run_instances
+
+    def run_instances(self: Any) -> ActionResult:
+        name = self._get_param("Placement.GroupName")
+        if name and name not in _store(self):
+            raise EC2ClientError("InvalidPlacementGroup.Unknown", f"The Placement Group '{name}' is unknown.")
+        result = run(self)
+        for instance in result.result.instances:
+            instance.placement.group_name = name or ""
+        return result
+
+    EC2Response.run_instances = run_instances
     EC2Response.create_placement_group = create_placement_group
     EC2Response.describe_placement_groups = describe_placement_groups
     EC2Response.delete_placement_group = delete_placement_group

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import re
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -407,3 +408,27 @@ def test_errors_outside_the_api_are_classified(error: Exception, kind: type[Exce
 def test_which_api_errors_are_retried(error: Exception, transient: bool) -> None:
     # A stockout is a 503 too, but it only ever comes out of an operation, never out of the call that is repeated.
     assert is_transient(error) is transient
+
+
+def test_the_lazily_imported_compute_module_is_whole_for_threads_that_touch_it_at_once() -> None:
+    """A launch and its heartbeat thread reach compute_v1 together; importlib's LazyLoader (Python 3.11) let 7 of 8
+    such threads see the module half-executed (AttributeError: no attribute 'Operation'). A fresh interpreter: this
+    one imported the module long ago."""
+    script = (
+        "import sys, threading\n"
+        "from infra.compute.providers.gcp import provider\n"
+        "assert 'google.cloud.compute_v1' not in sys.modules, 'imported before first use'\n"
+        "errors, start = [], threading.Barrier(8)\n"
+        "def touch():\n"
+        "    start.wait()\n"
+        "    try:\n"
+        "        provider.compute_v1.Operation.Status.DONE, provider.compute_v1.InstancesClient\n"
+        "    except Exception as exc:\n"
+        "        errors.append(repr(exc))\n"
+        "threads = [threading.Thread(target=touch) for _ in range(8)]\n"
+        "[t.start() for t in threads]; [t.join() for t in threads]\n"
+        "print(errors)\n"
+        "sys.exit(1 if errors else 0)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -18,6 +18,7 @@ from infra.analysis.predict import (
     LOCAL_NVME_LABEL,
     LOCAL_READ_LATENCY_S,
     MB,
+    REPLACE_LABEL,
     Hardware,
     Job,
     Prediction,
@@ -25,6 +26,7 @@ from infra.analysis.predict import (
     catalog_targets,
     cheapest_meeting,
     predict,
+    recovery,
     staging_time,
     what_if,
 )
@@ -150,6 +152,32 @@ def test_fan_out_scenario_stages_faster_on_more_than_one_node() -> None:
     assert rows[LOCAL_NVME_LABEL].staging_s == pytest.approx(4 * JOB.dataset_bytes / (0.4 * GBIT))
     assert rows[FANOUT_LABEL].job_s < rows[LOCAL_NVME_LABEL].job_s
     assert FANOUT_LABEL not in {p.label for p in what_if(breakdown(nodes=1, world_size=1), BENCH, JOB)}
+
+
+def test_replace_one_fills_the_new_node_from_its_peers_and_reads_only_the_lost_part_from_the_store() -> None:
+    b = breakdown(data_source="remote", nodes=4, world_size=4)  # 2 GB of checkpoints in 4 saves: 0.5 GB per node
+    rows = {p.label: p for p in what_if(b, BENCH, JOB)}
+    whole, fanout, one = rows[LOCAL_NVME_LABEL], rows[FANOUT_LABEL], rows[REPLACE_LABEL]
+    needed = JOB.dataset_bytes + 4 * 5 * 10**8  # every node holds the dataset and the whole checkpoint again
+    # The whole relaunch: new machines staged and restored through the store's shared 0.4 Gbit/s, per node or once.
+    assert whole.recovery_store_bytes == 4 * needed
+    assert whole.recovery_s == pytest.approx(4 * needed / (0.4 * GBIT))
+    assert fanout.recovery_store_bytes == needed
+    assert fanout.recovery_s == pytest.approx(needed / (0.4 * GBIT))
+    # Replace-one: the new node's 2 Gbit/s link carries it all from its peers; the lost node's own checkpoint part
+    # (0.5 GB) is the store's only share, read once at the whole 0.4 Gbit/s while the peers send.
+    assert one.recovery_store_bytes == 5 * 10**8
+    assert one.recovery_s == pytest.approx(needed / (2 * GBIT))
+    assert one.recovery_s < fanout.recovery_s / 4
+    assert one.job_s == pytest.approx(fanout.job_s), "replacing one node changes recoveries, not training"
+    assert REPLACE_LABEL not in {p.label for p in what_if(breakdown(nodes=1, world_size=1), BENCH, JOB)}
+    # A measured run reading remotely stages nothing: its recoveries only restore the checkpoint.
+    assert rows["as measured"].recovery_store_bytes == 4 * 4 * 5 * 10**8
+
+
+def test_replace_one_on_a_single_node_is_the_whole_relaunch() -> None:
+    assert recovery(10**9, 10**8, 1, BENCH, fanout=True, replace_nodes=True) == recovery(
+        10**9, 10**8, 1, BENCH, fanout=False, replace_nodes=False)
 
 
 def test_staged_data_without_local_disk_reads_remotely() -> None:

@@ -6,10 +6,14 @@ register them on the `bench` group (an import circle otherwise).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Annotated, Protocol
+from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
 import typer
+
+if TYPE_CHECKING:
+    from infra.job.spec import JobSpec
 
 # Options that several benches declare word for word: declared once, so their flags and help cannot drift apart.
 CkptEvery = Annotated[int, typer.Option(min=1, help="checkpoint every this many steps")]
@@ -38,3 +42,19 @@ def print_report(report: Report, json_out: Path | None) -> None:
     """A bench's table on stdout, and the same figures as JSON where --json asks."""
     typer.echo(report.table())
     write_out(json_out, report.to_json())
+
+
+def run_retrain(job: JobSpec, run_id: str) -> dict[str, Any]:
+    """The retrain flow, as `trainpipe run` runs it; a failed run still has its summary, which the caller reads."""
+    from flows.retrain import retrain
+    from infra.job.summary import load_summary
+    from infra.workspace import runs_dir
+
+    # Prefect's 20 s default for starting its in-process server is too short on a busy 2-core machine.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    try:
+        retrain(job, run_id)
+    except Exception as exc:  # the flow logged its traceback; the summary says what failed
+        typer.echo(f"run {run_id} failed: {type(exc).__name__}: {exc}", err=True)
+    path = runs_dir() / run_id / "summary.json"
+    return load_summary(path) if path.is_file() else {"status": "failed", "error": f"no summary at {path}"}

@@ -29,6 +29,15 @@ Throughputs are per node; a node's ranks share its store link, disk and memory (
                  fan-out on: max(D / nodes / s, D / network): the store is read once, each node its 1/nodes share,
                  the rest arrives from the peers over the node links while the shares arrive (pieces flow on), and
                  a node's link carries its whole D either way (its share from the store, the rest from peers).
+    recovery   one node of the cluster lost (recovery_s: the data it moves until training can resume; provisioning
+               and start-up are left out, as they are from job_s). D: the dataset a node stages (0 when it reads
+               remotely), c: one checkpoint's bytes per node (ckpt_bytes / ckpt_saves), C = c × nodes the whole
+               checkpoint every node restores.
+               whole relaunch (today): new machines, every node staged and restored again, as staging above:
+                 staging_time(D + C); store bytes nodes × (D + C), or D + C with fan-out.
+               replace-one (recovery.replace: nodes, on more than one node): the survivors keep their data and
+                 their own checkpoint parts; the new node takes D + C in over its link from its peers, and only the
+                 lost node's part c is read from the store, once: max((D + C) / network, c / s); store bytes c.
     checkpoint same mode: local part (ckpt_block − upload_wait) × memory-copy ratio (async) or disk-write ratio
                  (sync, direct); upload part upload_wait × store ratio (direct only: it blocks on the store).
                to async (local NVMe scenario): ckpt_bytes / memory_copy, the copy into host memory; the upload then
@@ -116,6 +125,7 @@ class Target:
     kind: Kind = "candidate"
     staged: bool = False  # stage the data to local NVMe and checkpoint async, whatever the measured run did
     fanout: bool = False  # staging reads the store once per cluster and the nodes fill each other (dataset.fanout)
+    replace_nodes: bool = False  # a preemption replaces the lost node alone, filled from its peers (recovery.replace)
 
 
 @dataclass(frozen=True)
@@ -130,6 +140,8 @@ class Prediction:
     price_per_hour: float | None
     speedup: float  # measured step time / predicted step time
     notes: tuple[str, ...] = ()
+    recovery_s: float = 0.0  # one node lost: the data moved until training resumes (see the module's docstring)
+    recovery_store_bytes: int = 0  # ... and what the store serves for it
 
     @property
     def step_s(self) -> float:
@@ -158,7 +170,8 @@ class Prediction:
                 "per_step_s": self.step.per_step(), "shares": self.step.shares(), "step_s": self.step_s,
                 "job_steps": self.job_steps, "staging_s": self.staging_s, "flush_s": self.flush_s,
                 "job_s": self.job_s, "price_per_hour": self.price_per_hour, "cost_usd": self.cost_usd,
-                "speedup": self.speedup, "dominant": self.dominant(), "notes": list(self.notes)}
+                "speedup": self.speedup, "dominant": self.dominant(), "notes": list(self.notes),
+                "recovery_s": self.recovery_s, "recovery_store_bytes": self.recovery_store_bytes}
 
 
 def _ratio(measured: float | None, target: float | None) -> float:
@@ -193,15 +206,37 @@ def _data_time(b: StepBreakdown, measured: Hardware, target: Hardware, source: s
     return b.read_requests * latency + b.read_bytes * ranks_per_node(b) / (target.store_gbps * GBIT)
 
 
+def _store_rate(hw: Hardware, readers: int) -> float:
+    """Bytes per second each of `readers` nodes reading the store at once gets."""
+    per_node = hw.store_gbps * GBIT
+    if hw.store_egress_gbps is not None:
+        per_node = min(per_node, hw.store_egress_gbps * GBIT / readers)
+    return per_node
+
+
 def staging_time(dataset_bytes: int, nodes: int, hw: Hardware, fanout: bool) -> float:
     """Seconds until every node holds the whole dataset (see the module's docstring)."""
     nodes = max(1, nodes)
-    per_node = hw.store_gbps * GBIT
-    if hw.store_egress_gbps is not None:
-        per_node = min(per_node, hw.store_egress_gbps * GBIT / nodes)
+    per_node = _store_rate(hw, nodes)
     if not fanout or nodes == 1:
         return dataset_bytes / per_node
     return max(dataset_bytes / nodes / per_node, dataset_bytes / (hw.network_gbps * GBIT))
+
+
+@dataclass(frozen=True)
+class Recovery:
+    seconds: float  # data moved until training resumes
+    store_bytes: int
+
+
+def recovery(dataset_bytes: int, node_ckpt_bytes: int, nodes: int, hw: Hardware, fanout: bool,
+             replace_nodes: bool) -> Recovery:
+    """One node of `nodes` lost: the whole relaunch, or replace-one (see the module's docstring)."""
+    nodes = max(1, nodes)
+    needed = dataset_bytes + node_ckpt_bytes * nodes  # what every node must hold again: the dataset, the checkpoint
+    if not replace_nodes or nodes == 1:  # a cluster of one has no peers to fill a replacement from
+        return Recovery(staging_time(needed, nodes, hw, fanout), needed * (1 if fanout and nodes > 1 else nodes))
+    return Recovery(max(needed / (hw.network_gbps * GBIT), node_ckpt_bytes / _store_rate(hw, 1)), node_ckpt_bytes)
 
 
 def replay_buckets(buckets: Sequence[Sequence[float]], network_ratio: float, compute_speedup: float) -> float:
@@ -269,19 +304,24 @@ def predict(breakdown: StepBreakdown, measured: Hardware, target: Target, job: J
     staging = staging_time(job.dataset_bytes, b.nodes, hw, target.fanout) if source == "local" else 0.0
     flush = (b.ckpt_bytes / b.ckpt_saves / (hw.store_gbps * GBIT)
              if mode != "direct" and b.ckpt_saves > 0 else 0.0)
+    lost = recovery(job.dataset_bytes if source == "local" else 0,
+                    b.ckpt_bytes // b.ckpt_saves if b.ckpt_saves > 0 else 0, b.nodes, hw, target.fanout,
+                    target.replace_nodes)
     return Prediction(label=hw.label, kind=target.kind, hardware=hw, step=step, job_steps=job.steps,
                       staging_s=staging, flush_s=flush, price_per_hour=target.price_per_hour,
-                      speedup=b.wall_s / step.wall_s if step.wall_s > 0 else math.inf, notes=tuple(notes))
+                      speedup=b.wall_s / step.wall_s if step.wall_s > 0 else math.inf, notes=tuple(notes),
+                      recovery_s=lost.seconds, recovery_store_bytes=lost.store_bytes)
 
 
 LOCAL_NVME_LABEL = "local NVMe instead of network storage"
 FANOUT_LABEL = "local NVMe, fan-out staging"
+REPLACE_LABEL = "local NVMe, fan-out, replace-one"
 
 
 def scenarios(measured: Hardware, price_per_hour: float | None, nodes: int = 1) -> list[Target]:
     """As measured (the sanity row: it reproduces the measurement), 2× network, and local NVMe + async checkpoints
-    (omitted when the measured hardware has no local disk figure to stage to), that staged with fan-out too (on
-    more than one node)."""
+    (omitted when the measured hardware has no local disk figure to stage to), that staged with fan-out too, and
+    that with a lost node replaced alone (both on more than one node)."""
     rows = [Target(replace(measured, label="as measured"), price_per_hour, "measured"),
             Target(replace(measured, network_gbps=measured.network_gbps * 2, label="2× network"), price_per_hour,
                    "scenario")]
@@ -290,6 +330,8 @@ def scenarios(measured: Hardware, price_per_hour: float | None, nodes: int = 1) 
         if nodes > 1:
             rows.append(Target(replace(measured, label=FANOUT_LABEL), price_per_hour, "scenario", staged=True,
                                fanout=True))
+            rows.append(Target(replace(measured, label=REPLACE_LABEL), price_per_hour, "scenario", staged=True,
+                               fanout=True, replace_nodes=True))
     return rows
 
 

@@ -135,13 +135,16 @@ def render(facts: RunFacts, predictions: Sequence[Prediction], choice: Choice, n
     index = _notes_index(predictions)
     width = max([len("scenario / candidate"), *(len(p.label) for p in predictions)])
     lines.append(f"{'scenario / candidate':<{width}}  {'net Gb/s':>8} {'store Gb/s':>10} {'step s':>9} {'job h':>8} "
-                 f"{'cost $':>10} {'step ×':>7}  {'bound':<12} notes")
+                 f"{'cost $':>10} {'step ×':>7} {'recov s':>8} {'recov GB':>8}  {'bound':<12} notes")
     for p in predictions:
         cost = f"{p.cost_usd:,.2f}" if p.cost_usd is not None else "-"
         cited = ",".join(str(index[n]) for n in p.notes)
         lines.append(f"{p.label:<{width}}  {p.hardware.network_gbps:>8.4g} {p.hardware.store_gbps:>10.4g} "
-                     f"{p.step_s:>9.4f} {p.job_s / 3600:>8.3f} {cost:>10} {p.speedup:>7.2f}  {p.bound():<12} "
+                     f"{p.step_s:>9.4f} {p.job_s / 3600:>8.3f} {cost:>10} {p.speedup:>7.2f} {p.recovery_s:>8.1f} "
+                     f"{p.recovery_store_bytes / 1e9:>8.3g}  {p.bound():<12} "
                      f"{cited}".rstrip())
+    lines.append("  recov s, recov GB: one node lost, the data moved until training resumes and what the store "
+                 "serves for it (whole relaunch, or replace-one)")
     lines += [f"  [{number}] {note}" for note, number in index.items()]
     lines += [f"  note: {note}" for note in notes]
     lines.append(f"cheapest meeting the deadline: {choice.reason}")

@@ -11,6 +11,11 @@ makes up its own host key at boot, which nobody can know in advance, and an unkn
 generates a host key for the cluster (infra.compute.access.hostkeys), the boot script installs
 it before anything else, and the instance is tagged with its fingerprint. The record keeps only fingerprints, per node
 (a node adopted from an earlier try of the same launch booted with that try's key), and every runner pins its node's.
+
+`replace_nodes` (a preemption of some nodes) is shared too: a subclass ends what is left of the lost instances
+(`end_nodes`) and starts one instance per lost node in the cluster's own placement (`start_replacements`); each
+replacement boots with a host key of its own (only its fingerprint is pinned, as at launch), is reached and
+bootstrapped like a launched node, and is ended again if anything of that fails.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import logging
 import os
 import time
 from abc import abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,7 +36,17 @@ from infra.compute.access.ssh import HostKeyError, SshConnectError, SshRunner, w
 from infra.compute.catalog import Catalog, load_catalog
 from infra.compute.failover import launch_with_failover
 from infra.compute.optimizer import Candidate, NoCandidateError, candidates
-from infra.compute.providers.base import Attempt, Cluster, InvalidRequestError, LaunchError, Node, Provider
+from infra.compute.providers.base import (
+    Attempt,
+    CapacityError,
+    Cluster,
+    InvalidRequestError,
+    LaunchError,
+    Node,
+    Provider,
+    QuotaError,
+    ReplacementUnavailable,
+)
 
 # The ssh provider's helpers: run every node at once, and turn an SSH failure into the LaunchError saying whether
 # trying again can help.
@@ -50,6 +65,7 @@ SSH_USER_ENV = "TRAINPIPE_SSH_USER"
 SSH_KEY_ENV = "TRAINPIPE_SSH_KEY_FILE"
 DEFAULT_SSH_USER = "ubuntu"  # the login user of the Ubuntu images both providers boot by default
 HOST_KEYS = "host_keys"  # Cluster.owner[HOST_KEYS]: {node name: pinned SHA256 fingerprint}
+LEASE_TTL = "lease_ttl_s"  # Cluster.owner[LEASE_TTL]: the lease TTL its nodes are tagged with (as text)
 # The boot script's exit status, written when it ends; /run is emptied at every boot, so it is this boot's.
 BOOT_STATUS = "/run/trainpipe-boot-status"
 BOOT_TIMEOUT_S = 900.0  # from running to booted: sshd serving our key and the boot script (mdadm, mkfs) done
@@ -150,6 +166,74 @@ class CloudProvider(Provider):
         finally:
             beating.stop()
 
+    # -- replacing lost nodes -------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def placement(self, cluster: Cluster) -> str:
+        """Where the cluster's nodes are placed, in words (errors name it)."""
+
+    @abstractmethod
+    def end_nodes(self, cluster: Cluster, names: Sequence[str]) -> None:
+        """End every instance of the cluster that carries one of these node names, and wait until each has ended."""
+
+    @abstractmethod
+    def start_replacements(self, cluster: Cluster, lost: Sequence[Node], host_keys: dict[str, HostKey]) -> Cluster:
+        """One instance per lost node, in the cluster's placement and shape (copied from the instances it has),
+        tagged like a launched node and booting with host_keys[node.name]; once all are running, the cluster as the
+        control plane describes it now (nodes and owner state). May leave started instances behind when it raises:
+        the caller ends them (end_nodes)."""
+
+    def replace_nodes(self, cluster: Cluster, lost: Sequence[str]) -> Cluster:
+        names = list(dict.fromkeys(lost))
+        unknown = sorted(set(names) - {node.name for node in cluster.nodes})
+        if unknown:
+            raise InvalidRequestError(f"{self.name}: cannot replace {', '.join(unknown)}: not nodes of cluster "
+                                      f"{cluster.name} (it has {', '.join(n.name for n in cluster.nodes)})")
+        if not names:
+            return cluster
+        self.ssh_access(check_file=True)  # before anything is paid for, as at launch
+        ttl = _number(cluster.owner.get(LEASE_TTL)) or DEFAULT_LEASE_TTL_S
+        # Booting a replacement can outlast the lease TTL: the heartbeat is kept (on every instance of the cluster,
+        # the new ones included) so that no sweeper takes the cluster meanwhile, and stops with this process.
+        beating = Renewal(f"heartbeat of {cluster.name} while {', '.join(names)} are replaced",
+                          lambda: self._heartbeat_named(cluster.name), ttl / RENEWALS_PER_TTL).start()
+        try:
+            return self._replace_and_bootstrap(cluster, [n for n in cluster.nodes if n.name in names])
+        finally:
+            beating.stop()
+
+    def _replace_and_bootstrap(self, cluster: Cluster, lost: list[Node]) -> Cluster:
+        names = [node.name for node in lost]
+        where = self.placement(cluster)
+        log.info("%s: replacing %s in %s", cluster.name, ", ".join(names), where)
+        self.end_nodes(cluster, names)  # what is left of them (a reclaimed instance still shutting down, say)
+        host_keys = {name: generate_host_key() for name in names}  # each pinned by its fingerprint only
+        try:
+            now = self.start_replacements(cluster, lost, host_keys)
+            missing = sorted(set(names) - {node.name for node in now.nodes})
+            if missing:
+                raise LaunchError(f"{self.name}: {', '.join(missing)} of {cluster.name} ended while replacing: "
+                                  "relaunch the cluster")
+            # The same cluster (run, price, attempts, the survivors' reports) with its new membership.
+            replaced = replace(cluster, nodes=now.nodes, owner={**cluster.owner, **now.owner})
+            if self._bootstrap:
+                replaced = self.bootstrap_nodes(replaced, only=names)
+        except Exception as exc:
+            # Never a half-started node: whatever this replacement started is ended before the failure is raised.
+            log.warning("%s: ending the replacements of %s: %s", cluster.name, ", ".join(names), exc)
+            try:
+                with CANCEL.shield():  # a cancel may be what stopped it: the cleanup must still run
+                    self.end_nodes(cluster, names)
+            except LaunchError as left:
+                log.error("%s: ending the replacements failed, instances left for `trainpipe sweep`: %s",
+                          cluster.name, left)
+            if isinstance(exc, CapacityError | QuotaError):
+                raise ReplacementUnavailable(f"{self.name}: cannot replace {', '.join(names)} of {cluster.name} in "
+                                             f"{where}: {exc}") from exc
+            raise
+        log.info("%s: %s replaced in %s", cluster.name, ", ".join(names), where)
+        return replaced
+
     def _heartbeat_named(self, cluster_name: str) -> None:
         cluster = self.describe(cluster_name)
         if cluster is not None:
@@ -212,12 +296,14 @@ class CloudProvider(Provider):
 
     # -- bootstrap ------------------------------------------------------------------------------------------------
 
-    def bootstrap_nodes(self, cluster: Cluster) -> Cluster:
-        """Every node reached over SSH once booted (pinned host key, boot script done) and bootstrapped: the cluster
-        with the reports in its bootstrap field, as the ssh provider records them. A failure on any node raises the
-        LaunchError that says whether trying again can help, naming every node that failed."""
+    def bootstrap_nodes(self, cluster: Cluster, only: Sequence[str] | None = None) -> Cluster:
+        """Every node (of only, when given: the others keep their reports) reached over SSH once booted (pinned host
+        key, boot script done) and bootstrapped: the cluster with the reports in its bootstrap field, as the ssh
+        provider records them. A failure on any node raises the LaunchError that says whether trying again can help,
+        naming every node that failed."""
         wheel = self._wheel_source()
-        outcomes = in_parallel(list(cluster.nodes), lambda node: self._bootstrap_node(cluster, node, wheel))
+        nodes = [node for node in cluster.nodes if only is None or node.name in only]
+        outcomes = in_parallel(nodes, lambda node: self._bootstrap_node(cluster, node, wheel))
         failures = [(node, error) for node, _, error in outcomes if error is not None]
         if failures:
             unexpected = [error for _, error in failures if not isinstance(error, LaunchError | RemoteError | OSError)]
@@ -227,7 +313,8 @@ class CloudProvider(Provider):
             raise type(errors[0])("; ".join(str(e) for e in errors)) from failures[0][1]
         self.last_reports = {node.name: report for node, report, _ in outcomes}
         reports = {name: report.to_dict() for name, report in self.last_reports.items()}
-        return replace(cluster, bootstrap=reports)
+        kept = {} if only is None else {name: r for name, r in cluster.bootstrap.items() if name not in only}
+        return replace(cluster, bootstrap={**kept, **reports})
 
     def _wheel_source(self) -> WheelSource:
         if self._wheel is not None:

@@ -3,6 +3,10 @@
 Everything launched carries the cluster's tags, so describe, terminate and the orphan sweeper find it from any
 process. Each node is its own RunInstances call with its own ClientToken (derived from the cluster, the candidate
 and the rank), so a retried launch adopts the instances it already started instead of starting more.
+
+A lost node is replaced alone (replace_nodes): its new instance copies the shape of the cluster's surviving ones
+(AMI, type, market, placement group, zone and subnet, security group, instance profile, key pair), keeps the node's
+name and rank and carries the cluster's tags, so describe, teardown and the sweeper see the new membership.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import logging
 import os
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -26,8 +30,8 @@ from infra.compute.access.hostkeys import HostKey
 from infra.compute.catalog import Catalog
 from infra.compute.optimizer import Candidate
 from infra.compute.providers.aws.errors import CapacityError, InvalidRequestError, LaunchError, classify, error_code
-from infra.compute.providers.base import Cluster, ClusterRecord, Node, PreemptionNotice
-from infra.compute.providers.cloud import HOST_KEYS, MOUNT, CloudProvider, boot_script, lease_alive
+from infra.compute.providers.base import Cluster, ClusterRecord, Node, PreemptionNotice, ReplacementUnavailable
+from infra.compute.providers.cloud import HOST_KEYS, LEASE_TTL, MOUNT, CloudProvider, boot_script, lease_alive
 from infra.compute.providers.launcher import launcher_stamp
 from infra.job.spec import ClusterSpec
 
@@ -87,6 +91,17 @@ def _tags(instance_or_group: dict[str, Any]) -> dict[str, str]:
 
 def _tag_spec(kind: str, tags: dict[str, str]) -> dict[str, Any]:
     return {"ResourceType": kind, "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}
+
+
+def replacement_token(cluster_name: str, node_name: str, host_key: HostKey) -> str:
+    """One token per replacement (its host key is new each time): botocore's retries of one RunInstances reuse it
+    and start no second instance, while a later replacement of the same node gets a fresh instance, not the ended
+    one EC2 remembers the token by."""
+    return hashlib.sha256("|".join([cluster_name, node_name, host_key.fingerprint]).encode()).hexdigest()[:48]
+
+
+# The tags that say which node an instance is, and when it was last renewed; every other tag is the cluster's.
+NODE_TAGS = ("Name", TAG_RANK, TAG_TOKEN, TAG_HOST_KEY, TAG_HEARTBEAT)
 
 
 def launch_token(cluster_name: str, candidate: Candidate, rank: int, after: tuple[str, ...] = ()) -> str:
@@ -277,34 +292,45 @@ class AwsProvider(CloudProvider):
         # An adopted instance (above) keeps the key, and the tag, of the try that started it.
         node_tags = {**tags, "Name": f"{cluster_name}-node-{rank}", TAG_RANK: str(rank), TAG_TOKEN: token,
                      TAG_HOST_KEY: host_key.fingerprint}
-        request: dict[str, Any] = {
-            "ImageId": image, "InstanceType": candidate.instance_type, "MinCount": 1, "MaxCount": 1,
-            "ClientToken": token, "UserData": user_data(host_key), "InstanceInitiatedShutdownBehavior": "terminate",
-            "Placement": {"GroupName": placement},
-            "NetworkInterfaces": self._interfaces(candidate, subnet_id, group_id),
-            "TagSpecifications": [_tag_spec(kind, node_tags) for kind in ("instance", "volume", "network-interface")],
-        }
-        if self._key_name:
-            request["KeyName"] = self._key_name
-        if (profile := spec.aws.iam_instance_profile()) is not None:
-            request["IamInstanceProfile"] = profile  # the nodes' own credentials for the dataset and checkpoints
+        spot: dict[str, Any] | None = None
         if candidate.spot:
-            spot: dict[str, Any] = {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}
+            spot = {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}
             if spec.max_price_per_hour is not None:
                 spot["MaxPrice"] = f"{spec.max_price_per_hour / spec.nodes:.4f}"
+        return self._run_node(ec2, token, host_key, node_tags, image=image, instance_type=candidate.instance_type,
+                              placement={"GroupName": placement},
+                              interfaces=self._interfaces(candidate.efa_interfaces, subnet_id, group_id),
+                              profile=spec.aws.iam_instance_profile(), spot=spot, key_name=self._key_name)
+
+    @staticmethod
+    def _run_node(ec2: Any, token: str, host_key: HostKey, node_tags: dict[str, str], *, image: str,
+                  instance_type: str, placement: dict[str, str], interfaces: list[dict[str, Any]],
+                  profile: dict[str, Any] | None, spot: dict[str, Any] | None, key_name: str | None) -> dict[str, Any]:
+        """One node's RunInstances: what a launched node and a replacement have in common."""
+        request: dict[str, Any] = {
+            "ImageId": image, "InstanceType": instance_type, "MinCount": 1, "MaxCount": 1,
+            "ClientToken": token, "UserData": user_data(host_key), "InstanceInitiatedShutdownBehavior": "terminate",
+            "Placement": placement, "NetworkInterfaces": interfaces,
+            "TagSpecifications": [_tag_spec(kind, node_tags) for kind in ("instance", "volume", "network-interface")],
+        }
+        if key_name:
+            request["KeyName"] = key_name
+        if profile is not None:
+            request["IamInstanceProfile"] = profile  # the nodes' own credentials for the dataset and checkpoints
+        if spot is not None:
             request["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": spot}
             request["TagSpecifications"].append(_tag_spec("spot-instances-request", node_tags))
         return dict(ec2.run_instances(**request)["Instances"][0])
 
     @staticmethod
-    def _interfaces(candidate: Candidate, subnet_id: str, group_id: str) -> list[dict[str, Any]]:
+    def _interfaces(efa_interfaces: int, subnet_id: str, group_id: str) -> list[dict[str, Any]]:
         """One interface per EFA-capable network card (card 0 also carries the public address); ENA otherwise."""
-        cards = max(candidate.efa_interfaces, 1)
+        cards = max(efa_interfaces, 1)
         interfaces = []
         for card in range(cards):
             interface: dict[str, Any] = {"NetworkCardIndex": card, "DeviceIndex": 0 if card == 0 else 1,
                                          "SubnetId": subnet_id, "Groups": [group_id], "DeleteOnTermination": True}
-            if candidate.efa_interfaces:
+            if efa_interfaces:
                 interface["InterfaceType"] = "efa"
             if cards == 1:
                 # EC2 assigns a public address only to instances with a single network interface.
@@ -325,10 +351,87 @@ class AwsProvider(CloudProvider):
         # owner also says where the nodes are, so later calls (preemption, liveness) go straight to the region.
         owner = {"owner": tags[TAG_OWNER], "region": region,
                  "instances": {_tags(i)["Name"]: i["InstanceId"] for i in instances},
-                 "instance_type": instances[0]["InstanceType"],
+                 "instance_type": instances[0]["InstanceType"], LEASE_TTL: tags.get(TAG_LEASE_TTL),
+                 "zone": instances[0]["Placement"]["AvailabilityZone"],
+                 "placement_group": instances[0]["Placement"].get("GroupName", ""),
                  HOST_KEYS: {_tags(i)["Name"]: _tags(i)[TAG_HOST_KEY] for i in instances if TAG_HOST_KEY in _tags(i)}}
         return Cluster(name=cluster_name, provider=self.name, run_id=tags[TAG_RUN], nodes=nodes, created_at=created,
                        owner=owner)
+
+    # -- replacing lost nodes -------------------------------------------------------------------------------------
+
+    def placement(self, cluster: Cluster) -> str:
+        owner = cluster.owner
+        return (f"placement group {owner.get('placement_group') or '(none)'} in "
+                f"{owner.get('zone') or owner.get('region')}")
+
+    def end_nodes(self, cluster: Cluster, names: Sequence[str]) -> None:
+        region = cluster.owner["region"]
+
+        def end() -> None:
+            ec2 = self.client(region)
+            ids = [i["InstanceId"] for i in self._instances(region, [
+                {"Name": f"tag:{TAG_CLUSTER}", "Values": [cluster.name]}, {"Name": "tag:Name", "Values": list(names)},
+                {"Name": "instance-state-name", "Values": [*LIVE_STATES, "shutting-down"]}])]
+            if ids:
+                ec2.terminate_instances(InstanceIds=ids)
+                self._wait_until(ec2, ids, "terminated")
+                log.info("%s: terminated %s (%s)", cluster.name, ", ".join(ids), ", ".join(names))
+
+        self._call(f"end {', '.join(names)} of {cluster.name}", end)
+
+    def start_replacements(self, cluster: Cluster, lost: Sequence[Node], host_keys: dict[str, HostKey]) -> Cluster:
+        region = cluster.owner["region"]
+
+        def start() -> Cluster:
+            ec2 = self.client(region)
+            names = [node.name for node in lost]
+            template = self._survivor(cluster, region, names)
+            tags = {k: v for k, v in _tags(template).items() if k not in NODE_TAGS}
+            primary = next(i for i in template["NetworkInterfaces"]
+                           if i["Attachment"].get("NetworkCardIndex", 0) == 0 and i["Attachment"]["DeviceIndex"] == 0)
+            efa = sum(1 for i in template["NetworkInterfaces"] if i.get("InterfaceType") == "efa")
+            group = template["Placement"].get("GroupName")
+            profile = template.get("IamInstanceProfile")
+            ids = []
+            for node in lost:
+                key = host_keys[node.name]
+                token = replacement_token(cluster.name, node.name, key)
+                node_tags = {**tags, "Name": node.name, TAG_RANK: str(node.rank), TAG_TOKEN: token,
+                             TAG_HOST_KEY: key.fingerprint, TAG_HEARTBEAT: f"{time.time():.0f}"}
+                started = self._run_node(
+                    ec2, token, key, node_tags, image=template["ImageId"], instance_type=template["InstanceType"],
+                    placement={"GroupName": group} if group else {},
+                    interfaces=self._interfaces(efa, primary["SubnetId"], primary["Groups"][0]["GroupId"]),
+                    profile={"Arn": profile["Arn"]} if profile else None, spot=self._spot_options(ec2, template),
+                    key_name=template.get("KeyName") or self._key_name)
+                log.info("%s: %s started as %s", cluster.name, node.name, started["InstanceId"])
+                ids.append(started["InstanceId"])
+            self._wait_until(ec2, ids, "running")
+            return self._cluster(cluster.name, region, self._cluster_instances(region, cluster.name))
+
+        return self._call(f"replace nodes of {cluster.name} in {self.placement(cluster)}", start)
+
+    def _survivor(self, cluster: Cluster, region: str, lost: list[str]) -> dict[str, Any]:
+        """A live instance of the cluster that is not being replaced: the shape its replacements copy."""
+        for instance in self._cluster_instances(region, cluster.name):
+            if _tags(instance).get("Name") not in lost and instance["State"]["Name"] in ("pending", "running"):
+                return instance
+        raise ReplacementUnavailable(f"aws: no node of {cluster.name} survives in {region} to replace "
+                                     f"{', '.join(lost)} next to: relaunch the cluster")
+
+    @staticmethod
+    def _spot_options(ec2: Any, template: dict[str, Any]) -> dict[str, Any] | None:
+        """The market of the template: spot with its request's price cap, or on-demand (None)."""
+        if template.get("InstanceLifecycle") != "spot":
+            return None
+        spot: dict[str, Any] = {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}
+        if request_id := template.get("SpotInstanceRequestId"):
+            requests = ec2.describe_spot_instance_requests(SpotInstanceRequestIds=[request_id])
+            price = next((r.get("SpotPrice") for r in requests["SpotInstanceRequests"]), None)
+            if price:
+                spot["MaxPrice"] = price
+        return spot
 
     # -- describe / terminate / list ----------------------------------------------------------------------------
 

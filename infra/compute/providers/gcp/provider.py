@@ -7,20 +7,25 @@ instance metadata holds the exact ones (the owner string, the creation time). Re
 placement policy is named after the cluster and says whose it is in its description. Instance names are unique per
 zone and derived from the cluster and rank, so a retried launch adopts the instances it already started; each insert
 carries a requestId that its retries reuse, so a repeated API call never starts a second instance either.
+
+A lost node is replaced alone (replace_nodes): its instance is deleted, and a new one of the same name, rank, machine
+type, provisioning model and service account is inserted in the same zone under the same compact policy, labelled
+like the cluster's others, so describe, teardown and the sweeper see the new membership.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
+import importlib
 import json
 import logging
 import os
 import re
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -38,8 +43,8 @@ from infra.compute.access.bootstrap import WheelSource
 from infra.compute.access.hostkeys import HostKey
 from infra.compute.catalog import Catalog
 from infra.compute.optimizer import Candidate
-from infra.compute.providers.base import Cluster, ClusterRecord, Node, PreemptionNotice
-from infra.compute.providers.cloud import HOST_KEYS, MOUNT, CloudProvider, boot_script, lease_alive
+from infra.compute.providers.base import Cluster, ClusterRecord, Node, PreemptionNotice, ReplacementUnavailable
+from infra.compute.providers.cloud import HOST_KEYS, LEASE_TTL, MOUNT, CloudProvider, boot_script, lease_alive
 from infra.compute.providers.gcp.config import GcpServiceAccount
 from infra.compute.providers.gcp.errors import (
     CapacityError,
@@ -55,21 +60,29 @@ from infra.job.spec import ClusterSpec
 from infra.node import gce_self_delete
 
 
-def _lazy_module(name: str) -> ModuleType:
-    """The module, loaded on first attribute access: google.cloud.compute_v1 takes ~1.5 s to import, and every
-    `trainpipe status` and sweep builds this provider, mostly on machines that never call GCP."""
-    spec = importlib.util.find_spec(name)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"{name} is not installed: pip install google-cloud-compute")
-    loader = importlib.util.LazyLoader(spec.loader)
-    spec.loader = loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    loader.exec_module(module)
-    return module
+class _LazyModule:
+    """A module imported on first attribute access: google.cloud.compute_v1 takes ~1.5 s to import, and every
+    `trainpipe status` and sweep builds this provider, mostly on machines that never call GCP.
+
+    Not importlib's LazyLoader: on Python 3.11 two threads touching it at once (a launch and its heartbeat thread) can
+    see the module half-executed (AttributeError on a class it defines). The import here happens once, under a lock."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._module: ModuleType | None = None
+
+    def __getattr__(self, attr: str) -> Any:
+        module = self._module
+        if module is None:
+            with self._lock:
+                if self._module is None:
+                    self._module = importlib.import_module(self._name)
+                module = self._module
+        return getattr(module, attr)
 
 
-compute_v1 = sys.modules.get("google.cloud.compute_v1") or _lazy_module("google.cloud.compute_v1")
+compute_v1: Any = sys.modules.get("google.cloud.compute_v1") or _LazyModule("google.cloud.compute_v1")
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -436,8 +449,8 @@ class GcpProvider(CloudProvider):
             policy = self._placement_policy(cluster_name, _region(zone), stamp, doing)
             names = [resource_name(cluster_name, f"node-{rank}") for rank in range(spec.nodes)]
             for rank, name in enumerate(names):
-                operation = self._node(name, rank, candidate, zone, policy, stamp, host_key,
-                                       spec.gcp.service_account, doing)
+                operation = self._node(name, rank, candidate.instance_type, candidate.spot, zone, policy, stamp,
+                                       host_key, spec.gcp.service_account, doing)
                 if operation is not None:
                     started.append(operation)
             failures = self._finish(started, doing)
@@ -497,7 +510,7 @@ class GcpProvider(CloudProvider):
                                                                        timeout=API_TIMEOUT_S)), doing)
         return f"projects/{self.project}/regions/{region}/resourcePolicies/{name}"
 
-    def _node(self, name: str, rank: int, candidate: Candidate, zone: str, policy: str, stamp: _Stamp,
+    def _node(self, name: str, rank: int, machine_type: str, spot: bool, zone: str, policy: str, stamp: _Stamp,
               host_key: HostKey, account: GcpServiceAccount, doing: str) -> compute_v1.Operation | None:
         """Start one node; None when a live node of this very launch already runs (adopted as it is, with the host
         key, and the metadata naming it, of the try that started it)."""
@@ -507,8 +520,8 @@ class GcpProvider(CloudProvider):
             if _stamp_of(existing).get(LABEL_CLUSTER) != stamp.cluster:
                 raise InvalidRequestError(f"gcp: {zone} already has an instance {name} outside cluster "
                                           f"{stamp.cluster}: delete it or rename the cluster")
-            same = (_short(existing.machine_type) == candidate.instance_type
-                    and (existing.scheduling.provisioning_model == "SPOT") == candidate.spot)
+            same = (_short(existing.machine_type) == machine_type
+                    and (existing.scheduling.provisioning_model == "SPOT") == spot)
             if same and existing.status in ALIVE:
                 log.info("%s rank %d: adopting %s from an earlier try of this launch", stamp.cluster, rank, name)
                 return None
@@ -520,11 +533,11 @@ class GcpProvider(CloudProvider):
                 self._done(deleting, doing)
         request = compute_v1.InsertInstanceRequest(
             project=self.project, zone=zone, request_id=str(uuid.uuid4()),
-            instance_resource=self._instance(name, rank, candidate, zone, policy, stamp, host_key, account))
+            instance_resource=self._instance(name, rank, machine_type, spot, zone, policy, stamp, host_key, account))
         return self._api(doing, lambda: self.instances.insert_unary(request=request, retry=None,
                                                                     timeout=API_TIMEOUT_S))
 
-    def _instance(self, name: str, rank: int, candidate: Candidate, zone: str, policy: str, stamp: _Stamp,
+    def _instance(self, name: str, rank: int, machine_type: str, spot: bool, zone: str, policy: str, stamp: _Stamp,
                   host_key: HostKey, account: GcpServiceAccount) -> compute_v1.Instance:
         metadata = {"startup-script": startup_script(host_key, self._api_endpoint), "install-nvidia-driver": "True",
                     **stamp.exact(), LABEL_RANK: str(rank), META_HOST_KEY: host_key.fingerprint}
@@ -533,8 +546,8 @@ class GcpProvider(CloudProvider):
         # GPU VMs cannot live-migrate; a host event ends the node visibly (nodes_alive) instead of rebooting it
         # without its processes and its local SSD data.
         scheduling = compute_v1.Scheduling(on_host_maintenance="TERMINATE", automatic_restart=False,
-                                           provisioning_model="SPOT" if candidate.spot else "STANDARD")
-        if candidate.spot:
+                                           provisioning_model="SPOT" if spot else "STANDARD")
+        if spot:
             scheduling.instance_termination_action = "DELETE"
         interface = compute_v1.NetworkInterface(
             access_configs=[compute_v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")], nic_type="GVNIC")
@@ -543,24 +556,24 @@ class GcpProvider(CloudProvider):
         else:
             interface.network = f"global/networks/{self._network}"
         return compute_v1.Instance(
-            name=name, machine_type=f"zones/{zone}/machineTypes/{candidate.instance_type}",
+            name=name, machine_type=f"zones/{zone}/machineTypes/{machine_type}",
             labels={**stamp.labels(), LABEL_RANK: str(rank), LABEL_HEARTBEAT: f"{time.time():.0f}"},
             metadata=compute_v1.Metadata(items=[compute_v1.Items(key=k, value=v) for k, v in metadata.items()]),
-            scheduling=scheduling, disks=self._disks(candidate, zone, stamp), network_interfaces=[interface],
+            scheduling=scheduling, disks=self._disks(machine_type, zone, stamp), network_interfaces=[interface],
             resource_policies=[policy], tags=compute_v1.Tags(items=["trainpipe", resource_name(stamp.cluster, "node")]),
             # The nodes' own credentials for the dataset and checkpoints (cluster.gcp.service_account).
             service_accounts=[compute_v1.ServiceAccount(email=account.email or self._service_account,
                                                         scopes=list(account.scopes))])
 
-    def _disks(self, candidate: Candidate, zone: str, stamp: _Stamp) -> list[compute_v1.AttachedDisk]:
+    def _disks(self, machine_type: str, zone: str, stamp: _Stamp) -> list[compute_v1.AttachedDisk]:
         boot = compute_v1.AttachedDisk(boot=True, auto_delete=True,
                                        initialize_params=compute_v1.AttachedDiskInitializeParams(
                                            source_image=self._image, disk_size_gb=BOOT_DISK_GB,
                                            disk_type=f"zones/{zone}/diskTypes/{BOOT_DISK_TYPE}",
                                            labels=stamp.labels()))
-        described = self.catalog.get(self.name, candidate.instance_type)
+        described = self.catalog.get(self.name, machine_type)
         count = described.local_nvme_count if described else 0
-        if bundles_local_ssd(candidate.instance_type):
+        if bundles_local_ssd(machine_type):
             count = 0  # attached by GCE itself
         local = [compute_v1.AttachedDisk(type_="SCRATCH", interface="NVME", auto_delete=True,
                                          initialize_params=compute_v1.AttachedDiskInitializeParams(
@@ -599,10 +612,71 @@ class GcpProvider(CloudProvider):
         # owner also says where the nodes are, so later calls (preemption, liveness) go straight to the zone.
         owner = {"owner": stamp.get(LABEL_OWNER, ""), "project": self.project, "zone": zone, "region": _region(zone),
                  "instances": {i.name: str(i.id) for i in instances}, "instance_type": machine_type,
+                 LEASE_TTL: stamp.get(LABEL_LEASE_TTL),
                  HOST_KEYS: {i.name: _stamp_of(i)[META_HOST_KEY] for i in instances if META_HOST_KEY in _stamp_of(i)}}
         return Cluster(name=cluster_name, provider=self.name, run_id=stamp.get(LABEL_RUN, "unknown"), nodes=nodes,
                        created_at=_created(stamp), owner=owner, instance_type=machine_type,
                        market="spot" if spot else "on-demand")
+
+    # -- replacing lost nodes -------------------------------------------------------------------------------------
+
+    def placement(self, cluster: Cluster) -> str:
+        return f"compact policy {resource_name(cluster.name, 'compact')} in {cluster.owner['zone']}"
+
+    def end_nodes(self, cluster: Cluster, names: Sequence[str]) -> None:
+        zone, doing = cluster.owner["zone"], f"end {', '.join(names)} of {cluster.name}"
+
+        def end() -> None:
+            mine = {i.name for i in self._zone_instances(zone, cluster.name, doing)}
+            deleting = [op for op in (self._delete_instance(zone, name, doing) for name in names if name in mine)
+                        if op is not None]
+            for operation in deleting:
+                self._done(operation, doing)
+            if deleting:
+                log.info("%s: deleted %d of %s", cluster.name, len(deleting), ", ".join(names))
+
+        self._call(doing, end)
+
+    def start_replacements(self, cluster: Cluster, lost: Sequence[Node], host_keys: dict[str, HostKey]) -> Cluster:
+        zone, doing = cluster.owner["zone"], f"replace nodes of {cluster.name} in {self.placement(cluster)}"
+
+        def start() -> Cluster:
+            names = [node.name for node in lost]
+            template = self._survivor(cluster, zone, names, doing)
+            found = _stamp_of(template)
+            stamp = _Stamp(cluster.name, found.get(LABEL_RUN, cluster.run_id), found.get(LABEL_OWNER, ""),
+                           found.get(LABEL_CREATED, ""), found.get(LABEL_LEASE_TTL, ""))
+            # The survivors' service account and scopes: the replacement reaches the buckets as they do.
+            account = GcpServiceAccount()
+            if template.service_accounts:
+                account = GcpServiceAccount(email=template.service_accounts[0].email,
+                                            scopes=tuple(template.service_accounts[0].scopes) or account.scopes)
+            started: list[compute_v1.Operation] = []
+            try:
+                for node in lost:
+                    operation = self._node(
+                        node.name, node.rank, _short(template.machine_type),
+                        template.scheduling.provisioning_model == "SPOT", zone, template.resource_policies[0],
+                        stamp, host_keys[node.name], account, doing)
+                    if operation is not None:
+                        started.append(operation)
+            finally:
+                # An insert still in flight would create its instance after the caller's cleanup looked.
+                failures = self._finish(started, doing)
+            if failures:
+                raise failures[0]
+            self._wait_running(zone, cluster.name, names, doing)
+            return self._cluster(cluster.name, zone, self._zone_instances(zone, cluster.name, doing))
+
+        return self._call(doing, start)
+
+    def _survivor(self, cluster: Cluster, zone: str, lost: list[str], doing: str) -> compute_v1.Instance:
+        """A live instance of the cluster that is not being replaced: the shape its replacements copy."""
+        for instance in self._zone_instances(zone, cluster.name, doing):
+            if instance.name not in lost and instance.status in ALIVE and instance.resource_policies:
+                return instance
+        raise ReplacementUnavailable(f"gcp: no node of {cluster.name} survives in {zone} to replace "
+                                     f"{', '.join(lost)} next to: relaunch the cluster")
 
     # -- finding what a cluster has -----------------------------------------------------------------------------
 
