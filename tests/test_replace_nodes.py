@@ -4,6 +4,7 @@ end to end on 3 local nodes."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,7 +24,9 @@ from infra.job.plan import cluster_name_for
 from infra.job.spec import ClusterSpec, parse_job
 from infra.lifecycle.preemption_watch import Preempted
 from infra.lifecycle.recovery import Recoveries
+from infra.node import rejoin
 from infra.node.processes import NODE_TAG
+from infra.node.restore import prune_all_but
 from infra.workload.progress import StepClock
 from tasks.replace import Replaced, replace_or_relaunch
 
@@ -159,3 +162,26 @@ def test_replacement_unavailable_or_replace_cluster_takes_the_whole_relaunch(pre
         assert recovery.fallback is None, "nothing was tried"
     else:
         assert recovery.fallback is not None and "tp-gone: no cluster record" in recovery.fallback
+
+
+def test_a_survivor_rejoins_without_what_would_mislead_the_next_attempt(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """rejoin: the ended attempt's syncer state and stop request, notice and trigger go, its metrics are set aside;
+    restore --prune: only the restored checkpoint stays in the checkpoint dir (a save newer than the commit was never
+    committed, and the new syncer would take it for its own)."""
+    sync, logs, ckpt = tmp_path / "sync", tmp_path / "logs", tmp_path / "ckpt"
+    for directory in (sync / "sub", logs, ckpt / "step-00000040", ckpt / "step-00000080"):
+        directory.mkdir(parents=True)
+    (sync / "stop").write_text("stop\n")
+    (tmp_path / "notice").write_text("{}")
+    (logs / "metrics.jsonl").write_text('{"step": 60}\n')
+    argv = ["--clear", str(sync), "--remove", str(tmp_path / "notice"), "--remove", str(tmp_path / "absent"),
+            "--set-aside", str(logs / "metrics.jsonl"), "--suffix", "attempt-0"]
+    assert rejoin.main(argv) == 0
+    [event] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert event["event"] == "rejoined" and event["free_port"] > 0
+    assert list(sync.iterdir()) == [] and not (tmp_path / "notice").exists()
+    assert [p.name for p in logs.iterdir()] == ["metrics.jsonl.attempt-0"]
+
+    prune_all_but(ckpt, ckpt / "step-00000040")
+    assert [p.name for p in ckpt.iterdir()] == ["step-00000040"]
