@@ -230,8 +230,8 @@ def _recovery_rows(summary: RunSummary) -> list[dict[str, Any]]:
     """One row per recovery: why, how far training had got, where it resumed, and where the time went."""
     rows = []
     for r in summary.recoveries:
-        row = {key: r[key] for key in ("number", "node", "reason", "step_reached", "resumed_from_step", "steps_lost",
-                                       "notice_to_resume_s", "extra_cost_usd", "reused_bytes")}
+        row = {key: r.get(key) for key in ("number", "node", "path", "reason", "step_reached", "resumed_from_step",
+                                           "steps_lost", "notice_to_resume_s", "extra_cost_usd", "reused_bytes")}
         rows.append({**row, **{f"{phase}_s": r["seconds"].get(phase) for phase in RECOVERY_PHASES}})
     return rows
 

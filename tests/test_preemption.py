@@ -205,7 +205,8 @@ def test_a_job_preempted_twice_finishes_like_an_uninterrupted_one(prefect_server
     plain = retrain(parse_job(job_config(tmp_path / "plain", dataset, **training)), "plain-run")
 
     config = job_config(tmp_path / "chaos", dataset, **training)
-    config["recovery"] = {"max_recoveries": 3, "confirm_s": 3}
+    # The whole-cluster relaunch (test_replace_nodes has the replace-one path end to end).
+    config["recovery"] = {"max_recoveries": 3, "confirm_s": 3, "replace": "cluster"}
     config["chaos"] = {"preempt": [
         {"node": 1, "attempt": 0, "at_step": 60, "notice_s": 4},  # a spot notice: the trainer saves first
         {"node": 0, "attempt": 1, "at_step": 220, "notice_s": 0},  # the head node killed without notice
@@ -218,6 +219,7 @@ def test_a_job_preempted_twice_finishes_like_an_uninterrupted_one(prefect_server
     assert (second["with_notice"], second["reason"]) == (False, "vanished without notice")
     every = GPT_DEFAULTS["ckpt_every"]
     for recovery in (first, second):
+        assert (recovery["path"], recovery["replaced"], recovery["fallback"]) == ("relaunched-cluster", [], None)
         assert recovery["steps_lost"] <= every, recovery
         assert set(recovery["seconds"]) == {"teardown", "provision", "verify", "stage", "restore"}, recovery
         assert recovery["notice_to_resume_s"] > 0 and recovery["extra_cost_usd"] == 0.0
@@ -230,3 +232,4 @@ def test_a_job_preempted_twice_finishes_like_an_uninterrupted_one(prefect_server
     assert summary["nodes_left"] == 0
     assert not tagged_processes(workspace), "node processes outlived the run"
     assert not any((workspace / "clusters").iterdir()), "node directories outlived the run"
+    print("whole relaunch: detection to resumed", [r["notice_to_resume_s"] for r in summary["recoveries"]], "s")

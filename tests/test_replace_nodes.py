@@ -4,13 +4,16 @@ end to end on 3 local nodes."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 import pytest
 from jobs import job_config, make_dataset
+from prefect import flow
 from provider_checks import assert_replaces_only_the_lost
 from test_pipeline_e2e import tagged_processes
 
@@ -19,7 +22,13 @@ from infra.compute.providers.local import LocalProvider
 from infra.dataset.stagecache import node_cache_dir
 from infra.job.plan import cluster_name_for
 from infra.job.spec import ClusterSpec, parse_job
+from infra.lifecycle.preemption_watch import Preempted
+from infra.lifecycle.recovery import Recoveries
+from infra.node import rejoin
 from infra.node.processes import NODE_TAG
+from infra.node.restore import prune_all_but
+from infra.workload.progress import StepClock
+from tasks.replace import Replaced, replace_or_relaunch
 
 
 def test_local_replace_nodes_replaces_only_the_lost_node(tmp_path: Path) -> None:
@@ -124,3 +133,55 @@ def test_a_preempted_node_is_replaced_alone_filled_from_its_peers_and_training_r
     assert not tagged_processes(workspace), "node processes outlived the run"
     print(f"replace-one run: {elapsed:.1f}s; detection to resumed {recovery['notice_to_resume_s']}s, phases "
           f"{recovery['seconds']}")
+
+
+@dataclass
+class _Progress:
+    last_step: int = 50
+    clock: StepClock = field(default_factory=StepClock)
+
+
+@pytest.mark.parametrize("replace", ["nodes", "cluster"])
+def test_replacement_unavailable_or_replace_cluster_takes_the_whole_relaunch(prefect_server: None, workspace: Path,
+                                                                            tmp_path: Path, replace: str) -> None:
+    """recovery.replace: cluster never tries a replacement; with nodes, a cluster whose placement cannot take a new
+    node (here: its record is gone, ReplacementUnavailable) falls back to the relaunch, and the record says why."""
+    config = job_config(tmp_path, "file:///tmp/unused")
+    config["recovery"] = {"replace": replace}
+    job = parse_job(config)
+    preempted = Preempted(["tp-gone-node-1"], "vanished without notice", False, _Progress())
+    recovery = Recoveries(job.recovery).begin(preempted.nodes, preempted.reason, False, 50, time.time())
+
+    @flow
+    def recover() -> Replaced | None:
+        return replace_or_relaunch(job, "tp-gone", preempted, recovery)
+
+    assert recover() is None
+    assert (recovery.path, recovery.replaced) == ("relaunched-cluster", [])
+    if replace == "cluster":
+        assert recovery.fallback is None, "nothing was tried"
+    else:
+        assert recovery.fallback is not None and "tp-gone: no cluster record" in recovery.fallback
+
+
+def test_a_survivor_rejoins_without_what_would_mislead_the_next_attempt(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """rejoin: the ended attempt's syncer state and stop request, notice and trigger go, its metrics are set aside;
+    restore --prune: only the restored checkpoint stays in the checkpoint dir (a save newer than the commit was never
+    committed, and the new syncer would take it for its own)."""
+    sync, logs, ckpt = tmp_path / "sync", tmp_path / "logs", tmp_path / "ckpt"
+    for directory in (sync / "sub", logs, ckpt / "step-00000040", ckpt / "step-00000080"):
+        directory.mkdir(parents=True)
+    (sync / "stop").write_text("stop\n")
+    (tmp_path / "notice").write_text("{}")
+    (logs / "metrics.jsonl").write_text('{"step": 60}\n')
+    argv = ["--clear", str(sync), "--remove", str(tmp_path / "notice"), "--remove", str(tmp_path / "absent"),
+            "--set-aside", str(logs / "metrics.jsonl"), "--suffix", "attempt-0"]
+    assert rejoin.main(argv) == 0
+    [event] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert event["event"] == "rejoined" and event["free_port"] > 0
+    assert list(sync.iterdir()) == [] and not (tmp_path / "notice").exists()
+    assert [p.name for p in logs.iterdir()] == ["metrics.jsonl.attempt-0"]
+
+    prune_all_but(ckpt, ckpt / "step-00000040")
+    assert [p.name for p in ckpt.iterdir()] == ["step-00000040"]

@@ -65,11 +65,13 @@ def test_recoveries_get_a_table_with_the_time_split() -> None:
     summary.recoveries = [{"number": 1, "node": "n1", "reason": "chaos: spot notice", "with_notice": True,
                            "step_reached": 70, "detected_at": 0.0, "resumed_from_step": 72, "steps_lost": 0,
                            "notice_to_resume_s": 2.5, "extra_cost_usd": 0.0, "reused_bytes": 400,
+                           "path": "relaunched-cluster",
                            "seconds": {"teardown": 0.1, "provision": 0.2, "verify": 0.5, "stage": 1.0,
                                        "restore": 0.6}}]
     markdown = _markdown(summary, [])
     assert "## Recoveries from preemption" in markdown
-    assert "| 1 | n1 | chaos: spot notice | 70 | 72 | 0 | 2.5 | 0.0 | 400 | 0.1 | 0.2 | 0.5 | 1.0 | 0.6 |" in markdown
+    assert ("| 1 | n1 | relaunched-cluster | chaos: spot notice | 70 | 72 | 0 | 2.5 | 0.0 | 400 | 0.1 | 0.2 | 0.5 | "
+            "1.0 | 0.6 |") in markdown
 
 
 def test_the_step_breakdown_gets_a_fact_a_table_and_what_if_rows() -> None:

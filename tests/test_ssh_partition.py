@@ -144,6 +144,8 @@ def test_a_node_whose_packets_are_dropped_mid_training_is_recovered_not_waited_o
     assert summary["status"] == "completed", summary.get("error")
     assert recovery["node"] == f"{cluster_name_for(run_id)}-node-{dropped_node}"
     assert recovery["reason"] == "vanished without notice"
+    # Its host does not answer: it cannot be replaced on its own host, and the whole cluster is relaunched.
+    assert recovery["path"] == "relaunched-cluster" and recovery["node"] in recovery["fallback"], recovery
     assert recovery["resumed_from_step"] is not None and recovery["resumed_from_step"] >= times["committed"]
     # Then it is confirmed gone (it does not answer a new connection for TEARDOWN_CONNECT_S, asked by the watch every
     # 2 s, after its notice could not be read either): a lost node, not a run hung on a dead connection.

@@ -172,10 +172,11 @@ class RunSummary:
             lines.append(f"  checkpoints: {len(stalls)} saved, training stalled {sum(stalls) / len(stalls):.3f}s "
                          f"per checkpoint ({self.checkpoints[-1].get('mode')})")
         for r in self.recoveries:
-            lines.append(f"  recovery {r['number']}: {r['node']} preempted ({r['reason']}) "
-                         f"at step {r['step_reached']}, "
-                         f"resumed from step {r['resumed_from_step']} after {r['notice_to_resume_s']:.1f}s, "
-                         f"{r['steps_lost']} steps redone")
+            fallback = f" ({r['fallback']})" if r.get("fallback") else ""
+            lines.append(f"  recovery {r['number']}: {', '.join(r.get('nodes') or [r['node']])} preempted "
+                         f"({r['reason']}) at step {r['step_reached']}, {r.get('path', 'relaunched-cluster')}"
+                         f"{fallback}, resumed from step {r['resumed_from_step']} after "
+                         f"{r['notice_to_resume_s']:.1f}s, {r['steps_lost']} steps redone")
         lines.extend(f"  warning: {warning}" for warning in self.warnings)
         if self.nodes_left is not None:
             lines.append(f"  {self.nodes_left} nodes left running")

@@ -192,7 +192,9 @@ class Provider(ABC):
         new membership, so teardown and the sweeper find the replacement too, even if the caller dies half way.
 
         Raises ReplacementUnavailable when the placement cannot take a new node now (the caller then relaunches the
-        whole cluster elsewhere); a replacement that fails half way leaves no new instance behind."""
+        whole cluster elsewhere), ValueError for a name the cluster does not have (lost_nodes); a replacement that
+        fails half way leaves no new instance behind. The caller (tasks/replace.py) starts the new nodes' lease
+        watchdogs; the survivors' keep running."""
         raise ReplacementUnavailable(f"the {self.name} provider cannot replace single nodes")
 
     @abstractmethod
