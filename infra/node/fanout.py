@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Protocol
 
 from infra.dataset.assign import assign
-from infra.dataset.manifest import DatasetError
+from infra.dataset.errors import DatasetError
 from infra.dataset.stagecache import link_into
 from infra.node.events import emit
 from infra.storage.base import ObjectStore, StorageError

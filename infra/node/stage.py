@@ -23,7 +23,7 @@ from pathlib import Path
 
 from infra.dataset.assign import assign
 from infra.dataset.checksums import file_matches, hasher
-from infra.dataset.manifest import DatasetError
+from infra.dataset.errors import DatasetError
 from infra.dataset.snapshot import DATASET, DatasetSnapshot, SnapshotFile, check_unchanged, read_snapshot
 from infra.dataset.stagecache import CacheBusy, ObjectCache, link_into
 from infra.node.events import Throttle, emit, fail
