@@ -59,7 +59,7 @@ class StagingBenchError(RuntimeError):
 @dataclass(frozen=True)
 class StagingBenchConfig:
     nodes: tuple[int, ...] = (2, 4)
-    size_mb: int = 128
+    size_mb: int = 1024  # fixed costs (process starts, the exchange's last piece) amortize as on a real night
     store_mbit: float = 400.0
     node_mbit: float = 2000.0
     # Each stager's parallel transfers. Fewer than the stage command's 8: 2 nodes × 8 flows through the store's
