@@ -43,9 +43,9 @@ CONNECT_GRACE_S = 15.0  # a peer's server may still be starting: refused connect
 # A piece published is fetched within _POLL_MAX_S: the exchange's tail (each owner's last piece) waits no longer for
 # it. At 8 pieces awaited per node that is ≤ 80 HEADs a second a node sends, each answered from the owner's dir.
 _POLL_FIRST_S, _POLL_MAX_S = 0.02, 0.1
-# Ranged GETs in flight for one piece from a peer, whatever the stage's --workers (which the store's link sizes): the
-# python engine reads each part's body in one thread, so a fast node link needs many in flight (on loopback, 4 × 8 MiB
-# moved ~90 MB/s, 16 matched curl's ~380 MB/s), and each owner's last piece is the exchange's tail.
+# Ranged GETs in flight from the peers, shared by the pieces pulled at once (peer_workers): the python engine reads
+# each part's body in one thread, so a fast node link needs many in flight (on loopback, 4 × 8 MiB moved ~90 MB/s, 16
+# matched curl's ~380 MB/s), above all for each owner's last piece, the exchange's tail, pulled alone.
 PEER_WORKERS = 16
 
 
@@ -136,7 +136,14 @@ class Exchange:
         self.counts = Counts()
         self._lock = threading.Lock()
         self._cancel = threading.Event()
+        self._pulling = 0  # pieces being fetched from peers now
         self._started = time.monotonic()
+
+    def peer_workers(self, floor: int) -> int:
+        """Ranged GETs in flight for a piece starting from a peer now: PEER_WORKERS shared by the pieces being pulled
+        (one alone gets them all), never fewer than floor."""
+        with self._lock:
+            return max(floor, PEER_WORKERS // max(1, self._pulling))
 
     def publish(self, file: Piece) -> None:
         link_into(self.local(file), self.share_dir / share_name(file.checksum))
@@ -192,12 +199,17 @@ class Exchange:
                 self._give_up(peer, str(exc))
                 break
             if info is not None and info.size == file.size:
+                with self._lock:
+                    self._pulling += 1
                 try:
                     # The share dir holds each file under its checksum's name (one namespace for every snapshot).
                     fetch_one(peer.store, file, name)
                 except (DatasetError, StorageError) as exc:
                     self._give_up(peer, f"{name}: {exc}")
                     break
+                finally:
+                    with self._lock:
+                        self._pulling -= 1
                 self.publish(file)
                 with self._lock:
                     self.counts.peer_bytes += file.size

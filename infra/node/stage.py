@@ -27,7 +27,7 @@ from infra.dataset.errors import DatasetError
 from infra.dataset.snapshot import DATASET, DatasetSnapshot, SnapshotFile, check_unchanged, read_snapshot
 from infra.dataset.stagecache import CacheBusy, ObjectCache, link_into
 from infra.node.events import Throttle, emit, fail
-from infra.node.fanout import PEER_WORKERS, Counts, Exchange, Piece, add_peer_arguments
+from infra.node.fanout import Counts, Exchange, Piece, add_peer_arguments
 from infra.storage import StorageError, open_store
 from infra.storage.base import ChecksumMismatch, ObjectStore
 from infra.storage.records import DEFAULT_CONFIG
@@ -194,7 +194,7 @@ def stage(snapshot: DatasetSnapshot, mine: list[SnapshotFile], data_dir: Path, c
                                                                          fetched, exchange.publish),
                               lambda source, file, key: _fetch_one(
                                   source, snapshot, _as_snapshot_file(file, key), cache,
-                                  workers if source is store else max(workers, PEER_WORKERS), fetched))
+                                  workers if source is store else exchange.peer_workers(workers), fetched))
     fetch_s = time.monotonic() - fetched.started
     if exchange is None:
         fetched.report(sum(f.size for f in large), len(large))
