@@ -232,12 +232,37 @@ def _as_snapshot_file(file: Piece, key: str) -> SnapshotFile:
 def _fetch_own(store: ObjectStore, snapshot: DatasetSnapshot, own: list[SnapshotFile], cache: ObjectCache,
                workers: int, fetched: _Fetched, publish: Callable[[SnapshotFile], None]) -> None:
     """A node's fan-out share from the store, each file published to its peers as soon as it is verified: the
-    small ones in parallel, then the large ones one by one (each in parallel parts)."""
+    small ones in parallel, then the large ones one by one (each in parallel parts), each next one starting once the
+    previous one's bytes are all in, while that one is flushed and checked: the store's link does not idle at each
+    file's end (every node would idle at once: equal shares keep them in step)."""
     _fetch_small(store, snapshot, [f for f in own if f.size <= DEFAULT_PART_SIZE], cache, workers, fetched, publish)
-    for file in own:
-        if file.size > DEFAULT_PART_SIZE:
-            _fetch_one(store, snapshot, file, cache, workers, fetched)
-            publish(file)
+    large = [file for file in own if file.size > DEFAULT_PART_SIZE]
+    received = [threading.Event() for _ in large]
+    failed = threading.Event()
+
+    def one(index: int) -> None:
+        if index:
+            received[index - 1].wait()
+        if failed.is_set():
+            received[index].set()
+            return
+
+        def progress(done: Progress) -> None:
+            if done.bytes_done >= done.bytes_total:
+                received[index].set()
+
+        try:
+            _fetch_large(store, snapshot, [large[index]], cache, workers, progress)
+        except BaseException:
+            failed.set()
+            raise
+        finally:
+            received[index].set()
+        fetched.add(large[index].size)
+        publish(large[index])
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # one file finishing, the next one arriving
+        list(pool.map(one, range(len(large))))
 
 
 def _input(text: str) -> tuple[str, str]:
