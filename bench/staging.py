@@ -8,7 +8,8 @@ peer server up (tasks.fanout.peer_servers). Per run:
 
 - store bytes: what the store sent, counted at the store: the tx counter of the store namespace's own interface
   (every byte it put on its link, HTTP and TCP/IP headers included), not what the clients say they read;
-- wall time: from the first stager (or peer server) started to the last stager ended;
+- wall time: from the first peer server (fan-out) or stager started to the last stager ended and every peer server
+  stopped: what the flow's stage phase waits for, process starts included;
 - verify: every node's data dir holds every snapshot file, each matching the snapshot's checksum.
 
 Needs root (namespaces, tc). The store is unshaped while the dataset is uploaded and snapshotted, then shaped.
@@ -59,7 +60,7 @@ class StagingBenchError(RuntimeError):
 @dataclass(frozen=True)
 class StagingBenchConfig:
     nodes: tuple[int, ...] = (2, 4)
-    size_mb: int = 128
+    size_mb: int = 1024  # fixed costs (process starts, the exchange's last piece) amortize as on a real night
     store_mbit: float = 400.0
     node_mbit: float = 2000.0
     # Each stager's parallel transfers. Fewer than the stage command's 8: 2 nodes × 8 flows through the store's

@@ -213,17 +213,21 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: 
     launch = TrainLaunch(plan.checkpoint_url, plan.dataset_url, ports[cluster.head.name], plan.workload.config_hash,
                          attempt=attempt, attempt_id=f"{attempt}-{uuid.uuid4().hex[:8]}")
     with phase("stage"):
-        # The code and the setup go their own way beside the dataset: neither waits for the other.
-        preparing = prepare_node.map(unmapped(job), unmapped(cluster), new, unmapped(code_url),
-                                     unmapped(plan.workload.code_sha256), unmapped(launch))
         inputs = {name: input_plan.snapshot_url for name, input_plan in plan.inputs.items()}
         fan, why = fanout.decide(job.dataset.fanout, len(cluster.nodes), summary.cluster_bench,
                                  [plan.dataset_url, *(i.url for i in plan.inputs.values())])
         summary.dataset["fanout"] = {"on": fan, "why": why}
         get_run_logger().info("fan-out staging: %s", why)
-        # The peers serve the dataset's and the inputs' shares, then the checkpoint's files a resume restores.
-        exchanging = fan and (staging or bool(inputs) or resume_step is not None)
+        # The peers serve the code archive (when its sha256 is known), the dataset's and the inputs' shares, then the
+        # checkpoint's files a resume restores; they stay up until every node holds its code.
+        sharing_code = code_url is not None and plan.workload.code_sha256 is not None
+        exchanging = fan and (staging or bool(inputs) or resume_step is not None or sharing_code)
         with (fanout.peer_servers(cluster) if exchanging else nullcontext(([], None))) as peers:
+            # The code and the setup go their own way beside the dataset: neither waits for the other. Survivors
+            # have theirs (and serve the archive from their share dirs still).
+            preparing = prepare_node.map(unmapped(job), unmapped(cluster), new, unmapped(code_url),
+                                         unmapped(plan.workload.code_sha256), unmapped(launch),
+                                         peers=unmapped(peers[0]), peer_env=unmapped(peers[1]))
             with phase.recovery_part("stage"):
                 # The dataset and the inputs one after the other on each node, through its one cache.
                 nodes_staged = (stage_node.map(unmapped(cluster), cluster.nodes,
@@ -240,12 +244,12 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: 
                                                    peer_env=unmapped(peers[1]),
                                                    prune=unmapped(bool(survivors))).result()
                             if resume_step is not None else [])
-        # A warm start: only when nothing of this run is committed yet (a resume continues from its own commit).
-        warm = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.init_from.run_url),
-                                       unmapped(job.checkpoints.format), step=unmapped(plan.init_from.step),
-                                       dest=[node.path("init-from") for node in cluster.nodes]).result()
-                if plan.init_from is not None and resume_step is None else [])
-        ready = preparing.result()
+            # A warm start: only when nothing of this run is committed yet (a resume continues from its own commit).
+            warm = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.init_from.run_url),
+                                           unmapped(job.checkpoints.format), step=unmapped(plan.init_from.step),
+                                           dest=[node.path("init-from") for node in cluster.nodes]).result()
+                    if plan.init_from is not None and resume_step is None else [])
+            ready = preparing.result()
     if warm:
         summary.init_from = plan.init_from.url if plan.init_from is not None else None
     record_workload(summary, plan, ready, agreed_code_hash(ready))

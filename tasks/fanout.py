@@ -6,11 +6,12 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
 from infra.compute.access.remote import Process
-from infra.compute.providers import Cluster, get_provider
+from infra.compute.providers import Cluster, Node, get_provider
 from infra.node.fanout import PEER_PORT_BASE, SHARE_DIR, peer_url
 from infra.storage.http import PASS_ENV, USER_ENV
 
@@ -50,15 +51,31 @@ def peer_servers(cluster: Cluster) -> Iterator[tuple[list[str], dict[str, str]]]
     env = {USER_ENV: f"run-{secrets.token_hex(4)}", PASS_ENV: secrets.token_urlsafe(24)}
     provider = get_provider(cluster.provider)
     started: list[tuple[str, Process]] = []
+
+    def start(node: Node) -> Process:
+        return provider.runner(cluster, node).start(
+            [node.python, "-m", "infra.node", "peer-serve", "--dir", node.path(SHARE_DIR),
+             "--addr", f"{node.address}:{PEER_PORT_BASE + node.rank}"],
+            env=env, log_path=node.path("logs", "peer-serve.log"))
+
     try:
-        for node in cluster.nodes:
-            runner = provider.runner(cluster, node)
-            started.append((node.name, runner.start(
-                [node.python, "-m", "infra.node", "peer-serve", "--dir", node.path(SHARE_DIR),
-                 "--addr", f"{node.address}:{PEER_PORT_BASE + node.rank}"],
-                env=env, log_path=node.path("logs", "peer-serve.log"))))
+        # All at once: a start over SSH takes a round trip or more, and the stagers wait for none of them (a server
+        # still starting is retried for the connect grace).
+        with ThreadPoolExecutor(max_workers=len(cluster.nodes)) as pool:
+            starting = [(node.name, pool.submit(start, node)) for node in cluster.nodes]
+        failed = None
+        for name, future in starting:
+            if future.exception() is None:
+                started.append((name, future.result()))
+            else:
+                failed = failed or future.exception()
+        if failed is not None:
+            raise failed
         yield [peer_url(node.address, node.rank) for node in cluster.nodes], env
     finally:
-        for name, process in started:
-            code = process.terminate(grace_s=5.0)
-            log.info("%s: peer server stopped (exit %s)", name, code)
+        def stop(name: str, process: Process) -> None:
+            log.info("%s: peer server stopped (exit %s)", name, process.terminate(grace_s=5.0))
+
+        with ThreadPoolExecutor(max_workers=max(1, len(started))) as pool:
+            for stopping in [pool.submit(stop, name, process) for name, process in started]:
+                stopping.result()

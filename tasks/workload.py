@@ -16,6 +16,7 @@ from infra.compute.access.remote import RemoteError
 from infra.compute.providers import Cluster, Node, get_provider
 from infra.job.plan import Plan
 from infra.job.spec import JobSpec
+from infra.node.fanout import SHARE_DIR
 from infra.storage import open_store
 from infra.workload.code import pack
 from infra.workload.plan import code_archive_url
@@ -67,16 +68,25 @@ def _setup_script(node: Node, commands: tuple[str, ...]) -> str:
 
 @task(name="prepare-node", **NO_RETRIES)
 def prepare_node(job: JobSpec, cluster: Cluster, node: Node, code_url: str | None, code_sha256: str | None,
-                 launch: TrainLaunch) -> NodeReady:
+                 launch: TrainLaunch, peers: list[str] | None = None, peer_env: dict[str, str] | None = None
+                 ) -> NodeReady:
     """Fetch the code (when the job has some) and run the setup, once per node; not retried: a setup that fails
-    would fail again."""
+    would fail again.
+
+    peers (fan-out, tasks/fanout.py): every node's peer server URL by rank, peer_env their credentials: the store
+    serves the archive once per cluster, the nodes take it from its owner (an archive URL without a known sha256 is
+    read by every node from the store: a peer's copy could not be checked)."""
     logger = get_run_logger()
     runner = get_provider(cluster.provider).runner(cluster, node)
     sink = node_line_sink(logger, f"{node.name} setup")
     sha256 = None
     if code_url is not None:
         argv = [node.python, "-m", "infra.node", "code", "--url", code_url, "--dest", node.code_dir]
-        result = runner.run(argv + (["--sha256", code_sha256] if code_sha256 else []), timeout=3600, on_line=sink)
+        if code_sha256:
+            argv += ["--sha256", code_sha256]
+            if peers:
+                argv += ["--rank", str(node.rank), "--peers", ",".join(peers), "--share-dir", node.path(SHARE_DIR)]
+        result = runner.run(argv, env=peer_env if peers and code_sha256 else None, timeout=3600, on_line=sink)
         sha256 = last_event(result.output, "code")["sha256"]
     setup = job.training.setup
     if not setup:

@@ -1,7 +1,7 @@
-"""Fan-out staging on 3 local nodes (processes on loopback): the store (`rclone serve s3`, behind a proxy that counts
-what it serves) is read once per cluster; the nodes take the rest from each other's `peer-serve` (rclone serve http,
-per-run credentials), every byte checked against the snapshot. A peer whose server dies mid-exchange: what it owed
-comes from the store, and the nodes say so.
+"""Fan-out staging (and the code archive's fan-out) on 3 local nodes (processes on loopback): the store (`rclone serve
+s3`, behind a proxy that counts what it serves) is read once per cluster; the nodes take the rest from each other's
+`peer-serve` (rclone serve http, per-run credentials), every byte checked against the snapshot. A peer whose server
+dies mid-exchange: what it owed comes from the store, and the nodes say so.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from infra.node.events import parse
 from infra.node.fanout import shares
 from infra.storage import open_store
 from infra.storage.http import PASS_ENV, USER_ENV
+from infra.workload.code import PackedCode, pack
 from tasks.fanout import decide
 
 MB = 1 << 20
@@ -225,3 +226,59 @@ def test_auto_fanout_is_off_when_every_store_is_a_local_path() -> None:
     assert decide("auto", 4, fast, ["file:///data/ds", "file:///data/base"])[0] is False
     assert decide("auto", 4, fast, ["file:///data/ds", "s3://bucket/base"])[0] is True
     assert decide("on", 4, fast, ["file:///data/ds"])[0] is True
+
+
+@pytest.fixture
+def code_archive(s3_url: str, tmp_path: Path) -> tuple[str, PackedCode]:
+    """The job's code packed and published as tasks.workload does; incompressible, so its bytes dominate a count."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "train.py").write_text("print('hello')\n")
+    (code / "weights.bin").write_bytes(os.urandom(2 * MB))
+    packed = pack(code, tmp_path / "packed")
+    open_store(f"{s3_url}/code").put_file(packed.archive, packed.archive.name)
+    return f"{s3_url}/code/{packed.archive.name}", packed
+
+
+def start_code(url: str, packed: PackedCode, node: Node, nodes: list[Node]) -> Staging:
+    return node_command(["code", "--url", url, "--dest", str(node.workdir / "code"), "--sha256", packed.sha256,
+                         "--rank", str(node.rank), "--peers", ",".join(n.url for n in nodes), "--share-dir",
+                         str(node.workdir / "share"), "--peer-connect-grace", "1", "--peer-wait", "60"])
+
+
+def fetched_code(staging: Staging) -> dict[str, object]:
+    assert staging.process.wait(timeout=120) == 0, "".join(staging.output)[-3000:]
+    return staging.wait_for("code")
+
+
+def test_the_code_archive_is_read_from_the_store_once_per_cluster(
+        code_archive: tuple[str, PackedCode], s3_server: S3Server, cluster: list[Node], credentials: dict[str, str],
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    url, packed = code_archive
+    size = packed.archive.stat().st_size
+    for node in cluster:
+        start_server(node)
+    with counted_store(s3_server, monkeypatch) as store:
+        events = [fetched_code(staging) for staging in [start_code(url, packed, node, cluster) for node in cluster]]
+    # One node read it from the store; the store sent it once (plus HEADs' and requests' headers).
+    assert size <= store.served <= 1.05 * size, store.served
+    assert sorted(int(e["store_bytes"]) for e in events) == [0] * (NODES - 1) + [size], events
+    assert sum(int(e["peer_bytes"]) for e in events) == (NODES - 1) * size
+    for node, event in zip(cluster, events, strict=True):
+        assert event["sha256"] == packed.sha256 and event["fallback_files"] == 0
+        assert tree(node.workdir / "code") == tree(tmp_path / "code")
+
+
+def test_the_code_archive_comes_from_the_store_when_its_owner_is_gone(
+        code_archive: tuple[str, PackedCode], s3_server: S3Server, cluster: list[Node], credentials: dict[str, str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The archive's owner (rank 0) never serves: the other nodes give up on it after the connect grace, read the
+    archive from the store, and say so."""
+    url, packed = code_archive
+    for node in cluster[1:]:
+        start_server(node)
+    stagings = [start_code(url, packed, node, cluster) for node in cluster[1:]]
+    for staging in stagings:
+        event = fetched_code(staging)
+        assert event["store_bytes"] == packed.archive.stat().st_size and event["fallback_files"] == 1
+        assert [e["peer"] for e in staging.events if e["event"] == "fanout-fallback"] == [0]

@@ -22,7 +22,7 @@ def _node_counts(text: str) -> tuple[int, ...]:
 @exit_2_on("bench.staging:StagingBenchError", "bench.recovery:RecoveryBenchError")
 def staging(
     nodes: Annotated[str, typer.Option(help="cluster sizes to stage on, comma-separated")] = "2,4",
-    size_mb: Annotated[int, typer.Option(min=1, help="MB of the replicated dataset (8 files)")] = 128,
+    size_mb: Annotated[int, typer.Option(min=1, help="MB of the replicated dataset (8 files)")] = 1024,
     store_mbit: Annotated[float, typer.Option(min=1, help="the store's link, Mbit/s")] = 400.0,
     node_mbit: Annotated[float, typer.Option(min=1, help="every node's link, Mbit/s")] = 2000.0,
     workers: Annotated[int, typer.Option(min=1, help="each stager's parallel transfers")] = 4,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from infra.dataset.manifest import DatasetError
+from infra.dataset.errors import DatasetError
 from infra.dataset.snapshot import SnapshotFile
 
 SHARD_MODES = ("replicate", "split")

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
+from infra.dataset.errors import DatasetError
 from infra.models import SHA256_HEX, StrictModel
 from infra.storage.base import ObjectInfo, ObjectNotFound, ObjectStore
 
@@ -20,10 +21,6 @@ DATASET_FORMAT = "trainpipe-tokens-v1"
 TOKEN_DTYPE = "uint16"
 TOKEN_BYTES = 2
 SHARD_NAME_RE = re.compile(r"^shard-\d{5}\.bin$")
-
-
-class DatasetError(Exception):
-    """A dataset that cannot be used; the message is one line naming the object and the fix."""
 
 
 class ShardInfo(StrictModel):

@@ -22,8 +22,8 @@ from typing import Literal
 from pydantic import Field, ValidationError
 
 from infra.dataset.checksums import object_checksum
+from infra.dataset.errors import DatasetError
 from infra.dataset.listing import Listed, list_prefix
-from infra.dataset.manifest import DatasetError
 from infra.models import StrictModel
 from infra.storage import open_store
 from infra.storage.base import ObjectNotFound, ObjectStore

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from infra.dataset.assign import assign
 from infra.dataset.checksums import file_matches, hasher
-from infra.dataset.manifest import DatasetError
+from infra.dataset.errors import DatasetError
 from infra.dataset.snapshot import DATASET, DatasetSnapshot, SnapshotFile, check_unchanged, read_snapshot
 from infra.dataset.stagecache import CacheBusy, ObjectCache, link_into
 from infra.node.events import Throttle, emit, fail
@@ -192,8 +192,9 @@ def stage(snapshot: DatasetSnapshot, mine: list[SnapshotFile], data_dir: Path, c
     else:
         counts = exchange.run(mine, fetch, store, lambda own: _fetch_own(store, snapshot, own, cache, workers,
                                                                          fetched, exchange.publish),
-                              lambda source, file, key: _fetch_one(source, snapshot, _as_snapshot_file(file, key),
-                                                                   cache, workers, fetched))
+                              lambda source, file, key: _fetch_one(
+                                  source, snapshot, _as_snapshot_file(file, key), cache,
+                                  workers if source is store else exchange.peer_workers(workers), fetched))
     fetch_s = time.monotonic() - fetched.started
     if exchange is None:
         fetched.report(sum(f.size for f in large), len(large))
@@ -231,12 +232,37 @@ def _as_snapshot_file(file: Piece, key: str) -> SnapshotFile:
 def _fetch_own(store: ObjectStore, snapshot: DatasetSnapshot, own: list[SnapshotFile], cache: ObjectCache,
                workers: int, fetched: _Fetched, publish: Callable[[SnapshotFile], None]) -> None:
     """A node's fan-out share from the store, each file published to its peers as soon as it is verified: the
-    small ones in parallel, then the large ones one by one (each in parallel parts)."""
+    small ones in parallel, then the large ones one by one (each in parallel parts), each next one starting once the
+    previous one's bytes are all in, while that one is flushed and checked: the store's link does not idle at each
+    file's end (every node would idle at once: equal shares keep them in step)."""
     _fetch_small(store, snapshot, [f for f in own if f.size <= DEFAULT_PART_SIZE], cache, workers, fetched, publish)
-    for file in own:
-        if file.size > DEFAULT_PART_SIZE:
-            _fetch_one(store, snapshot, file, cache, workers, fetched)
-            publish(file)
+    large = [file for file in own if file.size > DEFAULT_PART_SIZE]
+    received = [threading.Event() for _ in large]
+    failed = threading.Event()
+
+    def one(index: int) -> None:
+        if index:
+            received[index - 1].wait()
+        if failed.is_set():
+            received[index].set()
+            return
+
+        def progress(done: Progress) -> None:
+            if done.bytes_done >= done.bytes_total:
+                received[index].set()
+
+        try:
+            _fetch_large(store, snapshot, [large[index]], cache, workers, progress)
+        except BaseException:
+            failed.set()
+            raise
+        finally:
+            received[index].set()
+        fetched.add(large[index].size)
+        publish(large[index])
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # one file finishing, the next one arriving
+        list(pool.map(one, range(len(large))))
 
 
 def _input(text: str) -> tuple[str, str]:

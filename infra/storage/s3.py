@@ -1,7 +1,7 @@
 """The s3:// object store: any S3-compatible server (AWS_ENDPOINT_URL). Whole files move through awscrt's S3
-client (s3_native.py, the transfer engine's native path), and so do listing, HEAD and the multipart upload's
-create, complete and abort (s3_control.py); small objects, deletes and the python engine's ranged GETs and parts go
-through boto3.
+client (s3_native.py, the transfer engine's native path), and so do listing, HEAD, a small object's read and the
+multipart upload's create, complete and abort (s3_control.py); small objects' writes, deletes and the python
+engine's ranged GETs and parts go through boto3.
 
 botocore is imported only when its client is first needed: `trainpipe cp` of a tree lists, fetches and sends
 without it (its import and client were ~0.3 s of the copy's start). The endpoint, region and credentials are read
@@ -307,9 +307,12 @@ class S3Store(ObjectStore):
             return _read_body(reply, self.url_for(key))
 
     def get_bytes(self, key: str) -> bytes:
-        with self._calling(key, "read"):
-            reply = self.client.get_object(Bucket=self.bucket, Key=self.keys.name(key))
-            return _read_body(reply, self.url_for(key))
+        data, expected = self._control(key, "read", s3_control.get_object)
+        if len(data) != expected:
+            # A connection cut mid-body that the HTTP layer did not notice: fetch it again.
+            raise TransientStorageError(f"{self.url_for(key)}: got {len(data)} of {expected} bytes: the connection was "
+                                        "cut")
+        return data
 
     def get_file(self, key: str, path: Path) -> ObjectInfo:
         with self._calling(key, "read"):

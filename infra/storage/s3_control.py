@@ -129,6 +129,15 @@ def head_object(client: s3.S3Client, endpoint: Endpoint, bucket: str, name: str,
                   parsedate_to_datetime(modified).timestamp() if modified else None, checksum)
 
 
+def get_object(client: s3.S3Client, endpoint: Endpoint, bucket: str, name: str, stall_timeout_s: float, what: str
+               ) -> tuple[bytes, int]:
+    """A small object's bytes in one request, and the length the server announced (a cut body is shorter): what a
+    snapshot or a manifest is read with, without botocore's import and client in the reader's start."""
+    request = http.HttpRequest("GET", endpoint.path(bucket, name), http.HttpHeaders([("Host", endpoint.host(bucket))]))
+    headers, body = _call(client, request, "GetObject", stall_timeout_s, what)
+    return body, int(headers.values.get("content-length", len(body)))
+
+
 def _request(method: str, endpoint: Endpoint, bucket: str, name: str, query: str, headers: list[tuple[str, str]],
              body: bytes = b"") -> http.HttpRequest:
     return http.HttpRequest(method, f"{endpoint.path(bucket, name)}?{query}", http.HttpHeaders(
