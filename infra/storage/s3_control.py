@@ -14,14 +14,14 @@ import io
 import threading
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
-from datetime import datetime
-from email.utils import parsedate_to_datetime
+from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote, unquote_plus
 
 from awscrt import http, s3
 
 from infra.storage.checksum import CRC32C, CRC64NVME
+from infra.storage.crt_traffic import TRAFFIC
 from infra.storage.s3_native import Endpoint, Headers, wait
 from infra.storage.stall import StallWatch
 
@@ -126,7 +126,26 @@ def head_object(client: s3.S3Client, endpoint: Endpoint, bucket: str, name: str,
         checksum = next((str(found) for found in map(headers.checksum, _HEAD_CHECKSUMS) if found is not None), None)
     modified = values.get("last-modified")
     return Listed(name, int(values.get("content-length", 0)), _etag(values.get("etag")),
-                  parsedate_to_datetime(modified).timestamp() if modified else None, checksum)
+                  _http_time(modified) if modified else None, checksum)
+
+
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+
+
+def _http_time(text: str) -> float:
+    """An HTTP date (\"Sun, 06 Nov 1994 08:49:37 GMT\", what S3 sends) as a timestamp; any other form through
+    email.utils, imported only then (with the socket module it pulls in, ~20 ms of `trainpipe cp`'s start)."""
+    parts = text.split()
+    if len(parts) == 6 and parts[5] == "GMT" and parts[2] in _MONTHS:
+        try:
+            hour, minute, second = map(int, parts[4].split(":"))
+            return datetime(int(parts[3]), _MONTHS.index(parts[2]) + 1, int(parts[1]), hour, minute, second,
+                            tzinfo=UTC).timestamp()
+        except ValueError:
+            pass
+    from email.utils import parsedate_to_datetime
+
+    return parsedate_to_datetime(text).timestamp()
 
 
 def _request(method: str, endpoint: Endpoint, bucket: str, name: str, query: str, headers: list[tuple[str, str]],
