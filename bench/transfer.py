@@ -357,10 +357,9 @@ def _fresh(path: Path) -> Path:
 
 
 def _warm(folder: Path) -> None:
-    """Read every file of a bucket once before a timed download of it. Where the buckets outgrow the page cache
-    (6 GB: the dataset and its CRC-keeping copy), the first client to read a bucket after the other was read can
-    find it on disk and the next one in memory: with one run each, trainpipe always went first, and the server
-    spent 2.0-2.5 cpu-s/GB on its runs against 1.5-1.8 on s5cmd's that followed (0.6 GB: 1.4-1.6 against 1.7-1.9)."""
+    """Read every file of a bucket once before a timed download of it: where the buckets outgrow the page cache
+    (6 GB: the dataset and its CRC-keeping copy), the first client to read a bucket after the other was read would
+    find it on disk and the next one in memory, so the order of the runs, not the client, would decide."""
     buffer = bytearray(8 << 20)
     for path in sorted(folder.rglob("*")):
         if path.is_file():
