@@ -14,6 +14,7 @@ machine where both share a few cores, the client's CPU per byte decides its thro
 
 from __future__ import annotations
 
+import compileall
 import importlib.util
 import json
 import os
@@ -77,6 +78,7 @@ class Row:
     client_cpu_s_per_gb: list[float] = field(default_factory=list)
     server_cpu_s_per_gb: list[float] = field(default_factory=list)
     note: str = ""
+    retries: int = 0  # retries the client logged over all its runs
 
     @property
     def median(self) -> float:
@@ -130,6 +132,7 @@ class Report:
                 return "-" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value)
 
             note = f" {item['note']}" if item["note"] else ""
+            note += f" ({item['retries']} retries logged)" if item["retries"] else ""
             runs = ", ".join(f"{v:.0f}" for v in item["mb_per_s"]) if item["mb_per_s"] else ""  # type: ignore[attr-defined]
             lines.append(f"{item['store']:<5} {item['direction']:<9} {item['client']:<17} {item['engine'] or '-':<7} "
                          f"{item['median']:>11.1f} {item['best']:>8.1f} {show(item['vs_s5cmd']):>8} "
@@ -262,6 +265,13 @@ class Timing:
     seconds: float
     client_cpu_s: float
     server_cpu_s: float
+    retries: tuple[str, ...] = ()  # the lines in which the client said it retried something
+
+
+def _retries(stderr: str) -> tuple[str, ...]:
+    """The retries a client logged (trainpipe: a warning each; the peers say "retr" too): a run that retried is
+    slower for it, and a false retry (a stall that was none) is a bug to see, not noise to average away."""
+    return tuple(line for line in stderr.splitlines() if "retr" in line.lower())
 
 
 class Meter:
@@ -286,7 +296,7 @@ class Meter:
         if done.returncode != 0:
             raise RuntimeError(f"{Path(argv[0]).name} exited {done.returncode}: {(done.stderr or done.stdout)[-800:]}")
         client_cpu = (client_after.ru_utime - client_before.ru_utime) + (client_after.ru_stime - client_before.ru_stime)
-        return Timing(seconds, client_cpu, server_after - server_before)
+        return Timing(seconds, client_cpu, server_after - server_before, _retries(done.stderr))
 
 
 def _listening_child(port: int) -> psutil.Process:
@@ -325,6 +335,9 @@ def _record(row: Row, index: int, runs: int, run_once: Callable[[int], Timing], 
     echo(f"  {row.store} {row.direction} {row.client} {row.engine} run {index + 1}/{runs}: "
          f"{row.mb_per_s[-1]:.0f} MB/s, client {row.client_cpu_s_per_gb[-1]:.2f} cpu-s/GB, "
          f"server {row.server_cpu_s_per_gb[-1]:.2f}")
+    if timing.retries:
+        row.retries += len(timing.retries)
+        echo(f"    {len(timing.retries)} retries logged, the first: {timing.retries[0][:300]}")
 
 
 def _alternating(rows: list[tuple[Row, Callable[[int], Timing]]], runs: int, nbytes: int,
@@ -341,6 +354,18 @@ def _fresh(path: Path) -> Path:
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
     return path
+
+
+def _warm(folder: Path) -> None:
+    """Read every file of a bucket once before a timed download of it: where the buckets outgrow the page cache
+    (6 GB: the dataset and its CRC-keeping copy), the first client to read a bucket after the other was read would
+    find it on disk and the next one in memory, so the order of the runs, not the client, would decide."""
+    buffer = bytearray(8 << 20)
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            with open(path, "rb", buffering=0) as file:
+                while file.readinto(buffer):
+                    pass
 
 
 def _checked_download(dest: Path, nbytes: int, run: Callable[[], Timing]) -> Timing:
@@ -389,7 +414,8 @@ def bench_s3(config: BenchConfig, scratch: Path, servers: ModuleType, echo: Call
             argv = download_argv(client, engine, bucket, "data/", dest, server.endpoint)
             rows.append(row := Row("s3", "download", client, engine, note=note))
 
-            def download_once(_index: int, argv: list[str] = argv) -> Timing:
+            def download_once(_index: int, argv: list[str] = argv, bucket: str = bucket) -> Timing:
+                _warm(root / bucket)
                 return _checked_download(dest, nbytes, lambda: meter.run(argv))
 
             downloads.append((row, download_once))
@@ -480,8 +506,19 @@ def bench_gcs(config: BenchConfig, scratch: Path, servers: ModuleType, echo: Cal
     return list(rows.values())
 
 
+def _compile_checkout() -> None:
+    """Bytecode for the checkout's packages, as an install writes it: a checkout run with PYTHONDONTWRITEBYTECODE
+    (or from a read-only tree) compiles every module of `trainpipe cp` again on each start (~25 ms of CPU), which
+    no installed copy does."""
+    root = Path(__file__).resolve().parent.parent
+    for package in ("trainpipe", "infra"):
+        if not compileall.compile_dir(root / package, quiet=1):
+            raise RuntimeError(f"{root / package}: does not compile: fix the syntax error python reports above")
+
+
 def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> Report:
     servers = _test_servers()
+    _compile_checkout()
     with ExitStack() as stack:
         scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="trainpipe-bench-", dir=config.workdir)))
         report = bench_s3(config, scratch, servers, echo)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from servers import LoopbackProxy
 
-from infra.storage import open_store, s3, s3_native
+from infra.storage import open_store, s3, s3_control, s3_native
 from infra.storage.checksum import Checksum, checksum_bytes
 from infra.storage.s3 import MIN_PART_SIZE
 from infra.storage.transfer import FileSpec, RetryPolicy, TransferConfig, download, upload
@@ -238,3 +238,36 @@ def test_a_slow_but_moving_request_is_not_retried(scheme: str, engine: str, dire
                                         engine, direction, SLOW_BYTES_PER_S / 1e6, took, len(retries), SLOW_STALL_S)
     assert not retries, retries
     assert took > SLOW_STALL_S * 2, f"{took:.1f}s: the proxy did not slow the copy down enough to test anything"
+
+
+def test_a_control_request_queued_behind_moving_parts_is_not_stalled(
+    tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A HEAD waits in the CRT's queue while every connection carries a slow, moving GET: no byte of its own for
+    longer than the bound, yet no stall (an upload's HEAD after each PUT was retried so on a busy link)."""
+    config = CONFIG.but(stall_timeout_s=SLOW_STALL_S, connections_per_cpu=1, part_size=MIN_PART_SIZE)
+    url, proxy, _clients = _proxied("s3", ThrottlingProxy, request, monkeypatch)
+    assert isinstance(proxy, ThrottlingProxy)
+    store = open_store(url)
+    names = [f"f{i}.bin" for i in range(2 * len(os.sched_getaffinity(0)))]  # twice the CRT's connections
+    (tmp_path / "src").mkdir()
+    for name in names:
+        (tmp_path / "src" / name).write_bytes(os.urandom(MIN_PART_SIZE))
+    proxy.bytes_per_s = None  # the objects are put in place at full speed
+    upload(tmp_path / "src", names, store, config)
+    proxy.bytes_per_s = SLOW_BYTES_PER_S  # each GET then holds its connection ~5 s
+    dest = tmp_path / "dest"
+    fetching = threading.Thread(target=download, args=(store, [FileSpec(n, MIN_PART_SIZE) for n in names], dest,
+                                                       config), daemon=True)
+    fetching.start()
+    deadline = time.monotonic() + 60
+    while not any(dest.glob("*.part")):  # the CRT creates each file as its GET goes out
+        assert time.monotonic() < deadline, "the downloads never started"
+        time.sleep(0.05)
+    client, endpoint = s3.S3Store(url)._native(config)
+    started = time.monotonic()
+    info = s3_control.head_object(client, endpoint, url.removeprefix("s3://"), names[-1], SLOW_STALL_S, "HEAD")
+    waited = time.monotonic() - started
+    fetching.join(timeout=120)
+    assert info.size == MIN_PART_SIZE
+    assert waited > SLOW_STALL_S, f"{waited:.1f}s: the HEAD was not queued behind the GETs: nothing was tested"

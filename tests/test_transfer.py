@@ -422,6 +422,8 @@ def test_is_transient() -> None:
 def test_argument_errors(store: FileStore, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="workers=0: must be at least 1"):
         TransferConfig(workers=0)
+    with pytest.raises(ValueError, match="connections_per_cpu=0: must be at least 1"):
+        TransferConfig(connections_per_cpu=0)
     with pytest.raises(ValueError, match="engine='rust': use one of native, python"):
         CONFIG.but(engine="rust")
     with pytest.raises(ValueError, match=r"^invalid checksum 'crc64nvme:xyz': use crc64nvme:<base64 of 8 bytes>"):

@@ -17,7 +17,6 @@ import argparse
 import gc
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -183,6 +182,8 @@ def _copy(
     if local_dst:
         if dst_keys == files.rels:
             return _fetch(root, files, Path(dst_root), config, progress)
+        import tempfile  # only on these paths: the common ones start without it (and shutil, random, bz2, lzma)
+
         # One file under another name: fetched beside its target (same filesystem), then renamed over it.
         target = Path(dst_root) / dst_keys[0]
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -193,6 +194,7 @@ def _copy(
     if root.startswith("/"):
         return upload(Path(root), files.rels, open_store(dst_root), config, keys=dst_keys, progress=progress)
     # Store to store: through a local scratch directory, one engine pass each way.
+    import tempfile
     with tempfile.TemporaryDirectory(prefix="trainpipe-cp-") as scratch:
         fetched = _fetch(root, files, Path(scratch) / "data", config, progress, Path(scratch) / "state")
         sent = upload(Path(scratch) / "data", files.rels, open_store(dst_root), config, keys=dst_keys,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -75,7 +74,7 @@ def _open_temp_beside(target: Path) -> tuple[Path, int]:
     attempt = 1
     while True:
         target.parent.mkdir(parents=True, exist_ok=True)
-        temp = target.parent / f".{uuid.uuid4().hex[:16]}{TEMP_SUFFIX}"
+        temp = target.parent / f".{os.urandom(8).hex()}{TEMP_SUFFIX}"
         try:
             # 0o666 lets the umask decide the final mode, like any other file the user writes.
             return temp, os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)

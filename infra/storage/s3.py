@@ -16,7 +16,6 @@ one-line StorageError naming the object and the fix.
 
 from __future__ import annotations
 
-import configparser
 import logging
 import os
 import threading
@@ -119,6 +118,8 @@ def _region() -> str:
     if region:
         return region
     profile = os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE") or "default"
+    import configparser  # only here: ~10 ms of every start that has its region in the environment
+
     config = configparser.RawConfigParser()
     config.read(Path(os.environ.get("AWS_CONFIG_FILE") or "~/.aws/config").expanduser())
     section = "default" if profile == "default" else f"profile {profile}"
@@ -402,7 +403,8 @@ class S3Store(ObjectStore):
         """The CRT client for this endpoint, credentials and tuning (one per process), and the endpoint."""
         connection = _connection()
         endpoint = s3_native.Endpoint(connection.endpoint, connection.region)
-        tuning = (config.throughput_target_gbps, config.memory_limit, config.part_size, config.retry)
+        tuning = (config.throughput_target_gbps, config.memory_limit, config.part_size, config.retry,
+                  config.connections_per_cpu)
         with _connections_lock:
             client = connection.crt.get(tuning)
             if client is None:

@@ -185,6 +185,7 @@ def new_client(endpoint: Endpoint, credentials: Any, config: TransferConfig) -> 
         throughput_target_gbps=config.throughput_target_gbps,
         memory_limit=config.memory_limit,
         retry_config=retry,
+        max_active_connections_override=config.connections_per_cpu * len(os.sched_getaffinity(0)),
     )
 
 
