@@ -6,12 +6,15 @@ dies mid-exchange: what it owed comes from the store, and the nodes say so.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,8 +26,9 @@ from test_dataset_stage import freeze, put_dataset, tree
 
 from infra.dataset.snapshot import read_snapshot
 from infra.node.events import parse
-from infra.node.fanout import shares
+from infra.node.fanout import Exchange, File, Piece, shares
 from infra.storage import open_store
+from infra.storage.base import ObjectStore
 from infra.storage.http import PASS_ENV, USER_ENV
 from infra.workload.code import PackedCode, pack
 from tasks.fanout import decide
@@ -282,3 +286,48 @@ def test_the_code_archive_comes_from_the_store_when_its_owner_is_gone(
         event = fetched_code(staging)
         assert event["store_bytes"] == packed.archive.stat().st_size and event["fallback_files"] == 1
         assert [e["peer"] for e in staging.events if e["event"] == "fanout-fallback"] == [0]
+
+
+def test_an_owner_slower_than_the_wait_bound_but_alive_is_waited_for(
+        tmp_path: Path, cluster: list[Node], credentials: dict[str, str]) -> None:
+    """The wait for a peer's piece counted from the first ask: an owner whose share took the store longer than the
+    bound (minutes, for a large share) was given up on by every node, and the store sent its share N times. Now the
+    bound counts from the owner's last sign of life: its exchange's heartbeat, so it is waited for (2 s bound, 5 s
+    fetch here), while a gone one (test above) is still given up on."""
+    data = os.urandom(3 * MB)
+    piece = File("weights.bin", len(data), f"sha256:{hashlib.sha256(data).hexdigest()}")
+    store_dir = tmp_path / "store"
+    store_dir.mkdir()
+    (store_dir / piece.key).write_bytes(data)
+    store = open_store(f"file://{store_dir}")
+    for node in cluster[:2]:
+        start_server(node)
+    urls = [node.url for node in cluster[:2]]
+    landed = {rank: cluster[rank].workdir / "data" for rank in (0, 1)}
+
+    def exchange(rank: int) -> Exchange:
+        return Exchange(rank, urls, cluster[rank].workdir / "share", lambda p: landed[rank] / p.key, wait_s=2.0,
+                        connect_grace_s=5.0)
+
+    def fetch_one(rank: int) -> Callable[[ObjectStore, Piece, str], None]:
+        def fetch(source: ObjectStore, wanted: Piece, key: str) -> None:
+            body = source.get_bytes(key)
+            assert f"sha256:{hashlib.sha256(body).hexdigest()}" == wanted.checksum
+            landed[rank].mkdir(parents=True, exist_ok=True)
+            (landed[rank] / wanted.key).write_bytes(body)
+        return fetch
+
+    def slow_own(own: list[Piece]) -> None:
+        time.sleep(5.0)  # the store sending the owner's share: longer than the wait bound
+        for wanted in own:
+            fetch_one(1)(store, wanted, wanted.key)
+            owner.publish(wanted)
+
+    owner, taker = exchange(1), exchange(0)
+    owners = {piece.checksum: 1}
+    with ThreadPoolExecutor(2) as pool:
+        owning = pool.submit(owner.run, [piece], [piece], store, slow_own, fetch_one(1), owners)
+        counts = taker.run([piece], [piece], store, lambda own: None, fetch_one(0), owners)
+        assert owning.result().store_bytes == len(data)
+    assert (counts.peer_bytes, counts.store_bytes, counts.peers_gone) == (len(data), 0, {})
+    assert (landed[0] / piece.key).read_bytes() == data

@@ -11,7 +11,10 @@ a checkpoint file, which may still hold it). A file is published (hard-linked in
 checksum) as soon as it is verified, so peers take pieces while they arrive: a node asks the owner for each file it
 wants every _POLL_MAX_S at most (a HEAD, the server's cheapest reply), so a piece leaves its owner within a tenth of a
 second of landing there. A peer that cannot be reached, refuses, sends bad bytes or does not have a file within the wait
-bound is done with: what it owed comes from the store, with a `fanout-fallback` event naming it and why.
+bound is done with: what it owed comes from the store, with a `fanout-fallback` event naming it and why. The bound
+counts from the peer's last sign of life, not from the first ask: every node's exchange beats (rewrites HEARTBEAT in
+its share dir) while it runs, so an owner whose share takes the store minutes to send is waited for, and one whose
+node or stager is gone is given up on within the bound.
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ log = logging.getLogger(__name__)
 
 PEER_PORT_BASE = 47400  # node rank r serves on PEER_PORT_BASE + r (distinct on one host: local and netns nodes)
 SHARE_DIR = "fanout"  # under the node's workdir: what its peer server serves, each file under its checksum's name
-WAIT_S = 120.0  # how long a node waits for a file its owner has not published yet
+WAIT_S = 30.0  # how long a node waits for a file from an owner that shows no sign of life (no file, no beat)
+HEARTBEAT = "_alive"  # in the share dir (share names are "<algorithm>-<value>"): rewritten every BEAT_S while running
+BEAT_S = 2.0
 CONNECT_GRACE_S = 15.0  # a peer's server may still be starting: refused connections are retried this long
 # A piece published is fetched within _POLL_MAX_S: the exchange's tail (each owner's last piece) waits no longer for
 # it. At 8 pieces awaited per node that is ≤ 80 HEADs a second a node sends, each answered from the owner's dir.
@@ -90,7 +95,8 @@ def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
                         "node's own included); credentials in TRAINPIPE_PEER_USER/TRAINPIPE_PEER_PASS")
     parser.add_argument("--share-dir", type=Path, help="fan-out: the dir this node's peer server serves")
     parser.add_argument("--peer-wait", type=float, default=WAIT_S,
-                        help="fan-out: seconds to wait for a file its owner has not published yet")
+                        help="fan-out: seconds a peer may show no sign of life (no file, no heartbeat) before what "
+                        "it owes is taken from the store")
     parser.add_argument("--peer-connect-grace", type=float, default=CONNECT_GRACE_S,
                         help="fan-out: seconds a refused connection to a peer is retried (its server starting)")
 
@@ -112,6 +118,8 @@ class _Peer:
     store: HttpStore
     gone: str | None = None  # why this node stopped asking it
     starting: bool = False  # refused a connection within the grace: its server is still starting
+    beat: bytes | None = None  # its HEARTBEAT as last read
+    alive_at: float = field(default_factory=time.monotonic)  # when it last showed life (a beat changed, a piece came)
 
 
 @dataclass
@@ -139,6 +147,7 @@ class Exchange:
         self.counts = Counts()
         self._lock = threading.Lock()
         self._cancel = threading.Event()
+        self._ended = threading.Event()  # run() returned: the heartbeat stops
         self._pulling = 0  # pieces being fetched from peers now
         self._started = time.monotonic()
 
@@ -166,6 +175,16 @@ class Exchange:
         others = [file for file in fetch if owner[file.checksum] != self.rank]
         emit("fanout", rank=self.rank, peers=len(self.peers), own_files=len(own),
              own_bytes=sum(f.size for f in own), peer_files=len(others))
+        beating = threading.Thread(target=self._beat, name="fanout-heartbeat", daemon=True)
+        beating.start()
+        try:
+            return self._exchange(own, others, owner, store, fetch_own, fetch_one)
+        finally:
+            self._ended.set()
+            beating.join(timeout=BEAT_S + 1)
+
+    def _exchange(self, own: list[Piece], others: list[Piece], owner: Mapping[str, int], store: ObjectStore,
+                  fetch_own: Callable[[list[Piece]], None], fetch_one: Fetch) -> Counts:
         with ThreadPoolExecutor(max_workers=max(1, min(8, len(others)))) as pool:
             pulls = [pool.submit(self._from_peer, file, self.peers[owner[file.checksum]], store, fetch_one)
                      for file in others]
@@ -180,10 +199,39 @@ class Exchange:
                 pull.result()
         return self.counts
 
+    def _beat(self) -> None:
+        """This exchange's sign of life to its peers, while it runs: a new value every BEAT_S (one that stops changing
+        means a stager or node gone). A beat that cannot be written is said once and the exchange goes on: its peers
+        then wait only the bound for it."""
+        beats = 0
+        while True:
+            beats += 1
+            try:
+                self.share_dir.mkdir(parents=True, exist_ok=True)
+                temp = self.share_dir / f".{HEARTBEAT}.tmp"
+                temp.write_text(f"{self.rank} {self._started} {beats}\n")
+                temp.replace(self.share_dir / HEARTBEAT)
+            except OSError as exc:
+                log.warning("fan-out heartbeat not written (%s): peers wait for this node only %gs", exc, self.wait_s)
+                return
+            if self._ended.wait(BEAT_S):
+                return
+
+    def _shows_life(self, peer: _Peer) -> bool:
+        """Whether the peer showed life within the bound: its heartbeat changed since last read (read now)."""
+        try:
+            beat = peer.store.get_bytes(HEARTBEAT)
+        except StorageError:
+            beat = None  # no exchange running there (yet): only the time since it last showed life counts
+        with self._lock:
+            if beat is not None and beat != peer.beat:
+                peer.beat, peer.alive_at = beat, time.monotonic()
+            return time.monotonic() - peer.alive_at < self.wait_s
+
     def _from_peer(self, file: Piece, peer: _Peer, store: ObjectStore, fetch_one: Fetch) -> None:
         name = share_name(file.checksum)
-        deadline = time.monotonic() + self.wait_s
         delay = _POLL_FIRST_S
+        next_beat_check = time.monotonic() + BEAT_S
         while peer.gone is None:
             if self._cancel.is_set():
                 return
@@ -216,10 +264,13 @@ class Exchange:
                 self.publish(file)
                 with self._lock:
                     self.counts.peer_bytes += file.size
+                    peer.alive_at = time.monotonic()
                 return
-            if time.monotonic() >= deadline:
-                self._give_up(peer, f"{name} not there within {self.wait_s:g}s")
-                break
+            if time.monotonic() >= next_beat_check:
+                next_beat_check = time.monotonic() + BEAT_S
+                if not self._shows_life(peer):
+                    self._give_up(peer, f"{name} not there and no sign of life from it for {self.wait_s:g}s")
+                    break
             if self._cancel.wait(delay):
                 return
             delay = min(_POLL_MAX_S, delay * 2)
