@@ -6,10 +6,12 @@ a replica damaged on disk is not trusted; and a replica that cannot be pulled ne
 from __future__ import annotations
 
 import shutil
+import socket
+import time
 from pathlib import Path
 
 import pytest
-from servers import S3Server
+from servers import S3Server, free_port
 from test_checkpoints import make_step, node_dirs
 from test_fanout_restore import NODES, STEP, commit_step, events, held, peer_credentials, whole
 from test_fanout_stage import Node, Staging, counted_store, local_nodes, node_command, start_server
@@ -133,5 +135,59 @@ def test_a_replica_that_cannot_be_pulled_never_stops_the_syncer(tmp_path: Path, 
                     syncer.proc.wait()
     assert syncers[1].uploaded_steps() == [100, 200]
     assert not (tmp_path / "replica-1" / step_name(100)).exists()
-    # Node 1's own parts are linked into its share dir for its replica holder, under their checksums' names.
-    assert len(list((tmp_path / "share-1").iterdir())) == 2
+    # Node 1's own parts (of steps 100 and 200) are linked for its replica holder, under their checksums' names.
+    assert len(list((tmp_path / "share-1" / "replica").iterdir())) == 2
+
+
+def test_syncers_serve_their_parts_and_keep_their_buddys_part_of_the_newest_commit(
+        tmp_path: Path, peer_credentials: None) -> None:
+    """Two real syncers, each serving its own part (--replica-serve): after each commit each keeps the other's part
+    of it, the older replica dropped; a syncer killed takes its peer server with it."""
+    checkpoints = CheckpointStore(open_store(f"file://{tmp_path / 'store' / 'run-1'}"))
+    dirs = node_dirs(tmp_path)
+    stop = tmp_path / "stop"
+    ports = [free_port() for _ in dirs]
+
+    def replica(rank: int) -> list[str]:
+        return ["--replica-buddy", f"http://127.0.0.1:{ports[buddy(rank, 2)]}", "--replica-dir",
+                str(tmp_path / f"replica-{rank}"), "--replica-share-dir", str(tmp_path / f"share-{rank}"),
+                "--replica-serve", f"127.0.0.1:{ports[rank]}"]
+
+    syncers = [SyncProcess(tmp_path, dirs[rank], checkpoints.store.url, rank, "--stop-file", str(stop),
+                           *replica(rank)) for rank in (0, 1)]
+    try:
+        for step in (100, 200):
+            for rank in (0, 1):
+                make_step(dirs[rank], step, rank)
+            syncers[0].wait_for(is_event("committed", step))
+            for syncer in syncers:
+                syncer.wait_for(is_event("replica", step))
+        for rank in (0, 1):
+            kept = tmp_path / f"replica-{rank}"
+            assert [path.name for path in kept.iterdir()] == [step_name(200)], "the older replica is dropped"
+            other = dirs[buddy(rank, 2)] / step_name(200)
+            assert {p.name: p.read_bytes() for p in (kept / step_name(200)).iterdir()} == \
+                {p.name: p.read_bytes() for p in other.iterdir()}
+        # Killed however it dies, a syncer's peer server goes with it: a restarted syncer can serve on its port.
+        syncers[1].proc.kill()
+        syncers[1].proc.wait()
+        wait_closed(ports[1])
+        stop.touch()  # nothing is left to commit: the coordinator stops alone
+        assert syncers[0].finish() == 0
+        wait_closed(ports[0])
+    finally:
+        for syncer in syncers:
+            if syncer.proc.poll() is None:
+                syncer.proc.kill()
+                syncer.proc.wait()
+
+
+def wait_closed(port: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except OSError:
+            return
+        assert time.monotonic() < deadline, f"port {port} still served {timeout_s:g}s after its syncer ended"
+        time.sleep(0.1)

@@ -10,6 +10,10 @@ network, verifies each against the manifest's checksum like a store's byte, and 
 <workdir>/replica/step-N/ (never in the script's checkpoint dir); an older replica is dropped once the new one is
 whole. The store is read only for the manifest and the records: its egress does not grow with the checkpoint.
 
+During training the node's part is served by a `peer-serve` the syncer starts (--replica-serve: the fan-out's port
+and per-run credentials), watched by its replica thread (restarted when it dies) and killed with the syncer (a
+parent-death signal), so the syncer, itself watched by the orchestrator, is the one sidecar to watch.
+
 This is background work on one thread: a failure is logged and emitted (`replica-failed`), never fatal to training
 (the store still has every byte; a restore without the replica reads the lost part from there).
 """
@@ -17,10 +21,14 @@ This is background work on one thread: a failure is logged and emitted (`replica
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
 import queue
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -38,10 +46,12 @@ from infra.storage.transfer import FileSpec, download
 
 log = logging.getLogger(__name__)
 
-REPLICA_DIR = "replica"  # under the node's workdir
+REPLICA_DIR = "replica"  # under the node's workdir; and under its share dir, what its replica holder reads
 COMMIT_WAIT_S = 900.0  # how long a shipped step is waited for to commit before its replica is given up
 _POLL_FIRST_S, _POLL_MAX_S = 0.5, 10.0
 _INCOMING = ".incoming"
+SERVER_CHECK_S = 5.0  # how often the replica thread checks its peer server
+SERVER_RESTARTS = 5  # then replicas of this node's part are given up (said), training goes on
 
 
 def buddy(rank: int, nodes: int) -> int:
@@ -63,6 +73,7 @@ class ReplicaConfig:
     buddy_url: str
     share_dir: Path
     replica_dir: Path
+    serve_addr: str | None = None  # HOST:PORT: serve share_dir there during training (peer-serve)
 
 
 def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +83,8 @@ def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
                         "(<workdir>/replica)")
     parser.add_argument("--replica-share-dir", type=Path, help="peer replica: the dir this node's peer server serves: "
                         "its own uploaded part is linked there for its replica holder")
+    parser.add_argument("--replica-serve", metavar="HOST:PORT", help="peer replica: serve --replica-share-dir there "
+                        "while the syncer runs (rclone serve http, restarted if it dies, killed with the syncer)")
 
 
 def replica_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ReplicaConfig | None:
@@ -81,7 +94,17 @@ def replica_config(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     if not all(given):
         parser.error("--replica-buddy, --replica-dir and --replica-share-dir go together: give all three (peer "
                      "replica) or none")
-    return ReplicaConfig(args.replica_buddy, args.replica_share_dir, args.replica_dir)
+    return ReplicaConfig(args.replica_buddy, args.replica_share_dir, args.replica_dir, args.replica_serve)
+
+
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child of a fork must not import or load
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the server's child before exec: SIGTERM once the thread that started it ends, which is the syncer's end
+    (its main thread, or its replica thread, which lives as long as the process); kept across exec."""
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class Replicator:
@@ -94,17 +117,23 @@ class Replicator:
         self.checkpoints = checkpoints
         self.peer = HttpStore(config.buddy_url)
         self.share_dir = config.share_dir
+        self.published_dir = config.share_dir / REPLICA_DIR
         self.replica_dir = config.replica_dir
+        self.serve_addr = config.serve_addr
+        self.server: subprocess.Popen[bytes] | None = None
+        self._server_restarts = 0
         self.commit_wait_s = commit_wait_s
         # One daemon thread: bounded background work that never holds up the syncer's exit (a pull cut short leaves
         # only a .partial dir, replaced by the next one).
         self._steps: queue.Queue[int] = queue.Queue()
         self._idle = threading.Condition()
         self._pending = 0
-        threading.Thread(target=self._work, name=f"replica-{rank}", daemon=True).start()
         self._published: dict[int, list[str]] = {}  # step -> share names this node linked for it
         self._newest = -1
         self._closed = threading.Event()
+        if self.serve_addr is not None:
+            self._serve()
+        threading.Thread(target=self._work, name=f"replica-{rank}", daemon=True).start()
 
     def shipped(self, step: int, root: Path, files: list[FileEntry]) -> None:
         """This node's part of `step` is uploaded (files relative to root): serve it, then replicate the buddy's."""
@@ -119,6 +148,28 @@ class Replicator:
 
     def close(self) -> None:
         self._closed.set()
+        if self.server is not None and self.server.poll() is None:
+            self.server.terminate()
+
+    def _serve(self) -> None:
+        # stderr is the syncer's (its log): rclone's complaints land beside the syncer's own.
+        self.server = subprocess.Popen(
+            [sys.executable, "-m", "infra.node", "peer-serve", "--dir", str(self.share_dir), "--addr",
+             str(self.serve_addr)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+
+    def _check_server(self) -> None:
+        if self.server is None or self._closed.is_set() or (code := self.server.poll()) is None:
+            return
+        if self._server_restarts >= SERVER_RESTARTS:
+            self._failed(self._newest, f"its peer server exited {code} {self._server_restarts + 1} times: this "
+                         "node's part is no longer served to its replica holder")
+            self.server = None
+            return
+        self._server_restarts += 1
+        log.warning("replica peer server on %s exited %s: restarting it (%d/%d)", self.serve_addr, code,
+                    self._server_restarts, SERVER_RESTARTS)
+        emit("replica-server-restarted", addr=self.serve_addr, code=code, restarts=self._server_restarts)
+        self._serve()
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Whether every queued pull finished within timeout_s."""
@@ -127,7 +178,11 @@ class Replicator:
 
     def _work(self) -> None:
         while True:
-            step = self._steps.get()
+            self._check_server()
+            try:
+                step = self._steps.get(timeout=SERVER_CHECK_S)
+            except queue.Empty:
+                continue
             try:
                 self._pull_logged(step)
             finally:
@@ -139,15 +194,17 @@ class Replicator:
         names = []
         for entry in files:
             name = share_name(str(entry.checksum))
-            link_into(root / entry.path, self.share_dir / name)
+            link_into(root / entry.path, self.published_dir / name)
             names.append(name)
         self._published[step] = names
-        # The previous step stays served: a replica holder may still be pulling it while this one commits.
-        keep = {name for s in sorted(self._published)[-2:] for name in self._published[s]}
+        # The previous step stays served: a replica holder may still be pulling it while this one commits. Links
+        # of older steps (of an earlier syncer too) go: they would keep files the script deleted on the disk.
         for old in sorted(self._published)[:-2]:
-            for name in self._published.pop(old):
-                if name not in keep:
-                    (self.share_dir / name).unlink(missing_ok=True)
+            del self._published[old]
+        keep = {name for names in self._published.values() for name in names}
+        for path in self.published_dir.iterdir():
+            if path.name not in keep:
+                path.unlink(missing_ok=True)
 
     def _failed(self, step: int, reason: str) -> None:
         log.warning("replica of step %d (node %d's part): %s: a restore would read that part from the store",
@@ -193,10 +250,11 @@ class Replicator:
         for entry in files:
             name = share_name(str(entry.checksum))
             # Verified against the manifest's checksum by the transfer engine, as a store's byte is.
-            download(self.peer, [FileSpec(name, entry.bytes, entry.sha256, entry.crc)], incoming)
+            key = f"{REPLICA_DIR}/{name}"
+            download(self.peer, [FileSpec(key, entry.bytes, entry.sha256, entry.crc)], incoming)
             target = partial / entry.path
             target.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(incoming / name, target)
+            os.replace(incoming / key, target)
         shutil.rmtree(incoming, ignore_errors=True)
         final = self.replica_dir / step_name(step)
         shutil.rmtree(final, ignore_errors=True)
