@@ -191,3 +191,30 @@ def wait_closed(port: int, timeout_s: float = 30.0) -> None:
             return
         assert time.monotonic() < deadline, f"port {port} still served {timeout_s:g}s after its syncer ended"
         time.sleep(0.1)
+
+
+def test_peer_replica_is_on_with_two_nodes_off_when_asked_and_refused_on_one() -> None:
+    from pydantic import ValidationError
+
+    from infra.compute.providers import Cluster
+    from infra.compute.providers import Node as ClusterNode
+    from infra.job.spec import JobSpec
+    from infra.node.fanout import PEER_PORT_BASE
+    from tasks.train import TrainLaunch, syncer_argv
+
+    def job(nodes: int, **checkpoints: object) -> JobSpec:
+        return JobSpec.model_validate({"dataset": {"url": "file:///d"}, "cluster": {"nodes": nodes},
+                                       "checkpoints": {"url": "file:///c", **checkpoints},
+                                       "training": {"command": ["-m", "trainer.train"]}})
+
+    nodes = tuple(ClusterNode(f"n{r}", r, f"10.0.0.{r + 1}", f"/w{r}", "/d", f"/w{r}/ckpt", "python") for r in (0, 1))
+    cluster = Cluster("c", "local", "run", nodes, 0.0)
+    launch = TrainLaunch("file:///c", "file:///d", 29500, "hash", attempt_id="0-x")
+    argv = syncer_argv(job(2), cluster, nodes[0], launch)
+    assert argv[argv.index("--replica-buddy") + 1] == f"http://10.0.0.2:{PEER_PORT_BASE + 1}"
+    assert argv[argv.index("--replica-serve") + 1] == f"10.0.0.1:{PEER_PORT_BASE}"
+    assert argv[argv.index("--replica-dir") + 1] == "/w0/replica"
+    assert "--replica-buddy" not in syncer_argv(job(2, peer_replica=False), cluster, nodes[0], launch)
+    assert not job(1).peer_replica
+    with pytest.raises(ValidationError, match=r"checkpoints\.peer_replica true with cluster\.nodes 1"):
+        job(1, peer_replica=True)
