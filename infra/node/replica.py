@@ -191,6 +191,7 @@ class Replicator:
                     self._idle.notify_all()
 
     def _publish(self, step: int, root: Path, files: list[FileEntry]) -> None:
+        self.published_dir.mkdir(parents=True, exist_ok=True)  # a node may have written nothing of a step
         names = []
         for entry in files:
             name = share_name(str(entry.checksum))
