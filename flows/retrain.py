@@ -242,7 +242,8 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: 
                 restored = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.checkpoint_url),
                                                    unmapped(job.checkpoints.format), peers=unmapped(peers[0]),
                                                    peer_env=unmapped(peers[1]),
-                                                   prune=unmapped(bool(survivors))).result()
+                                                   prune=unmapped(bool(survivors)),
+                                                   holders=unmapped([node.rank for node in survivors])).result()
                             if resume_step is not None else [])
             # A warm start: only when nothing of this run is committed yet (a resume continues from its own commit).
             warm = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.init_from.run_url),

@@ -1,5 +1,6 @@
 """Fan-out staging, the orchestrator's side: whether a cluster uses it, and every node's peer server around the
-stage (infra/node/fanout.py is the node's side)."""
+stage (infra/node/fanout.py is the node's side); and the syncer's flags of the peer replicas of checkpoint parts
+(infra/node/replica.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 from infra.compute.access.remote import Process
 from infra.compute.providers import Cluster, Node, get_provider
 from infra.node.fanout import PEER_PORT_BASE, SHARE_DIR, peer_url
+from infra.node.replica import REPLICA_DIR, buddy
 from infra.storage.http import PASS_ENV, USER_ENV
 
 log = logging.getLogger(__name__)
@@ -42,13 +44,27 @@ def decide(mode: str, nodes: int, bench: dict[str, Any] | None, store_urls: Sequ
     return True, f"dataset.fanout auto: the slowest node-to-node link is {slowest:g} Gbit/s: fan-out is on"
 
 
+def peer_credentials() -> dict[str, str]:
+    """A pair of peer-server credentials made for one use (a stage, a training launch), for the environment."""
+    return {USER_ENV: f"run-{secrets.token_hex(4)}", PASS_ENV: secrets.token_urlsafe(24)}
+
+
+def replica_argv(cluster: Cluster, node: Node) -> list[str]:
+    """A node's syncer flags for checkpoints.peer_replica: it serves its share dir on its fan-out port while it runs
+    and keeps its ring buddy's part under <workdir>/replica (credentials: peer_credentials in its environment)."""
+    other = next(peer for peer in cluster.nodes if peer.rank == buddy(node.rank, len(cluster.nodes)))
+    return ["--replica-buddy", peer_url(other.address, other.rank), "--replica-dir", node.path(REPLICA_DIR),
+            "--replica-share-dir", node.path(SHARE_DIR),
+            "--replica-serve", f"{node.address}:{PEER_PORT_BASE + node.rank}"]
+
+
 @contextmanager
 def peer_servers(cluster: Cluster) -> Iterator[tuple[list[str], dict[str, str]]]:
     """Every node serving its share dir on its cluster address (rank r: port PEER_PORT_BASE + r), with a pair of
     credentials made for this stage and passed in the environment, never on a command line; yields the peers' URLs
     by rank and that environment (the stagers need it too). Stopped on exit; teardown kills them anyway (they carry
     the cluster's process tags)."""
-    env = {USER_ENV: f"run-{secrets.token_hex(4)}", PASS_ENV: secrets.token_urlsafe(24)}
+    env = peer_credentials()
     provider = get_provider(cluster.provider)
     started: list[tuple[str, Process]] = []
 

@@ -14,6 +14,7 @@ from infra.compute.providers import Cluster, Node, get_provider
 from infra.dataset.stagecache import node_cache_dir
 from infra.node.events import parse
 from infra.node.fanout import SHARE_DIR
+from infra.node.replica import REPLICA_DIR
 from infra.workload.contract import INPUTS_DIR
 from tasks.node_output import last_event, node_line_sink
 from tasks.policy import TRANSIENT_RETRIES
@@ -87,7 +88,7 @@ def stage_node(cluster: Cluster, node: Node, snapshot_url: str | None, shard: st
 def restore_checkpoint(cluster: Cluster, node: Node, checkpoint_url: str, checkpoint_format: str,
                        timeout_s: float = 3600, step: int | None = None, dest: str | None = None,
                        peers: list[str] | None = None, peer_env: dict[str, str] | None = None,
-                       prune: bool = False) -> Restored:
+                       prune: bool = False, holders: list[int] | None = None) -> Restored:
     """Download the latest committed checkpoint (or `step`) into the node's checkpoint dir (the whole union of every
     node's files, under the name the script saved it as); returns its step and local path (TRAINPIPE_RESUME_FROM).
 
@@ -98,14 +99,17 @@ def restore_checkpoint(cluster: Cluster, node: Node, checkpoint_url: str, checkp
     peers (fan-out, tasks/fanout.py): every node's peer server URL by rank, peer_env their credentials: the nodes
     fill each other and the store serves each file of the checkpoint once per cluster.
 
-    prune: the node's checkpoint dir keeps only the restored checkpoint (a survivor of a replace-one recovery)."""
+    prune: the node's checkpoint dir keeps only the restored checkpoint (a survivor of a replace-one recovery).
+    holders: the survivors of a replace-one: a replaced node's part comes from its replica on a survivor
+    (checkpoints.peer_replica, infra/node/replica.py), else from the store."""
     runner = get_provider(cluster.provider).runner(cluster, node)
     sink = node_line_sink(get_run_logger(), node.name)
     where = ["--dest", dest] if dest is not None else ["--dest", node.ckpt_dir, "--sync-dir", node.sync_dir]
     result = runner.run([node.python, "-m", "infra.node", "restore", "--url", checkpoint_url, *where,
                          "--format", checkpoint_format, *(["--step", str(step)] if step is not None else []),
                          *(["--prune"] if prune else []),
-                         *(["--rank", str(node.rank), "--peers", ",".join(peers), "--share-dir", node.path(SHARE_DIR)]
-                           if peers else [])],
+                         *(["--rank", str(node.rank), "--peers", ",".join(peers), "--share-dir", node.path(SHARE_DIR),
+                            "--replica-dir", node.path(REPLICA_DIR)] if peers else []),
+                         *(["--holders", ",".join(map(str, holders))] if peers and holders else [])],
                         env=peer_env, timeout=timeout_s, on_line=sink)
     return Restored.from_event(last_event(result.output, "restored"))

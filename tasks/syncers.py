@@ -52,8 +52,9 @@ class Syncers:
 
     def __init__(self, runners: dict[str, Runner], nodes: Sequence[Node], argv: Callable[[Node], list[str]],
                  sink: Callable[[Node, Callable[[dict[str, Any]], None]], LineSink], logger: Logger,
-                 max_restarts: int = MAX_RESTARTS) -> None:
+                 max_restarts: int = MAX_RESTARTS, env: dict[str, str] | None = None) -> None:
         self.runners, self.nodes, self.argv, self.sink, self.logger = runners, tuple(nodes), argv, sink, logger
+        self.env = env  # the peer replicas' credentials (checkpoints.peer_replica), the same on every restart
         self.max_restarts = max_restarts
         self.processes: dict[str, Process] = {}
         self.restarts: dict[str, int] = {}
@@ -65,7 +66,8 @@ class Syncers:
 
     def _start(self, node: Node) -> None:
         self.processes[node.name] = self.runners[node.name].start(
-            self.argv(node), on_line=self.sink(node, self.events.append), log_path=node.path("logs", "sync.log"))
+            self.argv(node), env=self.env, on_line=self.sink(node, self.events.append),
+            log_path=node.path("logs", "sync.log"))
 
     def poll(self) -> None:
         """One round of the train wait: a syncer that died is restarted, or TrainingError says why training stops.

@@ -21,6 +21,7 @@ from infra.node.sync import STOP_FILE
 from infra.workload.contract import NodeContext, input_dir, render_command
 from infra.workload.progress import Point
 from tasks.chaos import arm_chaos
+from tasks.fanout import peer_credentials, replica_argv
 from tasks.node_output import TrainingProgress, node_line_sink
 from tasks.policy import NO_RETRIES
 from tasks.results import CheckpointSave, Committed, Uploaded, checkpoint_saves, sync_results
@@ -105,6 +106,7 @@ def syncer_argv(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch)
         "--metrics-file", node.metrics_file, "--store-outage", str(job.checkpoints.store_outage_s),
         "--commit-timeout", str(job.checkpoints.final_upload_timeout_s),
         *(["--lineage", lineage_path(node)] if launch.lineage is not None else []),
+        *(replica_argv(cluster, node) if job.peer_replica else []),
     ]
 
 
@@ -216,7 +218,8 @@ def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOu
     watch = PreemptionWatch(provider, cluster, runners, progress, job.recovery.confirm_s, logger)
     metrics = _MetricsPoll(progress, runners[cluster.head.name], cluster.head.metrics_file)
     syncers = Syncers(runners, cluster.nodes, lambda node: syncer_argv(job, cluster, node, launch),
-                      lambda node, on_event: node_line_sink(logger, f"{node.name} sync", on_event), logger)
+                      lambda node, on_event: node_line_sink(logger, f"{node.name} sync", on_event), logger,
+                      env=peer_credentials() if job.peer_replica else None)
     exit_grace = _ExitGrace(syncers, len(cluster.nodes), job.training.exit_grace_s)
     upload_s = job.checkpoints.final_upload_timeout_s
     started = time.monotonic()

@@ -240,6 +240,11 @@ class CheckpointSpec(StrictModel):
         900.0, gt=0, le=86400, description="When training ends (done, failed or stopped): seconds the syncers have "
         "to upload and commit every checkpoint complete on the nodes' disks; separate from flush_deadline_s (the "
         "script's last save). Size it for the largest checkpoint at the store's speed.")
+    peer_replica: bool | None = Field(
+        None, description="Each node keeps a copy of its ring buddy's part of the newest committed checkpoint, "
+        "pulled over the cluster network from the buddy (never from the store) and verified against the manifest, "
+        "so a preempted node's replacement is restored from its peers alone. Default (null): on with 2+ nodes; "
+        "false turns it off (it costs each node the disk of one more node's part).")
 
     @field_validator("url")
     @classmethod
@@ -415,6 +420,19 @@ class JobSpec(StrictModel):
             except ValueError as exc:
                 raise ValueError(f"evaluate.{exc}") from None
         return self
+
+    @model_validator(mode="after")
+    def _peer_replica_needs_peers(self) -> JobSpec:
+        if self.checkpoints.peer_replica and self.cluster.nodes < 2:
+            raise ValueError(f"checkpoints.peer_replica true with cluster.nodes {self.cluster.nodes}: a replica "
+                             "needs another node: remove it or use 2+ nodes")
+        return self
+
+    @property
+    def peer_replica(self) -> bool:
+        """checkpoints.peer_replica as it applies: on by default with 2+ nodes."""
+        wanted = self.checkpoints.peer_replica
+        return self.cluster.nodes >= 2 and (wanted is None or wanted)
 
     @model_validator(mode="after")
     def _outage_within_training(self) -> JobSpec:

@@ -9,7 +9,10 @@ from typing import Any
 
 
 def emit(event: str, **fields: Any) -> None:
-    print(json.dumps({"event": event, **fields}), flush=True)
+    # One write per line: a sidecar's background thread (infra/node/replica.py) emits too, and print's separate
+    # write of the newline could interleave two events on one line.
+    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
+    sys.stdout.flush()
 
 
 def parse(line: str) -> dict[str, Any] | None:

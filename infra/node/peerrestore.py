@@ -3,7 +3,10 @@ at most once per cluster (infra/node/fanout.py's exchange, over the peers' `peer
 
 A file's owner is the node that wrote it (the commit's upload records): it may still hold it on its disk from
 before the preemption, and then it is checked against the manifest (size and checksum) and served as it is; an
-owner that does not hold it fetches it from the store. Files no node of this cluster wrote are split among the
+owner that does not hold it fetches it from the store. With peer replicas (infra/node/replica.py) a file written by
+a node that is not among the holders (a replaced node) is owned by the holder that keeps the writer's replica, which
+checks its replica against the manifest like its own files (a replica missing or bad: it fetches the file from the
+store). Files no node of this cluster wrote are split among the
 nodes, balanced. Every other file comes from its owner's share dir, verified against the manifest like a store's
 byte; a peer gone or slow means the store, with a `fanout-fallback` event.
 """
@@ -20,6 +23,7 @@ from pathlib import Path
 from infra.checkpoints.commit import CheckpointManifest, CheckpointStore, FileEntry
 from infra.node.events import emit
 from infra.node.fanout import Counts, Exchange, File, Piece, shares
+from infra.node.replica import replica_holder, replica_path
 from infra.storage.base import ObjectStore
 from infra.storage.checksum import checksum_file
 from infra.storage.transfer import FileSpec, download
@@ -61,13 +65,22 @@ class PeerFill:
     share_dir: Path
     wait_s: float
     connect_grace_s: float
+    holders: tuple[int, ...] = ()  # the ranks that may hold their own parts (a replace-one's survivors); () every rank
+    replica_dir: Path | None = None  # this node's replicas of its buddy's part (peer replica on)
     counts: Counts = field(default_factory=Counts)
     local_bytes: int = 0  # what the node held already, verified
+    replica_bytes: int = 0  # of local_bytes, what came from its replica
 
     def __call__(self, checkpoints: CheckpointStore, manifest: CheckpointManifest, folder: Path) -> None:
         entries = {entry.path: entry for entry in manifest.files}
         pieces = [_piece(entry) for entry in manifest.files]
         held = {piece.key for piece in pieces if _holds(folder / piece.key, entries[piece.key])}
+        for piece in pieces:
+            replica = replica_path(self.replica_dir, manifest.step, piece.key) if self.replica_dir else None
+            if piece.key not in held and replica is not None and _holds(replica, entries[piece.key]):
+                _copy(replica, folder / piece.key)  # a copy: the replica outlives what the script does to this one
+                held.add(piece.key)
+                self.replica_bytes += piece.size
         self.local_bytes = sum(piece.size for piece in pieces if piece.key in held)
         # The same bytes under two paths are exchanged once (one share name), from a copy held here if any.
         first: dict[str, File] = {}
@@ -109,18 +122,23 @@ class PeerFill:
         for piece in pieces:
             if piece.key not in held and first[piece.checksum] is not piece:
                 _copy(folder / first[piece.checksum].key, folder / piece.key)
-        emit("restore-fanout", step=manifest.step, local_bytes=self.local_bytes,
+        emit("restore-fanout", step=manifest.step, local_bytes=self.local_bytes, replica_bytes=self.replica_bytes,
              store_bytes=self.counts.store_bytes, peer_bytes=self.counts.peer_bytes,
              fallback_files=self.counts.fallback_files, peers_gone=self.counts.peers_gone)
 
     def _owners(self, checkpoints: CheckpointStore, manifest: CheckpointManifest, pieces: list[File]
                 ) -> dict[str, int]:
-        """checksum -> rank, the same on every node: the node that wrote the file, else a balanced split."""
+        """checksum -> rank, the same on every node: the node that wrote the file (a replaced one's replica holder,
+        replicas on), else a balanced split."""
         nodes = len(self.peers)
         wrote = checkpoints.uploaders(manifest)
+        holders = set(self.holders) or set(range(nodes))
         owner: dict[str, int] = {}
         for piece in pieces:
             rank = wrote.get(piece.key)
+            if rank is not None and rank not in holders and self.replica_dir is not None \
+                    and replica_holder(rank, nodes) in holders:
+                rank = replica_holder(rank, nodes)
             if rank is not None and rank < nodes:
                 owner[piece.checksum] = min(rank, owner.get(piece.checksum, rank))
         owner.update(shares([piece for piece in pieces if piece.checksum not in owner], nodes))

@@ -41,11 +41,19 @@ def main(argv: list[str]) -> int:
                         "node that survived a preemption drops its saves newer than the commit (never committed, and "
                         "a syncer or script that found them would take them for this attempt's)")
     add_peer_arguments(parser)
+    parser.add_argument("--holders", help="fan-out: comma-separated ranks that may hold their own parts (the "
+                        "survivors of a replaced node; default every rank)")
+    parser.add_argument("--replica-dir", type=Path, help="fan-out: this node's peer replicas (<workdir>/replica): "
+                        "it serves the part of a node not among --holders whose replica it keeps")
     args = parser.parse_args(argv)
     peers = args.peers.split(",") if args.peers else []
     if peers and (args.share_dir is None or not 0 <= args.rank < len(peers)):
         parser.error(f"--peers needs --share-dir and a --rank among its {len(peers)} URLs")
-    fill = PeerFill(args.rank, peers, args.share_dir, args.peer_wait, args.peer_connect_grace) if peers else None
+    holders = tuple(int(rank) for rank in args.holders.split(",")) if args.holders else ()
+    if any(not 0 <= rank < len(peers) for rank in holders):
+        parser.error(f"--holders {args.holders}: ranks must be below the {len(peers)} --peers")
+    fill = PeerFill(args.rank, peers, args.share_dir, args.peer_wait, args.peer_connect_grace, holders,
+                    args.replica_dir) if peers else None
 
     started = time.monotonic()
     try:

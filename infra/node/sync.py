@@ -53,6 +53,7 @@ from infra.checkpoints.formats import (
 )
 from infra.checkpoints.lineage import Lineage
 from infra.node.events import emit, fail
+from infra.node.replica import ReplicaConfig, Replicator, add_replica_arguments, replica_config
 from infra.registry import Registry, RegistryError, registry_root_of
 from infra.storage import StorageError, open_store
 from infra.storage.checksum import sha256_file
@@ -135,6 +136,7 @@ class SyncConfig:
     lineage: Lineage | None = None  # recorded in every manifest this syncer commits
     registry_url: str | None = None  # whose aliases' checkpoints retention keeps (default: the parent of url)
     store_outage_s: float = DEFAULT_STORE_OUTAGE_S
+    replica: ReplicaConfig | None = None  # keep a replica of the ring buddy's part (infra/node/replica.py)
 
     @property
     def retry(self) -> RetryPolicy:
@@ -218,6 +220,8 @@ class Syncer:
         self.first_seen: dict[int, float] = {}  # announced step -> when this node first saw the announcement
         # An Event rather than a flag so a stop request (SIGTERM) also cuts the poll sleep short.
         self.stop_requested = threading.Event()
+        self.replica = Replicator(config.node_rank, config.nodes, checkpoints, config.replica) if config.replica \
+            else None
 
     @property
     def is_coordinator(self) -> bool:
@@ -303,6 +307,8 @@ class Syncer:
         size = sum(entry.bytes for entry in record.files)
         self.state.shipped.append(Shipped(step=step, name=ref.name, version=version))
         self._save_state()
+        if self.replica is not None:
+            self.replica.shipped(step, root, record.files)  # background work: never raises
         emit("uploaded", step=step, name=ref.name, node_rank=config.node_rank, files=len(record.files), bytes=size,
              seconds=round(seconds, 3), mb_per_s=round(size / 1e6 / seconds, 1) if seconds > 0 and size else None)
         return True
@@ -570,6 +576,7 @@ def _parse(argv: list[str]) -> SyncConfig:
         "--store-outage", type=float, default=DEFAULT_STORE_OUTAGE_S,
         help="ride out a store that fails transiently for this long (retrying with backoff), then exit 3"
     )
+    add_replica_arguments(parser)
     args = parser.parse_args(argv)
     if not 0 <= args.node_rank < args.nodes:
         parser.error(f"--node-rank {args.node_rank}: must be in [0, --nodes={args.nodes})")
@@ -610,6 +617,7 @@ def _parse(argv: list[str]) -> SyncConfig:
         lineage=lineage,
         registry_url=args.registry_url,
         store_outage_s=args.store_outage,
+        replica=replica_config(parser, args),
     )
 
 

@@ -1,0 +1,269 @@
+"""Checkpoint replicas on peers: each node keeps a copy of its ring buddy's part of the newest committed checkpoint,
+so a restore after losing one node takes the lost node's part from a survivor instead of the store.
+
+Node k's buddy is node (k-1) mod N; so node w's part is replicated on node (w+1) mod N (replica_holder). After a
+node's syncer has uploaded its part of a step, it hard-links those files into the node's share dir (what its
+`peer-serve` serves) under their checksums' names (infra/node/fanout.py's share_name): the copy the buddy reads is
+stable even when the script deletes its checkpoint. Once that step is committed, the node pulls its buddy's files of
+it (the commit's upload records say which rank wrote which file) from the buddy's peer server over the cluster
+network, verifies each against the manifest's checksum like a store's byte, and keeps them under
+<workdir>/replica/step-N/ (never in the script's checkpoint dir); an older replica is dropped once the new one is
+whole. The store is read only for the manifest and the records: its egress does not grow with the checkpoint.
+
+During training the node's part is served by a `peer-serve` the syncer starts (--replica-serve: the fan-out's port
+and per-run credentials), watched by its replica thread (restarted when it dies) and killed with the syncer (a
+parent-death signal), so the syncer, itself watched by the orchestrator, is the one sidecar to watch.
+
+This is background work on one thread: a failure is logged and emitted (`replica-failed`), never fatal to training
+(the store still has every byte; a restore without the replica reads the lost part from there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from infra.checkpoints.commit import CheckpointError, CheckpointManifest, CheckpointStore, FileEntry
+from infra.checkpoints.steps import step_name
+from infra.dataset.manifest import DatasetError
+from infra.dataset.stagecache import link_into
+from infra.node.events import emit
+from infra.node.fanout import share_name
+from infra.storage.base import StorageError
+from infra.storage.http import HttpStore
+from infra.storage.transfer import FileSpec, download
+
+log = logging.getLogger(__name__)
+
+REPLICA_DIR = "replica"  # under the node's workdir; and under its share dir, what its replica holder reads
+COMMIT_WAIT_S = 900.0  # how long a shipped step is waited for to commit before its replica is given up
+_POLL_FIRST_S, _POLL_MAX_S = 0.5, 10.0
+_INCOMING = ".incoming"
+SERVER_CHECK_S = 5.0  # how often the replica thread checks its peer server
+SERVER_RESTARTS = 5  # then replicas of this node's part are given up (said), training goes on
+
+
+def buddy(rank: int, nodes: int) -> int:
+    """Whose part node `rank` replicates."""
+    return (rank - 1) % nodes
+
+
+def replica_holder(writer: int, nodes: int) -> int:
+    """The node that keeps a replica of node `writer`'s part."""
+    return (writer + 1) % nodes
+
+
+def replica_path(replica_dir: Path, step: int, path: str) -> Path:
+    return replica_dir / step_name(step) / path
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    buddy_url: str
+    share_dir: Path
+    replica_dir: Path
+    serve_addr: str | None = None  # HOST:PORT: serve share_dir there during training (peer-serve)
+
+
+def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replica-buddy", help="peer replica: the buddy node's peer server URL (rank-1 mod nodes); "
+                        "credentials in TRAINPIPE_PEER_USER/TRAINPIPE_PEER_PASS")
+    parser.add_argument("--replica-dir", type=Path, help="peer replica: where the buddy's part is kept "
+                        "(<workdir>/replica)")
+    parser.add_argument("--replica-share-dir", type=Path, help="peer replica: the dir this node's peer server serves: "
+                        "its own uploaded part is linked there for its replica holder")
+    parser.add_argument("--replica-serve", metavar="HOST:PORT", help="peer replica: serve --replica-share-dir there "
+                        "while the syncer runs (rclone serve http, restarted if it dies, killed with the syncer)")
+
+
+def replica_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ReplicaConfig | None:
+    given = [args.replica_buddy, args.replica_dir, args.replica_share_dir]
+    if not any(given):
+        return None
+    if not all(given):
+        parser.error("--replica-buddy, --replica-dir and --replica-share-dir go together: give all three (peer "
+                     "replica) or none")
+    return ReplicaConfig(args.replica_buddy, args.replica_share_dir, args.replica_dir, args.replica_serve)
+
+
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child of a fork must not import or load
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the server's child before exec: SIGTERM once the thread that started it ends, which is the syncer's end
+    (its main thread, or its replica thread, which lives as long as the process); kept across exec."""
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class Replicator:
+    """Node `rank`'s replica of its buddy's part; shipped() is the syncer's hook and never raises."""
+
+    def __init__(self, rank: int, nodes: int, checkpoints: CheckpointStore, config: ReplicaConfig,
+                 commit_wait_s: float = COMMIT_WAIT_S) -> None:
+        self.rank = rank
+        self.buddy = buddy(rank, nodes)
+        self.checkpoints = checkpoints
+        self.peer = HttpStore(config.buddy_url)
+        self.share_dir = config.share_dir
+        self.published_dir = config.share_dir / REPLICA_DIR
+        self.replica_dir = config.replica_dir
+        self.serve_addr = config.serve_addr
+        self.server: subprocess.Popen[bytes] | None = None
+        self._server_restarts = 0
+        self.commit_wait_s = commit_wait_s
+        # One daemon thread: bounded background work that never holds up the syncer's exit (a pull cut short leaves
+        # only a .partial dir, replaced by the next one).
+        self._steps: queue.Queue[int] = queue.Queue()
+        self._idle = threading.Condition()
+        self._pending = 0
+        self._published: dict[int, list[str]] = {}  # step -> share names this node linked for it
+        self._newest = -1
+        self._closed = threading.Event()
+        if self.serve_addr is not None:
+            self._serve()
+        threading.Thread(target=self._work, name=f"replica-{rank}", daemon=True).start()
+
+    def shipped(self, step: int, root: Path, files: list[FileEntry]) -> None:
+        """This node's part of `step` is uploaded (files relative to root): serve it, then replicate the buddy's."""
+        self._newest = max(self._newest, step)
+        try:
+            self._publish(step, root, files)
+        except OSError as exc:
+            self._failed(step, f"publishing its own part: {exc}")
+        with self._idle:
+            self._pending += 1
+        self._steps.put(step)
+
+    def close(self) -> None:
+        self._closed.set()
+        if self.server is not None and self.server.poll() is None:
+            self.server.terminate()
+
+    def _serve(self) -> None:
+        # stderr is the syncer's (its log): rclone's complaints land beside the syncer's own.
+        self.server = subprocess.Popen(
+            [sys.executable, "-m", "infra.node", "peer-serve", "--dir", str(self.share_dir), "--addr",
+             str(self.serve_addr)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+
+    def _check_server(self) -> None:
+        if self.server is None or self._closed.is_set() or (code := self.server.poll()) is None:
+            return
+        if self._server_restarts >= SERVER_RESTARTS:
+            self._failed(self._newest, f"its peer server exited {code} {self._server_restarts + 1} times: this "
+                         "node's part is no longer served to its replica holder")
+            self.server = None
+            return
+        self._server_restarts += 1
+        log.warning("replica peer server on %s exited %s: restarting it (%d/%d)", self.serve_addr, code,
+                    self._server_restarts, SERVER_RESTARTS)
+        emit("replica-server-restarted", addr=self.serve_addr, code=code, restarts=self._server_restarts)
+        self._serve()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Whether every queued pull finished within timeout_s."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout=timeout_s)
+
+    def _work(self) -> None:
+        while True:
+            self._check_server()
+            try:
+                step = self._steps.get(timeout=SERVER_CHECK_S)
+            except queue.Empty:
+                continue
+            try:
+                self._pull_logged(step)
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def _publish(self, step: int, root: Path, files: list[FileEntry]) -> None:
+        self.published_dir.mkdir(parents=True, exist_ok=True)  # a node may have written nothing of a step
+        names = []
+        for entry in files:
+            name = share_name(str(entry.checksum))
+            link_into(root / entry.path, self.published_dir / name)
+            names.append(name)
+        self._published[step] = names
+        # The previous step stays served: a replica holder may still be pulling it while this one commits. Links
+        # of older steps (of an earlier syncer too) go: they would keep files the script deleted on the disk.
+        for old in sorted(self._published)[:-2]:
+            del self._published[old]
+        keep = {name for names in self._published.values() for name in names}
+        for path in self.published_dir.iterdir():
+            if path.name not in keep:
+                path.unlink(missing_ok=True)
+
+    def _failed(self, step: int, reason: str) -> None:
+        log.warning("replica of step %d (node %d's part): %s: a restore would read that part from the store",
+                    step, self.buddy, reason)
+        emit("replica-failed", step=step, buddy=self.buddy, reason=reason)
+
+    def _pull_logged(self, step: int) -> None:
+        try:
+            self.pull(step)
+        except (CheckpointError, StorageError, DatasetError, OSError) as exc:
+            self._failed(step, str(exc))
+        except Exception as exc:  # a bug here must not end the thread: every later step would go unreplicated
+            log.exception("replica of step %d", step)
+            self._failed(step, f"{type(exc).__name__}: {exc}")
+
+    def _committed(self, step: int) -> CheckpointManifest | None:
+        """The step's manifest once committed; None when a newer step came first or it never commits in time."""
+        deadline = time.monotonic() + self.commit_wait_s
+        delay = _POLL_FIRST_S
+        while not self._closed.is_set() and step == self._newest:
+            try:
+                return self.checkpoints.manifest(step)
+            except CheckpointError:
+                pass  # not committed yet
+            if time.monotonic() >= deadline:
+                self._failed(step, f"not committed within {self.commit_wait_s:g}s")
+                return None
+            self._closed.wait(delay)
+            delay = min(_POLL_MAX_S, delay * 2)
+        return None
+
+    def pull(self, step: int) -> int | None:
+        """Replicate the buddy's files of committed `step`; returns their bytes (None: superseded or not committed)."""
+        manifest = self._committed(step)
+        if manifest is None:
+            return None
+        started = time.monotonic()
+        wrote = self.checkpoints.uploaders(manifest)
+        files = [entry for entry in manifest.files if wrote.get(entry.path) == self.buddy]
+        partial = self.replica_dir / f".{step_name(step)}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        incoming = partial / _INCOMING
+        for entry in files:
+            name = share_name(str(entry.checksum))
+            # Verified against the manifest's checksum by the transfer engine, as a store's byte is.
+            key = f"{REPLICA_DIR}/{name}"
+            download(self.peer, [FileSpec(key, entry.bytes, entry.sha256, entry.crc)], incoming)
+            target = partial / entry.path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(incoming / key, target)
+        shutil.rmtree(incoming, ignore_errors=True)
+        final = self.replica_dir / step_name(step)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        for other in self.replica_dir.iterdir():
+            if other != final:
+                shutil.rmtree(other, ignore_errors=True)
+        size = sum(entry.bytes for entry in files)
+        emit("replica", step=step, buddy=self.buddy, files=len(files), bytes=size,
+             seconds=round(time.monotonic() - started, 3))
+        return size

@@ -1,0 +1,220 @@
+"""Peer replicas of checkpoint parts (infra/node/replica.py) on 3 local nodes with real peer servers (rclone serve
+http) and a real store (rclone serve s3 behind a counting proxy): each node keeps its ring buddy's part of the newest
+commit, so after node 1 is lost and replaced, the restore fills every node with 0 checkpoint bytes from the store;
+a replica damaged on disk is not trusted; and a replica that cannot be pulled never stops the syncer."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from servers import S3Server, free_port
+from test_checkpoints import make_step, node_dirs
+from test_fanout_restore import NODES, STEP, commit_step, events, held, peer_credentials, whole
+from test_fanout_stage import Node, Staging, counted_store, local_nodes, node_command, start_server
+from test_syncer import SyncProcess, is_event
+
+from infra.checkpoints.commit import CheckpointManifest, CheckpointStore
+from infra.checkpoints.steps import step_name
+from infra.node.replica import ReplicaConfig, Replicator, buddy, replica_holder
+from infra.storage import open_store
+
+__all__ = ["peer_credentials"]  # a fixture, used by name
+
+
+def replica_dir(node: Node) -> Path:
+    return node.workdir / "replica"
+
+
+def replicate(checkpoints: CheckpointStore, manifest: CheckpointManifest, nodes: list[Node]) -> None:
+    """What each node's syncer does once the step is committed: publish its own part, pull its buddy's."""
+    wrote = checkpoints.uploaders(manifest)
+    replicators = [Replicator(node.rank, NODES, checkpoints,
+                              ReplicaConfig(nodes[buddy(node.rank, NODES)].url, node.workdir / "share",
+                                            replica_dir(node)))
+                   for node in nodes]
+    for node, replicator in zip(nodes, replicators, strict=True):
+        own = [entry for entry in manifest.files if wrote[entry.path] == node.rank]
+        replicator.shipped(STEP, node.workdir / "ckpt" / step_name(STEP), own)
+    for replicator in replicators:
+        assert replicator.wait_idle(120)
+
+
+def restore(url: str, node: Node, nodes: list[Node], holders: str) -> Staging:
+    return node_command(["restore", "--url", url, "--dest", str(node.workdir / "ckpt"), "--sync-dir",
+                         str(node.workdir / "sync"), "--rank", str(node.rank),
+                         "--peers", ",".join(n.url for n in nodes), "--share-dir", str(node.workdir / "share"),
+                         "--peer-connect-grace", "2", "--peer-wait", "60", "--holders", holders,
+                         "--replica-dir", str(replica_dir(node))])
+
+
+def finished(one: Staging) -> dict[str, object]:
+    assert one.process.wait(timeout=240) == 0, "".join(one.output)[-3000:]
+    return events(one, "restore-fanout")[0]
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_replaced_node_is_filled_from_its_peers_and_their_replicas_with_no_checkpoint_bytes_from_the_store(
+        s3_url: str, s3_server: S3Server, tmp_path: Path, peer_credentials: None, monkeypatch: pytest.MonkeyPatch,
+        damaged: bool) -> None:
+    checkpoints = CheckpointStore(open_store(f"{s3_url}/run-1"))
+    with local_nodes(tmp_path, NODES) as nodes:
+        for node in nodes:
+            (node.workdir / "ckpt").mkdir(parents=True)
+            start_server(node)
+        manifest = commit_step(checkpoints, [node.workdir / "ckpt" for node in nodes], STEP)
+        expected = whole([node.workdir / "ckpt" for node in nodes])
+        replicate(checkpoints, manifest, nodes)
+        lost = next(entry for entry in manifest.files if entry.path == "__1_0.distcp")
+        holder = nodes[replica_holder(1, NODES)]
+        assert holder.rank == 2
+        replica = replica_dir(holder) / step_name(STEP) / lost.path
+        assert replica.read_bytes() == expected[lost.path], "node 2 keeps node 1's part, verified"
+        assert not (nodes[1].workdir / "ckpt" / step_name(STEP) / "__0_0.distcp").exists(), \
+            "a replica never lands in the script's checkpoint dir"
+        if damaged:
+            data = bytearray(replica.read_bytes())
+            data[7] ^= 0xFF
+            replica.write_bytes(bytes(data))
+
+        # Node 1 is preempted: a new node with an empty disk takes its place.
+        assert nodes[1].server is not None
+        nodes[1].server.kill()
+        nodes[1].server.wait()
+        shutil.rmtree(nodes[1].workdir)
+        start_server(nodes[1])
+
+        with counted_store(s3_server, monkeypatch) as store:
+            restoring = [restore(checkpoints.store.url, node, nodes, "0,2") for node in nodes]
+            fanned = [finished(one) for one in restoring]
+        for node in nodes:
+            assert held(node.workdir / "ckpt") == expected
+        from_store = [int(event["store_bytes"]) for event in fanned]
+        print(f"store: {store.served} bytes served for a {manifest.total_bytes}-byte checkpoint; damaged={damaged}")
+        if damaged:
+            # Node 2 finds its replica bad, fetches that file from the store, and serves node 1.
+            assert from_store == [0, 0, lost.bytes]
+            assert fanned[2]["replica_bytes"] == 0
+            assert lost.bytes <= store.served <= lost.bytes + 0.05 * manifest.total_bytes
+        else:
+            assert from_store == [0, 0, 0]
+            assert fanned[2]["replica_bytes"] == lost.bytes
+            # What the store still serves is the manifest, records and listings: no checkpoint byte.
+            assert store.served <= 0.05 * manifest.total_bytes, store.served
+        assert int(fanned[1]["peer_bytes"]) == manifest.total_bytes - len(expected["extra/copy.distcp"])
+
+
+def test_a_replica_that_cannot_be_pulled_never_stops_the_syncer(tmp_path: Path, peer_credentials: None) -> None:
+    """Node 1 replicates node 0, whose server is up but serves nothing (node 0 runs without replicas): each pull
+    fails, is said, and the syncers commit every step and stop cleanly."""
+    checkpoints = CheckpointStore(open_store(f"file://{tmp_path / 'store' / 'run-1'}"))
+    dirs = node_dirs(tmp_path)
+    stop = tmp_path / "stop"
+    with local_nodes(tmp_path / "nodes", 1) as (server,):
+        start_server(server)
+        replica = ["--replica-buddy", server.url, "--replica-dir", str(tmp_path / "replica-1"),
+                   "--replica-share-dir", str(tmp_path / "share-1")]
+        syncers = [SyncProcess(tmp_path, dirs[0], checkpoints.store.url, 0, "--stop-file", str(stop)),
+                   SyncProcess(tmp_path, dirs[1], checkpoints.store.url, 1, "--stop-file", str(stop), *replica)]
+        try:
+            for step in (100, 200):
+                for rank in (0, 1):
+                    make_step(dirs[rank], step, rank)
+                syncers[0].wait_for(is_event("committed", step))
+                failed = syncers[1].wait_for(is_event("replica-failed", step))
+                assert failed["buddy"] == 0 and "not found" in str(failed["reason"]), failed
+            stop.touch()
+            assert [syncer.finish() for syncer in syncers] == [0, 0]
+        finally:
+            for syncer in syncers:
+                if syncer.proc.poll() is None:
+                    syncer.proc.kill()
+                    syncer.proc.wait()
+    assert syncers[1].uploaded_steps() == [100, 200]
+    assert not (tmp_path / "replica-1" / step_name(100)).exists()
+    # Node 1's own parts (of steps 100 and 200) are linked for its replica holder, under their checksums' names.
+    assert len(list((tmp_path / "share-1" / "replica").iterdir())) == 2
+
+
+def test_syncers_serve_their_parts_and_keep_their_buddys_part_of_the_newest_commit(
+        tmp_path: Path, peer_credentials: None) -> None:
+    """Two real syncers, each serving its own part (--replica-serve): after each commit each keeps the other's part
+    of it, the older replica dropped; a syncer killed takes its peer server with it."""
+    checkpoints = CheckpointStore(open_store(f"file://{tmp_path / 'store' / 'run-1'}"))
+    dirs = node_dirs(tmp_path)
+    stop = tmp_path / "stop"
+    ports = [free_port() for _ in dirs]
+
+    def replica(rank: int) -> list[str]:
+        return ["--replica-buddy", f"http://127.0.0.1:{ports[buddy(rank, 2)]}", "--replica-dir",
+                str(tmp_path / f"replica-{rank}"), "--replica-share-dir", str(tmp_path / f"share-{rank}"),
+                "--replica-serve", f"127.0.0.1:{ports[rank]}"]
+
+    syncers = [SyncProcess(tmp_path, dirs[rank], checkpoints.store.url, rank, "--stop-file", str(stop),
+                           *replica(rank)) for rank in (0, 1)]
+    try:
+        for step in (100, 200):
+            for rank in (0, 1):
+                make_step(dirs[rank], step, rank)
+            syncers[0].wait_for(is_event("committed", step))
+            for syncer in syncers:
+                syncer.wait_for(is_event("replica", step))
+        for rank in (0, 1):
+            kept = tmp_path / f"replica-{rank}"
+            assert [path.name for path in kept.iterdir()] == [step_name(200)], "the older replica is dropped"
+            other = dirs[buddy(rank, 2)] / step_name(200)
+            assert {p.name: p.read_bytes() for p in (kept / step_name(200)).iterdir()} == \
+                {p.name: p.read_bytes() for p in other.iterdir()}
+        # Killed however it dies, a syncer's peer server goes with it: a restarted syncer can serve on its port.
+        syncers[1].proc.kill()
+        syncers[1].proc.wait()
+        wait_closed(ports[1])
+        stop.touch()  # nothing is left to commit: the coordinator stops alone
+        assert syncers[0].finish() == 0
+        wait_closed(ports[0])
+    finally:
+        for syncer in syncers:
+            if syncer.proc.poll() is None:
+                syncer.proc.kill()
+                syncer.proc.wait()
+
+
+def wait_closed(port: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except OSError:
+            return
+        assert time.monotonic() < deadline, f"port {port} still served {timeout_s:g}s after its syncer ended"
+        time.sleep(0.1)
+
+
+def test_peer_replica_is_on_with_two_nodes_off_when_asked_and_refused_on_one() -> None:
+    from pydantic import ValidationError
+
+    from infra.compute.providers import Cluster
+    from infra.compute.providers import Node as ClusterNode
+    from infra.job.spec import JobSpec
+    from infra.node.fanout import PEER_PORT_BASE
+    from tasks.train import TrainLaunch, syncer_argv
+
+    def job(nodes: int, **checkpoints: object) -> JobSpec:
+        return JobSpec.model_validate({"dataset": {"url": "file:///d"}, "cluster": {"nodes": nodes},
+                                       "checkpoints": {"url": "file:///c", **checkpoints},
+                                       "training": {"command": ["-m", "trainer.train"]}})
+
+    nodes = tuple(ClusterNode(f"n{r}", r, f"10.0.0.{r + 1}", f"/w{r}", "/d", f"/w{r}/ckpt", "python") for r in (0, 1))
+    cluster = Cluster("c", "local", "run", nodes, 0.0)
+    launch = TrainLaunch("file:///c", "file:///d", 29500, "hash", attempt_id="0-x")
+    argv = syncer_argv(job(2), cluster, nodes[0], launch)
+    assert argv[argv.index("--replica-buddy") + 1] == f"http://10.0.0.2:{PEER_PORT_BASE + 1}"
+    assert argv[argv.index("--replica-serve") + 1] == f"10.0.0.1:{PEER_PORT_BASE}"
+    assert argv[argv.index("--replica-dir") + 1] == "/w0/replica"
+    assert "--replica-buddy" not in syncer_argv(job(2, peer_replica=False), cluster, nodes[0], launch)
+    assert not job(1).peer_replica
+    with pytest.raises(ValidationError, match=r"checkpoints\.peer_replica true with cluster\.nodes 1"):
+        job(1, peer_replica=True)
