@@ -164,10 +164,15 @@ def test_replace_one_fills_the_new_node_from_its_peers_and_reads_only_the_lost_p
     assert whole.recovery_s == pytest.approx(4 * needed / (0.4 * GBIT))
     assert fanout.recovery_store_bytes == needed
     assert fanout.recovery_s == pytest.approx(needed / (0.4 * GBIT))
-    # Replace-one: the new node's 2 Gbit/s link carries it all from its peers; the lost node's own checkpoint part
-    # (0.5 GB) is the store's only share, read once at the whole 0.4 Gbit/s while the peers send.
-    assert one.recovery_store_bytes == 5 * 10**8
+    # Replace-one: the new node's 2 Gbit/s link carries it all from its peers, the lost node's own checkpoint part
+    # from its ring neighbour's replica: the store sends nothing.
+    assert one.recovery_store_bytes == 0
     assert one.recovery_s == pytest.approx(needed / (2 * GBIT))
+    # Without replicas that part (0.5 GB) is the store's only share, read once at the whole 0.4 Gbit/s while the
+    # peers send.
+    bare = recovery(JOB.dataset_bytes, 5 * 10**8, 4, BENCH, fanout=True, replace_nodes=True, peer_replica=False)
+    assert bare.store_bytes == 5 * 10**8
+    assert bare.seconds == pytest.approx(needed / (2 * GBIT))
     assert one.recovery_s < fanout.recovery_s / 4
     assert one.job_s == pytest.approx(fanout.job_s), "replacing one node changes recoveries, not training"
     assert REPLACE_LABEL not in {p.label for p in what_if(breakdown(nodes=1, world_size=1), BENCH, JOB)}

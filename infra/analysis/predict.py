@@ -36,8 +36,10 @@ Throughputs are per node; a node's ranks share its store link, disk and memory (
                whole relaunch (today): new machines, every node staged and restored again, as staging above:
                  staging_time(D + C); store bytes nodes × (D + C), or D + C with fan-out.
                replace-one (recovery.replace: nodes, on more than one node): the survivors keep their data and
-                 their own checkpoint parts; the new node takes D + C in over its link from its peers, and only the
-                 lost node's part c is read from the store, once: max((D + C) / network, c / s); store bytes c.
+                 their own checkpoint parts, and each a replica of its ring neighbour's (checkpoints.peer_replica,
+                 on by default); the new node takes D + C in over its link from its peers: (D + C) / network, store
+                 bytes 0. Without replicas the lost node's part c is read from the store, once:
+                 max((D + C) / network, c / s); store bytes c.
     checkpoint same mode: local part (ckpt_block − upload_wait) × memory-copy ratio (async) or disk-write ratio
                  (sync, direct); upload part upload_wait × store ratio (direct only: it blocks on the store).
                to async (local NVMe scenario): ckpt_bytes / memory_copy, the copy into host memory; the upload then
@@ -126,6 +128,7 @@ class Target:
     staged: bool = False  # stage the data to local NVMe and checkpoint async, whatever the measured run did
     fanout: bool = False  # staging reads the store once per cluster and the nodes fill each other (dataset.fanout)
     replace_nodes: bool = False  # a preemption replaces the lost node alone, filled from its peers (recovery.replace)
+    peer_replica: bool = True  # each node keeps its ring neighbour's checkpoint part (checkpoints.peer_replica)
 
 
 @dataclass(frozen=True)
@@ -230,13 +233,16 @@ class Recovery:
 
 
 def recovery(dataset_bytes: int, node_ckpt_bytes: int, nodes: int, hw: Hardware, fanout: bool,
-             replace_nodes: bool) -> Recovery:
+             replace_nodes: bool, peer_replica: bool = True) -> Recovery:
     """One node of `nodes` lost: the whole relaunch, or replace-one (see the module's docstring)."""
     nodes = max(1, nodes)
     needed = dataset_bytes + node_ckpt_bytes * nodes  # what every node must hold again: the dataset, the checkpoint
     if not replace_nodes or nodes == 1:  # a cluster of one has no peers to fill a replacement from
         return Recovery(staging_time(needed, nodes, hw, fanout), needed * (1 if fanout and nodes > 1 else nodes))
-    return Recovery(max(needed / (hw.network_gbps * GBIT), node_ckpt_bytes / _store_rate(hw, 1)), node_ckpt_bytes)
+    from_peers = needed / (hw.network_gbps * GBIT)
+    if peer_replica:  # the lost node's part is on its ring neighbour too
+        return Recovery(from_peers, 0)
+    return Recovery(max(from_peers, node_ckpt_bytes / _store_rate(hw, 1)), node_ckpt_bytes)
 
 
 def replay_buckets(buckets: Sequence[Sequence[float]], network_ratio: float, compute_speedup: float) -> float:
@@ -306,7 +312,7 @@ def predict(breakdown: StepBreakdown, measured: Hardware, target: Target, job: J
              if mode != "direct" and b.ckpt_saves > 0 else 0.0)
     lost = recovery(job.dataset_bytes if source == "local" else 0,
                     b.ckpt_bytes // b.ckpt_saves if b.ckpt_saves > 0 else 0, b.nodes, hw, target.fanout,
-                    target.replace_nodes)
+                    target.replace_nodes, target.peer_replica)
     return Prediction(label=hw.label, kind=target.kind, hardware=hw, step=step, job_steps=job.steps,
                       staging_s=staging, flush_s=flush, price_per_hour=target.price_per_hour,
                       speedup=b.wall_s / step.wall_s if step.wall_s > 0 else math.inf, notes=tuple(notes),
