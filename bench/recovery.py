@@ -5,8 +5,9 @@ default) whose store sits behind a link slower than the nodes' (NetnsStore, as `
 `chaos:` section preempts one node (not the head) at a step past a commit, and the job's `recovery.replace` picks
 the path:
 
-    cluster  today's whole relaunch: every node torn down, the cluster launched again, every node verified, staged
-             and restored (what it still holds on the same host dir is reused)
+    cluster  the whole relaunch: every node torn down, the cluster launched again on new machines (the netns
+             cluster's `relaunch: new-machines`: every node empty, as a cloud's new instances are), every node
+             verified, staged and restored
     nodes    replace-one: only the lost node is replaced and filled from its peers, survivors keep their data
 
 Per path, from the run's recovery record (infra.lifecycle.recovery.RecoveryRecord):
@@ -66,7 +67,7 @@ class RecoveryBenchConfig:
     nodes: int = 4
     preempt_node: int = 2  # not the head: the head's loss is a case of its own (the coordinator moves)
     paths: tuple[str, ...] = PATHS
-    dataset_mb: int = 32
+    dataset_mb: int = 512  # a night's data is not tiny: fixed costs (process starts) would set the ratio
     model: ModelShape = MODEL
     steps: int = 40
     ckpt_every: int = 10
@@ -197,7 +198,7 @@ class RecoveryBenchReport:
 
     def model(self, run: RecoveryRun) -> Recovery:
         """What `trainpipe predict` gives for this recovery on these links: the data moved and the store's bytes.
-        Its whole relaunch stages the dataset again, as new machines on a cloud must (netns keeps every host dir)."""
+        Its whole relaunch stages the dataset again, as new machines do."""
         c = self.config
         hardware = Hardware(network_gbps=c.node_mbit / 1000, store_gbps=c.node_mbit / 1000,
                             store_egress_gbps=c.store_mbit / 1000)
@@ -271,7 +272,8 @@ def job_for(config: RecoveryBenchConfig, path: str) -> JobSpec:
         recovery["replace"] = path
     return JobSpec.model_validate({
         "name": f"bench-recovery-{path}",
-        "cluster": {"provider": "netns", "nodes": config.nodes, "netns": {"link_mbit": config.node_mbit},
+        "cluster": {"provider": "netns", "nodes": config.nodes,
+                    "netns": {"link_mbit": config.node_mbit, "relaunch": "new-machines"},
                     "verify": {"bench": "off"}},
         "dataset": {"url": f"s3://{DATA_BUCKET}/markov", "validation": "sample", "fanout": config.fanout},
         # keep: every commit, so the checkpoint a run resumed from can be measured after it.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -31,6 +32,7 @@ from infra.compute.providers import Cluster, InvalidRequestError, get_provider
 from infra.compute.providers.netns import emulation as netns
 from infra.compute.providers.netns.provider import NetnsProvider
 from infra.compute.providers.netns.store import NetnsStore
+from infra.dataset.stagecache import node_cache_dir
 from infra.dataset.synth import synthesize
 from infra.job.spec import ClusterSpec, load_job, parse_job
 from infra.storage import open_store
@@ -57,8 +59,9 @@ def provider(workspace: Path) -> Iterator[NetnsProvider]:
             provider.terminate(record.name)
 
 
-def spec_for(nodes: int = 2, link_mbit: float | None = None, **cluster: Any) -> ClusterSpec:
-    return ClusterSpec(provider="netns", nodes=nodes, netns={"link_mbit": link_mbit}, **cluster)
+def spec_for(nodes: int = 2, link_mbit: float | None = None, relaunch: str = "same-machines", **cluster: Any
+             ) -> ClusterSpec:
+    return ClusterSpec(provider="netns", nodes=nodes, netns={"link_mbit": link_mbit, "relaunch": relaunch}, **cluster)
 
 
 def leftovers(gid: str) -> list[str]:
@@ -354,3 +357,24 @@ def test_replace_nodes_gives_the_lost_node_its_namespace_again_empty(provider: N
 def test_the_example_is_a_two_node_netns_job_on_1_gbit_links() -> None:
     job = load_job(REPO / "examples" / "netns.yaml")
     assert (job.cluster.provider, job.cluster.nodes, job.cluster.netns.link_mbit) == ("netns", 2, 1000)
+
+
+@pytest.mark.parametrize(("relaunch", "kept"), [("same-machines", True), ("new-machines", False)])
+def test_a_recoverys_teardown_keeps_the_nodes_data_only_on_the_same_machines(
+        provider: NetnsProvider, relaunch: str, kept: bool) -> None:
+    """new-machines stands in for a cloud's relaunch (its instances come back empty): what the recovery bench sets
+    replace-one against."""
+    cluster: Cluster = provider.launch("tp-netns-relaunch", spec_for(nodes=1, relaunch=relaunch), "netns-relaunch")
+    node = cluster.head
+    staged = Path(node.data_dir) / "shard-0.bin"
+    cached = Path(node_cache_dir("netns", node.workdir)) / "object"
+    try:
+        for path in (staged, cached):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"staged")
+        provider.terminate_keeping_data(cluster.name)
+        assert (staged.exists(), cached.exists()) == (kept, kept)
+        assert provider.describe(cluster.name) is None
+    finally:
+        provider.terminate(cluster.name)
+        shutil.rmtree(cached.parent, ignore_errors=True)

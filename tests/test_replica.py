@@ -30,11 +30,11 @@ def replica_dir(node: Node) -> Path:
 
 
 def replicate(checkpoints: CheckpointStore, manifest: CheckpointManifest, nodes: list[Node]) -> None:
-    """What each node's syncer does once the step is committed: publish its own part, pull its buddy's."""
+    """What each node's syncer does once its part is uploaded: publish it, pull its buddy's."""
     wrote = checkpoints.uploaders(manifest)
     replicators = [Replicator(node.rank, NODES, checkpoints,
                               ReplicaConfig(nodes[buddy(node.rank, NODES)].url, node.workdir / "share",
-                                            replica_dir(node)))
+                                            replica_dir(node)), manifest.attempt)
                    for node in nodes]
     for node, replicator in zip(nodes, replicators, strict=True):
         own = [entry for entry in manifest.files if wrote[entry.path] == node.rank]
@@ -142,7 +142,7 @@ def test_a_replica_that_cannot_be_pulled_never_stops_the_syncer(tmp_path: Path, 
 def test_syncers_serve_their_parts_and_keep_their_buddys_part_of_the_newest_commit(
         tmp_path: Path, peer_credentials: None) -> None:
     """Two real syncers, each serving its own part (--replica-serve): after each commit each keeps the other's part
-    of it, the older replica dropped; a syncer killed takes its peer server with it."""
+    of it; a syncer killed takes its peer server with it."""
     checkpoints = CheckpointStore(open_store(f"file://{tmp_path / 'store' / 'run-1'}"))
     dirs = node_dirs(tmp_path)
     stop = tmp_path / "stop"
@@ -164,7 +164,8 @@ def test_syncers_serve_their_parts_and_keep_their_buddys_part_of_the_newest_comm
                 syncer.wait_for(is_event("replica", step))
         for rank in (0, 1):
             kept = tmp_path / f"replica-{rank}"
-            assert [path.name for path in kept.iterdir()] == [step_name(200)], "the older replica is dropped"
+            # The two newest: the newest is pulled as soon as its part is uploaded, before it is committed.
+            assert sorted(path.name for path in kept.iterdir()) == [step_name(100), step_name(200)]
             other = dirs[buddy(rank, 2)] / step_name(200)
             assert {p.name: p.read_bytes() for p in (kept / step_name(200)).iterdir()} == \
                 {p.name: p.read_bytes() for p in other.iterdir()}

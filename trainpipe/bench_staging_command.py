@@ -34,7 +34,7 @@ def staging(
     recovery_nodes: Annotated[int, typer.Option(min=2, help="the recovery's cluster size")] = 4,
     recovery_paths: Annotated[str, typer.Option(help="recovery.replace paths to run: nodes (replace-one), cluster "
                                                 "(the whole relaunch)")] = "cluster,nodes",
-    recovery_dataset_mb: Annotated[int, typer.Option(min=1, help="MB of the recovery job's dataset")] = 32,
+    recovery_dataset_mb: Annotated[int, typer.Option(min=1, help="MB of the recovery job's dataset")] = 512,
     recovery_json: Annotated[Path | None, typer.Option(help="also write the recovery table as JSON here")] = None,
 ) -> None:
     """Stage one replicated dataset on a netns cluster per node count with fan-out off, then on (root only):

@@ -488,7 +488,7 @@ class CheckpointStore:
                 f"delete it and restart node {node_rank}'s syncer"
             ) from None
 
-    def _current_record(self, step: int, node_rank: int, attempt: str) -> NodeRecord | None:
+    def current_record(self, step: int, node_rank: int, attempt: str) -> NodeRecord | None:
         """The node's record of this step from this attempt; one left by a dead attempt does not count."""
         record = self._load_record(step, node_rank)
         return record if record is not None and record.attempt == attempt else None
@@ -496,7 +496,7 @@ class CheckpointStore:
     def missing_records(self, step: int, nodes: int | Sequence[int], attempt: str = "") -> list[int]:
         """Node ranks whose upload record of this step, from this attempt, is not in the store yet."""
         ranks = range(nodes) if isinstance(nodes, int) else nodes
-        return [rank for rank in ranks if self._current_record(step, rank, attempt) is None]
+        return [rank for rank in ranks if self.current_record(step, rank, attempt) is None]
 
     def try_commit(self, step: int, nodes: int | Sequence[int], world_size: int, config_hash: str,
                    attempt: str = "", checkpoint: CheckpointRef | None = None,
@@ -519,7 +519,7 @@ class CheckpointStore:
         ranks = list(range(nodes) if isinstance(nodes, int) else nodes)
         records = []
         for rank in ranks:
-            record = self._current_record(step, rank, attempt)
+            record = self.current_record(step, rank, attempt)
             if record is None:
                 return None
             records.append(record)
@@ -754,7 +754,7 @@ class CheckpointStore:
         owners: dict[str, int] = {}
         for rank in range(manifest.nodes):
             try:
-                record = self._current_record(manifest.step, rank, manifest.attempt)
+                record = self.current_record(manifest.step, rank, manifest.attempt)
             except CheckpointError as exc:
                 log.warning("%s: its files come from the store", exc)
                 continue

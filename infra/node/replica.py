@@ -4,11 +4,13 @@ so a restore after losing one node takes the lost node's part from a survivor in
 Node k's buddy is node (k-1) mod N; so node w's part is replicated on node (w+1) mod N (replica_holder). After a
 node's syncer has uploaded its part of a step, it hard-links those files into the node's share dir (what its
 `peer-serve` serves) under their checksums' names (infra/node/fanout.py's share_name): the copy the buddy reads is
-stable even when the script deletes its checkpoint. Once that step is committed, the node pulls its buddy's files of
-it (the commit's upload records say which rank wrote which file) from the buddy's peer server over the cluster
-network, verifies each against the manifest's checksum like a store's byte, and keeps them under
-<workdir>/replica/step-N/ (never in the script's checkpoint dir); an older replica is dropped once the new one is
-whole. The store is read only for the manifest and the records: its egress does not grow with the checkpoint.
+stable even when the script deletes its checkpoint. As soon as the buddy's upload record of that step is in the
+store (not once the step is committed: a node preempted right after its last save, on a notice, is gone before that
+commits), the node pulls the buddy's files of it (the record lists them) from the buddy's peer server over the
+cluster network, verifies each against the record's checksum like a store's byte, and keeps them under
+<workdir>/replica/step-N/ (never in the script's checkpoint dir); only the two newest replicas are kept (the newest
+may yet be abandoned). A restore holds a replica to the commit's manifest. The store is read only for the records:
+its egress does not grow with the checkpoint.
 
 During training the node's part is served by a `peer-serve` the syncer starts (--replica-serve: the fan-out's port
 and per-run credentials), watched by its replica thread (restarted when it dies) and killed with the syncer (a
@@ -34,7 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.checkpoints.commit import CheckpointError, CheckpointManifest, CheckpointStore, FileEntry
+from infra.checkpoints.commit import CheckpointError, CheckpointStore, FileEntry
 from infra.checkpoints.steps import step_name
 from infra.dataset.manifest import DatasetError
 from infra.dataset.stagecache import link_into
@@ -47,8 +49,8 @@ from infra.storage.transfer import FileSpec, download
 log = logging.getLogger(__name__)
 
 REPLICA_DIR = "replica"  # under the node's workdir; and under its share dir, what its replica holder reads
-COMMIT_WAIT_S = 900.0  # how long a shipped step is waited for to commit before its replica is given up
-_POLL_FIRST_S, _POLL_MAX_S = 0.5, 10.0
+COMMIT_WAIT_S = 900.0  # how long a shipped step's buddy part is waited for before its replica is given up
+RECORD_POLL_S = 0.25  # how often the buddy's upload record is looked for: one small GET
 _INCOMING = ".incoming"
 SERVER_CHECK_S = 5.0  # how often the replica thread checks its peer server
 SERVER_RESTARTS = 5  # then replicas of this node's part are given up (said), training goes on
@@ -110,9 +112,10 @@ def _die_with_parent() -> None:
 class Replicator:
     """Node `rank`'s replica of its buddy's part; shipped() is the syncer's hook and never raises."""
 
-    def __init__(self, rank: int, nodes: int, checkpoints: CheckpointStore, config: ReplicaConfig,
+    def __init__(self, rank: int, nodes: int, checkpoints: CheckpointStore, config: ReplicaConfig, attempt: str,
                  commit_wait_s: float = COMMIT_WAIT_S) -> None:
         self.rank = rank
+        self.attempt = attempt
         self.buddy = buddy(rank, nodes)
         self.checkpoints = checkpoints
         self.peer = HttpStore(config.buddy_url)
@@ -221,36 +224,34 @@ class Replicator:
             log.exception("replica of step %d", step)
             self._failed(step, f"{type(exc).__name__}: {exc}")
 
-    def _committed(self, step: int) -> CheckpointManifest | None:
-        """The step's manifest once committed; None when a newer step came first or it never commits in time."""
+    def _buddy_part(self, step: int) -> list[FileEntry] | None:
+        """The buddy's files of `step` as its upload record lists them, once the record is in: pulled then, not after
+        the commit (a node preempted just after its last save, on a notice, is gone before that commits, and its part
+        with it). None when a newer step came first or the record never comes in time. A restore holds the replica
+        to the commit's manifest all the same."""
         deadline = time.monotonic() + self.commit_wait_s
-        delay = _POLL_FIRST_S
         while not self._closed.is_set() and step == self._newest:
-            try:
-                return self.checkpoints.manifest(step)
-            except CheckpointError:
-                pass  # not committed yet
+            record = self.checkpoints.current_record(step, self.buddy, self.attempt)
+            if record is not None:
+                return record.files
             if time.monotonic() >= deadline:
-                self._failed(step, f"not committed within {self.commit_wait_s:g}s")
+                self._failed(step, f"node {self.buddy}'s part not uploaded within {self.commit_wait_s:g}s")
                 return None
-            self._closed.wait(delay)
-            delay = min(_POLL_MAX_S, delay * 2)
+            self._closed.wait(RECORD_POLL_S)
         return None
 
     def pull(self, step: int) -> int | None:
-        """Replicate the buddy's files of committed `step`; returns their bytes (None: superseded or not committed)."""
-        manifest = self._committed(step)
-        if manifest is None:
+        """Replicate the buddy's uploaded files of `step`; returns their bytes (None: superseded or never uploaded)."""
+        files = self._buddy_part(step)
+        if files is None:
             return None
         started = time.monotonic()
-        wrote = self.checkpoints.uploaders(manifest)
-        files = [entry for entry in manifest.files if wrote.get(entry.path) == self.buddy]
         partial = self.replica_dir / f".{step_name(step)}.partial"
         shutil.rmtree(partial, ignore_errors=True)
         incoming = partial / _INCOMING
         for entry in files:
             name = share_name(str(entry.checksum))
-            # Verified against the manifest's checksum by the transfer engine, as a store's byte is.
+            # Verified against the record's checksum by the transfer engine, as a store's byte is.
             key = f"{REPLICA_DIR}/{name}"
             download(self.peer, [FileSpec(key, entry.bytes, entry.sha256, entry.crc)], incoming)
             target = partial / entry.path
@@ -260,8 +261,11 @@ class Replicator:
         final = self.replica_dir / step_name(step)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
+        # The step before stays until this one is committed too: this one may yet be abandoned.
+        kept = {final, *sorted((d for d in self.replica_dir.iterdir() if d.name.startswith("step-") and d != final),
+                               reverse=True)[:1]}
         for other in self.replica_dir.iterdir():
-            if other != final:
+            if other not in kept:
                 shutil.rmtree(other, ignore_errors=True)
         size = sum(entry.bytes for entry in files)
         emit("replica", step=step, buddy=self.buddy, files=len(files), bytes=size,

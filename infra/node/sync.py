@@ -220,8 +220,8 @@ class Syncer:
         self.first_seen: dict[int, float] = {}  # announced step -> when this node first saw the announcement
         # An Event rather than a flag so a stop request (SIGTERM) also cuts the poll sleep short.
         self.stop_requested = threading.Event()
-        self.replica = Replicator(config.node_rank, config.nodes, checkpoints, config.replica) if config.replica \
-            else None
+        self.replica = (Replicator(config.node_rank, config.nodes, checkpoints, config.replica, config.attempt)
+                        if config.replica else None)
 
     @property
     def is_coordinator(self) -> bool:

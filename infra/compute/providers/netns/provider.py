@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from infra.compute.providers.launcher import launcher
 from infra.compute.providers.local import RECORD, LocalProvider, owner_alive
 from infra.compute.providers.netns import emulation as netns
 from infra.compute.providers.netns.emulation import NetnsError, NetnsRunner
+from infra.dataset.stagecache import node_cache_dir
 from infra.job.spec import ClusterSpec
 from infra.workspace import workspace_dir
 
@@ -70,7 +72,7 @@ class NetnsProvider(LocalProvider):
         # Before the first object: a sweep running meanwhile sees a live owner and leaves the group alone.
         netns.write_state(gid, {"kind": "cluster", "name": cluster_name, "run_id": run_id,
                                 "record": str(self._dir(cluster_name) / RECORD), "owner": launcher(),
-                                "created_at": time.time()})
+                                "created_at": time.time(), "relaunch": spec.netns.relaunch})
         try:
             netns.create_cluster_network(gid, spec.nodes, spec.netns.link_mbit)
             cluster = super().launch(cluster_name, spec, run_id)
@@ -86,6 +88,20 @@ class NetnsProvider(LocalProvider):
         shaped = f"{spec.netns.link_mbit:g} Mbit/s links" if spec.netns.link_mbit else "unshaped links"
         log.info("netns cluster %s: %s on %s", cluster_name, ", ".join(n.address for n in cluster.nodes), shaped)
         return cluster
+
+    def terminate_keeping_data(self, cluster_name: str) -> bool:
+        """As on local nodes, unless the cluster was launched with `netns.relaunch: new-machines` (a cloud's
+        relaunch, emulated): then its nodes' data dirs and dataset caches go too."""
+        group = netns.groups().get(self.group(cluster_name))
+        if group is None or (group.state or {}).get("relaunch") != "new-machines":
+            return super().terminate_keeping_data(cluster_name)
+        cluster = self.describe(cluster_name)
+        ended = self.terminate(cluster_name)
+        for node in cluster.nodes if cluster is not None else ():
+            shutil.rmtree(node_cache_dir(self.name, node.workdir), ignore_errors=True)
+        log.info("netns cluster %s: ended as new-machines (no node's data or cache kept for the relaunch)",
+                 cluster_name)
+        return ended
 
     def _check_replaceable(self, cluster: Cluster, node: Node) -> None:
         # The replacement is the same host on the network: its namespace (address, shaped link) must still be there.
