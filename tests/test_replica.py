@@ -56,10 +56,10 @@ def finished(one: Staging) -> dict[str, object]:
     return events(one, "restore-fanout")[0]
 
 
-@pytest.mark.parametrize("damaged", [False, True])
+@pytest.mark.parametrize("case", ["intact", "damaged", "survivor-deleted-its-save"])
 def test_a_replaced_node_is_filled_from_its_peers_and_their_replicas_with_no_checkpoint_bytes_from_the_store(
         s3_url: str, s3_server: S3Server, tmp_path: Path, peer_credentials: None, monkeypatch: pytest.MonkeyPatch,
-        damaged: bool) -> None:
+        case: str) -> None:
     checkpoints = CheckpointStore(open_store(f"{s3_url}/run-1"))
     with local_nodes(tmp_path, NODES) as nodes:
         for node in nodes:
@@ -75,7 +75,13 @@ def test_a_replaced_node_is_filled_from_its_peers_and_their_replicas_with_no_che
         assert replica.read_bytes() == expected[lost.path], "node 2 keeps node 1's part, verified"
         assert not (nodes[1].workdir / "ckpt" / step_name(STEP) / "__0_0.distcp").exists(), \
             "a replica never lands in the script's checkpoint dir"
-        if damaged:
+        wrote = checkpoints.uploaders(manifest)
+        part = {rank: sum(e.bytes for e in manifest.files if wrote[e.path] == rank) for rank in range(NODES)}
+        if case == "survivor-deleted-its-save":
+            # The script's own retention removed node 0's save: its uploaded part's links (the replica holder's
+            # source) still hold it.
+            shutil.rmtree(nodes[0].workdir / "ckpt" / step_name(STEP))
+        if case == "damaged":
             data = bytearray(replica.read_bytes())
             data[7] ^= 0xFF
             replica.write_bytes(bytes(data))
@@ -93,8 +99,8 @@ def test_a_replaced_node_is_filled_from_its_peers_and_their_replicas_with_no_che
         for node in nodes:
             assert held(node.workdir / "ckpt") == expected
         from_store = [int(event["store_bytes"]) for event in fanned]
-        print(f"store: {store.served} bytes served for a {manifest.total_bytes}-byte checkpoint; damaged={damaged}")
-        if damaged:
+        print(f"store: {store.served} bytes served for a {manifest.total_bytes}-byte checkpoint; {case}")
+        if case == "damaged":
             # Node 2 finds its replica bad, fetches that file from the store, and serves node 1.
             assert from_store == [0, 0, lost.bytes]
             assert fanned[2]["replica_bytes"] == 0
@@ -102,6 +108,8 @@ def test_a_replaced_node_is_filled_from_its_peers_and_their_replicas_with_no_che
         else:
             assert from_store == [0, 0, 0]
             assert fanned[2]["replica_bytes"] == lost.bytes
+            # Node 0 takes node 2's part from its replica, and its own deleted one from its uploaded part's links.
+            assert fanned[0]["replica_bytes"] == part[2] + (part[0] if case == "survivor-deleted-its-save" else 0)
             # What the store still serves is the manifest, records and listings: no checkpoint byte.
             assert store.served <= 0.05 * manifest.total_bytes, store.served
         assert int(fanned[1]["peer_bytes"]) == manifest.total_bytes - len(expected["extra/copy.distcp"])

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from infra.checkpoints.commit import CheckpointManifest, CheckpointStore, FileEntry
 from infra.node.events import emit
-from infra.node.fanout import Counts, Exchange, File, Piece, shares
-from infra.node.replica import replica_holder, replica_path
+from infra.node.fanout import Counts, Exchange, File, Piece, share_name, shares
+from infra.node.replica import REPLICA_DIR, replica_holder, replica_path
 from infra.storage.base import ObjectStore
 from infra.storage.checksum import checksum_file
 from infra.storage.transfer import FileSpec, download
@@ -76,9 +76,10 @@ class PeerFill:
         pieces = [_piece(entry) for entry in manifest.files]
         held = {piece.key for piece in pieces if _holds(folder / piece.key, entries[piece.key])}
         for piece in pieces:
-            replica = replica_path(self.replica_dir, manifest.step, piece.key) if self.replica_dir else None
-            if piece.key not in held and replica is not None and _holds(replica, entries[piece.key]):
-                _copy(replica, folder / piece.key)  # a copy: the replica outlives what the script does to this one
+            kept = next((path for path in self._kept_copies(manifest.step, piece)
+                         if piece.key not in held and _holds(path, entries[piece.key])), None)
+            if kept is not None:
+                _copy(kept, folder / piece.key)  # a copy: the kept one outlives what the script does to this one
                 held.add(piece.key)
                 self.replica_bytes += piece.size
         self.local_bytes = sum(piece.size for piece in pieces if piece.key in held)
@@ -125,6 +126,14 @@ class PeerFill:
         emit("restore-fanout", step=manifest.step, local_bytes=self.local_bytes, replica_bytes=self.replica_bytes,
              store_bytes=self.counts.store_bytes, peer_bytes=self.counts.peer_bytes,
              fallback_files=self.counts.fallback_files, peers_gone=self.counts.peers_gone)
+
+    def _kept_copies(self, step: int, piece: File) -> list[Path]:
+        """Where this node may keep a piece outside the checkpoint dir (peer replica on): its replica of its buddy's
+        part, and its own uploaded part's links (the script may have deleted its own save since)."""
+        if self.replica_dir is None:
+            return []
+        return [replica_path(self.replica_dir, step, piece.key),
+                self.share_dir / REPLICA_DIR / share_name(piece.checksum)]
 
     def _owners(self, checkpoints: CheckpointStore, manifest: CheckpointManifest, pieces: list[File]
                 ) -> dict[str, int]:
