@@ -13,7 +13,7 @@ from typing import Any
 
 from infra.compute.access.remote import Process
 from infra.compute.providers import Cluster, Node, get_provider
-from infra.node.fanout import PEER_PORT_BASE, SHARE_DIR, peer_url
+from infra.node.fanout import PEER_PORT_BASE, REPLICA_PORT_BASE, SHARE_DIR, peer_url
 from infra.node.replica import REPLICA_DIR, buddy
 from infra.storage.http import PASS_ENV, USER_ENV
 
@@ -50,12 +50,12 @@ def peer_credentials() -> dict[str, str]:
 
 
 def replica_argv(cluster: Cluster, node: Node) -> list[str]:
-    """A node's syncer flags for checkpoints.peer_replica: it serves its share dir on its fan-out port while it runs
+    """A node's syncer flags for checkpoints.peer_replica: it serves its share dir on its replica port while it runs
     and keeps its ring buddy's part under <workdir>/replica (credentials: peer_credentials in its environment)."""
     other = next(peer for peer in cluster.nodes if peer.rank == buddy(node.rank, len(cluster.nodes)))
-    return ["--replica-buddy", peer_url(other.address, other.rank), "--replica-dir", node.path(REPLICA_DIR),
-            "--replica-share-dir", node.path(SHARE_DIR),
-            "--replica-serve", f"{node.address}:{PEER_PORT_BASE + node.rank}"]
+    return ["--replica-buddy", peer_url(other.address, other.rank, REPLICA_PORT_BASE), "--replica-dir",
+            node.path(REPLICA_DIR), "--replica-share-dir", node.path(SHARE_DIR),
+            "--replica-serve", f"{node.address}:{REPLICA_PORT_BASE + node.rank}"]
 
 
 @contextmanager

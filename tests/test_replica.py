@@ -208,7 +208,7 @@ def test_peer_replica_is_on_with_two_nodes_off_when_asked_and_refused_on_one() -
     from infra.compute.providers import Cluster
     from infra.compute.providers import Node as ClusterNode
     from infra.job.spec import JobSpec
-    from infra.node.fanout import PEER_PORT_BASE
+    from infra.node.fanout import REPLICA_PORT_BASE
     from tasks.train import TrainLaunch, syncer_argv
 
     def job(nodes: int, **checkpoints: object) -> JobSpec:
@@ -220,8 +220,8 @@ def test_peer_replica_is_on_with_two_nodes_off_when_asked_and_refused_on_one() -
     cluster = Cluster("c", "local", "run", nodes, 0.0)
     launch = TrainLaunch("file:///c", "file:///d", 29500, "hash", attempt_id="0-x")
     argv = syncer_argv(job(2), cluster, nodes[0], launch)
-    assert argv[argv.index("--replica-buddy") + 1] == f"http://10.0.0.2:{PEER_PORT_BASE + 1}"
-    assert argv[argv.index("--replica-serve") + 1] == f"10.0.0.1:{PEER_PORT_BASE}"
+    assert argv[argv.index("--replica-buddy") + 1] == f"http://10.0.0.2:{REPLICA_PORT_BASE + 1}"
+    assert argv[argv.index("--replica-serve") + 1] == f"10.0.0.1:{REPLICA_PORT_BASE}"
     assert argv[argv.index("--replica-dir") + 1] == "/w0/replica"
     assert "--replica-buddy" not in syncer_argv(job(2, peer_replica=False), cluster, nodes[0], launch)
     assert not job(1).peer_replica
