@@ -136,6 +136,15 @@ def lost_nodes(cluster: Cluster, lost: Sequence[str]) -> list[Node]:
     return [node for node in cluster.nodes if node.name in lost]
 
 
+def count_replaced(cluster: Cluster, nodes: Sequence[Node]) -> dict[str, Any]:
+    """The cluster's owner state with each of these nodes' replacements counted (owner["replaced"]: name -> count),
+    for a provider whose replacement keeps the node's name and place (local, netns, ssh)."""
+    replaced = dict(cluster.owner.get("replaced", {}))
+    for node in nodes:
+        replaced[node.name] = int(replaced.get(node.name, 0)) + 1
+    return {**cluster.owner, "replaced": replaced}
+
+
 @dataclass(frozen=True)
 class ClusterRecord:
     """What list_clusters reports: enough for the sweeper to decide whether the cluster is orphaned."""

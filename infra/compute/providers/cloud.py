@@ -46,6 +46,7 @@ from infra.compute.providers.base import (
     Provider,
     QuotaError,
     ReplacementUnavailable,
+    lost_nodes,
 )
 
 # The ssh provider's helpers: run every node at once, and turn an SSH failure into the LaunchError saying whether
@@ -184,13 +185,8 @@ class CloudProvider(Provider):
         the caller ends them (end_nodes)."""
 
     def replace_nodes(self, cluster: Cluster, lost: Sequence[str]) -> Cluster:
-        names = list(dict.fromkeys(lost))
-        unknown = sorted(set(names) - {node.name for node in cluster.nodes})
-        if unknown:
-            raise InvalidRequestError(f"{self.name}: cannot replace {', '.join(unknown)}: not nodes of cluster "
-                                      f"{cluster.name} (it has {', '.join(n.name for n in cluster.nodes)})")
-        if not names:
-            return cluster
+        gone = lost_nodes(cluster, lost)
+        names = [node.name for node in gone]
         self.ssh_access(check_file=True)  # before anything is paid for, as at launch
         ttl = _number(cluster.owner.get(LEASE_TTL)) or DEFAULT_LEASE_TTL_S
         # Booting a replacement can outlast the lease TTL: the heartbeat is kept (on every instance of the cluster,
@@ -198,7 +194,7 @@ class CloudProvider(Provider):
         beating = Renewal(f"heartbeat of {cluster.name} while {', '.join(names)} are replaced",
                           lambda: self._heartbeat_named(cluster.name), ttl / RENEWALS_PER_TTL).start()
         try:
-            return self._replace_and_bootstrap(cluster, [n for n in cluster.nodes if n.name in names])
+            return self._replace_and_bootstrap(cluster, gone)
         finally:
             beating.stop()
 

@@ -29,6 +29,7 @@ from infra.compute.providers.base import (
     PreemptionNotice,
     Provider,
     ReplacementUnavailable,
+    count_replaced,
     lost_nodes,
 )
 from infra.compute.providers.launcher import launcher, launcher_alive
@@ -120,10 +121,7 @@ class LocalProvider(Provider):
             shutil.rmtree(node_cache_dir(self.name, node.workdir), ignore_errors=True)
             _make_node_dir(node, cluster.name)
             log.info("%s: replaced in %s (%d processes of the lost node ended)", node.name, node.workdir, len(left))
-        replaced = dict(cluster.owner.get("replaced", {}))
-        for node in gone:
-            replaced[node.name] = int(replaced.get(node.name, 0)) + 1
-        updated = replace(cluster, owner={**cluster.owner, "replaced": replaced})
+        updated = replace(cluster, owner=count_replaced(cluster, gone))
         _write_atomically(base / RECORD, updated.to_json())
         return updated
 

@@ -36,6 +36,7 @@ from infra.compute.providers.base import (
     PreemptionNotice,
     Provider,
     ReplacementUnavailable,
+    count_replaced,
     lost_nodes,
 )
 from infra.compute.providers.hosts import in_parallel, launch_error
@@ -289,7 +290,8 @@ class SshProvider(Provider):
         """The user's machines are the placement: a lost node's replacement is its own host again, emptied and
         bootstrapped, when it answers within teardown_connect_s and is still this cluster's (else
         ReplacementUnavailable, and the caller relaunches the whole cluster)."""
-        names = {node.name for node in lost_nodes(cluster, lost)}
+        gone = lost_nodes(cluster, lost)
+        names = {node.name for node in gone}
         if self.describe(cluster.name) is None:
             raise ReplacementUnavailable(f"{cluster.name}: its record is gone: the cluster was torn down")
         hosts = [host for host in self._hosts(cluster) if host.node.name in names]
@@ -302,11 +304,7 @@ class SshProvider(Provider):
             raise ReplacementUnavailable("; ".join(f"{host.node.name} ({host.host.host}:{host.host.port}): {error}"
                                                    for host, error in failures)) from failures[0][1]
         reports = {host.node.name: report.to_dict() for host, report, _ in outcomes}
-        replaced = dict(cluster.owner.get("replaced", {}))
-        for name in names:
-            replaced[name] = int(replaced.get(name, 0)) + 1
-        updated = replace(cluster, bootstrap={**cluster.bootstrap, **reports},
-                          owner={**cluster.owner, "replaced": replaced})
+        updated = replace(cluster, bootstrap={**cluster.bootstrap, **reports}, owner=count_replaced(cluster, gone))
         self._write_record(updated)
         return updated
 
