@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
-from infra.compute.access.remote import Process
+from infra.compute.access.remote import Process, last_error
 from infra.compute.providers import Cluster, Node, get_provider
 from infra.node.fanout import PEER_PORT_BASE, REPLICA_PORT_BASE, SHARE_DIR, peer_url
 from infra.node.replica import REPLICA_DIR, buddy
@@ -90,6 +90,12 @@ def peer_servers(cluster: Cluster) -> Iterator[tuple[list[str], dict[str, str]]]
         yield [peer_url(node.address, node.rank) for node in cluster.nodes], env
     finally:
         def stop(name: str, process: Process) -> None:
+            code = process.poll()
+            if code is not None:
+                # Its peers took what it owed from the store (each said so in a fanout-fallback event); this says why.
+                log.warning("%s: peer server exited %s during the exchange: %s", name, code,
+                            last_error(process, ("peer-serve:", "CRITICAL")))
+                return
             log.info("%s: peer server stopped (exit %s)", name, process.terminate(grace_s=5.0))
 
         with ThreadPoolExecutor(max_workers=max(1, len(started))) as pool:

@@ -18,8 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
+from cloud_env import wait_for
 from conftest import REPO
 from servers import CountingProxy, S3Server, _wait_for_port, free_port
 from test_dataset_stage import freeze, put_dataset, tree
@@ -27,6 +29,7 @@ from test_dataset_stage import freeze, put_dataset, tree
 from infra.dataset.snapshot import read_snapshot
 from infra.node.events import parse
 from infra.node.fanout import Exchange, File, Piece, shares
+from infra.node.processes import NODE_TAG, tagged_processes
 from infra.storage import open_store
 from infra.storage.base import ObjectStore
 from infra.storage.http import PASS_ENV, USER_ENV
@@ -292,8 +295,8 @@ def test_an_owner_slower_than_the_wait_bound_but_alive_is_waited_for(
         tmp_path: Path, cluster: list[Node], credentials: dict[str, str]) -> None:
     """The wait for a peer's piece counted from the first ask: an owner whose share took the store longer than the
     bound (minutes, for a large share) was given up on by every node, and the store sent its share N times. Now the
-    bound counts from the owner's last sign of life: its exchange's heartbeat, so it is waited for (2 s bound, 5 s
-    fetch here), while a gone one (test above) is still given up on."""
+    bound counts from the owner's last sign of life: its exchange's heartbeat, so it is waited for (2 s bound, a fetch
+    that lasts until the taker has waited past it), while a gone one (test above) is still given up on."""
     data = os.urandom(3 * MB)
     piece = File("weights.bin", len(data), f"sha256:{hashlib.sha256(data).hexdigest()}")
     store_dir = tmp_path / "store"
@@ -317,13 +320,26 @@ def test_an_owner_slower_than_the_wait_bound_but_alive_is_waited_for(
             (landed[rank] / wanted.key).write_bytes(body)
         return fetch
 
+    owner, taker = exchange(1), exchange(0)
+    # The owner's store fetch lasts until the taker, past its wait bound, has judged the owner alive: held by that
+    # event, not a sleep.
+    waited_past_bound = threading.Event()
+    shows_life = taker._shows_life
+
+    def judged(peer: Any) -> bool:
+        alive = shows_life(peer)
+        if alive and time.monotonic() - taker._started > taker.wait_s:
+            waited_past_bound.set()
+        return alive
+
+    taker._shows_life = judged  # type: ignore[method-assign]
+
     def slow_own(own: list[Piece]) -> None:
-        time.sleep(5.0)  # the store sending the owner's share: longer than the wait bound
+        assert waited_past_bound.wait(60), "the taker never waited past its bound"
         for wanted in own:
             fetch_one(1)(store, wanted, wanted.key)
             owner.publish(wanted)
 
-    owner, taker = exchange(1), exchange(0)
     owners = {piece.checksum: 1}
     with ThreadPoolExecutor(2) as pool:
         owning = pool.submit(owner.run, [piece], [piece], store, slow_own, fetch_one(1), owners)
@@ -331,3 +347,32 @@ def test_an_owner_slower_than_the_wait_bound_but_alive_is_waited_for(
         assert owning.result().store_bytes == len(data)
     assert (counts.peer_bytes, counts.store_bytes, counts.peers_gone) == (len(data), 0, {})
     assert (landed[0] / piece.key).read_bytes() == data
+
+
+def test_a_peer_server_that_died_during_the_exchange_is_said_with_its_reason(
+        workspace: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A node's peer server that cannot serve (here: its port is taken) costs its peers the store for what it owed,
+    which they say; the orchestrator says which server died and why, not only that it was stopped."""
+    import logging
+    import socket
+
+    from infra.compute.providers import get_provider
+    from infra.job.spec import ClusterSpec
+    from infra.node.fanout import PEER_PORT_BASE
+    from tasks.fanout import peer_servers
+
+    provider = get_provider("local")
+    cluster = provider.launch("tp-peer-died", ClusterSpec(provider="local", nodes=1), "peer-died")
+    taken = socket.create_server(("127.0.0.1", PEER_PORT_BASE))
+    log = Path(cluster.head.path("logs", "peer-serve.log"))
+    try:
+        with caplog.at_level(logging.WARNING, logger="tasks.fanout"), peer_servers(cluster):
+            wait_for(lambda: log.is_file() and "address already in use" in log.read_text(), 60,
+                     "the peer server failing to bind")
+            wait_for(lambda: not [p for p in tagged_processes(NODE_TAG, cluster.head.name)], 30,
+                     "the peer server exiting")
+    finally:
+        taken.close()
+        provider.terminate(cluster.name)
+    assert f"{cluster.head.name}: peer server exited" in caplog.text
+    assert "address already in use" in caplog.text
