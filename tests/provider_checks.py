@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from cloud_env import wait_for
 
 from infra.compute.providers.base import Cluster, Provider
 from infra.node.processes import NODE_TAG, tagged_processes
@@ -32,7 +31,8 @@ def assert_replaces_only_the_lost(provider: Provider, cluster: Cluster) -> Clust
         runner = provider.runner(cluster, node)
         runner.write_text(node.path("data", "staged.bin"), f"{node.name}\n")
         runner.start(["sleep", "300"], log_path=node.path("logs", "sleep.log"))
-    _wait_for(lambda: all(tagged_processes(NODE_TAG, node.name) for node in cluster.nodes))
+    wait_for(lambda: all(tagged_processes(NODE_TAG, node.name) for node in cluster.nodes), 30,
+             "every node's process tagged")
     before = {p.pid for p in tagged_processes(NODE_TAG, survivor.name)}
 
     replaced = provider.replace_nodes(cluster, [lost.name])
@@ -53,9 +53,3 @@ def assert_replaces_only_the_lost(provider: Provider, cluster: Cluster) -> Clust
         provider.replace_nodes(replaced, ["no-such-node"])
     return replaced
 
-
-def _wait_for(check: Callable[[], object], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.1)

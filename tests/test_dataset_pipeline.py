@@ -12,8 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ import pandas as pd
 import pytest
 from conftest import REPO, TRAINPIPE, cannot_run_here
 from jobs import job_config, write_config
+from polling import Polling
 from test_cli import error_line, invoke
 
 from infra.dataset.snapshot import SNAPSHOT_KEY
@@ -77,34 +76,25 @@ def nothing_launched(workspace: Path) -> bool:
     return not clusters.exists() or not any(clusters.iterdir())
 
 
-class DataDirWatcher:
+class DataDirWatcher(Polling):
     """Copies every node's data dir the moment its stage finished (data-files.txt written): teardown removes them."""
+
+    interval_s = 0.02
 
     def __init__(self, workspace: Path, cluster: str, nodes: int) -> None:
         self.nodes = [workspace / "clusters" / cluster / f"node-{rank}" for rank in range(nodes)]
         self.trees: dict[int, dict[str, bytes]] = {}
         self.listed: dict[int, list[str]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
 
-    def __enter__(self) -> DataDirWatcher:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _watch(self) -> None:
-        while not self._stop.is_set() and len(self.trees) < len(self.nodes):
-            for rank, node in enumerate(self.nodes):
-                listing = node / "data-files.txt"
-                if rank not in self.trees and listing.is_file():
-                    data = node / "data"
-                    self.listed[rank] = listing.read_text().splitlines()
-                    self.trees[rank] = {p.relative_to(data).as_posix(): p.read_bytes()
-                                        for p in sorted(data.rglob("*")) if p.is_file()}
-            time.sleep(0.02)
+    def poll(self) -> bool:
+        for rank, node in enumerate(self.nodes):
+            listing = node / "data-files.txt"
+            if rank not in self.trees and listing.is_file():
+                data = node / "data"
+                self.listed[rank] = listing.read_text().splitlines()
+                self.trees[rank] = {p.relative_to(data).as_posix(): p.read_bytes()
+                                    for p in sorted(data.rglob("*")) if p.is_file()}
+        return len(self.trees) == len(self.nodes)
 
 
 def test_tables_pass_the_suite_stage_byte_exact_on_2_nodes_and_the_report_holds_the_suite(

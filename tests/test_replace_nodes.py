@@ -5,7 +5,6 @@ end to end on 3 local nodes."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 from jobs import job_config, make_dataset
+from polling import Polling
 from prefect import flow
 from provider_checks import assert_replaces_only_the_lost
 from test_pipeline_e2e import tagged_processes
@@ -46,10 +46,10 @@ def test_local_replace_nodes_replaces_only_the_lost_node(tmp_path: Path) -> None
         provider.replace_nodes(replaced, [replaced.nodes[1].name])
 
 
-class NodeWatch:
-    """Polls a local cluster's nodes while the flow runs (in the main thread: it installs signal handlers): each
-    node's lease watchdog pids, and a marker written into each node's dir once every node has its watchdog (before
-    any preemption) and whether the survivors' markers were still there when the replacement's watchdog came up."""
+class NodeWatch(Polling):
+    """Watches a local cluster's nodes while the flow runs: each node's lease watchdog pids, and a marker written into
+    each node's dir once every node has its watchdog (before any preemption) and whether the survivors' markers were
+    still there when the replacement's watchdog came up."""
 
     def __init__(self, workspace: Path, cluster_name: str, nodes: int) -> None:
         self.names = [f"{cluster_name}-node-{rank}" for rank in range(nodes)]
@@ -57,36 +57,24 @@ class NodeWatch:
         self.watchers: dict[str, list[int]] = {name: [] for name in self.names}  # distinct pids, in order seen
         self.marked = False
         self.markers_at_replacement: list[bool] | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> NodeWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.2):
-            pids: dict[str, list[int]] = {name: [] for name in self.names}
-            for process in psutil.process_iter():
-                try:
-                    node = process.environ().get(NODE_TAG)
-                    if node in pids and process.cmdline()[1:4] == ["-m", "infra.node", "watch"]:
-                        pids[node].append(process.pid)
-                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, IndexError):
-                    continue
-            for name, found in pids.items():
-                self.watchers[name] += [pid for pid in found if pid not in self.watchers[name]]
-            if not self.marked and all(pids.values()):
-                for directory in self.dirs:
-                    (directory / MARKER).write_text("before the preemption\n")
-                self.marked = True
-            if self.markers_at_replacement is None and len(self.watchers[self.names[1]]) > 1:
-                self.markers_at_replacement = [(directory / MARKER).is_file() for directory in self.dirs]
-
+    def poll(self) -> None:
+        pids: dict[str, list[int]] = {name: [] for name in self.names}
+        for process in psutil.process_iter():
+            try:
+                node = process.environ().get(NODE_TAG)
+                if node in pids and process.cmdline()[1:4] == ["-m", "infra.node", "watch"]:
+                    pids[node].append(process.pid)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, IndexError):
+                continue
+        for name, found in pids.items():
+            self.watchers[name] += [pid for pid in found if pid not in self.watchers[name]]
+        if not self.marked and all(pids.values()):
+            for directory in self.dirs:
+                (directory / MARKER).write_text("before the preemption\n")
+            self.marked = True
+        if self.markers_at_replacement is None and len(self.watchers[self.names[1]]) > 1:
+            self.markers_at_replacement = [(directory / MARKER).is_file() for directory in self.dirs]
 
 MARKER = "marker-from-the-test"
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import shutil
 import socket
-import time
 from pathlib import Path
 
 import pytest
+from cloud_env import wait_for
 from servers import S3Server, free_port
 from test_checkpoints import make_step, node_dirs
 from test_fanout_restore import NODES, STEP, commit_step, events, held, peer_credentials, whole
@@ -192,14 +192,14 @@ def test_syncers_serve_their_parts_and_keep_their_buddys_part_of_the_newest_comm
 
 
 def wait_closed(port: int, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def closed() -> bool:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
         except OSError:
-            return
-        assert time.monotonic() < deadline, f"port {port} still served {timeout_s:g}s after its syncer ended"
-        time.sleep(0.1)
+            return True
+        return False
+
+    wait_for(closed, timeout_s, f"port {port} closed after its syncer ended")
 
 
 def test_peer_replica_is_on_with_two_nodes_off_when_asked_and_refused_on_one() -> None:

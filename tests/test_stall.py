@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from cloud_env import wait_for
 from servers import LoopbackProxy
 
 from infra.storage import open_store, s3, s3_control, s3_native
@@ -260,10 +261,8 @@ def test_a_control_request_queued_behind_moving_parts_is_not_stalled(
     fetching = threading.Thread(target=download, args=(store, [FileSpec(n, MIN_PART_SIZE) for n in names], dest,
                                                        config), daemon=True)
     fetching.start()
-    deadline = time.monotonic() + 60
-    while not any(dest.glob("*.part")):  # the CRT creates each file as its GET goes out
-        assert time.monotonic() < deadline, "the downloads never started"
-        time.sleep(0.05)
+    # The CRT creates each file as its GET goes out.
+    wait_for(lambda: any(dest.glob("*.part")), 60, "the downloads starting", interval=0.05)
     client, endpoint = s3.S3Store(url)._native(config)
     started = time.monotonic()
     info = s3_control.head_object(client, endpoint, url.removeprefix("s3://"), names[-1], SLOW_STALL_S, "HEAD")
