@@ -25,7 +25,6 @@ detection → resumed ≤ 0.5× the whole relaunch's in the same run. Needs root
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import threading
@@ -37,7 +36,7 @@ from pathlib import Path
 from typing import Any
 from unittest.mock import patch
 
-from bench.staging import store_tx_bytes
+from bench.staging import report_json, store_tx_bytes
 from bench.trainer_flags import VOCAB_SIZE, ModelShape
 from infra.analysis.predict import Hardware, Recovery, recovery
 from infra.checkpoints.commit import CheckpointStore
@@ -254,13 +253,10 @@ class RecoveryBenchReport:
         return "\n".join(lines)
 
     def to_json(self) -> str:
-        config = {**asdict(self.config), "workdir": str(self.config.workdir) if self.config.workdir else None}
-        return json.dumps({"config": config, "dataset_bytes": self.dataset_bytes,
-                           "runs": [{**asdict(run), "store_share": self.share(run), "unsplit_s": run.unsplit_s,
-                                     "model": asdict(self.model(run))}
-                                    for run in self.runs],
-                           "not_measured": self.not_measured, "ratios": self.ratios(),
-                           "meets_targets": self.meets_targets()}, indent=2)
+        return report_json(self.config, self.dataset_bytes,
+                           [{**asdict(run), "store_share": self.share(run), "unsplit_s": run.unsplit_s,
+                             "model": asdict(self.model(run))} for run in self.runs],
+                           not_measured=self.not_measured, ratios=self.ratios(), meets_targets=self.meets_targets())
 
 
 # -- the runs ---------------------------------------------------------------------------------------------------

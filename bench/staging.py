@@ -134,12 +134,16 @@ class StagingBenchReport:
         return "\n".join(lines)
 
     def to_json(self) -> str:
-        config = {**asdict(self.config), "workdir": str(self.config.workdir) if self.config.workdir else None}
-        return json.dumps({"config": config, "dataset_bytes": self.dataset_bytes,
-                           "runs": [{**asdict(run), "model_s": self.model_s(run.nodes, run.fanout)}
-                                    for run in self.runs],
-                           "ratios": {str(n): self.ratios(n) for n in sorted({r.nodes for r in self.runs})}},
-                          indent=2)
+        return report_json(self.config, self.dataset_bytes,
+                           [{**asdict(run), "model_s": self.model_s(run.nodes, run.fanout)} for run in self.runs],
+                           ratios={str(n): self.ratios(n) for n in sorted({r.nodes for r in self.runs})})
+
+
+def report_json(config: Any, dataset_bytes: int, runs: list[dict[str, Any]], **figures: Any) -> str:
+    """A bench's report as --json writes it: its config (the workdir, a Path, as text), the dataset's bytes, each
+    run's figures, and the figures across runs."""
+    fields = {**asdict(config), "workdir": str(config.workdir) if config.workdir else None}
+    return json.dumps({"config": fields, "dataset_bytes": dataset_bytes, "runs": runs, **figures}, indent=2)
 
 
 def store_tx_bytes(store: NetnsStore) -> int:
