@@ -83,6 +83,8 @@ def test_an_example_preempted_once_resumes_on_both_nodes_and_commits(
     summary = json.loads((workspace / "runs" / f"{example}-run" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["nodes_left"] == 0
     [recovery] = summary["recoveries"]
+    # Only the lost node replaced, for the user's framework as for the bundled trainer: the survivor kept its disk.
+    assert (recovery["path"], recovery["replaced"]) == ("replaced-nodes", [recovery["node"]]), recovery
     resumed_from = recovery["resumed_from_step"]
     assert resumed_from is not None and resumed_from > 0, "node 1 went before the first commit: nothing to resume"
 
