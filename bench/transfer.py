@@ -97,9 +97,11 @@ class Report:
     def _rows(self, store: str, direction: str) -> list[Row]:
         return [r for r in self.rows if r.store == store and r.direction == direction]
 
-    def ceiling(self, store: str, direction: str) -> float:
-        """The best any client reached (the disk's `cp` is its own row, not a client)."""
-        return max((r.best for r in self._rows(store, direction) if r.client != "local cp"), default=0.0)
+    def ceiling(self, row: Row) -> float:
+        """The best any client reached on the same kind of copy (the disk's `cp` is its own row, not a client)."""
+        one_object = row.note == ONE_OBJECT_NOTE
+        return max((r.best for r in self._rows(row.store, row.direction)
+                    if r.client != "local cp" and (r.note == ONE_OBJECT_NOTE) == one_object), default=0.0)
 
     def ratio(self, row: Row, against: str) -> float | None:
         """row's median over the peer's, the peer measured on the same objects (the same note)."""
@@ -112,7 +114,7 @@ class Report:
     def summary(self) -> list[dict[str, object]]:
         out = []
         for row in self.rows:
-            ceiling = self.ceiling(row.store, row.direction)
+            ceiling = self.ceiling(row)
             out.append({
                 **asdict(row), "median": round(row.median, 1), "best": round(row.best, 1),
                 "vs_s5cmd": _round(self.ratio(row, "s5cmd")),
@@ -277,8 +279,8 @@ def _retries(stderr: str) -> tuple[str, ...]:
 class Meter:
     """Runs one client process at a time, timing it and counting its CPU and the server's."""
 
-    def __init__(self, env: dict[str, str], server_port: int | None) -> None:
-        self.env = env
+    def __init__(self, env: dict[str, str], server_port: int | None, endpoint: str = "") -> None:
+        self.env, self.endpoint = env, endpoint
         self.server = _listening_child(server_port) if server_port is not None else None
 
     def _server_cpu(self) -> float:
@@ -386,6 +388,50 @@ def _s3_clients(config: BenchConfig) -> list[tuple[str, str]]:
     return [(c, engine) for c in chosen for engine in (config.engines if c == "trainpipe" else ("",))]
 
 
+def _download_rows(meter: Meter, sources: list[tuple[str, str, str, str]], prefix: str, dest: Path, root: Path,
+                   nbytes: int) -> list[tuple[Row, Callable[[int], Timing]]]:
+    """A download row per (client, engine, bucket, note): each run into an empty dest, checked for every byte."""
+    rows = []
+    for client, engine, bucket, note in sources:
+        argv = download_argv(client, engine, bucket, prefix, dest, meter.endpoint)
+
+        def download_once(_index: int, argv: list[str] = argv, bucket: str = bucket) -> Timing:
+            _warm(root / bucket)
+            return _checked_download(dest, nbytes, lambda: meter.run(argv))
+
+        rows.append((Row("s3", "download", client, engine, note=note), download_once))
+    return rows
+
+
+def _upload_rows(meter: Meter, clients: list[tuple[str, str]], src: Path, root: Path, nbytes: int, note: str = ""
+                 ) -> list[tuple[Row, Callable[[int], Timing]]]:
+    """An upload row per client: each run to a prefix of its own, checked for every byte, then removed."""
+    rows = []
+    for client, engine in clients:
+        def upload_once(index: int, client: str = client, engine: str = engine) -> Timing:
+            prefix = f"{client}-{engine}-{index}/"
+            timing = meter.run(upload_argv(client, engine, src, "upload", prefix, meter.endpoint))
+            if (got := _bytes_under(root / "upload" / prefix)) != nbytes:
+                raise RuntimeError(f"uploaded {got} of {nbytes} bytes")
+            shutil.rmtree(root / "upload" / prefix)
+            return timing
+
+        rows.append((Row("s3", "upload", client, engine, note=note), upload_once))
+    return rows
+
+
+def _run_rows(rows: list[tuple[Row, Callable[[int], Timing]]], runs: int, nbytes: int,
+              echo: Callable[[str], None]) -> list[Row]:
+    _alternating(rows, runs, nbytes, echo)
+    return [row for row, _run in rows]
+
+
+# A copy of one small object is all start: the client's imports, its credentials, its first connection.
+ONE_OBJECT = 1 << 20
+ONE_OBJECT_NOTE = "(one 1 MiB object, start to exit: what a small copy costs)"
+ONE_OBJECT_RUNS = 5  # per repeat: a run is a tenth of a second, and its figure moves with every passing load
+
+
 def bench_s3(config: BenchConfig, scratch: Path, servers: ModuleType, echo: Callable[[str], None]) -> Report:
     clients = _s3_clients(config)
     sizes = dataset_sizes(int(config.size_gb * 1e9))
@@ -394,14 +440,15 @@ def bench_s3(config: BenchConfig, scratch: Path, servers: ModuleType, echo: Call
     data = root / "bench" / "data"
     echo(f"writing {nbytes / 1e9:.2f} GB: {len(sizes)} files under {data}")
     write_dataset(data, sizes)
+    one = root / "bench" / "one"
+    write_dataset(one, {"one.bin": ONE_OBJECT})
     dataset = {"bytes": nbytes, "files": len(sizes), "big_files": sum(1 for k in sizes if k.startswith("big/")),
                "big_file_bytes": max(sizes.values()), "repeats": config.repeats, "load_before": _load()}
     rows: list[Row] = []
     with servers.rclone_s3(root, etag_hash="") as server:
-        meter = Meter({**os.environ, **server.env()}, _port(server.endpoint))
+        meter = Meter({**os.environ, **server.env()}, _port(server.endpoint), server.endpoint)
         server.make_bucket("upload")
         dest = scratch / "download"
-        downloads = []
         sources = [(client, engine, "bench", "") for client, engine in clients]
         if "native" in config.engines:
             # The server does more per GET of an object with a CRC (it reads the CRC back), so the peer downloads
@@ -410,30 +457,14 @@ def bench_s3(config: BenchConfig, scratch: Path, servers: ModuleType, echo: Call
             sources += [(client, engine, CRC_BUCKET, STORED_CRC_NOTE) for client, engine in clients
                         if (client, engine) in (("trainpipe", "native"), ("s5cmd", ""))]
         os.sync()  # the dataset and the seeded bucket on disk before any timing: no run pays another's writeback
-        for client, engine, bucket, note in sources:
-            argv = download_argv(client, engine, bucket, "data/", dest, server.endpoint)
-            rows.append(row := Row("s3", "download", client, engine, note=note))
-
-            def download_once(_index: int, argv: list[str] = argv, bucket: str = bucket) -> Timing:
-                _warm(root / bucket)
-                return _checked_download(dest, nbytes, lambda: meter.run(argv))
-
-            downloads.append((row, download_once))
-        _alternating(downloads, config.repeats, nbytes, echo)
-        uploads = []
-        for client, engine in clients:
-            rows.append(row := Row("s3", "upload", client, engine))
-
-            def upload_once(index: int, client: str = client, engine: str = engine) -> Timing:
-                prefix = f"{client}-{engine}-{index}/"
-                timing = meter.run(upload_argv(client, engine, data, "upload", prefix, server.endpoint))
-                if (got := _bytes_under(root / "upload" / prefix)) != nbytes:
-                    raise RuntimeError(f"uploaded {got} of {nbytes} bytes")
-                shutil.rmtree(root / "upload" / prefix)
-                return timing
-
-            uploads.append((row, upload_once))
-        _alternating(uploads, config.repeats, nbytes, echo)
+        rows += _run_rows(_download_rows(meter, sources, "data/", dest, root, nbytes), config.repeats, nbytes, echo)
+        rows += _run_rows(_upload_rows(meter, clients, data, root, nbytes), config.repeats, nbytes, echo)
+        small_sources = [(client, engine, "bench", ONE_OBJECT_NOTE) for client, engine in clients]
+        small_runs = config.repeats * ONE_OBJECT_RUNS
+        rows += _run_rows(_download_rows(meter, small_sources, "one/", dest, root, ONE_OBJECT), small_runs,
+                          ONE_OBJECT, echo)
+        rows += _run_rows(_upload_rows(meter, clients, one, root, ONE_OBJECT, ONE_OBJECT_NOTE), small_runs,
+                          ONE_OBJECT, echo)
     disk = Row("s3", "download", "local cp", note="(disk: cp -r of the same files)")
     rows.append(disk)
     local = Meter(dict(os.environ), None)
