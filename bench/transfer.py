@@ -135,7 +135,8 @@ class Report:
 
             note = f" {item['note']}" if item["note"] else ""
             note += f" ({item['retries']} retries logged)" if item["retries"] else ""
-            runs = ", ".join(f"{v:.0f}" for v in item["mb_per_s"]) if item["mb_per_s"] else ""  # type: ignore[attr-defined]
+            values: list[float] = item["mb_per_s"]  # type: ignore[assignment]
+            runs = ", ".join(f"{v:.0f}" for v in values) if len(values) <= 8 else f"{len(values)} runs"
             lines.append(f"{item['store']:<5} {item['direction']:<9} {item['client']:<17} {item['engine'] or '-':<7} "
                          f"{item['median']:>11.1f} {item['best']:>8.1f} {show(item['vs_s5cmd']):>8} "
                          f"{show(item['vs_transfer_manager']):>6} "
