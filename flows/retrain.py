@@ -49,6 +49,7 @@ from tasks.report import (
     record_resume,
     record_training,
     record_workload,
+    restore_sources,
 )
 from tasks.results import Staged
 from tasks.stage import restore_checkpoint, stage_node
@@ -260,6 +261,7 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: 
     if recovery is not None:
         recovery.reused_bytes = sum(s.skipped_bytes for s in staged) + sum(
             i.skipped_bytes for n in nodes_staged for i in n.inputs.values())
+        recovery.restore_bytes = restore_sources(restored)
         recovery.resumed(restored[0].step if restored else None, cluster.price_per_hour)
     with phase("train"):
         resume_from = {node.name: r.path for node, r in zip(cluster.nodes, restored, strict=False)}

@@ -182,9 +182,22 @@ def record_resume(summary: RunSummary, restored: Sequence[Restored | Mapping[str
     step = steps.pop()
     if initial:
         summary.resumed_from_step = step
+        summary.resume_bytes = restore_sources(restores)
     for warning in sorted({w for r in restores for w in r.warnings}):
         logger.warning("resume fell back to step %d: %s", step, warning)
         summary.warnings.append(f"resumed from step {step}: {warning}")
+
+
+RESTORE_SOURCES = ("store", "peer", "local", "replica")  # where a restore's bytes came from (infra/node/restore.py)
+
+
+def restore_sources(restores: Iterable[Restored]) -> dict[str, int]:
+    """The bytes every node's restore took, summed by where they came from (store, peer, local, replica)."""
+    totals: dict[str, int] = {}
+    for restore in restores:
+        for source, count in restore.sources.items():
+            totals[source] = totals.get(source, 0) + count
+    return totals
 
 
 def checkpoint_metrics(trainer_events: Iterable[CheckpointSave | Mapping[str, Any]],
@@ -232,7 +245,10 @@ def _recovery_rows(summary: RunSummary) -> list[dict[str, Any]]:
     for r in summary.recoveries:
         row = {key: r.get(key) for key in ("number", "node", "path", "reason", "step_reached", "resumed_from_step",
                                            "steps_lost", "notice_to_resume_s", "extra_cost_usd", "reused_bytes")}
-        rows.append({**row, **{f"{phase}_s": r["seconds"].get(phase) for phase in RECOVERY_PHASES}})
+        restored = r.get("restore_bytes", {})
+        restore = {f"restore {source} MB": round(restored[source] / 1e6, 3) if source in restored else None
+                   for source in RESTORE_SOURCES}
+        rows.append({**row, **{f"{phase}_s": r["seconds"].get(phase) for phase in RECOVERY_PHASES}, **restore})
     return rows
 
 

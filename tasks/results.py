@@ -7,7 +7,7 @@ turn it into one of these, so flows and the report read named fields instead of 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -74,12 +74,14 @@ class Restored:
     seconds: float = 0.0
     config_hash: str | None = None
     warnings: tuple[str, ...] = ()  # newer commits skipped as damaged
+    # The bytes by where they came from: store, local (already on the node), and with fan-out peer and replica
+    sources: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_event(cls, event: Mapping[str, Any]) -> Restored:
         return cls(step=event["step"], path=event["path"], name=event.get("name", ""), bytes=event.get("bytes", 0),
                    seconds=event.get("seconds", 0.0), config_hash=event.get("config_hash"),
-                   warnings=tuple(event.get("warnings", ())))
+                   warnings=tuple(event.get("warnings", ())), sources=dict(event.get("sources", {})))
 
 
 @dataclass(frozen=True)

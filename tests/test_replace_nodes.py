@@ -119,6 +119,9 @@ def test_a_preempted_node_is_replaced_alone_filled_from_its_peers_and_training_r
     assert summary["stage"]["store_bytes"] == [0, 0, 0], summary["stage"]
     assert summary["stage"]["peer_bytes"] == [dataset_bytes, 0, 0], summary["stage"]
     assert recovery["reused_bytes"] == 2 * dataset_bytes, "each survivor's staging was a no-op"
+    # The commit came back from the nodes: the survivors' own parts and the lost head's from its peer replica.
+    restore = recovery["restore_bytes"]
+    assert restore["store"] == 0 and restore["peer"] > 0 and restore["local"] > 0, restore
     assert summary["nodes_left"] == 0
     assert not tagged_processes(workspace), "node processes outlived the run"
     print(f"replace-one run: {elapsed:.1f}s; detection to resumed {recovery['notice_to_resume_s']}s, phases "

@@ -4,12 +4,15 @@ went with the predictor's what-if rows."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from infra.analysis.breakdown import StepBreakdown
 from infra.compute.failover import Attempt, NoCapacityAnywhere
 from infra.job.summary import RunSummary
-from tasks.report import _attempt_rows, _markdown, _what_if_rows, record_failure
+from tasks.report import _attempt_rows, _markdown, _what_if_rows, record_failure, record_resume
+from tasks.results import Restored
 
 
 def attempt(zone: str, outcome: str, error: str | None = None) -> Attempt:
@@ -100,3 +103,20 @@ def test_a_run_that_trained_no_step_has_no_what_if() -> None:
         steps=0, wall_s=0.0, comm_exposed_s=0.0, comm_total_s=0.0, sync_wait_s=0.0, data_wait_s=0.0,
         ckpt_block_s=0.0, allreduce_bytes=0, read_bytes=0, read_requests=0, ckpt_bytes=0, ckpt_saves=0).summary()
     assert _what_if_rows(summary) == []
+
+
+def test_a_resume_says_where_its_checkpoint_bytes_came_from() -> None:
+    """Each node's restore reports its bytes by source; the run's and each recovery's are the cluster's sums."""
+    summary = RunSummary(run_id="r5", job="j", provider="local", nodes=2)
+    restores = [Restored(step=40, path="/a", sources={"store": 0, "peer": 30_000_000, "local": 10_000_000}),
+                Restored(step=40, path="/b", sources={"store": 0, "peer": 0, "local": 40_000_000})]
+    record_resume(summary, restores, logging.getLogger("test"))
+    assert summary.resume_bytes == {"store": 0, "peer": 30_000_000, "local": 50_000_000}
+    assert "(resumed from step 40; 30.0 MB from peers, 50.0 MB already on the nodes)" in summary.render()
+    summary.recoveries = [{"number": 1, "node": "n1", "reason": "vanished", "with_notice": False, "step_reached": 50,
+                           "detected_at": 0.0, "resumed_from_step": 40, "steps_lost": 10, "notice_to_resume_s": 3.0,
+                           "extra_cost_usd": 0.0, "reused_bytes": 0, "path": "replaced-nodes",
+                           "restore_bytes": {"store": 2_000_000, "replica": 8_000_000}, "seconds": {}}]
+    assert "10 steps redone; restore 2.0 MB from the store, 8.0 MB from peer replicas" in summary.render()
+    assert "| restore store MB | restore peer MB | restore local MB | restore replica MB |" in _markdown(summary, [])
+    assert "| 2.0 |  |  | 8.0 |" in _markdown(summary, [])

@@ -269,6 +269,28 @@ class _StepObjects:
 Fill = Callable[["CheckpointStore", CheckpointManifest, Path], None]
 
 
+@dataclass
+class StoreFill:
+    """The fill of a restore without peers: the step's files in one download from the store, each verified; the
+    valid files already in the folder stay. Counts the bytes by where they came from (a restore that falls back to
+    an older step adds that step's)."""
+
+    store_bytes: int = 0  # downloaded
+    local_bytes: int = 0  # already there, verified
+
+    def __call__(self, checkpoints: CheckpointStore, manifest: CheckpointManifest, folder: Path) -> None:
+        specs = [FileSpec(entry.path, entry.bytes, entry.sha256, entry.crc) for entry in manifest.files]
+        result = download(checkpoints.source(manifest), specs, folder)
+        self.store_bytes += result.bytes_moved
+        self.local_bytes += result.bytes_skipped
+        log.info("restored step %d into %s: %d files, %d skipped, %.1f MB/s", manifest.step, folder,
+                 len(result.files), result.files_skipped, result.mb_per_s)
+
+    @property
+    def sources(self) -> dict[str, int]:
+        return {"store": self.store_bytes, "local": self.local_bytes}
+
+
 class CheckpointStore:
     """Checkpoints of one run, rooted at its checkpoint URL (e.g. file:///…/checkpoints/<run-id>)."""
 
@@ -779,20 +801,8 @@ class CheckpointStore:
         target = dest_dir / ref.name
         # A file checkpoint's one file sits beside its siblings: download into its folder, under its own name.
         folder = target if ref.kind == "dir" else target.parent
-        if fill is not None:
-            fill(self, manifest, folder)
-            log.info("restored step %d into %s", manifest.step, target)
-            return target
-        specs = [FileSpec(entry.path, entry.bytes, entry.sha256, entry.crc) for entry in manifest.files]
-        result = download(self.source(manifest), specs, folder)
-        log.info(
-            "restored step %d into %s: %d files, %d skipped, %.1f MB/s",
-            manifest.step,
-            target,
-            len(result.files),
-            result.files_skipped,
-            result.mb_per_s,
-        )
+        (fill or StoreFill())(self, manifest, folder)
+        log.info("restored step %d into %s", manifest.step, target)
         return target
 
     def restore_latest(self, dest_dir: Path, fill: Fill | None = None) -> tuple[Path, CheckpointManifest, list[str]]:

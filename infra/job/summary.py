@@ -53,6 +53,7 @@ class RunSummary:
     inputs: dict[str, dict[str, Any]] = field(default_factory=dict)
     checkpoints: list[dict[str, Any]] = field(default_factory=list)  # per step: stall, write, upload, commit
     resumed_from_step: int | None = None  # the committed step this run restored (None: started fresh)
+    resume_bytes: dict[str, int] = field(default_factory=dict)  # its bytes, every node's, by source (store, peer, …)
     warnings: list[str] = field(default_factory=list)  # e.g. a damaged checkpoint skipped on resume
     instance_type: str | None = None
     market: str | None = None
@@ -163,8 +164,9 @@ class RunSummary:
         if self.promotion:
             lines.append(f"  {'promoted' if self.promotion['promoted'] else 'not promoted'}: "
                          f"{self.promotion['model']}@{self.promotion['alias']}: {self.promotion['reason']}")
-        lines.append(f"  checkpoint: {self.checkpoint or 'none committed'}"
-                     + (f" (resumed from step {self.resumed_from_step})" if self.resumed_from_step is not None else ""))
+        resumed = "" if self.resumed_from_step is None else f" (resumed from step {self.resumed_from_step}" + (
+            f"; {restored_from(self.resume_bytes)})" if self.resume_bytes else ")")
+        lines.append(f"  checkpoint: {self.checkpoint or 'none committed'}{resumed}")
         if self.status in ("failed", "cancelled"):
             lines.append(f"  resume: {self.resume_hint()}")
         stalls = [c["stall_s"] for c in self.checkpoints if c.get("stall_s") is not None]
@@ -176,7 +178,8 @@ class RunSummary:
             lines.append(f"  recovery {r['number']}: {', '.join(r.get('nodes') or [r['node']])} preempted "
                          f"({r['reason']}) at step {r['step_reached']}, {r.get('path', 'relaunched-cluster')}"
                          f"{fallback}, resumed from step {r['resumed_from_step']} after "
-                         f"{r['notice_to_resume_s']:.1f}s, {r['steps_lost']} steps redone")
+                         f"{r['notice_to_resume_s']:.1f}s, {r['steps_lost']} steps redone"
+                         + (f"; restore {restored_from(r['restore_bytes'])}" if r.get("restore_bytes") else ""))
         lines.extend(f"  warning: {warning}" for warning in self.warnings)
         if self.nodes_left is not None:
             lines.append(f"  {self.nodes_left} nodes left running")
@@ -184,6 +187,14 @@ class RunSummary:
             lines.append(f"  teardown failed: {self.teardown_error}: `trainpipe status` shows what is left, "
                          "`trainpipe down` ends it")
         return "\n".join(lines)
+
+
+def restored_from(sources: dict[str, int]) -> str:
+    """A restore's bytes by source, as the summary says them: "40.0 MB from the store, 80.0 MB from peers"."""
+    names = {"store": "from the store", "peer": "from peers", "local": "already on the nodes",
+             "replica": "from peer replicas"}
+    return ", ".join(f"{count / 1e6:,.1f} MB {names.get(source, source)}" for source, count in sources.items()
+                     if count) or "nothing to fetch"
 
 
 def input_facts(inputs: dict[str, dict[str, Any]]) -> dict[str, str]:

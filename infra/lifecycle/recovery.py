@@ -41,6 +41,8 @@ class RecoveryRecord:
     resumed_from_step: int | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # per RECOVERY_PHASES
     reused_bytes: int = 0  # staged data the relaunched nodes still had (same machines): not downloaded again
+    # the resume's checkpoint bytes, every node's, by where they came from: store, peer, local, replica
+    restore_bytes: dict[str, int] = field(default_factory=dict)
     notice_to_resume_s: float | None = None
     steps_lost: int | None = None
     extra_cost_usd: float | None = None

@@ -127,6 +127,12 @@ class PeerFill:
              store_bytes=self.counts.store_bytes, peer_bytes=self.counts.peer_bytes,
              fallback_files=self.counts.fallback_files, peers_gone=self.counts.peers_gone)
 
+    @property
+    def sources(self) -> dict[str, int]:
+        """The restored bytes by where they came from: the store, peers, this node's disk, its peer replica."""
+        return {"store": self.counts.store_bytes, "peer": self.counts.peer_bytes,
+                "local": self.local_bytes - self.replica_bytes, "replica": self.replica_bytes}
+
     def _kept_copies(self, step: int, piece: File) -> list[Path]:
         """Where this node may keep a piece outside the checkpoint dir (peer replica on): its replica of its buddy's
         part, and its own uploaded part's links (the script may have deleted its own save since)."""

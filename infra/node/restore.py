@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from infra.checkpoints.commit import CheckpointError, CheckpointStore, NoCommittedCheckpoint
+from infra.checkpoints.commit import CheckpointError, CheckpointStore, NoCommittedCheckpoint, StoreFill
 from infra.checkpoints.formats import FORMATS, Detector
 from infra.node.events import emit, fail
 from infra.node.fanout import add_peer_arguments
@@ -52,8 +52,8 @@ def main(argv: list[str]) -> int:
     holders = tuple(int(rank) for rank in args.holders.split(",")) if args.holders else ()
     if any(not 0 <= rank < len(peers) for rank in holders):
         parser.error(f"--holders {args.holders}: ranks must be below the {len(peers)} --peers")
-    fill = PeerFill(args.rank, peers, args.share_dir, args.peer_wait, args.peer_connect_grace, holders,
-                    args.replica_dir) if peers else None
+    fill: PeerFill | StoreFill = PeerFill(args.rank, peers, args.share_dir, args.peer_wait,
+                                          args.peer_connect_grace, holders, args.replica_dir) if peers else StoreFill()
 
     started = time.monotonic()
     try:
@@ -77,7 +77,8 @@ def main(argv: list[str]) -> int:
     for warning in warnings:
         print(f"restore: warning: {warning}", file=sys.stderr, flush=True)
     emit("restored", step=manifest.step, path=str(path), name=manifest.ref.name, bytes=manifest.total_bytes,
-         seconds=round(time.monotonic() - started, 3), config_hash=manifest.config_hash, warnings=warnings)
+         seconds=round(time.monotonic() - started, 3), config_hash=manifest.config_hash, warnings=warnings,
+         sources=fill.sources)
     return 0
 
 
