@@ -62,7 +62,7 @@ def _call(client: s3.S3Client, request: http.HttpRequest, operation: str, stall_
     # Judged with the CRT's connections, like a file's parts: a HEAD after each PUT waits in the CRT's queue behind
     # the other files' parts and shows no byte of its own while the link is busy (a 6 GB upload with 8 connections
     # retried 6 such HEADs as stalled).
-    watch = StallWatch(stall_timeout_s, link=TRAFFIC.received_idle_s)
+    watch = StallWatch(stall_timeout_s, link=TRAFFIC.idle_s)
 
     def on_body(chunk: bytes, **kwargs: Any) -> None:
         watch.moved()

@@ -290,7 +290,7 @@ class CrtGet:
                  failure: Callable[[AwsCrtError], StorageError], job: FileJob, what: str) -> None:
         self.launch, self.growth, self.expected, self.failure, self.what = launch, growth, expected, failure, what
         self.policy = job.config.retry
-        self.watch = StallWatch(job.config.stall_timeout_s, link=TRAFFIC.received_idle_s)
+        self.watch = StallWatch(job.config.stall_timeout_s, link=TRAFFIC.idle_s)
         self.attempts = 0
         self.attempt: _Attempt | None = None
         self.error: BaseException | None = None  # why it ended without a request to ask (given up, cancelled)
@@ -428,7 +428,7 @@ def send(client: s3.S3Client, request: http.HttpRequest, path: Path, job: FileJo
     """PUT the file with its CRC64NVME in a header (the CRT computes it from the bytes it sends; the store checks
     it). Returns the CRC when the store echoed it (AWS does; rclone and moto do not)."""
     headers = Headers()
-    watch = StallWatch(job.config.stall_timeout_s, link=TRAFFIC.received_idle_s)
+    watch = StallWatch(job.config.stall_timeout_s, link=TRAFFIC.idle_s)
 
     def progress(count: int) -> None:
         watch.moved()
@@ -513,7 +513,7 @@ def send_parts(
     # and the engine's connections are quiet too: a file whose parts wait behind other files' in the CRT's queue
     # shows no progress of its own while the link is busy (on a loaded machine such files were retried until they
     # failed). One stalled connection among moving ones is left to the CRT's throughput check, as for GETs.
-    watch = StallWatch(job.config.stall_timeout_s, link=TRAFFIC.received_idle_s)
+    watch = StallWatch(job.config.stall_timeout_s, link=TRAFFIC.idle_s)
     try:
         for number, offset in enumerate(range(0, size, part_size), start=1):
             length = min(part_size, size - offset)
