@@ -280,9 +280,10 @@ def _retries(stderr: str) -> tuple[str, ...]:
 class Meter:
     """Runs one client process at a time, timing it and counting its CPU and the server's."""
 
-    def __init__(self, env: dict[str, str], server_port: int | None, endpoint: str = "") -> None:
-        self.env, self.endpoint = env, endpoint
-        self.server = _listening_child(server_port) if server_port is not None else None
+    def __init__(self, env: dict[str, str], endpoint: str | None) -> None:
+        """endpoint: the server's URL (its process's CPU is counted too); None for a copy without a server."""
+        self.env, self.endpoint = env, endpoint or ""
+        self.server = _listening_child(_port(endpoint)) if endpoint is not None else None
 
     def _server_cpu(self) -> float:
         if self.server is None:
@@ -447,7 +448,7 @@ def bench_s3(config: BenchConfig, scratch: Path, servers: ModuleType, echo: Call
                "big_file_bytes": max(sizes.values()), "repeats": config.repeats, "load_before": _load()}
     rows: list[Row] = []
     with servers.rclone_s3(root, etag_hash="") as server:
-        meter = Meter({**os.environ, **server.env()}, _port(server.endpoint), server.endpoint)
+        meter = Meter({**os.environ, **server.env()}, server.endpoint)
         server.make_bucket("upload")
         dest = scratch / "download"
         sources = [(client, engine, "bench", "") for client, engine in clients]
@@ -512,7 +513,7 @@ def bench_gcs(config: BenchConfig, scratch: Path, servers: ModuleType, echo: Cal
     echo(f"GCS emulator: {nbytes / 1e9:.2f} GB in {len(sizes)} files")
     rows: dict[tuple[str, str, str], Row] = {}
     with servers.gcs_emulator(scratch / "gcs") as server:
-        meter = Meter({**os.environ, **server.env()}, _port(f"http://{server.host}"))
+        meter = Meter({**os.environ, **server.env()}, f"http://{server.host}")
         bucket = servers.create_gcs_bucket(server, "bench").removeprefix("gs://")
         uploads: list[tuple[Row, Callable[[int], Timing]]] = []
         for engine in config.engines:
