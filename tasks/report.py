@@ -22,7 +22,7 @@ from infra.compute.providers import Cluster
 from infra.dataset.gate import DatasetValidation
 from infra.dataset.reporting import dataset_fact, expectation_rows
 from infra.job.plan import Plan
-from infra.job.summary import BILLED_PHASES, PHASES, RunSummary
+from infra.job.summary import BILLED_PHASES, PHASES, RESTORE_SOURCES, RunSummary
 from infra.lifecycle.recovery import RECOVERY_PHASES
 from infra.storage import open_store
 from infra.workspace import run_dir
@@ -186,9 +186,6 @@ def record_resume(summary: RunSummary, restored: Sequence[Restored | Mapping[str
     for warning in sorted({w for r in restores for w in r.warnings}):
         logger.warning("resume fell back to step %d: %s", step, warning)
         summary.warnings.append(f"resumed from step {step}: {warning}")
-
-
-RESTORE_SOURCES = ("store", "peer", "local", "replica")  # where a restore's bytes came from (infra/node/restore.py)
 
 
 def restore_sources(restores: Iterable[Restored]) -> dict[str, int]:

@@ -189,12 +189,15 @@ class RunSummary:
         return "\n".join(lines)
 
 
+# Where a restore's bytes came from (each node's `restored` event: infra/node/restore.py), as the summary says it.
+RESTORE_SOURCES = {"store": "from the store", "peer": "from peers", "local": "already on the nodes",
+                   "replica": "from peer replicas"}
+
+
 def restored_from(sources: dict[str, int]) -> str:
     """A restore's bytes by source, as the summary says them: "40.0 MB from the store, 80.0 MB from peers"."""
-    names = {"store": "from the store", "peer": "from peers", "local": "already on the nodes",
-             "replica": "from peer replicas"}
-    return ", ".join(f"{count / 1e6:,.1f} MB {names.get(source, source)}" for source, count in sources.items()
-                     if count) or "nothing to fetch"
+    return ", ".join(f"{count / 1e6:,.1f} MB {RESTORE_SOURCES.get(source, source)}"
+                     for source, count in sources.items() if count) or "nothing to fetch"
 
 
 def input_facts(inputs: dict[str, dict[str, Any]]) -> dict[str, str]:
