@@ -11,10 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
-from infra.compute.access.remote import Process, last_error
+from infra.compute.access.events import EventTap
+from infra.compute.access.remote import Process, RemoteError, last_error
 from infra.compute.providers import Cluster, Node, get_provider
-from infra.node.fanout import PEER_PORT_BASE, REPLICA_PORT_BASE, SHARE_DIR, peer_url
-from infra.node.replica import REPLICA_DIR, buddy
+from infra.node.fanout import SHARE_DIR
+from infra.node.replica import REPLICA_DIR
 from infra.storage.http import PASS_ENV, USER_ENV
 
 log = logging.getLogger(__name__)
@@ -22,6 +23,9 @@ log = logging.getLogger(__name__)
 # A node reading an object store rarely gets more than this; a cluster whose slowest node-to-node link is slower
 # gains nothing from filling its nodes from each other.
 AUTO_MIN_LINK_GBPS = 1.0
+# A peer server names its port within this: a start over SSH, Python's start and its imports, on a loaded node.
+PEER_START_S = 60.0
+SERVER_ERRORS = ("peer-serve:", "CRITICAL")  # a peer server's own error lines (its own, then rclone's)
 
 
 def decide(mode: str, nodes: int, bench: dict[str, Any] | None, store_urls: Sequence[str] = ()) -> tuple[bool, str]:
@@ -49,55 +53,62 @@ def peer_credentials() -> dict[str, str]:
     return {USER_ENV: f"run-{secrets.token_hex(4)}", PASS_ENV: secrets.token_urlsafe(24)}
 
 
-def replica_argv(cluster: Cluster, node: Node) -> list[str]:
-    """A node's syncer flags for checkpoints.peer_replica: it serves its share dir on its replica port while it runs
-    and keeps its ring buddy's part under <workdir>/replica (credentials: peer_credentials in its environment)."""
-    other = next(peer for peer in cluster.nodes if peer.rank == buddy(node.rank, len(cluster.nodes)))
-    return ["--replica-buddy", peer_url(other.address, other.rank, REPLICA_PORT_BASE), "--replica-dir",
-            node.path(REPLICA_DIR), "--replica-share-dir", node.path(SHARE_DIR),
-            "--replica-serve", f"{node.address}:{REPLICA_PORT_BASE + node.rank}"]
+def replica_argv(node: Node) -> list[str]:
+    """A node's syncer flags for checkpoints.peer_replica: it serves its share dir on its cluster address (a free port
+    its upload records name) while it runs and keeps its ring buddy's part under <workdir>/replica (credentials:
+    peer_credentials in its environment)."""
+    return ["--replica-dir", node.path(REPLICA_DIR), "--replica-share-dir", node.path(SHARE_DIR),
+            "--replica-serve", node.address]
 
 
 @contextmanager
-def peer_servers(cluster: Cluster) -> Iterator[tuple[list[str], dict[str, str]]]:
-    """Every node serving its share dir on its cluster address (rank r: port PEER_PORT_BASE + r), with a pair of
-    credentials made for this stage and passed in the environment, never on a command line; yields the peers' URLs
-    by rank and that environment (the stagers need it too). Stopped on exit; teardown kills them anyway (they carry
-    the cluster's process tags)."""
+def peer_servers(cluster: Cluster) -> Iterator[tuple[list[str], dict[str, str] | None]]:
+    """Every node serving its share dir on its cluster address, on a port it picks free when it starts (a fixed one
+    would collide with another cluster's servers on the same host), with a pair of credentials made for this stage and
+    passed in the environment, never on a command line; yields the peers' URLs by rank and that environment (the
+    stagers need it too). A server that exits before naming its port (or names none within PEER_START_S) turns the
+    exchange off for this stage, said in a warning: every node then reads the store, as without fan-out ([] and None
+    are yielded). Stopped on exit; teardown kills them anyway (they carry the cluster's process tags)."""
     env = peer_credentials()
     provider = get_provider(cluster.provider)
-    started: list[tuple[str, Process]] = []
+    servers: list[tuple[Node, Process, EventTap]] = []
 
-    def start(node: Node) -> Process:
-        return provider.runner(cluster, node).start(
+    def start(node: Node) -> tuple[Node, Process, EventTap]:
+        tap = EventTap(markers=SERVER_ERRORS)
+        process = provider.runner(cluster, node).start(
             [node.python, "-m", "infra.node", "peer-serve", "--dir", node.path(SHARE_DIR),
-             "--addr", f"{node.address}:{PEER_PORT_BASE + node.rank}"],
-            env=env, log_path=node.path("logs", "peer-serve.log"))
+             "--addr", f"{node.address}:0"],
+            env=env, log_path=node.path("logs", "peer-serve.log"), on_line=tap)
+        return node, process, tap
 
     try:
-        # All at once: a start over SSH takes a round trip or more, and the stagers wait for none of them (a server
-        # still starting is retried for the connect grace).
+        # All at once: a start over SSH takes a round trip or more.
         with ThreadPoolExecutor(max_workers=len(cluster.nodes)) as pool:
-            starting = [(node.name, pool.submit(start, node)) for node in cluster.nodes]
+            starting = [pool.submit(start, node) for node in cluster.nodes]
         failed = None
-        for name, future in starting:
+        for future in starting:
             if future.exception() is None:
-                started.append((name, future.result()))
+                servers.append(future.result())
             else:
                 failed = failed or future.exception()
         if failed is not None:
             raise failed
-        yield [peer_url(node.address, node.rank) for node in cluster.nodes], env
+        try:
+            addrs = [tap.wait_for("peer-serving", process, PEER_START_S, f"{node.name}: peer server")["addr"]
+                     for node, process, tap in servers]
+        except RemoteError as exc:
+            log.warning("fan-out is off for this stage, every node reads the store: %s", exc)
+            addrs = None
+        yield ([f"http://{addr}" for addr in addrs], env) if addrs is not None else ([], None)
     finally:
-        def stop(name: str, process: Process) -> None:
+        def stop(node: Node, process: Process) -> None:
             code = process.poll()
             if code is not None:
                 # Its peers took what it owed from the store (each said so in a fanout-fallback event); this says why.
-                log.warning("%s: peer server exited %s during the exchange: %s", name, code,
-                            last_error(process, ("peer-serve:", "CRITICAL")))
+                log.warning("%s: peer server exited %s: %s", node.name, code, last_error(process, SERVER_ERRORS))
                 return
-            log.info("%s: peer server stopped (exit %s)", name, process.terminate(grace_s=5.0))
+            log.info("%s: peer server stopped (exit %s)", node.name, process.terminate(grace_s=5.0))
 
-        with ThreadPoolExecutor(max_workers=max(1, len(started))) as pool:
-            for stopping in [pool.submit(stop, name, process) for name, process in started]:
+        with ThreadPoolExecutor(max_workers=max(1, len(servers))) as pool:
+            for stopping in [pool.submit(stop, node, process) for node, process, _ in servers]:
                 stopping.result()

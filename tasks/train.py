@@ -106,7 +106,7 @@ def syncer_argv(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch)
         "--metrics-file", node.metrics_file, "--store-outage", str(job.checkpoints.store_outage_s),
         "--commit-timeout", str(job.checkpoints.final_upload_timeout_s),
         *(["--lineage", lineage_path(node)] if launch.lineage is not None else []),
-        *(replica_argv(cluster, node) if job.peer_replica else []),
+        *(replica_argv(node) if job.peer_replica else []),
     ]
 
 

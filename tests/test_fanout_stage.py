@@ -28,7 +28,7 @@ from test_dataset_stage import freeze, put_dataset, tree
 
 from infra.dataset.snapshot import read_snapshot
 from infra.node.events import parse
-from infra.node.fanout import Exchange, File, Piece, shares
+from infra.node.fanout import SHARE_DIR, Exchange, File, Piece, shares
 from infra.node.processes import NODE_TAG, tagged_processes
 from infra.storage import open_store
 from infra.storage.base import ObjectStore
@@ -349,30 +349,93 @@ def test_an_owner_slower_than_the_wait_bound_but_alive_is_waited_for(
     assert (landed[0] / piece.key).read_bytes() == data
 
 
-def test_a_peer_server_that_died_during_the_exchange_is_said_with_its_reason(
-        workspace: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A node's peer server that cannot serve (here: its port is taken) costs its peers the store for what it owed,
-    which they say; the orchestrator says which server died and why, not only that it was stopped."""
-    import logging
-    import socket
-
+@contextmanager
+def local_cluster(name: str, nodes: int) -> Iterator[Any]:
     from infra.compute.providers import get_provider
     from infra.job.spec import ClusterSpec
-    from infra.node.fanout import PEER_PORT_BASE
-    from tasks.fanout import peer_servers
 
     provider = get_provider("local")
-    cluster = provider.launch("tp-peer-died", ClusterSpec(provider="local", nodes=1), "peer-died")
-    taken = socket.create_server(("127.0.0.1", PEER_PORT_BASE))
-    log = Path(cluster.head.path("logs", "peer-serve.log"))
+    cluster = provider.launch(name, ClusterSpec(provider="local", nodes=nodes), name)
     try:
-        with caplog.at_level(logging.WARNING, logger="tasks.fanout"), peer_servers(cluster):
-            wait_for(lambda: log.is_file() and "address already in use" in log.read_text(), 60,
-                     "the peer server failing to bind")
-            wait_for(lambda: not [p for p in tagged_processes(NODE_TAG, cluster.head.name)], 30,
-                     "the peer server exiting")
+        yield cluster
     finally:
-        taken.close()
         provider.terminate(cluster.name)
-    assert f"{cluster.head.name}: peer server exited" in caplog.text
-    assert "address already in use" in caplog.text
+
+
+def test_two_clusters_on_one_host_serve_their_peers_on_ports_of_their_own(
+        workspace: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two local clusters staging at once (two runs on one machine): each node's peer server picks a free port, so
+    every node of both is served, its own share dir, with its own stage's credentials. Ports fixed by rank collided:
+    the second cluster's servers could not bind, and its nodes took everything from the store."""
+    from infra.storage.cloud import TransientStorageError
+    from infra.storage.http import HttpStore
+    from tasks.fanout import peer_servers
+
+    def served(url: str, key: str) -> bytes | None:
+        try:
+            return HttpStore(url).get_bytes(key)
+        except TransientStorageError:  # refused: rclone is still starting
+            return None
+
+    with local_cluster("tp-ports-a", 2) as first, local_cluster("tp-ports-b", 2) as second, \
+            peer_servers(first) as (first_urls, first_env), peer_servers(second) as (second_urls, second_env):
+        assert len(set(first_urls + second_urls)) == 4, first_urls + second_urls
+        for cluster, urls, env in ((first, first_urls, first_env), (second, second_urls, second_env)):
+            assert env is not None
+            for name, value in env.items():
+                monkeypatch.setenv(name, value)
+            for node, url in zip(cluster.nodes, urls, strict=True):
+                Path(node.path(SHARE_DIR)).mkdir(parents=True, exist_ok=True)
+                Path(node.path(SHARE_DIR), "whose").write_text(node.name)
+                wait_for(lambda url=url: served(url, "whose") is not None, 30, f"{url} serving")
+                assert served(url, "whose") == node.name.encode()
+
+
+def test_a_peer_server_that_cannot_start_turns_the_exchange_off_and_says_why(
+        workspace: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A node whose peer server exits before naming its port (here: its cluster address is not this machine's) means
+    no exchange for that stage: every node reads the store (no URLs are handed out), and the warning says why."""
+    import dataclasses
+    import logging
+
+    from tasks.fanout import peer_servers
+
+    with local_cluster("tp-peer-nostart", 2) as cluster:
+        unassignable = dataclasses.replace(cluster.nodes[1], address="192.0.2.1")  # TEST-NET-1: no local address
+        broken = dataclasses.replace(cluster, nodes=(cluster.nodes[0], unassignable))
+        with caplog.at_level(logging.WARNING, logger="tasks.fanout"), peer_servers(broken) as (urls, env):
+            assert (urls, env) == ([], None)
+    assert "fan-out is off for this stage" in caplog.text
+    assert f"{unassignable.name}: peer server: exited" in caplog.text
+    assert "no free port on 192.0.2.1" in caplog.text
+
+
+def test_a_peer_server_that_died_during_the_exchange_is_said(
+        workspace: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A node's peer server that dies mid-exchange costs its peers the store for what it owed, which they say; the
+    orchestrator says which server died, not only that it was stopped."""
+    import logging
+
+    import psutil
+
+    from tasks.fanout import peer_servers
+
+    with local_cluster("tp-peer-died", 1) as cluster, caplog.at_level(logging.WARNING, logger="tasks.fanout"), \
+            peer_servers(cluster) as (urls, _):
+        assert len(urls) == 1
+        port = int(urls[0].rsplit(":", 1)[1])
+
+        def listening() -> list[psutil.Process]:
+            # The peer-serve process became rclone (exec): the one listening on the port it named.
+            return [p for p in tagged_processes(NODE_TAG, cluster.head.name)
+                    if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN
+                           for c in p.net_connections(kind="tcp"))]
+
+        wait_for(lambda: listening(), 30, f"the peer server listening on {port}")
+        server = listening()[0]
+        server.kill()
+        # It is this process's child (the local runner's): its exit is seen without reaping it (WNOWAIT), which is
+        # left to the orchestrator's handle, as it would find a server that died on its own.
+        wait_for(lambda: os.waitid(os.P_PID, server.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None, 30,
+                 "the peer server gone")
+    assert f"{cluster.head.name}: peer server exited -9" in caplog.text

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from cloud_env import wait_for
-from servers import S3Server, free_port
+from servers import S3Server
 from test_checkpoints import make_step, node_dirs
 from test_fanout_restore import NODES, STEP, commit_step, events, held, peer_credentials, whole
 from test_fanout_stage import Node, Staging, counted_store, local_nodes, node_command, start_server
@@ -30,11 +30,15 @@ def replica_dir(node: Node) -> Path:
 
 
 def replicate(checkpoints: CheckpointStore, manifest: CheckpointManifest, nodes: list[Node]) -> None:
-    """What each node's syncer does once its part is uploaded: publish it, pull its buddy's."""
+    """What each node's syncer does once its part is uploaded: publish it (its record naming where it serves it: here
+    the node's peer server), pull its buddy's."""
     wrote = checkpoints.uploaders(manifest)
-    replicators = [Replicator(node.rank, NODES, checkpoints,
-                              ReplicaConfig(nodes[buddy(node.rank, NODES)].url, node.workdir / "share",
-                                            replica_dir(node)), manifest.attempt)
+    for node in nodes:
+        record = checkpoints.current_record(STEP, node.rank, manifest.attempt)
+        assert record is not None
+        checkpoints.write_record(STEP, node.rank, record.files, manifest.attempt, replica_url=node.url)
+    replicators = [Replicator(node.rank, NODES, checkpoints, ReplicaConfig(node.workdir / "share", replica_dir(node)),
+                              manifest.attempt)
                    for node in nodes]
     for node, replicator in zip(nodes, replicators, strict=True):
         own = [entry for entry in manifest.files if wrote[entry.path] == node.rank]
@@ -116,31 +120,28 @@ def test_a_replaced_node_is_filled_from_its_peers_and_their_replicas_with_no_che
 
 
 def test_a_replica_that_cannot_be_pulled_never_stops_the_syncer(tmp_path: Path, peer_credentials: None) -> None:
-    """Node 1 replicates node 0, whose server is up but serves nothing (node 0 runs without replicas): each pull
-    fails, is said, and the syncers commit every step and stop cleanly."""
+    """Node 1 replicates node 0, which runs without replicas (its records name no server): each pull fails, is said,
+    and the syncers commit every step and stop cleanly."""
     checkpoints = CheckpointStore(open_store(f"file://{tmp_path / 'store' / 'run-1'}"))
     dirs = node_dirs(tmp_path)
     stop = tmp_path / "stop"
-    with local_nodes(tmp_path / "nodes", 1) as (server,):
-        start_server(server)
-        replica = ["--replica-buddy", server.url, "--replica-dir", str(tmp_path / "replica-1"),
-                   "--replica-share-dir", str(tmp_path / "share-1")]
-        syncers = [SyncProcess(tmp_path, dirs[0], checkpoints.store.url, 0, "--stop-file", str(stop)),
-                   SyncProcess(tmp_path, dirs[1], checkpoints.store.url, 1, "--stop-file", str(stop), *replica)]
-        try:
-            for step in (100, 200):
-                for rank in (0, 1):
-                    make_step(dirs[rank], step, rank)
-                syncers[0].wait_for(is_event("committed", step))
-                failed = syncers[1].wait_for(is_event("replica-failed", step))
-                assert failed["buddy"] == 0 and "not found" in str(failed["reason"]), failed
-            stop.touch()
-            assert [syncer.finish() for syncer in syncers] == [0, 0]
-        finally:
-            for syncer in syncers:
-                if syncer.proc.poll() is None:
-                    syncer.proc.kill()
-                    syncer.proc.wait()
+    replica = ["--replica-dir", str(tmp_path / "replica-1"), "--replica-share-dir", str(tmp_path / "share-1")]
+    syncers = [SyncProcess(tmp_path, dirs[0], checkpoints.store.url, 0, "--stop-file", str(stop)),
+               SyncProcess(tmp_path, dirs[1], checkpoints.store.url, 1, "--stop-file", str(stop), *replica)]
+    try:
+        for step in (100, 200):
+            for rank in (0, 1):
+                make_step(dirs[rank], step, rank)
+            syncers[0].wait_for(is_event("committed", step))
+            failed = syncers[1].wait_for(is_event("replica-failed", step))
+            assert failed["buddy"] == 0 and "names no replica server" in str(failed["reason"]), failed
+        stop.touch()
+        assert [syncer.finish() for syncer in syncers] == [0, 0]
+    finally:
+        for syncer in syncers:
+            if syncer.proc.poll() is None:
+                syncer.proc.kill()
+                syncer.proc.wait()
     assert syncers[1].uploaded_steps() == [100, 200]
     assert not (tmp_path / "replica-1" / step_name(100)).exists()
     # Node 1's own parts (of steps 100 and 200) are linked for its replica holder, under their checksums' names.
@@ -154,16 +155,17 @@ def test_syncers_serve_their_parts_and_keep_their_buddys_part_of_the_newest_comm
     checkpoints = CheckpointStore(open_store(f"file://{tmp_path / 'store' / 'run-1'}"))
     dirs = node_dirs(tmp_path)
     stop = tmp_path / "stop"
-    ports = [free_port() for _ in dirs]
 
     def replica(rank: int) -> list[str]:
-        return ["--replica-buddy", f"http://127.0.0.1:{ports[buddy(rank, 2)]}", "--replica-dir",
-                str(tmp_path / f"replica-{rank}"), "--replica-share-dir", str(tmp_path / f"share-{rank}"),
-                "--replica-serve", f"127.0.0.1:{ports[rank]}"]
+        return ["--replica-dir", str(tmp_path / f"replica-{rank}"), "--replica-share-dir",
+                str(tmp_path / f"share-{rank}"), "--replica-serve", "127.0.0.1"]
 
     syncers = [SyncProcess(tmp_path, dirs[rank], checkpoints.store.url, rank, "--stop-file", str(stop),
                            *replica(rank)) for rank in (0, 1)]
     try:
+        # Each picks its port when it starts (two clusters on one host never collide) and names it in its records.
+        urls = [str(syncer.wait_for(is_event("replica-serving"))["url"]) for syncer in syncers]
+        assert len(set(urls)) == 2, urls
         for step in (100, 200):
             for rank in (0, 1):
                 make_step(dirs[rank], step, rank)
@@ -171,13 +173,16 @@ def test_syncers_serve_their_parts_and_keep_their_buddys_part_of_the_newest_comm
             for syncer in syncers:
                 syncer.wait_for(is_event("replica", step))
         for rank in (0, 1):
+            record = checkpoints.current_record(200, rank, "a1")
+            assert record is not None and record.replica_url == urls[rank]
             kept = tmp_path / f"replica-{rank}"
             # The two newest: the newest is pulled as soon as its part is uploaded, before it is committed.
             assert sorted(path.name for path in kept.iterdir()) == [step_name(100), step_name(200)]
             other = dirs[buddy(rank, 2)] / step_name(200)
             assert {p.name: p.read_bytes() for p in (kept / step_name(200)).iterdir()} == \
                 {p.name: p.read_bytes() for p in other.iterdir()}
-        # Killed however it dies, a syncer's peer server goes with it: a restarted syncer can serve on its port.
+        # Killed however it dies, a syncer's peer server goes with it.
+        ports = [int(url.rsplit(":", 1)[1]) for url in urls]
         syncers[1].proc.kill()
         syncers[1].proc.wait()
         wait_closed(ports[1])
@@ -189,6 +194,36 @@ def test_syncers_serve_their_parts_and_keep_their_buddys_part_of_the_newest_comm
             if syncer.proc.poll() is None:
                 syncer.proc.kill()
                 syncer.proc.wait()
+
+
+def test_the_same_rank_of_two_clusters_on_one_host_serves_its_part_on_a_port_of_its_own(
+        tmp_path: Path, peer_credentials: None) -> None:
+    """Node 0 of two clusters training on one machine: each syncer's replica server picks a free port (its records
+    name it), so both serve their own part. A port fixed by rank made the second fail to bind: no replica of it."""
+    from infra.storage.cloud import TransientStorageError
+    from infra.storage.http import HttpStore
+
+    checkpoints = CheckpointStore(open_store(f"file://{tmp_path / 'store' / 'run-1'}"))
+    replicators = [Replicator(0, 2, checkpoints, ReplicaConfig(tmp_path / f"share-{name}", tmp_path / f"replica-{name}",
+                                                               "127.0.0.1"), "a1") for name in ("a", "b")]
+
+    def served(url: str) -> bytes | None:
+        try:
+            return HttpStore(url).get_bytes("whose")
+        except TransientStorageError:  # refused: rclone is still starting
+            return None
+
+    try:
+        urls = [str(replicator.url) for replicator in replicators]
+        assert None not in [replicator.url for replicator in replicators] and len(set(urls)) == 2, urls
+        for name, replicator, url in zip(("a", "b"), replicators, urls, strict=True):
+            replicator.share_dir.mkdir(parents=True, exist_ok=True)
+            (replicator.share_dir / "whose").write_text(name)
+            wait_for(lambda url=url: served(url) is not None, 30, f"{url} serving")
+            assert served(url) == name.encode()
+    finally:
+        for replicator in replicators:
+            replicator.close()
 
 
 def wait_closed(port: int, timeout_s: float = 30.0) -> None:
@@ -208,7 +243,6 @@ def test_peer_replica_is_on_with_two_nodes_off_when_asked_and_refused_on_one() -
     from infra.compute.providers import Cluster
     from infra.compute.providers import Node as ClusterNode
     from infra.job.spec import JobSpec
-    from infra.node.fanout import REPLICA_PORT_BASE
     from tasks.train import TrainLaunch, syncer_argv
 
     def job(nodes: int, **checkpoints: object) -> JobSpec:
@@ -220,10 +254,9 @@ def test_peer_replica_is_on_with_two_nodes_off_when_asked_and_refused_on_one() -
     cluster = Cluster("c", "local", "run", nodes, 0.0)
     launch = TrainLaunch("file:///c", "file:///d", 29500, "hash", attempt_id="0-x")
     argv = syncer_argv(job(2), cluster, nodes[0], launch)
-    assert argv[argv.index("--replica-buddy") + 1] == f"http://10.0.0.2:{REPLICA_PORT_BASE + 1}"
-    assert argv[argv.index("--replica-serve") + 1] == f"10.0.0.1:{REPLICA_PORT_BASE}"
+    assert argv[argv.index("--replica-serve") + 1] == "10.0.0.1"  # its cluster address: the port is picked there
     assert argv[argv.index("--replica-dir") + 1] == "/w0/replica"
-    assert "--replica-buddy" not in syncer_argv(job(2, peer_replica=False), cluster, nodes[0], launch)
+    assert "--replica-serve" not in syncer_argv(job(2, peer_replica=False), cluster, nodes[0], launch)
     assert not job(1).peer_replica
     with pytest.raises(ValidationError, match=r"checkpoints\.peer_replica true with cluster\.nodes 1"):
         job(1, peer_replica=True)

@@ -25,18 +25,17 @@ What each figure is held to (`compare`); a figure below min_fraction × expected
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from infra.compute.access.events import EventTap
 from infra.compute.access.remote import LineSink, Process, RemoteError, last_error, wait_all
 from infra.compute.catalog import InstanceType, load_catalog
 from infra.compute.providers import Cluster, Node, Provider, get_provider
 from infra.job.spec import ClusterSpec
-from infra.node.events import parse
 
 log = logging.getLogger(__name__)
 
@@ -265,56 +264,21 @@ def _log_sink(label: str) -> LineSink:
     return lambda line: log.debug("[%s] %s", label, line)
 
 
-class _EventTap:
-    """A line sink that keeps the events it sees (and passes every line on), so a caller can wait for one."""
+_ERROR_MARKERS = ("netbench ", "allreduce-bench:", "benchmark failed")  # the bench commands' own error lines
 
-    def __init__(self, sink: LineSink) -> None:
-        self._sink = sink
-        self._events: list[dict[str, Any]] = []
-        self._changed = threading.Condition()
 
-    def __call__(self, line: str) -> None:
-        event = parse(line)
-        if event is not None:
-            with self._changed:
-                self._events.append(event)
-                self._changed.notify_all()
-        self._sink(line)
-
-    def all(self, name: str) -> list[dict[str, Any]]:
-        with self._changed:
-            return [event for event in self._events if event["event"] == name]
-
-    def wait_for(self, name: str, process: Process, timeout_s: float, what: str) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        with self._changed:
-            while not (found := [e for e in self._events if e["event"] == name]):
-                if process.poll() is not None or time.monotonic() > deadline:
-                    break
-                self._changed.wait(0.2)
-        if found:
-            return found[-1]
-        if process.poll() is None:
-            raise BenchError(f"{what}: no '{name}' within {timeout_s:.0f}s: check the node")
-        process.wait(5)  # lets the output pump deliver the last lines
-        if found := self.all(name):
-            return found[-1]
-        raise BenchError(f"{what}: exited {process.poll()} without '{name}': {_last_error(process)}")
-
-    def last(self, name: str, what: str) -> dict[str, Any]:
-        found = self.all(name)
-        if not found:
-            raise BenchError(f"{what}: printed no '{name}' event")
-        return found[-1]
+def _tap(sink: LineSink) -> EventTap:
+    """A tap whose failed waits are the bench's errors, naming the node command's own error line."""
+    return EventTap(sink, error=BenchError, markers=_ERROR_MARKERS)
 
 
 def _last_error(process: Process) -> str:
-    return last_error(process, ("netbench ", "allreduce-bench:", "benchmark failed"), lines=200)
+    return last_error(process, _ERROR_MARKERS, lines=200)
 
 
 def _run(provider: Provider, cluster: Cluster, node: Node, argv: list[str], timeout_s: float, label: str,
-         sink_for: SinkFactory) -> _EventTap:
-    tap = _EventTap(sink_for(f"{node.name} {label}"))
+         sink_for: SinkFactory) -> EventTap:
+    tap = _tap(sink_for(f"{node.name} {label}"))
     try:
         provider.runner(cluster, node).run(argv, timeout=timeout_s, on_line=tap)
     except RemoteError as exc:
@@ -346,11 +310,11 @@ def _client(provider: Provider, cluster: Cluster, src: Node, dst: Node, port: in
 def _measure_links(provider: Provider, cluster: Cluster, spec: ClusterSpec, batch: list[tuple[int, int]],
                    sink_for: SinkFactory) -> list[LinkFigure]:
     streams = spec.verify.tcp_streams
-    servers: list[tuple[Process, _EventTap]] = []
+    servers: list[tuple[Process, EventTap]] = []
     try:
         for _, dst_rank in batch:
             dst = cluster.nodes[dst_rank]
-            tap = _EventTap(sink_for(f"{dst.name} netbench server"))
+            tap = _tap(sink_for(f"{dst.name} netbench server"))
             argv = [dst.python, "-m", "infra.node", "netbench", "server", "--streams", str(streams),
                     "--timeout", str(START_TIMEOUT_S + TCP_GRACE_S)]
             servers.append((provider.runner(cluster, dst).start(argv, on_line=tap), tap))
@@ -415,10 +379,10 @@ def measure_allreduce(cluster: Cluster, spec: ClusterSpec,
     module = ["infra.node", "allreduce-bench", "--sizes-mb", *map(str, sizes), "--timeout", str(COLLECTIVE_TIMEOUT_S),
               "--seconds-per-size", str(ALLREDUCE_SECONDS_PER_SIZE)]
     processes: dict[str, Process] = {}
-    head_tap = _EventTap(sink_for(f"{cluster.head.name} allreduce"))
+    head_tap = _tap(sink_for(f"{cluster.head.name} allreduce"))
     try:
         for node in cluster.nodes:
-            tap = head_tap if node == cluster.head else _EventTap(sink_for(f"{node.name} allreduce"))
+            tap = head_tap if node == cluster.head else _tap(sink_for(f"{node.name} allreduce"))
             processes[node.name] = provider.runner(cluster, node).start(
                 torchrun_argv(cluster, node, spec.procs_per_node, port, module), on_line=tap)
         _wait_all(processes, ALLREDUCE_DEADLINE_S, "all-reduce bench")

@@ -160,6 +160,9 @@ class NodeRecord(StrictModel):
     node_rank: int = Field(ge=0)
     attempt: str = ""  # records written before attempts were recorded carry none
     files: list[FileEntry]
+    # Where the node serves this part to its replica holder while it trains (peer replicas: infra/node/replica.py);
+    # None: it serves none. Its port is picked free when the syncer starts, so the holder learns it here.
+    replica_url: str | None = None
 
 
 class CheckpointRef(StrictModel):
@@ -487,9 +490,11 @@ class CheckpointStore:
         return [FileEntry(path=item.key, bytes=item.size, crc=item.crc, sha256=sha256[item.key])
                 for item in result.files]
 
-    def write_record(self, step: int, node_rank: int, files: list[FileEntry], attempt: str = "") -> NodeRecord:
-        """The node's part is in the store: the record is what the committer waits for."""
-        record = NodeRecord(node_rank=node_rank, attempt=attempt, files=files)
+    def write_record(self, step: int, node_rank: int, files: list[FileEntry], attempt: str = "",
+                     replica_url: str | None = None) -> NodeRecord:
+        """The node's part is in the store: the record is what the committer waits for (and, with replica_url, what
+        the node's replica holder pulls from where)."""
+        record = NodeRecord(node_rank=node_rank, attempt=attempt, files=files, replica_url=replica_url)
         self.store.put_bytes(node_record_key(step, node_rank), record.model_dump_json().encode())
         return record
 

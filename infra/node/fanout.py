@@ -39,10 +39,6 @@ from infra.storage.http import HttpStore
 
 log = logging.getLogger(__name__)
 
-PEER_PORT_BASE = 47400  # node rank r serves on PEER_PORT_BASE + r (distinct on one host: local and netns nodes)
-# The syncers' peer servers during training (peer replicas) have a range of their own: a survivor's may still hold
-# its port for a moment after its syncer was stopped, when the recovery's stage starts the stage's servers.
-REPLICA_PORT_BASE = PEER_PORT_BASE + 1000
 SHARE_DIR = "fanout"  # under the node's workdir: what its peer server serves, each file under its checksum's name
 WAIT_S = 30.0  # how long a node waits for a file from an owner that shows no sign of life (no file, no beat)
 HEARTBEAT = "_alive"  # in the share dir (share names are "<algorithm>-<value>"): rewritten every BEAT_S while running
@@ -86,10 +82,6 @@ def share_name(checksum: str) -> str:
     base64url's '_' and '-'; the padding dropped). A snapshot's hex checksums keep the object cache's names."""
     algorithm, _, value = checksum.partition(":")
     return f"{algorithm}-{value.replace('/', '_').replace('+', '-').rstrip('=')}"
-
-
-def peer_url(address: str, rank: int, base: int = PEER_PORT_BASE) -> str:
-    return f"http://{address}:{base + rank}"
 
 
 def add_peer_arguments(parser: argparse.ArgumentParser) -> None:

@@ -13,12 +13,7 @@ from pathlib import Path
 
 from infra.dataset.stagecache import cached_bytes
 from infra.node.events import emit
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
+from infra.node.ports import free_port
 
 
 def check_dir(path: Path) -> tuple[int, str | None]:

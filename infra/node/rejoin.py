@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from infra.node.events import emit
-from infra.node.probe import free_port
+from infra.node.ports import free_port
 
 
 def main(argv: list[str]) -> int:

@@ -6,15 +6,17 @@ node's syncer has uploaded its part of a step, it hard-links those files into th
 `peer-serve` serves) under their checksums' names (infra/node/fanout.py's share_name): the copy the buddy reads is
 stable even when the script deletes its checkpoint. As soon as the buddy's upload record of that step is in the
 store (not once the step is committed: a node preempted right after its last save, on a notice, is gone before that
-commits), the node pulls the buddy's files of it (the record lists them) from the buddy's peer server over the
-cluster network, verifies each against the record's checksum like a store's byte, and keeps them under
+commits), the node pulls the buddy's files of it (the record lists them) from the buddy's peer server (the record names
+it too) over the cluster network, verifies each against the record's checksum like a store's byte, and keeps them under
 <workdir>/replica/step-N/ (never in the script's checkpoint dir); only the two newest replicas are kept (the newest
 may yet be abandoned). A restore holds a replica to the commit's manifest. The store is read only for the records:
 its egress does not grow with the checkpoint.
 
-During training the node's part is served by a `peer-serve` the syncer starts (--replica-serve: the fan-out's port
-and per-run credentials), watched by its replica thread (restarted when it dies) and killed with the syncer (a
-parent-death signal), so the syncer, itself watched by the orchestrator, is the one sidecar to watch.
+During training the node's part is served by a `peer-serve` the syncer starts (--replica-serve: the node's cluster
+address, on a port picked free when the syncer starts, so two clusters on one host never collide; per-run
+credentials), which every upload record of the node names (`replica_url`). It is watched by the replica thread
+(restarted, on the same port, when it dies) and killed with the syncer (a parent-death signal), so the syncer, itself
+watched by the orchestrator, is the one sidecar to watch.
 
 This is background work on one thread: a failure is logged and emitted (`replica-failed`), never fatal to training
 (the store still has every byte; a restore without the replica reads the lost part from there).
@@ -36,12 +38,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.checkpoints.commit import CheckpointError, CheckpointStore, FileEntry
+from infra.checkpoints.commit import CheckpointError, CheckpointStore, FileEntry, NodeRecord
 from infra.checkpoints.steps import step_name
 from infra.dataset.manifest import DatasetError
 from infra.dataset.stagecache import link_into
 from infra.node.events import emit
 from infra.node.fanout import share_name
+from infra.node.ports import free_port
 from infra.storage.base import StorageError
 from infra.storage.http import HttpStore
 from infra.storage.transfer import FileSpec, download
@@ -72,31 +75,30 @@ def replica_path(replica_dir: Path, step: int, path: str) -> Path:
 
 @dataclass(frozen=True)
 class ReplicaConfig:
-    buddy_url: str
     share_dir: Path
     replica_dir: Path
-    serve_addr: str | None = None  # HOST:PORT: serve share_dir there during training (peer-serve)
+    serve_host: str | None = None  # serve share_dir on this address during training (peer-serve); None: serve none
 
 
 def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--replica-buddy", help="peer replica: the buddy node's peer server URL (rank-1 mod nodes); "
-                        "credentials in TRAINPIPE_PEER_USER/TRAINPIPE_PEER_PASS")
     parser.add_argument("--replica-dir", type=Path, help="peer replica: where the buddy's part is kept "
                         "(<workdir>/replica)")
     parser.add_argument("--replica-share-dir", type=Path, help="peer replica: the dir this node's peer server serves: "
                         "its own uploaded part is linked there for its replica holder")
-    parser.add_argument("--replica-serve", metavar="HOST:PORT", help="peer replica: serve --replica-share-dir there "
-                        "while the syncer runs (rclone serve http, restarted if it dies, killed with the syncer)")
+    parser.add_argument("--replica-serve", metavar="HOST", help="peer replica: serve --replica-share-dir on this "
+                        "cluster address, on a free port its upload records name, while the syncer runs (rclone serve "
+                        "http, restarted if it dies, killed with the syncer); credentials in "
+                        "TRAINPIPE_PEER_USER/TRAINPIPE_PEER_PASS, which the buddy's pulls use too")
 
 
 def replica_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ReplicaConfig | None:
-    given = [args.replica_buddy, args.replica_dir, args.replica_share_dir]
-    if not any(given):
+    given = [args.replica_dir, args.replica_share_dir]
+    if not any(given) and args.replica_serve is None:
         return None
     if not all(given):
-        parser.error("--replica-buddy, --replica-dir and --replica-share-dir go together: give all three (peer "
-                     "replica) or none")
-    return ReplicaConfig(args.replica_buddy, args.replica_share_dir, args.replica_dir, args.replica_serve)
+        parser.error("--replica-dir and --replica-share-dir go together (and --replica-serve needs them): give both "
+                     "(peer replica) or none")
+    return ReplicaConfig(args.replica_share_dir, args.replica_dir, args.replica_serve)
 
 
 _PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child of a fork must not import or load
@@ -118,11 +120,9 @@ class Replicator:
         self.attempt = attempt
         self.buddy = buddy(rank, nodes)
         self.checkpoints = checkpoints
-        self.peer = HttpStore(config.buddy_url)
         self.share_dir = config.share_dir
         self.published_dir = config.share_dir / REPLICA_DIR
         self.replica_dir = config.replica_dir
-        self.serve_addr = config.serve_addr
         self.server: subprocess.Popen[bytes] | None = None
         self._server_restarts = 0
         self.commit_wait_s = commit_wait_s
@@ -134,9 +134,21 @@ class Replicator:
         self._published: dict[int, list[str]] = {}  # step -> share names this node linked for it
         self._newest = -1
         self._closed = threading.Event()
+        self.serve_addr = self._free_addr(config.serve_host) if config.serve_host else None
+        self.url = f"http://{self.serve_addr}" if self.serve_addr is not None else None  # what the records name
         if self.serve_addr is not None:
             self._serve()
+            emit("replica-serving", url=self.url)
         threading.Thread(target=self._work, name=f"replica-{rank}", daemon=True).start()
+
+    def _free_addr(self, host: str) -> str | None:
+        # Picked once and kept: a restarted server binds it again, so the records already written stay right.
+        try:
+            return f"{host}:{free_port(host)}"
+        except OSError as exc:
+            self._failed(self._newest, f"no free port on {host} ({exc.strerror}): this node's part is not served to "
+                         "its replica holder")
+            return None
 
     def shipped(self, step: int, root: Path, files: list[FileEntry]) -> None:
         """This node's part of `step` is uploaded (files relative to root): serve it, then replicate the buddy's."""
@@ -224,16 +236,16 @@ class Replicator:
             log.exception("replica of step %d", step)
             self._failed(step, f"{type(exc).__name__}: {exc}")
 
-    def _buddy_part(self, step: int) -> list[FileEntry] | None:
-        """The buddy's files of `step` as its upload record lists them, once the record is in: pulled then, not after
-        the commit (a node preempted just after its last save, on a notice, is gone before that commits, and its part
-        with it). None when a newer step came first or the record never comes in time. A restore holds the replica
-        to the commit's manifest all the same."""
+    def _buddy_part(self, step: int) -> NodeRecord | None:
+        """The buddy's upload record of `step` (its files, and where it serves them), once it is in: pulled then, not
+        after the commit (a node preempted just after its last save, on a notice, is gone before that commits, and its
+        part with it). None when a newer step came first or the record never comes in time. A restore holds the
+        replica to the commit's manifest all the same."""
         deadline = time.monotonic() + self.commit_wait_s
         while not self._closed.is_set() and step == self._newest:
             record = self.checkpoints.current_record(step, self.buddy, self.attempt)
             if record is not None:
-                return record.files
+                return record
             if time.monotonic() >= deadline:
                 self._failed(step, f"node {self.buddy}'s part not uploaded within {self.commit_wait_s:g}s")
                 return None
@@ -242,9 +254,13 @@ class Replicator:
 
     def pull(self, step: int) -> int | None:
         """Replicate the buddy's uploaded files of `step`; returns their bytes (None: superseded or never uploaded)."""
-        files = self._buddy_part(step)
-        if files is None:
+        record = self._buddy_part(step)
+        if record is None:
             return None
+        if record.replica_url is None:
+            raise CheckpointError(f"node {self.buddy}'s upload record of step {step} names no replica server: it "
+                                  "runs without --replica-serve")
+        peer, files = HttpStore(record.replica_url), record.files
         started = time.monotonic()
         partial = self.replica_dir / f".{step_name(step)}.partial"
         shutil.rmtree(partial, ignore_errors=True)
@@ -253,7 +269,7 @@ class Replicator:
             name = share_name(str(entry.checksum))
             # Verified against the record's checksum by the transfer engine, as a store's byte is.
             key = f"{REPLICA_DIR}/{name}"
-            download(self.peer, [FileSpec(key, entry.bytes, entry.sha256, entry.crc)], incoming)
+            download(peer, [FileSpec(key, entry.bytes, entry.sha256, entry.crc)], incoming)
             target = partial / entry.path
             target.parent.mkdir(parents=True, exist_ok=True)
             os.replace(incoming / key, target)

@@ -300,8 +300,9 @@ class Syncer:
         # Files deleted while they were listed or uploaded would leave the part short: only an unchanged part counts.
         if self._listing(ref)[1] != before or (ref.kind == "file" and not self._still_as_uploaded(root, files)):
             return self._gone(step, ref, version)
+        replica_url = self.replica.url if self.replica is not None else None
         record = call_with_retries(lambda: self.checkpoints.write_record(step, config.node_rank, files,
-                                                                         config.attempt),
+                                                                         config.attempt, replica_url),
                                    f"upload record of step {step}", self.config.retry)
         seconds = time.monotonic() - started
         size = sum(entry.bytes for entry in record.files)
