@@ -42,7 +42,8 @@ def replicate(checkpoints: CheckpointStore, manifest: CheckpointManifest, nodes:
                    for node in nodes]
     for node, replicator in zip(nodes, replicators, strict=True):
         own = [entry for entry in manifest.files if wrote[entry.path] == node.rank]
-        replicator.shipped(STEP, node.workdir / "ckpt" / step_name(STEP), own)
+        replicator.publish(STEP, node.workdir / "ckpt" / step_name(STEP), own)
+        replicator.shipped(STEP)
     for replicator in replicators:
         assert replicator.wait_idle(120)
 
@@ -224,6 +225,40 @@ def test_the_same_rank_of_two_clusters_on_one_host_serves_its_part_on_a_port_of_
     finally:
         for replicator in replicators:
             replicator.close()
+
+
+def test_a_part_is_served_before_its_record_names_it(tmp_path: Path) -> None:
+    """The replica holder pulls a part as soon as its upload record is in the store: the part's files must already be
+    in the share dir then. Linked after the record, a pull that came in between found nothing (404) and that step's
+    replica was lost."""
+    from infra.checkpoints.commit import FileEntry, NodeRecord
+    from infra.node.fanout import share_name
+    from infra.node.sync import Syncer, _parse
+
+    share = tmp_path / "share-0"
+    served_at_record: list[bool] = []
+
+    class Watched(CheckpointStore):
+        def write_record(self, step: int, node_rank: int, files: list[FileEntry], attempt: str = "",
+                         replica_url: str | None = None) -> NodeRecord:
+            linked = {path.name for path in (share / "replica").glob("*")}
+            served_at_record.append({share_name(str(entry.checksum)) for entry in files} <= linked)
+            return super().write_record(step, node_rank, files, attempt, replica_url)
+
+    ckpt_dir = node_dirs(tmp_path)[0]
+    (tmp_path / "sync-0").mkdir()
+    url = f"file://{tmp_path / 'store' / 'run-1'}"
+    config = _parse(["--ckpt-dir", str(ckpt_dir), "--sync-dir", str(tmp_path / "sync-0"), "--url", url,
+                     "--node-rank", "0", "--nodes", "2", "--attempt", "a1", "--config-hash", "h", "--keep", "2",
+                     "--replica-dir", str(tmp_path / "replica-0"), "--replica-share-dir", str(share)])
+    syncer = Syncer(config, Watched(open_store(url)))
+    assert syncer.replica is not None
+    try:
+        make_step(ckpt_dir, 100, 0)
+        syncer.find_and_ship()
+    finally:
+        syncer.replica.close()
+    assert served_at_record == [True]
 
 
 def wait_closed(port: int, timeout_s: float = 30.0) -> None:

@@ -112,7 +112,7 @@ def _die_with_parent() -> None:
 
 
 class Replicator:
-    """Node `rank`'s replica of its buddy's part; shipped() is the syncer's hook and never raises."""
+    """Node `rank`'s replica of its buddy's part; publish() and shipped() are the syncer's hooks and never raise."""
 
     def __init__(self, rank: int, nodes: int, checkpoints: CheckpointStore, config: ReplicaConfig, attempt: str,
                  commit_wait_s: float = COMMIT_WAIT_S) -> None:
@@ -150,13 +150,17 @@ class Replicator:
                          "its replica holder")
             return None
 
-    def shipped(self, step: int, root: Path, files: list[FileEntry]) -> None:
-        """This node's part of `step` is uploaded (files relative to root): serve it, then replicate the buddy's."""
-        self._newest = max(self._newest, step)
+    def publish(self, step: int, root: Path, files: list[FileEntry]) -> None:
+        """This node's part of `step` is uploaded (files relative to root): serve it. Called before its upload record
+        is written, which is the replica holder's cue to pull it. Never raises."""
         try:
             self._publish(step, root, files)
         except OSError as exc:
             self._failed(step, f"publishing its own part: {exc}")
+
+    def shipped(self, step: int) -> None:
+        """This node's upload record of `step` is in the store: replicate the buddy's part of it, in the background."""
+        self._newest = max(self._newest, step)
         with self._idle:
             self._pending += 1
         self._steps.put(step)

@@ -300,7 +300,10 @@ class Syncer:
         # Files deleted while they were listed or uploaded would leave the part short: only an unchanged part counts.
         if self._listing(ref)[1] != before or (ref.kind == "file" and not self._still_as_uploaded(root, files)):
             return self._gone(step, ref, version)
-        replica_url = self.replica.url if self.replica is not None else None
+        replica_url = None
+        if self.replica is not None:
+            self.replica.publish(step, root, files)  # served before the record tells its holder to pull it
+            replica_url = self.replica.url
         record = call_with_retries(lambda: self.checkpoints.write_record(step, config.node_rank, files,
                                                                          config.attempt, replica_url),
                                    f"upload record of step {step}", self.config.retry)
@@ -309,7 +312,7 @@ class Syncer:
         self.state.shipped.append(Shipped(step=step, name=ref.name, version=version))
         self._save_state()
         if self.replica is not None:
-            self.replica.shipped(step, root, record.files)  # background work: never raises
+            self.replica.shipped(step)  # background work: never raises
         emit("uploaded", step=step, name=ref.name, node_rank=config.node_rank, files=len(record.files), bytes=size,
              seconds=round(seconds, 3), mb_per_s=round(size / 1e6 / seconds, 1) if seconds > 0 and size else None)
         return True
