@@ -270,3 +270,31 @@ def test_a_control_request_queued_behind_moving_parts_is_not_stalled(
     fetching.join(timeout=120)
     assert info.size == MIN_PART_SIZE
     assert waited > SLOW_STALL_S, f"{waited:.1f}s: the HEAD was not queued behind the GETs: nothing was tested"
+
+
+def test_acknowledged_bytes_are_counted_and_no_descriptor_is_left_behind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tcp_bytes_acked sums what the far ends acknowledged, through duplicates of the process's descriptors. A
+    descriptor listed as a socket may be a file by the time it is duplicated (its number reused): that duplicate is
+    closed too (socket() keeps a descriptor it refuses, and the sampler runs every 50 ms for a whole transfer)."""
+    from infra.storage import crt_traffic
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    with listener, socket.create_connection(listener.getsockname()) as sender, listener.accept()[0] as receiver:
+        before = crt_traffic.tcp_bytes_acked()
+        sender.sendall(b"x" * 100_000)
+        got = 0
+        while got < 100_000:
+            got += len(receiver.recv(65536))
+        deadline = time.monotonic() + 10
+        while crt_traffic.tcp_bytes_acked() - before < 100_000:
+            assert time.monotonic() < deadline, "the receiver's acknowledgements were never counted"
+            time.sleep(0.01)
+    (tmp_path / "file").write_bytes(b"not a socket")
+    with open(tmp_path / "file", "rb"):
+        fds = len(os.listdir("/proc/self/fd"))
+        monkeypatch.setattr(crt_traffic.os, "readlink", lambda path: "socket:[1]")  # every descriptor "a socket"
+        for _ in range(5):
+            crt_traffic.tcp_bytes_acked()
+        monkeypatch.undo()
+        assert len(os.listdir("/proc/self/fd")) == fds

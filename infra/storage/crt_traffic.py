@@ -51,23 +51,41 @@ def _event_loop_threads() -> list[str]:
 
 def tcp_bytes_acked() -> int:
     """Bytes the far ends of this process's TCP connections have acknowledged, summed over the open ones."""
-    total = 0
     try:
         fds = os.listdir(_FDS)
     except OSError:
         return 0  # no /proc: sent bytes are never seen, and requests' own progress decides alone
+    total = 0
     for fd in fds:
         try:
-            if not os.readlink(f"{_FDS}/{fd}").startswith("socket:"):
-                continue
-            # A duplicate, closed at once: the owner's descriptor is never touched (it may close it meanwhile).
-            with socket.socket(fileno=os.dup(int(fd))) as sock:
-                info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
-        except (OSError, ValueError):
-            continue  # gone, or not a TCP socket (a unix socket, a pipe's eventfd)
-        if len(info) >= _BYTES_ACKED_AT + _BYTES_ACKED.size:
-            total += _BYTES_ACKED.unpack_from(info, _BYTES_ACKED_AT)[0]
+            is_socket = os.readlink(f"{_FDS}/{fd}").startswith("socket:")
+        except OSError:
+            continue  # closed since it was listed
+        if is_socket:
+            total += _bytes_acked(int(fd))
     return total
+
+
+def _bytes_acked(fd: int) -> int:
+    """One socket's acknowledged bytes, read through a duplicate closed at once: the owner's descriptor is never
+    touched (it may close it meanwhile). 0 when it is gone or no TCP socket."""
+    try:
+        duplicate = os.dup(fd)
+    except OSError:
+        return 0
+    try:
+        sock = socket.socket(fileno=duplicate)
+    except OSError:  # the number was reused for a file since it was listed, and socket() keeps what it refuses
+        os.close(duplicate)
+        return 0
+    with sock:
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+        except OSError:
+            return 0  # a unix socket
+    if len(info) < _BYTES_ACKED_AT + _BYTES_ACKED.size:
+        return 0  # a kernel older than tcpi_bytes_acked
+    return int(_BYTES_ACKED.unpack_from(info, _BYTES_ACKED_AT)[0])
 
 
 def _read_bytes(tid: str) -> int:
