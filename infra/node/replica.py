@@ -135,11 +135,15 @@ class Replicator:
         self._newest = -1
         self._closed = threading.Event()
         self.serve_addr = self._free_addr(config.serve_host) if config.serve_host else None
-        self.url = f"http://{self.serve_addr}" if self.serve_addr is not None else None  # what the records name
         if self.serve_addr is not None:
             self._serve()
             emit("replica-serving", url=self.url)
         threading.Thread(target=self._work, name=f"replica-{rank}", daemon=True).start()
+
+    @property
+    def url(self) -> str | None:
+        """Where this node serves its part (what its upload records name); None: it serves none."""
+        return f"http://{self.serve_addr}" if self.serve_addr is not None else None
 
     def _free_addr(self, host: str) -> str | None:
         # Picked once and kept: a restarted server binds it again, so the records already written stay right.
