@@ -28,7 +28,7 @@ from test_pipeline_e2e import tagged_processes
 
 from infra.analysis import clusterbench
 from infra.checkpoints.commit import CheckpointStore
-from infra.compute.providers import Cluster, InvalidRequestError, get_provider
+from infra.compute.providers import Cluster, ClusterRecord, InvalidRequestError, get_provider
 from infra.compute.providers.netns import emulation as netns
 from infra.compute.providers.netns.provider import NetnsProvider
 from infra.compute.providers.netns.store import NetnsStore
@@ -124,7 +124,15 @@ def test_launch_run_in_each_namespace_and_teardown_leaves_nothing(provider: Netn
     assert server.wait(10) == 0, server.tail()
 
     idle = provider.runner(cluster, other).start(["sleep", "300"])
-    [record] = [r for r in provider.list_clusters() if r.name == cluster.name]
+
+    def listed() -> ClusterRecord:
+        [record] = [r for r in provider.list_clusters() if r.name == cluster.name]
+        return record
+
+    # start() returns once `ip netns exec` is forked: the process is the namespace's from its setns() on.
+    deadline = time.monotonic() + 30
+    while (record := listed()).processes == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert record.owner_alive and record.processes == 1, "the process in the namespace carries the cluster's tags"
     assert tagged_processes(workspace)
 
