@@ -128,7 +128,7 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
                 resume_step = latest_committed_step(plan.checkpoint_url)
                 # Only the lost nodes replaced, the survivors kept as they are ...
                 with Phases(summary, recovery)("provision"):
-                    replaced = replace_or_relaunch(job, cluster_name, preempted, recovery)
+                    replaced = replace_or_relaunch(job, preempted, recovery)
                 if replaced is None:
                     # ... or the whole cluster: tear down what is left, launch again (elsewhere, by the failover).
                     with Phases(summary, recovery)("teardown"):

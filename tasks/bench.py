@@ -7,7 +7,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from infra.analysis import clusterbench
 from infra.analysis.clusterbench import BenchResult
-from infra.compute.providers import Cluster, get_provider
+from infra.compute.providers import Cluster, launch_cluster
 from infra.job.spec import ClusterSpec
 from tasks.node_output import node_line_sink
 from tasks.policy import TRANSIENT_RETRIES
@@ -15,7 +15,7 @@ from tasks.policy import TRANSIENT_RETRIES
 
 @task(name="launch-bench-cluster", **TRANSIENT_RETRIES)
 def launch_bench_cluster(spec: ClusterSpec, cluster_name: str, bench_id: str) -> Cluster:
-    cluster = get_provider(spec.provider).launch(cluster_name, spec, bench_id)
+    cluster = launch_cluster(spec, cluster_name, bench_id)
     get_run_logger().info("launched %s for benchmarks: %s", cluster.name, ", ".join(n.name for n in cluster.nodes))
     return cluster
 

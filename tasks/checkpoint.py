@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 
 from infra.checkpoints.commit import CheckpointStore
-from infra.compute.providers import Cluster, get_provider
+from infra.compute.providers import Cluster, runner_for
 from infra.storage import open_store
 from tasks.node_output import last_event, node_line_sink
 from tasks.policy import TRANSIENT_RETRIES
@@ -25,7 +25,7 @@ def verify_committed_checkpoint(cluster: Cluster, checkpoint_url: str, checkpoin
             f"that checkpoints.format {checkpoint_format} recognises into TRAINPIPE_CHECKPOINT_DIR: save one there "
             "(the format's completion signal: see README, 'Checkpoints the syncer recognises') or fix the format")
     head = cluster.head
-    runner = get_provider(cluster.provider).runner(cluster, head)
+    runner = runner_for(cluster, head)
     result = runner.run([head.python, "-m", "infra.node", "verify-ckpt", "--url", checkpoint_url], timeout=3600,
                         on_line=node_line_sink(get_run_logger(), head.name))
     return Verified.from_event(last_event(result.output, "verified"))

@@ -9,7 +9,7 @@ from prefect import get_run_logger, task
 from prefect.exceptions import MissingContextError
 
 from infra.cancel import CANCEL
-from infra.compute.providers import Cluster, Node, Provider, get_provider
+from infra.compute.providers import Cluster, Node, Provider, launch_cluster, provider_of, terminate_cluster
 from infra.job.spec import JobSpec
 from infra.lifecycle.lease import LEASE_FILE, RENEWALS_PER_TTL, LeaseKeeper
 from infra.node.sync import STOP_FILE
@@ -49,13 +49,12 @@ def _stop_lease(cluster_name: str) -> None:
 @task(name="provision-cluster", **TRANSIENT_RETRIES)
 def provision_cluster(job: JobSpec, cluster_name: str, run_id: str) -> Cluster:
     logger = get_run_logger()
-    provider = get_provider(job.cluster.provider)
-    if provider.describe(cluster_name) is not None:
-        # A crashed earlier attempt of this run left it: start clean rather than adopt half-dead processes.
-        logger.warning("cluster %s is left from an earlier attempt: tearing it down first", cluster_name)
-        _stop_lease(cluster_name)
-        provider.terminate(cluster_name)
-    cluster = provider.launch(cluster_name, job.cluster, run_id)
+    _stop_lease(cluster_name)
+    if terminate_cluster(job.cluster.provider, cluster_name).found:
+        # A crashed earlier attempt of this run left it: started clean rather than adopting half-dead processes.
+        logger.warning("cluster %s was left from an earlier attempt: torn down first", cluster_name)
+    cluster = launch_cluster(job.cluster, cluster_name, run_id)
+    provider = provider_of(cluster)
     start_lease(provider, cluster, job.cluster.lease_ttl_s)
     logger.info("launched %s on %s: %s", cluster.name, provider.name, ", ".join(n.name for n in cluster.nodes))
     return cluster
@@ -68,15 +67,9 @@ def teardown_cluster(provider_name: str, cluster_name: str, keep_data: bool = Fa
 
     keep_data: a recovery's teardown, after which the same machines (where the provider has them) keep their
     staged data for the relaunch."""
-    provider = get_provider(provider_name)
     _stop_lease(cluster_name)
     with CANCEL.shield():  # a cancel asks for this teardown: its waits keep their own deadlines
-        if keep_data:
-            provider.terminate_keeping_data(cluster_name)
-        else:
-            provider.terminate(cluster_name)
-    left = provider.describe(cluster_name)
-    alive = sum(provider.nodes_alive(left).values()) if left else 0
+        alive = terminate_cluster(provider_name, cluster_name, keep_data).nodes_left
     _logger().info("teardown of %s: %d nodes left running", cluster_name, alive)
     return alive
 

@@ -19,7 +19,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
 from infra.checkpoints.commit import CheckpointStore
-from infra.compute.providers import Cluster, get_provider
+from infra.compute.providers import Cluster, runner_for
 from infra.job.spec import JobSpec
 from infra.registry.refs import step_url
 from infra.storage import open_store
@@ -80,7 +80,7 @@ def evaluate_checkpoint(job: JobSpec, cluster: Cluster, launch: TrainLaunch, ste
     context = node_context(job, cluster, head, launch)
     command = render_command(job.evaluate.command, context, extra={"checkpoint": restored.path,
                                                                     "eval_file": eval_file})
-    runner = get_provider(cluster.provider).runner(cluster, head)
+    runner = runner_for(cluster, head)
     process = runner.start([head.python, *command], env={**workload_env(job, context), EVAL_FILE_VAR: eval_file},
                            cwd=head.code_dir if job.training.code is not None else None,
                            on_line=lambda line: logger.info("%s evaluate: %s", head.name, line.rstrip()),

@@ -13,7 +13,7 @@ from typing import Any
 
 from infra.compute.access.events import EventTap
 from infra.compute.access.remote import Process, RemoteError, last_error
-from infra.compute.providers import Cluster, Node, get_provider
+from infra.compute.providers import Cluster, Node, provider_of
 from infra.node.fanout import SHARE_DIR
 from infra.node.replica import REPLICA_DIR
 from infra.storage.http import PASS_ENV, USER_ENV
@@ -70,7 +70,7 @@ def peer_servers(cluster: Cluster) -> Iterator[tuple[list[str], dict[str, str] |
     exchange off for this stage, said in a warning: every node then reads the store, as without fan-out ([] and None
     are yielded). Stopped on exit; teardown kills them anyway (they carry the cluster's process tags)."""
     env = peer_credentials()
-    provider = get_provider(cluster.provider)
+    provider = provider_of(cluster)
     servers: list[tuple[Node, Process, EventTap]] = []
 
     def start(node: Node) -> tuple[Node, Process, EventTap]:

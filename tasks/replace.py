@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from prefect import get_run_logger, task
 
-from infra.compute.providers import Cluster, Node, ReplacementUnavailable, get_provider
+from infra.compute.providers import Cluster, Node, ReplacementUnavailable, provider_of, runner_for
 from infra.job.spec import JobSpec
 from infra.lifecycle.preemption_watch import CHAOS_TRIGGER, Preempted
 from infra.lifecycle.recovery import RecoveryRecord
@@ -32,12 +32,13 @@ class Replaced:
 
 
 @task(name="replace-nodes", **NO_RETRIES)
-def replace_lost_nodes(provider_name: str, cluster_name: str, lost: Sequence[str], lease_ttl_s: float) -> Replaced:
+def replace_lost_nodes(lost_from: Cluster, lost: Sequence[str], lease_ttl_s: float) -> Replaced:
     """The provider's replace_nodes, then the new nodes' lease watchdogs, and the lease keeper on the new membership.
 
     Not retried: a placement without room now is the whole relaunch's to handle (ReplacementUnavailable)."""
-    provider = get_provider(provider_name)
-    cluster = provider.describe(cluster_name)
+    provider = provider_of(lost_from)
+    cluster_name = lost_from.name
+    cluster = provider.describe(cluster_name)  # its record as the provider keeps it now, not as training began
     if cluster is None:
         raise ReplacementUnavailable(f"{cluster_name}: no cluster record: there is nothing to replace nodes in")
     replaced = provider.replace_nodes(cluster, lost)
@@ -48,16 +49,15 @@ def replace_lost_nodes(provider_name: str, cluster_name: str, lost: Sequence[str
     return Replaced(replaced, tuple(node.name for node in new))
 
 
-def replace_or_relaunch(job: JobSpec, cluster_name: str, preempted: Preempted,
-                        recovery: RecoveryRecord) -> Replaced | None:
+def replace_or_relaunch(job: JobSpec, preempted: Preempted, recovery: RecoveryRecord) -> Replaced | None:
     """Replace only the lost nodes unless recovery.replace is cluster; None: relaunch the whole cluster (the record
     says why when a replacement was tried)."""
     if job.recovery.replace == "cluster":
         return None
     try:
         replaced = replace_lost_nodes.with_options(task_run_name=f"recovery-{recovery.number}: replace after "
-                                                   f"{preempted}")(job.cluster.provider, cluster_name,
-                                                                   list(preempted.nodes), job.cluster.lease_ttl_s)
+                                                   f"{preempted}")(preempted.cluster, list(preempted.nodes),
+                                                                   job.cluster.lease_ttl_s)
     except ReplacementUnavailable as unavailable:
         recovery.fell_back(str(unavailable))
         get_run_logger().warning("recovery %d: the lost nodes cannot be replaced alone (%s): relaunching the whole "
@@ -72,7 +72,7 @@ def rejoin_node(cluster: Cluster, node: Node, attempt: int, fresh_start: bool) -
     """A survivor ready for attempt `attempt` (infra/node/rejoin.py): what the attempt that ended would mislead it with
     removed, its metrics set aside; fresh_start (nothing committed to resume from): its local saves go too. Returns a
     free port on the node (the head's is the rendezvous port)."""
-    runner = get_provider(cluster.provider).runner(cluster, node)
+    runner = runner_for(cluster, node)
     result = runner.run([node.python, "-m", "infra.node", "rejoin", "--clear", node.sync_dir,
                          *(["--clear", node.ckpt_dir] if fresh_start else []),
                          "--remove", node.path(NOTICE_FILE), "--remove", node.path(CHAOS_TRIGGER),

@@ -10,7 +10,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from infra.compute.providers import Cluster, Node, get_provider
+from infra.compute.providers import Cluster, Node, runner_for
 from infra.dataset.stagecache import node_cache_dir
 from infra.node.events import parse
 from infra.node.fanout import SHARE_DIR
@@ -63,7 +63,7 @@ def stage_node(cluster: Cluster, node: Node, snapshot_url: str | None, shard: st
 
     peers (fan-out, tasks/fanout.py): every node's peer server URL by rank; peer_env their credentials; holders: the
     ranks that hold the files already (the survivors of a replace-one recovery): the others are filled from them."""
-    runner = get_provider(cluster.provider).runner(cluster, node)
+    runner = runner_for(cluster, node)
     sink = node_line_sink(get_run_logger(), node.name, on_event=_progress_artifact(node, "stage"))
     dataset = (["--snapshot", snapshot_url, "--dest", node.data_dir] if snapshot_url is not None else [])
     wanted = [part for name, url in inputs.items() for part in ("--input", f"{name}={url}")]
@@ -102,7 +102,7 @@ def restore_checkpoint(cluster: Cluster, node: Node, checkpoint_url: str, checkp
     prune: the node's checkpoint dir keeps only the restored checkpoint (a survivor of a replace-one recovery).
     holders: the survivors of a replace-one: a replaced node's part comes from its replica on a survivor
     (checkpoints.peer_replica, infra/node/replica.py), else from the store."""
-    runner = get_provider(cluster.provider).runner(cluster, node)
+    runner = runner_for(cluster, node)
     sink = node_line_sink(get_run_logger(), node.name)
     where = ["--dest", dest] if dest is not None else ["--dest", node.ckpt_dir, "--sync-dir", node.sync_dir]
     result = runner.run([node.python, "-m", "infra.node", "restore", "--url", checkpoint_url, *where,

@@ -13,7 +13,7 @@ from prefect import get_run_logger, task
 from infra.cancel import CANCEL
 from infra.checkpoints.lineage import Lineage
 from infra.compute.access.remote import Process, RemoteError, Runner, wait_all
-from infra.compute.providers import Cluster, Node, get_provider
+from infra.compute.providers import Cluster, Node, provider_of
 from infra.job.spec import JobSpec
 from infra.lifecycle.preemption_watch import Preempted, PreemptionWatch, TrainingError
 from infra.node.launch import RANKS_EXITED
@@ -213,7 +213,7 @@ def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOu
     """Not retried as a task: a preemption is recovered by the flow, any other failure resumes on the next run."""
     logger = get_run_logger()
     progress = TrainingProgress(cluster.run_id)
-    provider = get_provider(cluster.provider)
+    provider = provider_of(cluster)
     runners = {node.name: provider.runner(cluster, node) for node in cluster.nodes}
     watch = PreemptionWatch(provider, cluster, runners, progress, job.recovery.confirm_s, logger)
     metrics = _MetricsPoll(progress, runners[cluster.head.name], cluster.head.metrics_file)

@@ -10,7 +10,7 @@ from prefect import get_run_logger, task
 
 from infra.analysis import clusterbench
 from infra.analysis.clusterbench import BenchResult
-from infra.compute.providers import Cluster, Node, get_provider
+from infra.compute.providers import Cluster, Node, runner_for
 from infra.dataset.stagecache import node_cache_dir
 from infra.job.spec import JobSpec
 from tasks.node_output import last_event, node_line_sink
@@ -25,7 +25,7 @@ class NodeCheckError(RuntimeError):
 @task(name="verify-node", **TRANSIENT_RETRIES)
 def verify_node(cluster: Cluster, node: Node, need_bytes: int) -> Probe:
     """need_bytes: what the node will hold of the dataset; its cached objects count as free (reused or evicted)."""
-    runner = get_provider(cluster.provider).runner(cluster, node)
+    runner = runner_for(cluster, node)
     result = runner.run([node.python, "-m", "infra.node", "probe", "--dir", node.data_dir, "--dir", node.ckpt_dir,
                          "--need-bytes", str(need_bytes), "--cache", node_cache_dir(cluster.provider, node.workdir)],
                         timeout=120, check=False)

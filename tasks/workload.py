@@ -13,7 +13,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 
 from infra.compute.access.remote import RemoteError
-from infra.compute.providers import Cluster, Node, get_provider
+from infra.compute.providers import Cluster, Node, runner_for
 from infra.job.plan import Plan
 from infra.job.spec import JobSpec
 from infra.node.fanout import SHARE_DIR
@@ -77,7 +77,7 @@ def prepare_node(job: JobSpec, cluster: Cluster, node: Node, code_url: str | Non
     serves the archive once per cluster, the nodes take it from its owner (an archive URL without a known sha256 is
     read by every node from the store: a peer's copy could not be checked)."""
     logger = get_run_logger()
-    runner = get_provider(cluster.provider).runner(cluster, node)
+    runner = runner_for(cluster, node)
     sink = node_line_sink(logger, f"{node.name} setup")
     sha256 = None
     if code_url is not None:

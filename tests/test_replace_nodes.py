@@ -17,7 +17,7 @@ from prefect import flow
 from provider_checks import assert_replaces_only_the_lost
 from test_pipeline_e2e import tagged_processes
 
-from infra.compute.providers.base import ReplacementUnavailable
+from infra.compute.providers.base import Cluster, ReplacementUnavailable
 from infra.compute.providers.local import LocalProvider
 from infra.dataset.stagecache import node_cache_dir
 from infra.job.plan import cluster_name_for
@@ -142,12 +142,13 @@ def test_replacement_unavailable_or_replace_cluster_takes_the_whole_relaunch(pre
     config = job_config(tmp_path, "file:///tmp/unused")
     config["recovery"] = {"replace": replace}
     job = parse_job(config)
-    preempted = Preempted(["tp-gone-node-1"], "vanished without notice", False, _Progress())
+    gone = Cluster(name="tp-gone", provider="local", run_id="tp-gone", nodes=(), created_at=time.time())
+    preempted = Preempted(gone, ["tp-gone-node-1"], "vanished without notice", False, _Progress())
     recovery = Recoveries(job.recovery).begin(preempted.nodes, preempted.reason, False, 50, time.time())
 
     @flow
     def recover() -> Replaced | None:
-        return replace_or_relaunch(job, "tp-gone", preempted, recovery)
+        return replace_or_relaunch(job, preempted, recovery)
 
     assert recover() is None
     assert (recovery.path, recovery.replaced) == ("relaunched-cluster", [])

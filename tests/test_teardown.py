@@ -16,6 +16,7 @@ from jobs import job_config
 from prefect import flow
 from said import listening
 
+import infra.compute.providers
 import tasks.cluster
 from flows.retrain import run_closed
 from infra.compute.providers.local import LocalProvider
@@ -44,7 +45,7 @@ def test_a_transient_teardown_failure_is_retried_with_backoff_and_logged(
         prefect_server: None, workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     provider = FailingTeardown(tmp_path / "clusters", ConnectionError("control plane unreachable"), failures=1)
     cluster = provider.launch("tp-flaky-teardown", ClusterSpec(nodes=1), "flaky-teardown")
-    monkeypatch.setattr(tasks.cluster, "get_provider", lambda name: provider)
+    monkeypatch.setattr(infra.compute.providers, "get_provider", lambda name: provider)
     @flow(name="teardown")
     def teardown() -> int:
         return tasks.cluster.teardown_cluster("local", cluster.name)
@@ -61,7 +62,7 @@ def test_a_failing_teardown_still_publishes_the_summary_and_the_runs_own_error_i
     from flows.retrain import retrain
 
     provider = FailingTeardown(tmp_path / "clusters", RuntimeError("EC2 said no"), failures=99)
-    monkeypatch.setattr(tasks.cluster, "get_provider", lambda name: provider)
+    monkeypatch.setattr(infra.compute.providers, "get_provider", lambda name: provider)
     (tmp_path / "empty").mkdir()
     job = parse_job(job_config(tmp_path, f"file://{tmp_path}/empty"))
 
@@ -101,6 +102,6 @@ def test_the_crash_hooks_teardown_runs_outside_any_run_context(workspace: Path, 
     down and answers instead of raising MissingContextError at its last line (which hid whether it had worked)."""
     provider = LocalProvider(tmp_path / "clusters")
     cluster = provider.launch("tp-crash-hook", ClusterSpec(nodes=1), "crash-hook")
-    monkeypatch.setattr(tasks.cluster, "get_provider", lambda name: provider)
+    monkeypatch.setattr(infra.compute.providers, "get_provider", lambda name: provider)
     assert tasks.cluster.teardown_cluster.fn("local", cluster.name) == 0
     assert provider.describe(cluster.name) is None

@@ -34,7 +34,7 @@ def cluster(
     from infra.analysis.clusterbench import BenchError, bench_cluster, render_table
     from infra.compute.access.remote import RemoteError
     from infra.compute.catalog import CatalogError
-    from infra.compute.providers import LaunchError, get_provider
+    from infra.compute.providers import LaunchError, launch_cluster, terminate_cluster
     from infra.job.plan import cluster_name_for
     from infra.job.spec import ConfigError, load_job
 
@@ -44,12 +44,11 @@ def cluster(
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     bench_id = f"bench-{job.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
-    provider = get_provider(job.cluster.provider)
     name = cluster_name_for(bench_id)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        typer.echo(f"launching {name} on {provider.name}: {job.cluster.nodes} nodes")
-        launched = provider.launch(name, job.cluster, bench_id)
+        typer.echo(f"launching {name} on {job.cluster.provider}: {job.cluster.nodes} nodes")
+        launched = launch_cluster(job.cluster, name, bench_id)
         result = bench_cluster(launched, job.cluster, say=typer.echo, everything=True)
     except (LaunchError, CatalogError) as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -58,9 +57,7 @@ def cluster(
         typer.echo(f"error: cluster bench failed: {exc}", err=True)
         raise typer.Exit(1) from None
     finally:
-        provider.terminate(name)
-        left = provider.describe(name)
-        alive = sum(provider.nodes_alive(left).values()) if left else 0
+        alive = terminate_cluster(job.cluster.provider, name).nodes_left
         typer.echo(f"tore down {name}: {alive} nodes left running")
     typer.echo(render_table(result.measurement))
     typer.echo(result.verdict.render())

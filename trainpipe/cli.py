@@ -137,13 +137,13 @@ def _exit_on_signal(signum: int, frame: object) -> None:
 @user_errors_exit_2
 def up(config: ConfigArg, run_id: RunIdOpt = None) -> None:
     """Launch the cluster only and print its nodes (tear it down with `trainpipe down NAME`)."""
-    from infra.compute.providers import get_provider
+    from infra.compute.providers import launch_cluster
     from infra.job.plan import cluster_name_for
     from infra.job.spec import load_job
 
     job = load_job(config)
     run_id = run_id or new_run_id(job)
-    cluster = get_provider(job.cluster.provider).launch(cluster_name_for(run_id), job.cluster, run_id)
+    cluster = launch_cluster(job.cluster, cluster_name_for(run_id), run_id)
     typer.echo(f"cluster {cluster.name} ({cluster.provider}) is up:")
     for node in cluster.nodes:
         typer.echo(f"  {node.name}  rank {node.rank}  {node.address}  {node.workdir}")

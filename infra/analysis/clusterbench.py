@@ -34,7 +34,7 @@ from typing import Any
 from infra.compute.access.events import EventTap
 from infra.compute.access.remote import LineSink, Process, RemoteError, last_error, wait_all
 from infra.compute.catalog import InstanceType, load_catalog
-from infra.compute.providers import Cluster, Node, Provider, get_provider
+from infra.compute.providers import Cluster, Node, Provider, provider_of
 from infra.job.spec import ClusterSpec
 
 log = logging.getLogger(__name__)
@@ -339,7 +339,7 @@ def _measure_links(provider: Provider, cluster: Cluster, spec: ClusterSpec, batc
 
 
 def measure_links(cluster: Cluster, spec: ClusterSpec, sink_for: SinkFactory = _log_sink) -> tuple[LinkFigure, ...]:
-    provider = get_provider(cluster.provider)
+    provider = provider_of(cluster)
     return tuple(figure for batch in link_batches(len(cluster.nodes))
                  for figure in _measure_links(provider, cluster, spec, batch, sink_for))
 
@@ -356,7 +356,7 @@ def torchrun_argv(cluster: Cluster, node: Node, procs_per_node: int, port: int, 
 
 def free_port(cluster: Cluster, node: Node, sink_for: SinkFactory = _log_sink) -> int:
     """A port free on that node now (the node's own probe finds it)."""
-    provider = get_provider(cluster.provider)
+    provider = provider_of(cluster)
     tap = _run(provider, cluster, node, [node.python, "-m", "infra.node", "probe"], START_TIMEOUT_S, "probe", sink_for)
     return int(tap.last("probe", f"{node.name}: probe")["free_port"])
 
@@ -373,7 +373,7 @@ def measure_allreduce(cluster: Cluster, spec: ClusterSpec,
                       sink_for: SinkFactory = _log_sink) -> tuple[AllReduceFigure, ...]:
     if len(cluster.nodes) < 2:
         return ()
-    provider = get_provider(cluster.provider)
+    provider = provider_of(cluster)
     port = free_port(cluster, cluster.head, sink_for)
     sizes = spec.verify.allreduce_sizes_mb
     module = ["infra.node", "allreduce-bench", "--sizes-mb", *map(str, sizes), "--timeout", str(COLLECTIVE_TIMEOUT_S),
@@ -413,7 +413,7 @@ def _disk(provider: Provider, cluster: Cluster, node: Node, megabytes: int, sink
 
 
 def measure_disks(cluster: Cluster, spec: ClusterSpec, sink_for: SinkFactory = _log_sink) -> tuple[DiskFigure, ...]:
-    provider = get_provider(cluster.provider)
+    provider = provider_of(cluster)
     with ThreadPoolExecutor(max_workers=len(cluster.nodes)) as pool:
         futures = [pool.submit(_disk, provider, cluster, node, spec.verify.disk_bytes_mb, sink_for)
                    for node in cluster.nodes]

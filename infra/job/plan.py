@@ -11,7 +11,6 @@ from pathlib import Path
 from infra.checkpoints.commit import CheckpointError, CheckpointStore
 from infra.compute.catalog import CatalogError, load_catalog
 from infra.compute.optimizer import Candidate, NoCandidateError, candidates, render_candidates
-from infra.compute.providers import get_provider
 from infra.dataset.docs import write_data_docs
 from infra.dataset.manifest import DatasetError
 from infra.dataset.planning import CarriesValidation, DatasetPlan, ExpectationsFailed, plan_dataset, plan_input
@@ -203,7 +202,6 @@ def plan_job(job: JobSpec, run_id: str, secret_blocks: BlockReader | None = None
     checked by the flow's plan, still before anything is launched."""
     if not RUN_ID.match(run_id):
         raise PlanError(f"run id '{run_id}': use letters, digits, '.', '_' or '-' (at most 64)")
-    get_provider(job.cluster.provider)
     try:
         resolve_secrets(job.training.secrets, secret_blocks)  # that each is there; the values are not kept
     except SecretMissing as exc:

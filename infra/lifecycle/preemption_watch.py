@@ -42,10 +42,12 @@ class Preempted(TrainingError):
 
     nodes: every node lost to this attempt (several can go at once), the first the one that decided it."""
 
-    def __init__(self, nodes: Sequence[str], reason: str, with_notice: bool, progress: TrainingProgress) -> None:
+    def __init__(self, cluster: Cluster, nodes: Sequence[str], reason: str, with_notice: bool,
+                 progress: TrainingProgress) -> None:
         step_reached = progress.last_step
         super().__init__(f"{', '.join(nodes)} preempted ({reason}) at step {step_reached}")
         self.nodes, self.reason, self.with_notice, self.step_reached = tuple(nodes), reason, with_notice, step_reached
+        self.cluster = cluster  # the cluster they were lost from: a replacement puts new nodes into it
         self.detected_at = time.time()
         # How far this attempt's steps got before the node went: the run's overhead counts what they took.
         self.first_step_at, self.steps_s = progress.clock.first_step_at, progress.clock.steps_s()
@@ -137,8 +139,8 @@ class PreemptionWatch:
         # Once one node is confirmed lost, every node gone or noticed is lost to this attempt too: they go together.
         lost = [*confirmed, *(n for n in gone if n not in confirmed), *(n for n in self._notices if n not in gone)]
         first = confirmed[0]
-        return Preempted(lost, self._notices.get(first, "vanished without notice"), first in self._notices,
-                         self.progress)
+        return Preempted(self.cluster, lost, self._notices.get(first, "vanished without notice"),
+                         first in self._notices, self.progress)
 
     def poll(self) -> None:
         """Called from the wait loop: fires due chaos, and raises Preempted for a node confirmed gone."""
@@ -182,7 +184,7 @@ class PreemptionWatch:
                 return preempted
             noticed = next(iter(self._notices.items()), None)
             if noticed is not None:
-                return Preempted(list(self._notices), noticed[1], True, self.progress)
+                return Preempted(self.cluster, list(self._notices), noticed[1], True, self.progress)
             if time.monotonic() >= deadline:
                 return failure
             time.sleep(0.5)

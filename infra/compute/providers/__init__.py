@@ -8,6 +8,10 @@ failover, job, lifecycle (lease renewal), the node agent's process tags and noti
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from infra.compute.access.remote import Runner
 from infra.compute.providers.base import (
     CapacityError,
     Cluster,
@@ -22,6 +26,9 @@ from infra.compute.providers.base import (
 )
 from infra.compute.providers.registry import PROVIDER_NAMES, PROVIDERS, provider_entry
 
+if TYPE_CHECKING:  # the job spec imports the providers' config sections, which import this package
+    from infra.job.spec import ClusterSpec
+
 
 def get_provider(name: str) -> Provider:
     entry = provider_entry(name)
@@ -30,11 +37,44 @@ def get_provider(name: str) -> Provider:
     return entry.create()
 
 
+def provider_of(cluster: Cluster) -> Provider:
+    """The provider that made this cluster: the one place a launched cluster is mapped back to its provider, so no
+    caller looks one up by name again (a cluster record read from disk names its provider, opaque to the rest)."""
+    return get_provider(cluster.provider)
+
+
+def runner_for(cluster: Cluster, node: Node) -> Runner:
+    """How the orchestrator reaches one node of the cluster, whatever the provider."""
+    return provider_of(cluster).runner(cluster, node)
+
+
+def launch_cluster(spec: ClusterSpec, cluster_name: str, run_id: str) -> Cluster:
+    """Launch a cluster on the provider its spec names (every node or none; LaunchError says why not)."""
+    return get_provider(spec.provider).launch(cluster_name, spec, run_id)
+
+
+@dataclass(frozen=True)
+class TornDown:
+    found: bool  # something of the cluster was running or left behind, and is now gone
+    nodes_left: int  # its nodes still alive afterwards: must be 0
+
+
+def terminate_cluster(provider_name: str, cluster_name: str, keep_data: bool = False) -> TornDown:
+    """Tear a cluster down by its names alone (all a crashed run's hooks and the CLI have), idempotently, and count
+    what is still alive afterwards. keep_data: a recovery's teardown, after which the same machines (where the
+    provider has them) keep their staged data for the relaunch."""
+    provider = get_provider(provider_name)
+    found = provider.terminate_keeping_data(cluster_name) if keep_data else provider.terminate(cluster_name)
+    left = provider.describe(cluster_name)
+    return TornDown(found, sum(provider.nodes_alive(left).values()) if left else 0)
+
+
 def all_providers() -> list[Provider]:
     return [entry.create() for entry in PROVIDERS]
 
 
 __all__ = [
     "CapacityError", "Cluster", "ClusterRecord", "InvalidRequestError", "LaunchError", "Node", "PriceError",
-    "Provider", "QuotaError", "ReplacementUnavailable", "all_providers", "get_provider",
+    "Provider", "QuotaError", "ReplacementUnavailable", "TornDown", "all_providers", "get_provider",
+    "launch_cluster", "provider_of", "runner_for", "terminate_cluster",
 ]
