@@ -10,9 +10,10 @@ from prefect import get_run_logger, task
 
 from infra.analysis import clusterbench
 from infra.analysis.clusterbench import BenchResult
-from infra.compute.providers import Cluster, Node, runner_for
+from infra.compute.providers import Cluster, Node, agent_for
 from infra.dataset.stagecache import node_cache_dir
 from infra.job.spec import JobSpec
+from infra.node.protocol import ProbeRequest
 from tasks.node_output import last_event, node_line_sink
 from tasks.policy import TRANSIENT_RETRIES
 from tasks.results import Probe
@@ -25,10 +26,9 @@ class NodeCheckError(RuntimeError):
 @task(name="verify-node", **TRANSIENT_RETRIES)
 def verify_node(cluster: Cluster, node: Node, need_bytes: int) -> Probe:
     """need_bytes: what the node will hold of the dataset; its cached objects count as free (reused or evicted)."""
-    runner = runner_for(cluster, node)
-    result = runner.run([node.python, "-m", "infra.node", "probe", "--dir", node.data_dir, "--dir", node.ckpt_dir,
-                         "--need-bytes", str(need_bytes), "--cache", node_cache_dir(cluster.provider, node.workdir)],
-                        timeout=120, check=False)
+    request = ProbeRequest(dirs=(node.data_dir, node.ckpt_dir), need_bytes=need_bytes,
+                           cache=node_cache_dir(cluster.provider, node.workdir))
+    result = agent_for(cluster, node).run(request, timeout=120, check=False)
     probe = Probe.from_event(last_event(result.output, "probe"))
     if probe.problems:
         raise NodeCheckError(f"{node.name}: " + "; ".join(probe.problems))

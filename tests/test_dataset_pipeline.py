@@ -25,6 +25,7 @@ from test_cli import error_line, invoke
 from infra.dataset.snapshot import SNAPSHOT_KEY
 from infra.dataset.synth import synthesize
 from infra.job.spec import parse_job
+from infra.node.protocol import ProbeRequest
 from infra.storage import ObjectStore, open_store
 
 ROWS = 2000
@@ -268,9 +269,9 @@ def test_a_dataset_larger_than_the_nodes_disk_fails_at_plan_and_at_verify(
         config["dataset"]["shard"] = "split"  # 6.3 MB a node: fits
         assert invoke("plan", str(write_config(tmp_path / "split.yaml", config))).exit_code == 0
 
-        probe = subprocess.run([sys.executable, "-m", "infra.node", "probe", "--dir",
-                                str(home), "--need-bytes", str(64 << 20)], cwd=REPO, capture_output=True, text=True,
-                               timeout=60)
+        request = ProbeRequest(dirs=(str(home),), need_bytes=64 << 20)
+        probe = subprocess.run(request.command_line(sys.executable), cwd=REPO, capture_output=True, text=True,
+                               timeout=60, env=request.environment(os.environ))
         assert probe.returncode == 1
         problems = json.loads(probe.stdout.strip().splitlines()[-1])["problems"]
         assert len(problems) == 1 and "GB free, this node's share of the dataset needs 0.07 GB" in problems[0]

@@ -31,11 +31,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from infra.compute.access.agent import NodeAgent
 from infra.compute.access.events import EventTap
 from infra.compute.access.remote import LineSink, Process, RemoteError, last_error, wait_all
 from infra.compute.catalog import InstanceType, load_catalog
 from infra.compute.providers import Cluster, Node, Provider, provider_of
 from infra.job.spec import ClusterSpec
+from infra.node.protocol import NodeRequest, ProbeRequest
 
 log = logging.getLogger(__name__)
 
@@ -276,11 +278,15 @@ def _last_error(process: Process) -> str:
     return last_error(process, _ERROR_MARKERS, lines=200)
 
 
-def _run(provider: Provider, cluster: Cluster, node: Node, argv: list[str], timeout_s: float, label: str,
-         sink_for: SinkFactory) -> EventTap:
+def _run(provider: Provider, cluster: Cluster, node: Node, request: NodeRequest | list[str], timeout_s: float,
+         label: str, sink_for: SinkFactory) -> EventTap:
     tap = _tap(sink_for(f"{node.name} {label}"))
+    runner = provider.runner(cluster, node)
     try:
-        provider.runner(cluster, node).run(argv, timeout=timeout_s, on_line=tap)
+        if isinstance(request, NodeRequest):
+            NodeAgent(runner, node.python).run(request, timeout=timeout_s, on_line=tap)
+        else:  # a command not on the protocol yet
+            runner.run(request, timeout=timeout_s, on_line=tap)
     except RemoteError as exc:
         raise BenchError(f"{label}: {exc}") from None
     return tap
@@ -357,7 +363,7 @@ def torchrun_argv(cluster: Cluster, node: Node, procs_per_node: int, port: int, 
 def free_port(cluster: Cluster, node: Node, sink_for: SinkFactory = _log_sink) -> int:
     """A port free on that node now (the node's own probe finds it)."""
     provider = provider_of(cluster)
-    tap = _run(provider, cluster, node, [node.python, "-m", "infra.node", "probe"], START_TIMEOUT_S, "probe", sink_for)
+    tap = _run(provider, cluster, node, ProbeRequest(), START_TIMEOUT_S, "probe", sink_for)
     return int(tap.last("probe", f"{node.name}: probe")["free_port"])
 
 

@@ -1,10 +1,16 @@
-"""`python -m infra.node COMMAND ...`: the agent the orchestrator runs on every node."""
+"""`python -m infra.node COMMAND`: the agent the orchestrator runs on every node.
+
+A command's input is its request record (infra.node.protocol), read from the environment; each command module's
+`main(request)` takes that record. Commands not yet on the protocol still parse their own argv.
+"""
 
 from __future__ import annotations
 
 import importlib
 import logging
 import sys
+
+from infra.node.protocol import REQUESTS, NodeCommand, ProtocolError, read_request
 
 COMMANDS = {
     "probe": "infra.node.probe",
@@ -25,11 +31,18 @@ COMMANDS = {
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in COMMANDS:
-        print(f"usage: python -m infra.node {{{','.join(COMMANDS)}}} ...", file=sys.stderr)
+        print(f"usage: python -m infra.node {{{','.join(COMMANDS)}}}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     module = importlib.import_module(COMMANDS[argv[0]])
-    return module.main(argv[1:])
+    if argv[0] not in REQUESTS:
+        return int(module.main(argv[1:]))
+    try:
+        request = read_request(NodeCommand(argv[0]))
+    except ProtocolError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return int(module.main(request))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import shutil
@@ -14,6 +13,7 @@ from pathlib import Path
 from infra.dataset.stagecache import cached_bytes
 from infra.node.events import emit
 from infra.node.ports import free_port
+from infra.node.protocol import NodeRequest, ProbeRequest, as_request
 
 
 def check_dir(path: Path) -> tuple[int, str | None]:
@@ -29,25 +29,21 @@ def check_dir(path: Path) -> tuple[int, str | None]:
     return shutil.disk_usage(path).free, None
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m infra.node probe")
-    parser.add_argument("--dir", action="append", default=[], type=Path, help="a dir the job writes to")
-    parser.add_argument("--need-bytes", type=int, default=0, help="free bytes needed on the first --dir")
-    parser.add_argument("--cache", type=Path, help="the node's dataset object cache: its bytes count as free")
-    args = parser.parse_args(argv)
-
+def main(request: NodeRequest) -> int:
+    probe = as_request(request, ProbeRequest)
     problems = []
     free = {}
-    for path in args.dir:
+    for path in map(Path, probe.dirs):
         free[str(path)], problem = check_dir(path)
         if problem:
             problems.append(problem)
-    if args.dir and not problems:
+    if probe.dirs and not problems:
         # Cached dataset objects are either this run's (reused, no new space) or evictable.
-        available = free[str(args.dir[0])] + cached_bytes(args.cache)
-        if available < args.need_bytes:
-            problems.append(f"{args.dir[0]}: {available / 1e9:.2f} GB free, this node's share of the dataset needs "
-                            f"{args.need_bytes / 1e9:.2f} GB: free space, use dataset.shard: split, or nodes with "
+        first = str(Path(probe.dirs[0]))
+        available = free[first] + cached_bytes(Path(probe.cache) if probe.cache else None)
+        if available < probe.need_bytes:
+            problems.append(f"{first}: {available / 1e9:.2f} GB free, this node's share of the dataset needs "
+                            f"{probe.need_bytes / 1e9:.2f} GB: free space, use dataset.shard: split, or nodes with "
                             "larger local disks")
     emit("probe", host=socket.gethostname(), python=sys.version.split()[0], platform=platform.platform(),
          cpus=os.cpu_count(), free_bytes=free, free_port=free_port(), problems=problems)

@@ -8,9 +8,11 @@ failover, job, lifecycle (lease renewal), the node agent's process tags and noti
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from infra.compute.access.agent import NodeAgent
 from infra.compute.access.remote import Runner
 from infra.compute.providers.base import (
     CapacityError,
@@ -48,6 +50,12 @@ def runner_for(cluster: Cluster, node: Node) -> Runner:
     return provider_of(cluster).runner(cluster, node)
 
 
+def agent_for(cluster: Cluster, node: Node, env: Mapping[str, str] | None = None) -> NodeAgent:
+    """The node's agent (infra.node.protocol's one client), its commands given env (the job's secrets, store
+    credentials) on the runner's own channel."""
+    return NodeAgent(runner_for(cluster, node), node.python, env)
+
+
 def launch_cluster(spec: ClusterSpec, cluster_name: str, run_id: str) -> Cluster:
     """Launch a cluster on the provider its spec names (every node or none; LaunchError says why not)."""
     return get_provider(spec.provider).launch(cluster_name, spec, run_id)
@@ -75,6 +83,6 @@ def all_providers() -> list[Provider]:
 
 __all__ = [
     "CapacityError", "Cluster", "ClusterRecord", "InvalidRequestError", "LaunchError", "Node", "PriceError",
-    "Provider", "QuotaError", "ReplacementUnavailable", "TornDown", "all_providers", "get_provider",
+    "Provider", "QuotaError", "ReplacementUnavailable", "TornDown", "agent_for", "all_providers", "get_provider",
     "launch_cluster", "provider_of", "runner_for", "terminate_cluster",
 ]
