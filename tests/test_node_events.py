@@ -19,7 +19,7 @@ from infra.node.events import Event, NodeEvent, WorkloadEvent, emit, parse
 
 ROOT = Path(__file__).resolve().parent.parent
 EVENTS_MODULE = ROOT / "infra" / "node" / "events.py"
-# The workload contract's writers spell the checkpoint record themselves: they cannot import infra.
+# The workload side of the contract (its checkpoint record's writer) spells its names itself, without the node agent.
 EXEMPT = (ROOT / "trainer", ROOT / "trainpipe_sdk")
 NAMES = {str(kind) for kind in (*NodeEvent, *WorkloadEvent)}
 # The other spelling of every name too (retention_skipped, ranks_exited were spelled so): it must not come back.

@@ -79,8 +79,9 @@ class NodeEvent(StrEnum):
 
 @unique
 class WorkloadEvent(StrEnum):
-    """Records the workload writes into its metrics file (the workload contract: trainer/checkpoint.py and
-    trainpipe_sdk write them without importing infra, so they spell the value themselves); the reader side's names."""
+    """The names of records the workload writes into its metrics file, for the orchestrator's readers. The writers
+    (trainer/checkpoint.py's SaveRecord.to_event) are the workload side of the contract and spell the value
+    themselves, without the node agent."""
 
     CHECKPOINT = "checkpoint"  # one finished local save (trainer.checkpoint.SaveRecord)
 
