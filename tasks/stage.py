@@ -79,8 +79,8 @@ def stage_node(cluster: Cluster, node: Node, snapshot_url: str | None, shard: st
     if missing := sorted(inputs.keys() - staged.keys()):
         raise RuntimeError(f"{node.name}: no '{NodeEvent.INPUT_STAGED}' event for input {', '.join(missing)} in the "
                            "stage command's output")
-    dataset_staged = last_event(result.output, NodeEvent.STAGED) if snapshot_url is not None else None
-    return StagedNode(Staged.from_event(dataset_staged) if dataset_staged is not None else None, staged)
+    return StagedNode(Staged.from_event(last_event(result.output, NodeEvent.STAGED))
+                      if snapshot_url is not None else None, staged)
 
 
 @task(name="restore-checkpoint", **TRANSIENT_RETRIES)

@@ -104,8 +104,7 @@ class Syncers:
         if not committed:
             return None
         dropped = {e.get("step") for e in self.events if e.kind in (NodeEvent.ABANDONED, NodeEvent.SKIPPED)}
-        announced = [e["step"] for e in self.events
-                     if e.kind is NodeEvent.ANNOUNCED and e.get("step") not in dropped]
+        announced = [e["step"] for e in self.events if e.kind is NodeEvent.ANNOUNCED and e.get("step") not in dropped]
         newest = max(committed)
         return newest if all(step <= newest for step in announced) else None
 
