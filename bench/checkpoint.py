@@ -25,7 +25,7 @@ from typing import Any
 from bench.trainer_flags import VOCAB_SIZE, ModelShape
 from infra.checkpoints.commit import CheckpointStore
 from infra.dataset.synth import synthesize
-from infra.node.events import parse
+from infra.node.events import NodeEvent, WorkloadEvent, parse
 from infra.storage import open_store
 from trainer.checkpoint import complete_steps, read_marker, step_dir_name
 from trainer.model import GPT, GPTConfig
@@ -161,8 +161,9 @@ def _run_mode(mode: str, config: BenchConfig, data_dir: Path, work: Path) -> Mod
     if code != 0:
         raise BenchError(f"{mode} syncer exited {code}: {_last_line((node / 'sync.err').read_text())}")
     saves = [json.loads(line) for line in (node / "metrics.jsonl").read_text().splitlines()]
-    saves = [s for s in saves if s.get("event") == "checkpoint"]
-    uploads = [e for e in map(parse, (node / "sync.out").read_text().splitlines()) if e and e["event"] == "uploaded"]
+    saves = [s for s in saves if s.get("event") == WorkloadEvent.CHECKPOINT]
+    uploads = [e for e in map(parse, (node / "sync.out").read_text().splitlines())
+               if e and e.kind is NodeEvent.UPLOADED]
     latest = CheckpointStore(open_store(store_url)).latest()
     if not saves or not uploads or latest is None:
         raise BenchError(f"{mode}: no checkpoint was saved, uploaded and committed: see {node}")

@@ -40,7 +40,7 @@ from infra.dataset.checksums import file_matches
 from infra.dataset.snapshot import DatasetSnapshot, save_snapshot, take_snapshot
 from infra.dataset.stagecache import node_cache_dir
 from infra.job.spec import ClusterSpec
-from infra.node.events import parse
+from infra.node.events import Event, NodeEvent, parse
 from infra.node.fanout import SHARE_DIR
 from infra.node.stage import FILES_LIST
 from infra.storage import open_store
@@ -183,7 +183,7 @@ def _verify(snapshot: DatasetSnapshot, node: Node) -> None:
 
 
 def _stage_node(provider: NetnsProvider, cluster: Cluster, node: Node, snapshot_url: str, workers: int,
-                peers: list[str] | None, env: dict[str, str] | None) -> tuple[dict[str, Any], list[str]]:
+                peers: list[str] | None, env: dict[str, str] | None) -> tuple[Event, list[str]]:
     """The node agent's stage on one node, as tasks.stage runs it; its `staged` event and its fallbacks."""
     fanout = ["--peers", ",".join(peers), "--share-dir", node.path(SHARE_DIR)] if peers else []
     result = provider.runner(cluster, node).run(
@@ -193,11 +193,11 @@ def _stage_node(provider: NetnsProvider, cluster: Cluster, node: Node, snapshot_
          "--run", cluster.run_id, "--workers", str(workers), *fanout],
         env=env, timeout=STAGE_TIMEOUT_S)
     events = [e for e in map(parse, result.output.splitlines()) if e is not None]
-    staged = [e for e in events if e["event"] == "staged"]
+    staged = [e for e in events if e.kind is NodeEvent.STAGED]
     if not staged:
-        raise StagingBenchError(f"{node.name}: no 'staged' event in: {result.output[-2000:]}")
+        raise StagingBenchError(f"{node.name}: no '{NodeEvent.STAGED}' event in: {result.output[-2000:]}")
     return staged[-1], [f"{node.name} gave up on peer {e['peer']}: {e['reason']}" for e in events
-                        if e["event"] == "fanout-fallback"]
+                        if e.kind is NodeEvent.FANOUT_FALLBACK]
 
 
 def stage_once(provider: NetnsProvider, cluster: Cluster, store: NetnsStore, snapshot: DatasetSnapshot,

@@ -6,6 +6,7 @@ from prefect import get_run_logger, task
 
 from infra.checkpoints.commit import CheckpointStore
 from infra.compute.providers import Cluster, runner_for
+from infra.node.events import NodeEvent
 from infra.storage import open_store
 from tasks.node_output import last_event, node_line_sink
 from tasks.policy import TRANSIENT_RETRIES
@@ -28,7 +29,7 @@ def verify_committed_checkpoint(cluster: Cluster, checkpoint_url: str, checkpoin
     runner = runner_for(cluster, head)
     result = runner.run([head.python, "-m", "infra.node", "verify-ckpt", "--url", checkpoint_url], timeout=3600,
                         on_line=node_line_sink(get_run_logger(), head.name))
-    return Verified.from_event(last_event(result.output, "verified"))
+    return Verified.from_event(last_event(result.output, NodeEvent.VERIFIED))
 
 
 @task(name="find-latest-commit", **TRANSIENT_RETRIES)

@@ -14,6 +14,7 @@ from typing import Any
 from infra.compute.access.events import EventTap
 from infra.compute.access.remote import Process, RemoteError, last_error
 from infra.compute.providers import Cluster, Node, provider_of
+from infra.node.events import NodeEvent
 from infra.node.fanout import SHARE_DIR
 from infra.node.replica import REPLICA_DIR
 from infra.storage.http import PASS_ENV, USER_ENV
@@ -94,8 +95,8 @@ def peer_servers(cluster: Cluster) -> Iterator[tuple[list[str], dict[str, str] |
         if failed is not None:
             raise failed
         try:
-            addrs = [tap.wait_for("peer-serving", process, PEER_START_S, f"{node.name}: peer server")["addr"]
-                     for node, process, tap in servers]
+            addrs = [tap.wait_for(NodeEvent.PEER_SERVING, process, PEER_START_S,
+                                  f"{node.name}: peer server")["addr"] for node, process, tap in servers]
         except RemoteError as exc:
             log.warning("fan-out is off for this stage, every node reads the store: %s", exc)
             addrs = None

@@ -17,7 +17,7 @@ from typing import Any
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from infra.compute.access.remote import Runner
-from infra.node.events import Throttle, parse
+from infra.node.events import Event, NodeEvent, Throttle, WorkloadEvent, parse
 from infra.workload.progress import LogRecognizer, MetricsFile, Point, StepClock, is_progress_bar, point_from_record
 from infra.workspace import run_dir
 
@@ -26,12 +26,12 @@ PROGRESS_ARTIFACT_INTERVAL_S = 2.0
 LOSS_CURVE = "loss.csv"
 
 
-def _is_progress(line: str, event: dict[str, Any] | None) -> bool:
-    return (event is not None and event.get("event") == "progress") or is_progress_bar(line)
+def _is_progress(line: str, event: Event | None) -> bool:
+    return (event is not None and event.kind is NodeEvent.PROGRESS) or is_progress_bar(line)
 
 
 def node_line_sink(logger: logging.Logger | logging.LoggerAdapter[Any], node: str,
-                   on_event: Callable[[dict[str, Any]], None] | None = None,
+                   on_event: Callable[[Event], None] | None = None,
                    follow: Callable[[str], None] | None = None) -> Callable[[str], None]:
     """follow hears every line (before rate limiting); on_event every event line."""
     throttle = Throttle(PROGRESS_LOG_INTERVAL_S)
@@ -87,7 +87,7 @@ class TrainingProgress:
             return
         for record in self._metrics.feed(data):
             point = point_from_record(record)
-            if record.get("event") == "checkpoint":
+            if record.get("event") == WorkloadEvent.CHECKPOINT:
                 self.checkpoint_events.append(record)
             elif point is not None:
                 self._from_metrics = True
@@ -129,10 +129,10 @@ def read_loss_curve(directory: Path) -> list[tuple[int, float]]:
     return [(int(step), float(loss)) for step, loss in rows]
 
 
-def last_event(output: str, name: str) -> dict[str, Any]:
+def last_event(output: str, kind: NodeEvent) -> Event:
     """The last event of that name a command printed; its absence means the command broke its contract."""
     for line in reversed(output.splitlines()):
         event = parse(line)
-        if event is not None and event["event"] == name:
+        if event is not None and event.kind is kind:
             return event
-    raise RuntimeError(f"no '{name}' event in the command's output: {output.strip().splitlines()[-1:]}")
+    raise RuntimeError(f"no '{kind}' event in the command's output: {output.strip().splitlines()[-1:]}")

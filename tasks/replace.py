@@ -14,6 +14,7 @@ from infra.compute.providers import Cluster, Node, ReplacementUnavailable, provi
 from infra.job.spec import JobSpec
 from infra.lifecycle.preemption_watch import CHAOS_TRIGGER, Preempted
 from infra.lifecycle.recovery import RecoveryRecord
+from infra.node.events import NodeEvent
 from infra.node.preemption import NOTICE_FILE
 from tasks.cluster import start_lease
 from tasks.node_output import last_event, node_line_sink
@@ -78,4 +79,4 @@ def rejoin_node(cluster: Cluster, node: Node, attempt: int, fresh_start: bool) -
                          "--remove", node.path(NOTICE_FILE), "--remove", node.path(CHAOS_TRIGGER),
                          "--set-aside", node.metrics_file, "--suffix", f"attempt-{attempt - 1}"],
                         timeout=120, on_line=node_line_sink(get_run_logger(), node.name))
-    return int(last_event(result.output, "rejoined")["free_port"])
+    return int(last_event(result.output, NodeEvent.REJOINED)["free_port"])

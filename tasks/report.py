@@ -24,6 +24,7 @@ from infra.dataset.reporting import dataset_fact, expectation_rows
 from infra.job.plan import Plan
 from infra.job.summary import BILLED_PHASES, PHASES, RESTORE_SOURCES, RunSummary
 from infra.lifecycle.recovery import RECOVERY_PHASES
+from infra.node.events import Event
 from infra.storage import open_store
 from infra.workspace import run_dir
 from tasks.node_output import read_loss_curve
@@ -167,7 +168,7 @@ def record_dataset_failure(summary: RunSummary, exc: BaseException) -> None:
 # -------------------------------------------------------------------------------------------------------------
 
 
-def record_resume(summary: RunSummary, restored: Sequence[Restored | Mapping[str, Any]],
+def record_resume(summary: RunSummary, restored: Sequence[Restored | Event],
                   logger: logging.Logger | logging.LoggerAdapter[Any] | None = None, initial: bool = True) -> None:
     """Which committed step every node restored, and why newer ones were skipped (a damaged checkpoint).
 
@@ -198,7 +199,7 @@ def restore_sources(restores: Iterable[Restored]) -> dict[str, int]:
 
 
 def checkpoint_metrics(trainer_events: Iterable[CheckpointSave | Mapping[str, Any]],
-                       sync_events: Iterable[Uploaded | Committed | Mapping[str, Any]]) -> list[dict[str, Any]]:
+                       sync_events: Iterable[Uploaded | Committed | Event]) -> list[dict[str, Any]]:
     """One row per checkpoint step: the trainer's stall and local write (head node), the slowest node's upload,
     and the commit time (from the step being complete locally to its manifest in the store).
 

@@ -10,6 +10,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from infra.node.events import Event, NodeEvent, WorkloadEvent
+
 
 @dataclass(frozen=True)
 class Probe:
@@ -143,16 +145,17 @@ class Committed:
 def checkpoint_saves(records: Iterable[CheckpointSave | Mapping[str, Any]]) -> list[CheckpointSave]:
     """The saves among the script's metrics records (its other records are steps and facts)."""
     return [r if isinstance(r, CheckpointSave) else CheckpointSave.from_event(r) for r in records
-            if isinstance(r, CheckpointSave) or r.get("event") == "checkpoint"]
+            if isinstance(r, CheckpointSave) or r.get("event") == WorkloadEvent.CHECKPOINT]
 
 
-def sync_results(events: Iterable[Uploaded | Committed | Mapping[str, Any]]) -> list[Uploaded | Committed]:
+def sync_results(events: Iterable[Uploaded | Committed | Event]) -> list[Uploaded | Committed]:
     """The uploads and commits among the syncers' events (the rest, started, skipped, retention..., only log)."""
-    kinds: dict[str, type[Uploaded] | type[Committed]] = {"uploaded": Uploaded, "committed": Committed}
+    kinds: dict[NodeEvent, type[Uploaded] | type[Committed]] = {NodeEvent.UPLOADED: Uploaded,
+                                                                 NodeEvent.COMMITTED: Committed}
     results: list[Uploaded | Committed] = []
     for event in events:
         if isinstance(event, Uploaded | Committed):
             results.append(event)
-        elif event.get("event") in kinds:
-            results.append(kinds[event["event"]].from_event(event))
+        elif event.kind in kinds:
+            results.append(kinds[event.kind].from_event(event))
     return results

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from infra.compute.providers import Cluster, Node, runner_for
 from infra.dataset.stagecache import node_cache_dir
-from infra.node.events import parse
+from infra.node.events import Event, NodeEvent, parse
 from infra.node.fanout import SHARE_DIR
 from infra.node.replica import REPLICA_DIR
 from infra.workload.contract import INPUTS_DIR
@@ -21,20 +20,20 @@ from tasks.policy import TRANSIENT_RETRIES
 from tasks.results import Restored, Staged, StagedNode
 
 
-def _progress_artifact(node: Node, what: str) -> Callable[[dict[str, Any]], None]:
+def _progress_artifact(node: Node, what: str) -> Callable[[Event], None]:
     """A Prefect progress artifact for one node's transfer, moved along by its `progress` events."""
     # Artifact keys allow only lowercase letters, digits and dashes.
     key = re.sub(r"[^a-z0-9-]+", "-", f"{what}-{node.name}".lower())
     artifact_id = create_progress_artifact(0.0, key=key, description=f"{node.name}: {what} starting")
 
-    def on_event(event: dict[str, Any]) -> None:
-        if event.get("event") in ("staged", "input-staged"):  # done, including when everything was already there
+    def on_event(event: Event) -> None:
+        if event.kind in (NodeEvent.STAGED, NodeEvent.INPUT_STAGED):  # done, even when everything was already there
             part = event.get("name", "dataset")
             update_progress_artifact(artifact_id, 100.0, description=(
                 f"{node.name}: {what} {part} done: {event['files']} files, {event['bytes'] / 1e6:,.0f} MB at "
                 f"{event['mb_per_s']} MB/s; {event['skipped_files']} files already there"))
             return
-        if event.get("event") != "progress":
+        if event.kind is not NodeEvent.PROGRESS:
             return
         total = event["bytes_total"] or 1
         part = event.get("what", "")
@@ -76,12 +75,12 @@ def stage_node(cluster: Cluster, node: Node, snapshot_url: str | None, shard: st
                          *(["--holders", ",".join(map(str, holders))] if peers and holders else [])],
                         env=peer_env, timeout=timeout_s, on_line=sink)
     staged = {event["name"]: Staged.from_event(event) for event in map(parse, result.output.splitlines())
-              if event is not None and event["event"] == "input-staged"}
+              if event is not None and event.kind is NodeEvent.INPUT_STAGED}
     if missing := sorted(inputs.keys() - staged.keys()):
-        raise RuntimeError(f"{node.name}: no 'input-staged' event for input {', '.join(missing)} in the stage "
-                           "command's output")
-    return StagedNode(Staged.from_event(last_event(result.output, "staged")) if snapshot_url is not None else None,
-                      staged)
+        raise RuntimeError(f"{node.name}: no '{NodeEvent.INPUT_STAGED}' event for input {', '.join(missing)} in the "
+                           "stage command's output")
+    return StagedNode(Staged.from_event(last_event(result.output, NodeEvent.STAGED))
+                      if snapshot_url is not None else None, staged)
 
 
 @task(name="restore-checkpoint", **TRANSIENT_RETRIES)
@@ -112,4 +111,4 @@ def restore_checkpoint(cluster: Cluster, node: Node, checkpoint_url: str, checkp
                             "--replica-dir", node.path(REPLICA_DIR)] if peers else []),
                          *(["--holders", ",".join(map(str, holders))] if peers and holders else [])],
                         env=peer_env, timeout=timeout_s, on_line=sink)
-    return Restored.from_event(last_event(result.output, "restored"))
+    return Restored.from_event(last_event(result.output, NodeEvent.RESTORED))

@@ -18,6 +18,7 @@ from typing import Any
 from infra.compute.access.remote import LineSink, Process, RemoteError, Runner, last_error
 from infra.compute.providers import Node
 from infra.lifecycle.preemption_watch import TrainingError
+from infra.node.events import Event, NodeEvent
 from infra.node.sync import EXIT_STORE_FAILED, STOP_FILE, stop_request
 
 MAX_RESTARTS = 3
@@ -51,14 +52,14 @@ class Syncers:
     """Every node's syncer; events (uploads, commits) from all of them are kept in `events`, in arrival order."""
 
     def __init__(self, runners: dict[str, Runner], nodes: Sequence[Node], argv: Callable[[Node], list[str]],
-                 sink: Callable[[Node, Callable[[dict[str, Any]], None]], LineSink], logger: Logger,
+                 sink: Callable[[Node, Callable[[Event], None]], LineSink], logger: Logger,
                  max_restarts: int = MAX_RESTARTS, env: dict[str, str] | None = None) -> None:
         self.runners, self.nodes, self.argv, self.sink, self.logger = runners, tuple(nodes), argv, sink, logger
         self.env = env  # the peer replicas' credentials (checkpoints.peer_replica), the same on every restart
         self.max_restarts = max_restarts
         self.processes: dict[str, Process] = {}
         self.restarts: dict[str, int] = {}
-        self.events: list[dict[str, Any]] = []
+        self.events: list[Event] = []
 
     def start(self) -> None:
         for node in self.nodes:
@@ -99,11 +100,11 @@ class Syncers:
 
     def newest_settled(self) -> int | None:
         """The newest committed step when every step announced so far is committed or given up, else None."""
-        committed = [e["step"] for e in self.events if e.get("event") == "committed" and "step" in e]
+        committed = [e["step"] for e in self.events if e.kind is NodeEvent.COMMITTED and "step" in e]
         if not committed:
             return None
-        dropped = {e.get("step") for e in self.events if e.get("event") in ("abandoned", "skipped")}
-        announced = [e["step"] for e in self.events if e.get("event") == "announced" and e.get("step") not in dropped]
+        dropped = {e.get("step") for e in self.events if e.kind in (NodeEvent.ABANDONED, NodeEvent.SKIPPED)}
+        announced = [e["step"] for e in self.events if e.kind is NodeEvent.ANNOUNCED and e.get("step") not in dropped]
         newest = max(committed)
         return newest if all(step <= newest for step in announced) else None
 

@@ -16,7 +16,7 @@ from infra.compute.access.remote import Process, RemoteError, Runner, wait_all
 from infra.compute.providers import Cluster, Node, provider_of
 from infra.job.spec import JobSpec
 from infra.lifecycle.preemption_watch import Preempted, PreemptionWatch, TrainingError
-from infra.node.launch import RANKS_EXITED
+from infra.node.events import Event, NodeEvent
 from infra.node.sync import STOP_FILE
 from infra.workload.contract import NodeContext, input_dir, render_command
 from infra.workload.progress import Point
@@ -143,9 +143,9 @@ class _ExitGrace:
         self.since: float | None = None
         self.step: int | None = None
 
-    def on_event(self, node: str) -> Callable[[dict[str, Any]], None]:
-        def record(event: dict[str, Any]) -> None:
-            if event.get("event") == RANKS_EXITED:
+    def on_event(self, node: str) -> Callable[[Event], None]:
+        def record(event: Event) -> None:
+            if event.kind is NodeEvent.RANKS_EXITED:
                 self.done.add(node)
         return record
 

@@ -13,6 +13,7 @@ from infra.analysis.clusterbench import BenchResult
 from infra.compute.providers import Cluster, Node, agent_for
 from infra.dataset.stagecache import node_cache_dir
 from infra.job.spec import JobSpec
+from infra.node.events import NodeEvent
 from infra.node.protocol import ProbeRequest
 from tasks.node_output import last_event, node_line_sink
 from tasks.policy import TRANSIENT_RETRIES
@@ -29,7 +30,7 @@ def verify_node(cluster: Cluster, node: Node, need_bytes: int) -> Probe:
     request = ProbeRequest(dirs=(node.data_dir, node.ckpt_dir), need_bytes=need_bytes,
                            cache=node_cache_dir(cluster.provider, node.workdir))
     result = agent_for(cluster, node).run(request, timeout=120, check=False)
-    probe = Probe.from_event(last_event(result.output, "probe"))
+    probe = Probe.from_event(last_event(result.output, NodeEvent.PROBE))
     if probe.problems:
         raise NodeCheckError(f"{node.name}: " + "; ".join(probe.problems))
     get_run_logger().info("%s ok: python %s, %s cpus, %.1f GB free for data", node.name, probe.python,

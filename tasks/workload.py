@@ -16,6 +16,7 @@ from infra.compute.access.remote import RemoteError
 from infra.compute.providers import Cluster, Node, runner_for
 from infra.job.plan import Plan
 from infra.job.spec import JobSpec
+from infra.node.events import NodeEvent
 from infra.node.fanout import SHARE_DIR
 from infra.storage import open_store
 from infra.workload.code import pack
@@ -87,7 +88,7 @@ def prepare_node(job: JobSpec, cluster: Cluster, node: Node, code_url: str | Non
             if peers:
                 argv += ["--rank", str(node.rank), "--peers", ",".join(peers), "--share-dir", node.path(SHARE_DIR)]
         result = runner.run(argv, env=peer_env if peers and code_sha256 else None, timeout=3600, on_line=sink)
-        sha256 = last_event(result.output, "code")["sha256"]
+        sha256 = last_event(result.output, NodeEvent.CODE)["sha256"]
     setup = job.training.setup
     if not setup:
         return NodeReady(node.name, sha256, 0.0, setup_skipped=False)

@@ -13,6 +13,7 @@ import torch
 from test_trainer import TINY_CONFIG
 
 from infra.checkpoints.commit import UPLOAD_LEASE, write_lease
+from infra.node.events import Event, NodeEvent, WorkloadEvent
 from infra.workload.contract import SYNC_DIR_VAR
 from tasks.report import checkpoint_metrics
 from trainer.checkpoint import (
@@ -124,13 +125,13 @@ def test_local_retention_spares_the_step_a_live_syncer_is_uploading(
 def test_per_checkpoint_metrics_fold_trainer_and_syncer_events() -> None:
     trainer = [
         {"step": 1, "loss": 5.0},
-        {"event": "checkpoint", "step": 10, "mode": "async", "stall_s": 0.01, "write_s": 0.5, "bytes": 100},
+        {"event": WorkloadEvent.CHECKPOINT, "step": 10, "mode": "async", "stall_s": 0.01, "write_s": 0.5, "bytes": 100},
     ]
     sync = [
-        {"event": "uploaded", "step": 10, "node_rank": 0, "bytes": 100, "seconds": 0.2, "mb_per_s": 50.0},
-        {"event": "uploaded", "step": 10, "node_rank": 1, "bytes": 50, "seconds": 0.4, "mb_per_s": 12.5},
-        {"event": "skipped", "step": 5, "reason": "deleted locally before upload"},
-        {"event": "committed", "step": 10, "bytes": 150, "commit_s": 0.9, "files": 3},
+        Event(NodeEvent.UPLOADED, {"step": 10, "node_rank": 0, "bytes": 100, "seconds": 0.2, "mb_per_s": 50.0}),
+        Event(NodeEvent.UPLOADED, {"step": 10, "node_rank": 1, "bytes": 50, "seconds": 0.4, "mb_per_s": 12.5}),
+        Event(NodeEvent.SKIPPED, {"step": 5, "reason": "deleted locally before upload"}),
+        Event(NodeEvent.COMMITTED, {"step": 10, "bytes": 150, "commit_s": 0.9, "files": 3}),
     ]
     assert checkpoint_metrics(trainer, sync) == [
         {"step": 10, "mode": "async", "stall_s": 0.01, "write_s": 0.5, "local_bytes": 100, "upload_s": 0.4,

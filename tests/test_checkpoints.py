@@ -19,6 +19,7 @@ from infra.checkpoints.commit import (
     step_name,
 )
 from infra.node import restore
+from infra.node.events import NodeEvent, parse
 from infra.storage import open_store
 
 CONFIG_HASH = "0123456789abcdef"
@@ -262,8 +263,8 @@ def test_restore_cli_reports_the_step_and_exits_3_without_a_checkpoint(
 
     commit_step(checkpoints, node_dirs(tmp_path), 100)
     assert restore.main(args) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["event"] == "restored" and report["step"] == 100
+    report = parse(capsys.readouterr().out.strip())
+    assert report is not None and report.kind is NodeEvent.RESTORED and report["step"] == 100
     assert report["bytes"] == 60_000 and report["warnings"] == []
     assert Path(report["path"]) == tmp_path / "dest" / step_name(100)
     assert restore.main([*args, "--step", "300"]) == 1
@@ -300,7 +301,7 @@ def test_a_corrupt_manifest_or_a_missing_file_fails_verify_naming_it_and_resume_
     assert f"restore: warning: skipped checkpoint step 200: {checkpoints.store.url_for(manifest_key(200))}" in (
         captured.err
     )
-    restored = [json.loads(line) for line in captured.out.splitlines() if line.startswith('{"event"')]
+    restored = [e for e in map(parse, captured.out.splitlines()) if e is not None]
     summary = RunSummary(run_id="r", job="j", provider="local", nodes=2)
     logger = logging.getLogger("test-resume")
     logger.addHandler(caplog.handler)  # Prefect's logging config stops propagation to the root logger

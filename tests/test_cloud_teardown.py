@@ -45,7 +45,7 @@ from infra.compute.providers.local import LocalProvider
 from infra.job.plan import cluster_name_for
 from infra.job.spec import ClusterSpec
 from infra.lifecycle.lease import Renewal
-from infra.node.events import parse
+from infra.node.events import NodeEvent, parse
 
 AWS_PREFIX, GCP_PREFIX = "127.77.1.", "127.77.2."
 REGION, ZONE = "us-east-1", "us-central1-a"
@@ -162,7 +162,7 @@ def test_a_killed_orchestrators_nodes_end_when_their_lease_expires(
             wait_for(lambda a=address: not stand_ins.processes_of(a), 60, f"{address} powering off")
             events = [e for e in map(parse, (node.root / "mnt/trainpipe/trainpipe/logs/watch.log").read_text()
                                      .splitlines()) if e]
-            expired = [e for e in events if e["event"] == "lease-expired"]
+            expired = [e for e in events if e.kind is NodeEvent.LEASE_EXPIRED]
             assert expired and expired[0]["action"] == "shutdown" and expired[0]["age_s"] >= TTL_S, events
         if provider == "aws":
             states = {i["State"]["Name"] for r in ec2_client(ec2, REGION).describe_instances(
@@ -279,7 +279,7 @@ def test_a_node_that_cannot_power_off_still_ends_its_processes(tmp_path: Path) -
                                 env={"PATH": f"{refuses.parent}:{os.environ['PATH']}"})
         assert watchdog.wait(timeout=30) == 1
         assert workload.wait(timeout=10) is not None
-        events = [e["event"] for e in map(parse, watchdog.tail(50).splitlines()) if e]
-        assert events[-3:] == ["lease-expired", "power-off-failed", "node-down"], events
+        events = [e.kind for e in map(parse, watchdog.tail(50).splitlines()) if e]
+        assert events[-3:] == [NodeEvent.LEASE_EXPIRED, NodeEvent.POWER_OFF_FAILED, NodeEvent.NODE_DOWN], events
     finally:
         provider.terminate(cluster.name)

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from infra.checkpoints.commit import CheckpointManifest, CheckpointStore, manifest_key
 from infra.checkpoints.steps import step_name
 from infra.node import restore
+from infra.node.events import NodeEvent, parse
 from infra.storage import open_store
 from trainpipe.cli import app
 
@@ -78,7 +79,7 @@ def test_a_damaged_step_is_set_aside_and_its_retrain_commits_only_the_new_attemp
         assert restore.main(["--url", checkpoints.store.url, "--dest", str(dest),
                              "--sync-dir", str(dest.parent / "sync")]) == 0
         captured = capsys.readouterr()
-        [restored] = [json.loads(line) for line in captured.out.splitlines() if '"restored"' in line]
+        [restored] = [e for e in map(parse, captured.out.splitlines()) if e and e.kind is NodeEvent.RESTORED]
         assert restored["step"] == 200
         assert local_bytes([dest] * 2, 200).items() >= local_bytes(old, 200).items()
         # What the node had fetched of 300 before its damage showed is gone: the retrain writes a clean folder.
@@ -180,13 +181,13 @@ def test_the_resumed_attempts_syncer_commits_the_retrain_and_keeps_the_set_aside
         for step in (300, 400):
             for rank in (0, 1):
                 make_step(dirs[rank], step, rank)
-            committed = syncers[0].wait_for(is_event("committed", step))
+            committed = syncers[0].wait_for(is_event(NodeEvent.COMMITTED, step))
             manifest = checkpoints.verify(step)
             assert manifest.attempt == NEW and committed["files"] == len(manifest.files)
             assert stored_bytes(checkpoints, manifest) == local_bytes(dirs, step)
         stop.touch()
         assert [syncer.finish() for syncer in syncers] == [0, 0]
-    retention = [event["deleted"] for event in syncers[0].events() if event["event"] == "retention"]
+    retention = [event["deleted"] for event in syncers[0].events() if event.kind is NodeEvent.RETENTION]
     assert retention == [[100, 200], [300]]
     assert [m.step for m in checkpoints.committed()] == [400] and pointer(checkpoints)["attempt"] == NEW
     assert {key: checkpoints.store.get_bytes(key) for key in note.keys} == kept

@@ -18,7 +18,7 @@ from conftest import REPO
 from infra.dataset.assign import assign
 from infra.dataset.snapshot import DatasetSnapshot, save_snapshot, take_snapshot
 from infra.dataset.stagecache import ObjectCache
-from infra.node.events import parse
+from infra.node.events import Event, NodeEvent, parse
 from infra.storage import ObjectStore, open_store
 from infra.storage.transfer import TransferConfig, upload
 
@@ -51,9 +51,9 @@ def stage(snapshot_url: str, workdir: Path, cache: Path, *, rank: int = 0, nodes
         cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=300)
 
 
-def staged_event(result: subprocess.CompletedProcess[str]) -> dict[str, object]:
+def staged_event(result: subprocess.CompletedProcess[str]) -> Event:
     assert result.returncode == 0, result.stderr[-3000:]
-    events = [event for event in map(parse, result.stdout.splitlines()) if event and event["event"] == "staged"]
+    events = [event for event in map(parse, result.stdout.splitlines()) if event and event.kind is NodeEvent.STAGED]
     assert len(events) == 1, result.stdout[-2000:]
     return events[0]
 

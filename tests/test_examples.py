@@ -23,6 +23,7 @@ import yaml
 from conftest import REPO, run_trainpipe
 
 from infra.checkpoints.commit import CheckpointStore
+from infra.node.events import Event, NodeEvent, parse
 from infra.registry import Registry
 from infra.storage import open_store
 
@@ -47,7 +48,7 @@ JOBS = {
                   "at_step": 100},
 }
 RESUMED = re.compile(r"\[tp-[\w-]+-node-(\d)\] node (\d): resum\w* from (\S+) at step (\d+)")
-STAGED = re.compile(r'\[tp-[\w-]+-node-(\d)\] (\{"event": "input-staged".*\})$', re.MULTILINE)
+EVENT_LINE = re.compile(r'\[tp-[\w-]+-node-(\d)\] (\{"event".*\})$', re.MULTILINE)
 BASE_LOADED = re.compile(r"\[tp-[\w-]+-node-(\d)\] node (\d): fine-tuning the base model from (\S+)")
 
 
@@ -115,9 +116,9 @@ def fine_tuned_promoted(summary: dict, output: str, data: Path, root: str) -> No
     assert (base["files"], base["bytes"]) == (len(files), sum(path.stat().st_size for path in files)), base
     assert base["node_bytes"] == [base["bytes"]] * 2, base
     # Each node's first staging is in its own event: the whole base model fetched from the store and verified there.
-    staged: dict[int, list[dict]] = {}
-    for node, line in STAGED.findall(output):
-        if (event := json.loads(line))["name"] == "base":
+    staged: dict[int, list[Event]] = {}
+    for node, line in EVENT_LINE.findall(output):
+        if (event := parse(line)) is not None and event.kind is NodeEvent.INPUT_STAGED and event["name"] == "base":
             staged.setdefault(int(node), []).append(event)
     assert sorted(staged) == [0, 1], output[-5000:]
     first = {node: events[0] for node, events in staged.items()}

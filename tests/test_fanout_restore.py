@@ -18,6 +18,7 @@ from test_fanout_stage import Node, Staging, counted_store, local_nodes, node_co
 
 from infra.checkpoints.commit import CheckpointManifest, CheckpointStore
 from infra.checkpoints.steps import step_name
+from infra.node.events import Event, NodeEvent
 from infra.node.sync import RESTORED
 from infra.storage import open_store
 from infra.storage.http import PASS_ENV, USER_ENV
@@ -71,9 +72,9 @@ def start_restore(url: str, node: Node, nodes: list[Node], dest: Path, *, fanout
                          *(peers if fanout else [])])
 
 
-def finished(restoring: Staging) -> dict[str, object]:
+def finished(restoring: Staging) -> Event:
     assert restoring.process.wait(timeout=240) == 0, "".join(restoring.output)[-3000:]
-    return restoring.wait_for("restored")
+    return restoring.wait_for(NodeEvent.RESTORED)
 
 
 def written(ckpt_dir: Path, step: int = STEP) -> dict[str, bytes]:
@@ -100,8 +101,8 @@ def restore_all(checkpoints: CheckpointStore, nodes: list[Node], dests: list[Pat
     return store.served, restoring
 
 
-def events(restoring: Staging, name: str) -> list[dict[str, object]]:
-    return [event for event in restoring.events if event["event"] == name]
+def events(restoring: Staging, kind: NodeEvent) -> list[Event]:
+    return [event for event in restoring.events if event.kind is kind]
 
 
 def test_fanout_restore_reads_the_store_once_and_every_node_has_the_whole_checkpoint(
@@ -119,8 +120,8 @@ def test_fanout_restore_reads_the_store_once_and_every_node_has_the_whole_checkp
     on, restoring = restore_all(checkpoints, cluster, [n.workdir / "ckpt" for n in cluster], s3_server, monkeypatch,
                                 fanout=True)
     print(f"store bytes / checkpoint bytes: fan-out off {off / total:.3f}, on {on / total:.3f}")
-    assert on <= 1.05 * total, [e for r in restoring for e in events(r, "fanout-fallback")]
-    fanned = [events(r, "restore-fanout")[0] for r in restoring]
+    assert on <= 1.05 * total, [e for r in restoring for e in events(r, NodeEvent.FANOUT_FALLBACK)]
+    fanned = [events(r, NodeEvent.RESTORE_FANOUT)[0] for r in restoring]
     assert sum(int(e["store_bytes"]) for e in fanned) == unique
     assert sum(int(e["peer_bytes"]) for e in fanned) == (NODES - 1) * unique
     for node in cluster:
@@ -145,7 +146,7 @@ def test_nodes_holding_their_own_parts_serve_them_and_the_store_serves_only_the_
     served, restoring = restore_all(checkpoints, cluster, dests, s3_server, monkeypatch, fanout=True)
     print(f"store bytes / checkpoint bytes, two nodes holding their parts: {served / manifest.total_bytes:.3f}")
     assert lost + stale <= served <= lost + stale + 0.05 * manifest.total_bytes
-    fanned = [events(r, "restore-fanout")[0] for r in restoring]
+    fanned = [events(r, NodeEvent.RESTORE_FANOUT)[0] for r in restoring]
     assert [e["local_bytes"] for e in fanned] == [len(expected["__0_0.distcp"]),
                                                   len(expected["__1_0.distcp"]), 0]
     assert sum(int(e["store_bytes"]) for e in fanned) == lost + stale
@@ -165,7 +166,7 @@ def test_a_peer_killed_mid_restore_its_files_come_from_the_store(
         restoring = [start_restore(checkpoints.store.url, node, cluster, node.workdir / "ckpt", fanout=True)
                      for node in cluster[:2]]
         for one in restoring:
-            one.wait_for("fanout")
+            one.wait_for(NodeEvent.FANOUT)
         assert cluster[2].server is not None
         cluster[2].server.kill()
         cluster[2].server.wait()
@@ -173,8 +174,8 @@ def test_a_peer_killed_mid_restore_its_files_come_from_the_store(
             finished(one)
     owed = len(whole(writers)["__2_0.distcp"])  # node 2's part, fetched once: its copy is made on the node
     for node, one in zip(cluster[:2], restoring, strict=True):
-        assert [e["peer"] for e in events(one, "fanout-fallback")] == [2]
-        assert events(one, "restore-fanout")[0]["fallback_files"] == 1
+        assert [e["peer"] for e in events(one, NodeEvent.FANOUT_FALLBACK)] == [2]
+        assert events(one, NodeEvent.RESTORE_FANOUT)[0]["fallback_files"] == 1
         assert held(node.workdir / "ckpt") == whole(writers)
     # Nodes 0 and 1 each took their own part once and node 2's part each: nothing else.
     assert store.served <= 1.05 * (manifest.total_bytes - owed + 2 * owed), store.served

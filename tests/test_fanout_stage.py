@@ -27,7 +27,7 @@ from servers import CountingProxy, S3Server, _wait_for_port, free_port
 from test_dataset_stage import freeze, put_dataset, tree
 
 from infra.dataset.snapshot import read_snapshot
-from infra.node.events import parse
+from infra.node.events import Event, NodeEvent, parse
 from infra.node.fanout import SHARE_DIR, Exchange, File, Piece, shares
 from infra.node.processes import NODE_TAG, tagged_processes
 from infra.storage import open_store
@@ -55,7 +55,7 @@ class Node:
 @dataclass
 class Staging:
     process: subprocess.Popen[str]
-    events: list[dict[str, object]] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
     output: list[str] = field(default_factory=list)
     seen: threading.Condition = field(default_factory=threading.Condition)
 
@@ -68,11 +68,11 @@ class Staging:
                     self.events.append(event)
                 self.seen.notify_all()
 
-    def wait_for(self, name: str, timeout_s: float = 120.0) -> dict[str, object]:
+    def wait_for(self, kind: NodeEvent, timeout_s: float = 120.0) -> Event:
         with self.seen:
-            assert self.seen.wait_for(lambda: any(e["event"] == name for e in self.events) or
-                                      self.process.poll() is not None, timeout_s), f"no {name} in {timeout_s}s"
-        found = [e for e in self.events if e["event"] == name]
+            assert self.seen.wait_for(lambda: any(e.kind is kind for e in self.events) or
+                                      self.process.poll() is not None, timeout_s), f"no {kind} in {timeout_s}s"
+        found = [e for e in self.events if e.kind is kind]
         assert found, "".join(self.output)[-3000:]
         return found[0]
 
@@ -134,9 +134,9 @@ def node_command(args: list[str]) -> Staging:
     return staging
 
 
-def finished(staging: Staging) -> dict[str, object]:
+def finished(staging: Staging) -> Event:
     assert staging.process.wait(timeout=240) == 0, "".join(staging.output)[-3000:]
-    return staging.wait_for("staged")
+    return staging.wait_for(NodeEvent.STAGED)
 
 
 @contextmanager
@@ -179,7 +179,7 @@ def test_fanout_reads_the_store_once_and_every_node_verifies(
     with counted_store(s3_server, monkeypatch) as store:
         stagings = [start_stage(snapshot_url, node, fresh, fanout=True) for node in fresh]
         on = [finished(staging) for staging in stagings]
-    assert store.served <= 1.05 * unique, [e for s in stagings for e in s.events if e["event"] == "fanout-fallback"]
+    assert store.served <= 1.05 * unique, [e for s in stagings for e in s.events if e.kind is NodeEvent.FANOUT_FALLBACK]
     assert sum(int(event["store_bytes"]) for event in on) == unique
     assert sum(int(event["peer_bytes"]) for event in on) == (NODES - 1) * unique
     assert all(event["fallback_files"] == 0 for event in on)
@@ -201,13 +201,13 @@ def test_a_peer_killed_mid_exchange_its_share_comes_from_the_store(
     with counted_store(s3_server, monkeypatch) as store:
         stagings = [start_stage(snapshot_url, node, cluster, fanout=True) for node in cluster[:2]]
         for staging in stagings:
-            staging.wait_for("fanout")
+            staging.wait_for(NodeEvent.FANOUT)
         assert cluster[2].server is not None
         cluster[2].server.kill()
         cluster[2].server.wait()
         staged = [finished(staging) for staging in stagings]
     for staging, event in zip(stagings, staged, strict=True):
-        fallbacks = [e for e in staging.events if e["event"] == "fanout-fallback"]
+        fallbacks = [e for e in staging.events if e.kind is NodeEvent.FANOUT_FALLBACK]
         assert [e["peer"] for e in fallbacks] == [2], fallbacks
         assert event["fallback_files"] == len(owed)
     for node in cluster[:2]:
@@ -253,9 +253,9 @@ def start_code(url: str, packed: PackedCode, node: Node, nodes: list[Node]) -> S
                          str(node.workdir / "share"), "--peer-connect-grace", "1", "--peer-wait", "60"])
 
 
-def fetched_code(staging: Staging) -> dict[str, object]:
+def fetched_code(staging: Staging) -> Event:
     assert staging.process.wait(timeout=120) == 0, "".join(staging.output)[-3000:]
-    return staging.wait_for("code")
+    return staging.wait_for(NodeEvent.CODE)
 
 
 def test_the_code_archive_is_read_from_the_store_once_per_cluster(
@@ -288,7 +288,7 @@ def test_the_code_archive_comes_from_the_store_when_its_owner_is_gone(
     for staging in stagings:
         event = fetched_code(staging)
         assert event["store_bytes"] == packed.archive.stat().st_size and event["fallback_files"] == 1
-        assert [e["peer"] for e in staging.events if e["event"] == "fanout-fallback"] == [0]
+        assert [e["peer"] for e in staging.events if e.kind is NodeEvent.FANOUT_FALLBACK] == [0]
 
 
 def test_an_owner_slower_than_the_wait_bound_but_alive_is_waited_for(

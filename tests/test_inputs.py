@@ -19,7 +19,7 @@ from infra.checkpoints.commit import CheckpointStore
 from infra.dataset.snapshot import input_snapshot_key, save_snapshot, take_snapshot
 from infra.job.plan import PlanError, plan_job
 from infra.job.spec import ConfigError, InputSpec, parse_job
-from infra.node.events import parse
+from infra.node.events import NodeEvent, parse
 from infra.storage import open_store
 
 PROBE = COMMIT_TINY_CHECKPOINT + """
@@ -142,8 +142,9 @@ def test_the_node_stages_inputs_alone_through_its_cache_and_refuses_changed_byte
 
     def events(result: subprocess.CompletedProcess[str]) -> dict[str, dict]:
         assert result.returncode == 0, result.stderr[-3000:]
-        assert '"event": "staged"' not in result.stdout, "no dataset was asked for"
-        return {e["name"]: e for e in map(parse, result.stdout.splitlines()) if e and e["event"] == "input-staged"}
+        kinds = [e.kind for e in map(parse, result.stdout.splitlines()) if e]
+        assert NodeEvent.STAGED not in kinds, "no dataset was asked for"
+        return {e["name"]: e for e in map(parse, result.stdout.splitlines()) if e and e.kind is NodeEvent.INPUT_STAGED}
 
     first = events(stage_inputs())
     assert tree(workdir / "inputs" / "base") == BASE and (first["base"]["bytes"], first["tok"]["files"]) == (

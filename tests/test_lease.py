@@ -19,7 +19,7 @@ from infra.compute.providers.base import Cluster, Node
 from infra.compute.providers.local import LocalProvider
 from infra.job.spec import ClusterSpec
 from infra.lifecycle.lease import LEASE_FILE, LeaseError, LeaseKeeper
-from infra.node.events import parse
+from infra.node.events import Event, NodeEvent, parse
 
 TTL_S = 2.0
 
@@ -42,7 +42,7 @@ def start_workload_and_watchdog(provider: LocalProvider, cluster: Cluster) -> tu
     return workloads, watchdogs
 
 
-def events(process: Process) -> list[dict]:
+def events(process: Process) -> list[Event]:
     return [e for e in (parse(line) for line in process.tail(100).splitlines()) if e]
 
 
@@ -54,8 +54,8 @@ def test_without_renewals_every_node_ends_its_processes(cluster: tuple[LocalProv
     for workload in workloads:
         assert workload.wait(timeout=10) is not None
     for watchdog in watchdogs:
-        down = [e for e in events(watchdog) if e["event"] == "node-down"]
-        assert down == [{"event": "node-down", "killed": 1}]
+        down = [e for e in events(watchdog) if e.kind is NodeEvent.NODE_DOWN]
+        assert down == [Event(NodeEvent.NODE_DOWN, {"killed": 1})]
 
 
 def test_renewed_lease_keeps_nodes_alive_until_renewals_stop(cluster: tuple[LocalProvider, Cluster]) -> None:
@@ -69,7 +69,7 @@ def test_renewed_lease_keeps_nodes_alive_until_renewals_stop(cluster: tuple[Loca
         keeper.stop()
     assert [w.wait(timeout=60) for w in watchdogs] == [0, 0]
     assert all(w.poll() is not None for w in workloads)
-    expired = [e for w in watchdogs for e in events(w) if e["event"] == "lease-expired"]
+    expired = [e for w in watchdogs for e in events(w) if e.kind is NodeEvent.LEASE_EXPIRED]
     assert len(expired) == 2 and all(e["age_s"] >= TTL_S for e in expired)
 
 

@@ -26,6 +26,7 @@ from infra.compute.providers.local import NODE_TAG
 from infra.job.recovery_spec import RecoverySpec
 from infra.job.spec import ClusterSpec, ConfigError, parse_job
 from infra.lifecycle.recovery import Recoveries, RecoveryExhausted, narrowed
+from infra.node.events import NodeEvent, parse
 from infra.node.preemption import NOTICE_FILE, aws_notice, gcp_notice, read_notice
 
 # -- fake metadata services -------------------------------------------------------------------------------------
@@ -146,8 +147,9 @@ def test_the_watcher_stops_the_trainer_on_an_aws_notice_then_asks_the_syncer_to_
             process.kill()
             process.wait()
     assert watcher.stdout is not None
-    events = [json.loads(line) for line in watcher.stdout.read().splitlines() if line.startswith('{"event"')]
-    assert [e["event"] for e in events if e["event"] != "watching"][:2] == ["preemption-notice", "trainer-stopped"]
+    events = [e for e in map(parse, watcher.stdout.read().splitlines()) if e is not None]
+    assert [e.kind for e in events if e.kind is not NodeEvent.WATCHING][:2] == [NodeEvent.PREEMPTION_NOTICE,
+                                                                                NodeEvent.TRAINER_STOPPED]
 
 
 # -- failover policy -------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from test_syncer import SyncProcess, is_event
 
 from infra.checkpoints.commit import CheckpointStore
 from infra.checkpoints.lineage import Lineage
+from infra.node.events import NodeEvent
 from infra.registry import (
     AliasConflict,
     Registry,
@@ -139,12 +140,12 @@ def test_the_syncer_records_lineage_and_retention_spares_what_an_alias_holds(tmp
                          str(lineage_file), nodes=1, keep=1)
     try:
         make_step(ckpt_dir, 100, 0, world_size=1)
-        syncer.wait_for(is_event("committed", 100))
+        syncer.wait_for(is_event(NodeEvent.COMMITTED, 100))
         Registry(root).promote("m", "production", f"{root}/run-1", metrics={}, reason="first", who="t")
         for step in (200, 300):
             make_step(ckpt_dir, step, 0, world_size=1)
-            syncer.wait_for(is_event("committed", step))
-        syncer.wait_for(is_event("retention"))
+            syncer.wait_for(is_event(NodeEvent.COMMITTED, step))
+        syncer.wait_for(is_event(NodeEvent.RETENTION))
         stop.touch()
         assert syncer.finish() == 0
     finally:

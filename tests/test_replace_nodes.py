@@ -4,7 +4,6 @@ end to end on 3 local nodes."""
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from infra.job.spec import ClusterSpec, parse_job
 from infra.lifecycle.preemption_watch import Preempted
 from infra.lifecycle.recovery import Recoveries
 from infra.node import rejoin
+from infra.node.events import NodeEvent, parse
 from infra.node.processes import NODE_TAG
 from infra.node.restore import prune_all_but
 from infra.workload.progress import StepClock
@@ -172,8 +172,8 @@ def test_a_survivor_rejoins_without_what_would_mislead_the_next_attempt(tmp_path
     argv = ["--clear", str(sync), "--remove", str(tmp_path / "notice"), "--remove", str(tmp_path / "absent"),
             "--set-aside", str(logs / "metrics.jsonl"), "--suffix", "attempt-0"]
     assert rejoin.main(argv) == 0
-    [event] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert event["event"] == "rejoined" and event["free_port"] > 0
+    [event] = [parse(line) for line in capsys.readouterr().out.splitlines()]
+    assert event is not None and event.kind is NodeEvent.REJOINED and event["free_port"] > 0
     assert list(sync.iterdir()) == [] and not (tmp_path / "notice").exists()
     assert [p.name for p in logs.iterdir()] == ["metrics.jsonl.attempt-0"]
 

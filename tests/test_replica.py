@@ -19,6 +19,7 @@ from test_syncer import SyncProcess, is_event
 
 from infra.checkpoints.commit import CheckpointManifest, CheckpointStore
 from infra.checkpoints.steps import step_name
+from infra.node.events import NodeEvent
 from infra.node.replica import ReplicaConfig, Replicator, buddy, replica_holder
 from infra.storage import open_store
 
@@ -58,7 +59,7 @@ def restore(url: str, node: Node, nodes: list[Node], holders: str) -> Staging:
 
 def finished(one: Staging) -> dict[str, object]:
     assert one.process.wait(timeout=240) == 0, "".join(one.output)[-3000:]
-    return events(one, "restore-fanout")[0]
+    return events(one, NodeEvent.RESTORE_FANOUT)[0]
 
 
 @pytest.mark.parametrize("case", ["intact", "damaged", "survivor-deleted-its-save"])
@@ -133,8 +134,8 @@ def test_a_replica_that_cannot_be_pulled_never_stops_the_syncer(tmp_path: Path, 
         for step in (100, 200):
             for rank in (0, 1):
                 make_step(dirs[rank], step, rank)
-            syncers[0].wait_for(is_event("committed", step))
-            failed = syncers[1].wait_for(is_event("replica-failed", step))
+            syncers[0].wait_for(is_event(NodeEvent.COMMITTED, step))
+            failed = syncers[1].wait_for(is_event(NodeEvent.REPLICA_FAILED, step))
             assert failed["buddy"] == 0 and "names no replica server" in str(failed["reason"]), failed
         stop.touch()
         assert [syncer.finish() for syncer in syncers] == [0, 0]
@@ -165,14 +166,14 @@ def test_syncers_serve_their_parts_and_keep_their_buddys_part_of_the_newest_comm
                            *replica(rank)) for rank in (0, 1)]
     try:
         # Each picks its port when it starts (two clusters on one host never collide) and names it in its records.
-        urls = [str(syncer.wait_for(is_event("replica-serving"))["url"]) for syncer in syncers]
+        urls = [str(syncer.wait_for(is_event(NodeEvent.REPLICA_SERVING))["url"]) for syncer in syncers]
         assert len(set(urls)) == 2, urls
         for step in (100, 200):
             for rank in (0, 1):
                 make_step(dirs[rank], step, rank)
-            syncers[0].wait_for(is_event("committed", step))
+            syncers[0].wait_for(is_event(NodeEvent.COMMITTED, step))
             for syncer in syncers:
-                syncer.wait_for(is_event("replica", step))
+                syncer.wait_for(is_event(NodeEvent.REPLICA, step))
         for rank in (0, 1):
             record = checkpoints.current_record(200, rank, "a1")
             assert record is not None and record.replica_url == urls[rank]

@@ -22,6 +22,7 @@ from test_trainer import REPO_ROOT, TINY_CONFIG, TINY_MODEL, TORCHRUN, VOCAB, _f
 
 from infra.analysis.breakdown import StepBreakdown
 from infra.checkpoints.commit import CheckpointStore
+from infra.node.events import WorkloadEvent
 from infra.node.sync import Shipped, SyncState, read_state, state_path
 from infra.storage import open_store
 from infra.workload.contract import SYNC_DIR_VAR
@@ -167,7 +168,7 @@ def test_two_nodes_report_where_the_step_time_went(dataset: Path, tmp_path: Path
     records, b, _ = read_run(nodes[0] / "metrics.jsonl")
     check_consistent(b, 24)
     assert (b.data_source, b.ckpt_mode, b.ckpt_upload_wait_s) == ("local", "async", 0.0)
-    saves = [r for r in records if r.get("event") == "checkpoint"]
+    saves = [r for r in records if r.get("event") == WorkloadEvent.CHECKPOINT]
     assert [s["step"] for s in saves] == [10, 20, 24] and b.ckpt_saves == 3
     assert b.ckpt_bytes == sum(s["bytes"] for s in saves) > 0
     # A 1-byte read of the staged copy (median of probes) is a small part of a step, which reads a batch of windows
@@ -219,7 +220,7 @@ def test_remote_data_and_direct_checkpoints_with_real_syncers(dataset: Path, tmp
     assert b.read_requests > 0 and b.read_latency_s > 0
     # Training went on only once each node's syncer had uploaded the step: both steps are in the store.
     assert 0 < b.ckpt_upload_wait_s < b.ckpt_block_s
-    assert [r["mode"] for r in records if r.get("event") == "checkpoint"] == ["direct", "direct"]
+    assert [r["mode"] for r in records if r.get("event") == WorkloadEvent.CHECKPOINT] == ["direct", "direct"]
     latest = CheckpointStore(open_store(store_url)).latest()
     assert latest is not None and latest.step == 12
     for rank, node in enumerate(nodes):

@@ -3,7 +3,6 @@ the commit takes only the current attempt's records, restored checkpoints are ne
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -21,6 +20,7 @@ from test_checkpoints import CONFIG_HASH, make_step, node_dirs
 from infra.checkpoints.commit import Announcement, CheckpointRef, CheckpointStore
 from infra.checkpoints.steps import step_name
 from infra.node import restore
+from infra.node.events import Event, NodeEvent, parse
 from infra.node.sync import stop_request
 from infra.storage import open_store
 
@@ -48,10 +48,10 @@ class SyncProcess:
         with self.out.open("w") as out, self.err.open("w") as err:
             self.proc = subprocess.Popen([sys.executable, "-c", SYNC_MAIN, *argv], stdout=out, stderr=err, env=env)
 
-    def events(self) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in self.out.read_text().splitlines() if line.startswith("{")]
+    def events(self) -> list[Event]:
+        return [event for event in map(parse, self.out.read_text().splitlines()) if event is not None]
 
-    def wait_for(self, matches: Callable[[dict[str, Any]], bool], timeout: float = 30.0) -> dict[str, Any]:
+    def wait_for(self, matches: Callable[[Event], bool], timeout: float = 30.0) -> Event:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             found = [event for event in self.events() if matches(event)]
@@ -78,11 +78,11 @@ class SyncProcess:
             time.sleep(0.05)
 
     def uploaded_steps(self) -> list[int]:
-        return [event["step"] for event in self.events() if event["event"] == "uploaded"]
+        return [event["step"] for event in self.events() if event.kind is NodeEvent.UPLOADED]
 
 
-def is_event(name: str, step: int | None = None) -> Callable[[dict[str, Any]], bool]:
-    return lambda event: event["event"] == name and (step is None or event.get("step") == step)
+def is_event(kind: NodeEvent, step: int | None = None) -> Callable[[Event], bool]:
+    return lambda event: event.kind is kind and (step is None or event.get("step") == step)
 
 
 def both(tmp_path: Path, dirs: list[Path], url: str, *extra: str, **options: Any) -> list[SyncProcess]:
@@ -114,7 +114,7 @@ def test_the_coordinator_announces_every_node_ships_and_the_commit_waits_for_all
     with both_running(tmp_path, dirs, checkpoints.store.url, "--stop-file", str(stop)) as syncers:
         # One step at a time: a committer that sees 400 complete first rightly skips committing 300.
         for step in (200, 300):
-            syncers[0].wait_for(is_event("committed", step))
+            syncers[0].wait_for(is_event(NodeEvent.COMMITTED, step))
             for rank in (0, 1):
                 make_step(dirs[rank], step + 100, rank)
         stop.touch()
@@ -122,9 +122,9 @@ def test_the_coordinator_announces_every_node_ships_and_the_commit_waits_for_all
 
     assert syncers[0].uploaded_steps() == [100, 200, 300, 400]
     assert syncers[1].uploaded_steps() == [200, 300, 400], "node 1 had no part of 100 to ship"
-    announced = [e["step"] for e in syncers[0].events() if e["event"] == "announced"]
+    announced = [e["step"] for e in syncers[0].events() if e.kind is NodeEvent.ANNOUNCED]
     assert announced == [100, 200, 300, 400]
-    committed = syncers[0].wait_for(is_event("committed", 400))
+    committed = syncers[0].wait_for(is_event(NodeEvent.COMMITTED, 400))
     assert committed["bytes"] == 60_000 and committed["commit_s"] >= 0
     assert [manifest.step for manifest in checkpoints.committed()] == [400, 300]
     assert [status.step for status in checkpoints.list_steps()] == [300, 400]  # keep=2; abandoned 100 is gone
@@ -141,7 +141,7 @@ def test_a_part_a_node_lost_is_never_committed(tmp_path: Path, checkpoints: Chec
     make_step(dirs[0], 100, 0)
     with both_running(tmp_path, dirs, checkpoints.store.url, "--stop-file", str(stop),
                       "--commit-timeout", "3") as syncers:
-        syncers[0].wait_for(is_event("announced", 100))
+        syncers[0].wait_for(is_event(NodeEvent.ANNOUNCED, 100))
         stop.touch()  # node 1 owes __1_0.distcp (DCP's .metadata names it): the coordinator gives up on it
         codes = [syncer.finish() for syncer in syncers]
     assert codes == [2, 2]
@@ -157,7 +157,7 @@ def test_a_killed_coordinator_resumes_without_reuploading(tmp_path: Path, checkp
     make_step(dirs[0], 100, 0)
     first = SyncProcess(tmp_path, dirs[0], url, 0, "--stop-file", str(stop))
     try:
-        first.wait_for(is_event("uploaded", 100))
+        first.wait_for(is_event(NodeEvent.UPLOADED, 100))
         make_step(dirs[0], 200, 0, size=4_000_000)  # big enough that the kill may land mid-upload
         first.proc.send_signal(signal.SIGKILL)
     finally:
@@ -171,7 +171,7 @@ def test_a_killed_coordinator_resumes_without_reuploading(tmp_path: Path, checkp
     restarted = SyncProcess(tmp_path, dirs[0], url, 0, "--stop-file", str(stop), keep=3)
     other = SyncProcess(tmp_path, dirs[1], url, 1, "--stop-file", str(stop))
     try:
-        restarted.wait_for(is_event("committed", 300))
+        restarted.wait_for(is_event(NodeEvent.COMMITTED, 300))
         stop.touch()
         assert [restarted.finish(), other.finish()] == [0, 0]
     finally:
@@ -197,7 +197,7 @@ def test_a_dead_attempts_records_never_join_a_commit(tmp_path: Path, checkpoints
     for rank in (0, 1):
         make_step(dirs[rank], 100, rank)
     with both_running(tmp_path, dirs, checkpoints.store.url, "--stop-file", str(stop), attempt="a2") as syncers:
-        syncers[0].wait_for(is_event("committed", 100))
+        syncers[0].wait_for(is_event(NodeEvent.COMMITTED, 100))
         stop.touch()
         assert [syncer.finish() for syncer in syncers] == [0, 0]
     manifest = checkpoints.verify(100)
@@ -214,7 +214,7 @@ def test_restored_checkpoints_are_never_shipped_again(tmp_path: Path, checkpoint
     for rank in (0, 1):
         make_step(dirs[rank], 100, rank)
     first = both(tmp_path, dirs, checkpoints.store.url, "--stop-file", str(stop), fmt="auto")
-    first[0].wait_for(is_event("committed", 100))
+    first[0].wait_for(is_event(NodeEvent.COMMITTED, 100))
     stop.touch()
     assert [s.finish() for s in first] == [0, 0]
     stop.unlink()
@@ -231,7 +231,7 @@ def test_restored_checkpoints_are_never_shipped_again(tmp_path: Path, checkpoint
         for rank in (0, 1):
             make_step(fresh[rank], 200, rank)
         # The scan that found 200 found the restored 100 beside it: shipped, it would be uploaded first.
-        second[0].wait_for(is_event("committed", 200))
+        second[0].wait_for(is_event(NodeEvent.COMMITTED, 200))
         stop.touch()
         assert [s.finish() for s in second] == [0, 0]
     assert [s.uploaded_steps() for s in second] == [[200], [200]], "the restored step 100 was shipped again"
@@ -247,12 +247,12 @@ def test_on_stop_the_syncer_waits_for_a_save_under_way_within_the_flush_deadline
     syncer = SyncProcess(tmp_path, ckpt_dir, checkpoints.store.url, 0, "--flush-deadline", "20", nodes=1,
                          fmt="dcp")
     try:
-        syncer.wait_for(is_event("started"))
+        syncer.wait_for(is_event(NodeEvent.STARTED))
         syncer.proc.send_signal(signal.SIGTERM)
         syncer.wait_for_log(STOP_RECEIVED)
         # A step completed after the stop is still shipped: the scans go on while the save is under way.
         make_step(ckpt_dir, 50, 0, world_size=1)
-        syncer.wait_for(is_event("committed", 50))
+        syncer.wait_for(is_event(NodeEvent.COMMITTED, 50))
         assert syncer.proc.poll() is None, "the syncer left while a save was under way"
         writing.write(os.urandom(1000))
         writing.close()
@@ -268,7 +268,7 @@ def test_on_stop_the_syncer_waits_for_a_save_under_way_within_the_flush_deadline
     with open(ckpt_dir / "late.bin", "wb"):
         late = SyncProcess(tmp_path, ckpt_dir, checkpoints.store.url, 0, "--flush-deadline", "0.5", nodes=1,
                            fmt="dcp")
-        late.wait_for(is_event("started"))
+        late.wait_for(is_event(NodeEvent.STARTED))
         late.proc.send_signal(signal.SIGTERM)
         assert late.finish(timeout=10) == 0
 
@@ -279,7 +279,7 @@ def test_a_node_stops_once_the_coordinator_says_nothing_more_will_come(
     dirs = node_dirs(tmp_path)
     syncer = SyncProcess(tmp_path, dirs[1], checkpoints.store.url, 1, "--poll", "5", "--commit-timeout", "30")
     try:
-        syncer.wait_for(is_event("started"))
+        syncer.wait_for(is_event(NodeEvent.STARTED))
         make_step(dirs[1], 100, 1)
         checkpoints.announce(Announcement(step=100, checkpoint=CheckpointRef(name=step_name(100)), attempt="a1",
                                           nodes=[0, 1], required=["__1_0.distcp"], announced_at=time.time()))
@@ -289,7 +289,7 @@ def test_a_node_stops_once_the_coordinator_says_nothing_more_will_come(
         make_step(dirs[1], 200, 1)
         checkpoints.announce(Announcement(step=200, checkpoint=CheckpointRef(name=step_name(200)), attempt="a1",
                                           nodes=[0, 1], required=["__1_0.distcp"], announced_at=time.time()))
-        syncer.wait_for(is_event("uploaded", 200))
+        syncer.wait_for(is_event(NodeEvent.UPLOADED, 200))
         assert syncer.proc.poll() is None, "node 1 left before the coordinator's final word"
         checkpoints.announce_final("a1")
         assert syncer.finish() == 0
@@ -308,12 +308,12 @@ def test_a_flush_after_a_preemption_waits_for_no_part_of_a_lost_node(tmp_path: P
     make_step(dirs[0], 100, 0)
     head = SyncProcess(tmp_path, dirs[0], checkpoints.store.url, 0, "--stop-file", str(stop), "--commit-timeout", "120")
     try:
-        head.wait_for(is_event("announced", 100))
+        head.wait_for(is_event(NodeEvent.ANNOUNCED, 100))
         stop.write_text(stop_request([1]))  # node 1 owes __1_0.distcp and is gone
         assert head.finish(timeout=60) == 0, head.err.read_text()
     finally:
         head.finish()
-    assert head.wait_for(is_event("uncommittable", 100))["lost"] == [1]
+    assert head.wait_for(is_event(NodeEvent.UNCOMMITTABLE, 100))["lost"] == [1]
     assert checkpoints.latest() is None
 
 
@@ -326,7 +326,7 @@ def test_a_node_whose_coordinator_was_lost_ships_what_was_announced_and_stops(tm
                                       nodes=[0, 1], required=["__1_0.distcp"], announced_at=time.time()))
     node = SyncProcess(tmp_path, dirs[1], checkpoints.store.url, 1, "--stop-file", str(stop), "--commit-timeout", "120")
     try:
-        node.wait_for(is_event("uploaded", 100))
+        node.wait_for(is_event(NodeEvent.UPLOADED, 100))
         stop.write_text(stop_request([0]))  # no final announcement will ever come
         assert node.finish(timeout=60) == 0, node.err.read_text()
     finally:

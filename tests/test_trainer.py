@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from infra.node.events import WorkloadEvent
 from trainer.checkpoint import CheckpointError, complete_steps, inspect_checkpoint, read_marker, step_dir_name
 from trainer.data import DataError, TokenWindows
 from trainer.model import GPT, GPTConfig
@@ -225,7 +226,7 @@ def test_two_nodes_train_and_checkpoint_to_their_own_disks(two_node_run: list[Pa
     # Async is the default: each save reports how long training stalled and how long the background write took
     # (the first stall also waits for the writer process to start, so neither bounds the other).
     records = [json.loads(line) for line in (coordinator / "metrics.jsonl").read_text().splitlines()]
-    saves = [r for r in records if r.get("event") == "checkpoint"]
+    saves = [r for r in records if r.get("event") == WorkloadEvent.CHECKPOINT]
     assert [s["step"] for s in saves] == [20, 40, 60]
     assert all(s["mode"] == "async" and s["stall_s"] >= 0 and s["write_s"] > 0 and s["bytes"] > 0 for s in saves)
     for node in two_node_run:

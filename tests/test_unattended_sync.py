@@ -14,7 +14,6 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from servers import S3Server, free_port, rclone_s3
@@ -25,7 +24,7 @@ from infra.checkpoints.commit import CheckpointStore
 from infra.compute.access.remote import LocalProcess, LocalRunner, RemoteError, wait_all
 from infra.compute.providers import Node
 from infra.lifecycle.preemption_watch import TrainingError
-from infra.node.events import parse
+from infra.node.events import Event, NodeEvent, parse
 from infra.node.sync import EXIT_STORE_FAILED
 from infra.storage import open_store
 from tasks.syncers import Syncers
@@ -54,7 +53,7 @@ def test_syncers_ride_out_a_store_outage_and_commit_what_came_during_it(
         make_step(dirs[rank], 100, rank)
     with both_running(tmp_path, dirs, url, "--stop-file", str(stop), "--store-outage", str(OUTAGE_BOUND_S)) as running:
         with rclone_s3(root, port=port):
-            running[0].wait_for(is_event("committed", 100))
+            running[0].wait_for(is_event(NodeEvent.COMMITTED, 100))
         # The store is gone: a checkpoint completes during the outage and every try to ship it fails.
         outage_started = time.monotonic()
         for rank in (0, 1):
@@ -65,7 +64,7 @@ def test_syncers_ride_out_a_store_outage_and_commit_what_came_during_it(
         assert "failed" in running[0].err.read_text(), "the syncer never noticed the outage"
         with rclone_s3(root, port=port):
             back_at = time.monotonic()
-            running[0].wait_for(is_event("committed", 200), timeout=OUTAGE_BOUND_S)
+            running[0].wait_for(is_event(NodeEvent.COMMITTED, 200), timeout=OUTAGE_BOUND_S)
             log.warning("outage of %.0fs ridden out (bound %.0fs); step 200 committed %.1fs after the store came back",
                         back_at - outage_started, OUTAGE_BOUND_S, time.monotonic() - back_at)
             stop.touch()
@@ -117,7 +116,7 @@ def watched_syncers(tmp_path: Path, url: str, *extra: str, env: dict[str, str] |
     return nodes, Syncers(runners, nodes, argv, lambda node, on_event: events_to(on_event), log, max_restarts=2)
 
 
-def events_to(on_event: Callable[[dict[str, Any]], None]) -> Callable[[str], None]:
+def events_to(on_event: Callable[[Event], None]) -> Callable[[str], None]:
     """The line sink the train task gives a syncer, without Prefect's logger: event lines to on_event."""
     def sink(line: str) -> None:
         event = parse(line)
@@ -137,7 +136,7 @@ def poll_until(syncers: Syncers, condition: Callable[[], bool], timeout: float =
 
 
 def committed(syncers: Syncers, step: int) -> bool:
-    return any(e.get("event") == "committed" and e.get("step") == step for e in syncers.events)
+    return any(e.kind is NodeEvent.COMMITTED and e.get("step") == step for e in syncers.events)
 
 
 def test_a_killed_syncer_is_restarted_within_seconds_and_resumes(tmp_path: Path) -> None:
@@ -165,7 +164,7 @@ def test_a_killed_syncer_is_restarted_within_seconds_and_resumes(tmp_path: Path)
     finally:
         for process in syncers.processes.values():
             process.terminate(grace_s=2)
-    uploads = [e["step"] for e in syncers.events if e.get("event") == "uploaded" and e.get("node_rank") == 1]
+    uploads = [e["step"] for e in syncers.events if e.kind is NodeEvent.UPLOADED and e.get("node_rank") == 1]
     assert uploads == [100, 200], "the restarted syncer shipped step 100 again (it resumes from its state file)"
     assert CheckpointStore(open_store(url)).verify().step == 200
 
@@ -258,7 +257,7 @@ def test_a_node_lost_during_the_final_flush_ends_the_wait_at_once(tmp_path: Path
     make_step(Path(nodes[0].ckpt_dir), 100, 0)  # node 1's part of step 100 will never come
     syncers.start()
     try:
-        poll_until(syncers, lambda: any(e.get("event") == "announced" for e in syncers.events))
+        poll_until(syncers, lambda: any(e.kind is NodeEvent.ANNOUNCED for e in syncers.events))
         syncers.processes["node-1"].terminate(grace_s=0.0)  # the node is gone, its syncer with it
 
         def watch() -> None:

@@ -37,6 +37,7 @@ from infra.compute.access.remote import LineSink, Process, RemoteError, last_err
 from infra.compute.catalog import InstanceType, load_catalog
 from infra.compute.providers import Cluster, Node, Provider, provider_of
 from infra.job.spec import ClusterSpec
+from infra.node.events import Event, NodeEvent
 from infra.node.protocol import NodeRequest, ProbeRequest
 
 log = logging.getLogger(__name__)
@@ -305,12 +306,12 @@ def link_batches(nodes: int) -> list[list[tuple[int, int]]]:
 
 
 def _client(provider: Provider, cluster: Cluster, src: Node, dst: Node, port: int, spec: ClusterSpec,
-            sink_for: SinkFactory) -> dict[str, Any]:
+            sink_for: SinkFactory) -> Event:
     verify = spec.verify
     argv = [src.python, "-m", "infra.node", "netbench", "client", "--host", dst.address, "--port", str(port),
             "--streams", str(verify.tcp_streams), "--seconds", str(verify.tcp_seconds), "--timeout", str(TCP_GRACE_S)]
     tap = _run(provider, cluster, src, argv, verify.tcp_seconds + TCP_GRACE_S, f"netbench → {dst.name}", sink_for)
-    return tap.last("netbench", f"{src.name}: netbench client")
+    return tap.last(NodeEvent.NETBENCH, f"{src.name}: netbench client")
 
 
 def _measure_links(provider: Provider, cluster: Cluster, spec: ClusterSpec, batch: list[tuple[int, int]],
@@ -324,14 +325,14 @@ def _measure_links(provider: Provider, cluster: Cluster, spec: ClusterSpec, batc
             argv = [dst.python, "-m", "infra.node", "netbench", "server", "--streams", str(streams),
                     "--timeout", str(START_TIMEOUT_S + TCP_GRACE_S)]
             servers.append((provider.runner(cluster, dst).start(argv, on_line=tap), tap))
-        ports = [tap.wait_for("netbench-listening", process, START_TIMEOUT_S,
+        ports = [tap.wait_for(NodeEvent.NETBENCH_LISTENING, process, START_TIMEOUT_S,
                               f"{cluster.nodes[dst_rank].name}: netbench server")["port"]
                  for (process, tap), (_, dst_rank) in zip(servers, batch, strict=True)]
         with ThreadPoolExecutor(max_workers=len(batch)) as pool:
             futures = [pool.submit(_client, provider, cluster, cluster.nodes[src], cluster.nodes[dst], port, spec,
                                    sink_for) for (src, dst), port in zip(batch, ports, strict=True)]
             sent = [future.result() for future in futures]
-        received = [tap.wait_for("netbench-server", process, TCP_GRACE_S, "netbench server")
+        received = [tap.wait_for(NodeEvent.NETBENCH_SERVER, process, TCP_GRACE_S, "netbench server")
                     for process, tap in servers]
     finally:
         for process, _ in servers:
@@ -364,7 +365,7 @@ def free_port(cluster: Cluster, node: Node, sink_for: SinkFactory = _log_sink) -
     """A port free on that node now (the node's own probe finds it)."""
     provider = provider_of(cluster)
     tap = _run(provider, cluster, node, ProbeRequest(), START_TIMEOUT_S, "probe", sink_for)
-    return int(tap.last("probe", f"{node.name}: probe")["free_port"])
+    return int(tap.last(NodeEvent.PROBE, f"{node.name}: probe")["free_port"])
 
 
 def _wait_all(processes: dict[str, Process], deadline_s: float, what: str) -> None:
@@ -397,7 +398,7 @@ def measure_allreduce(cluster: Cluster, spec: ClusterSpec,
         for process in processes.values():
             if process.poll() is None:
                 process.terminate(grace_s=5)
-    events = head_tap.all("allreduce")
+    events = head_tap.all(NodeEvent.ALLREDUCE)
     if len(events) != len(sizes):
         raise BenchError(f"{cluster.head.name}: all-reduce bench reported {len(events)} of {len(sizes)} sizes: "
                          f"{_last_error(processes[cluster.head.name])}")
@@ -412,7 +413,7 @@ def measure_allreduce(cluster: Cluster, spec: ClusterSpec,
 def _disk(provider: Provider, cluster: Cluster, node: Node, megabytes: int, sink_for: SinkFactory) -> DiskFigure:
     argv = [node.python, "-m", "infra.node", "diskbench", "--dir", node.data_dir, "--megabytes", str(megabytes)]
     event = _run(provider, cluster, node, argv, DISK_TIMEOUT_S, "diskbench", sink_for).last(
-        "diskbench", f"{node.name}: diskbench")
+        NodeEvent.DISKBENCH, f"{node.name}: diskbench")
     return DiskFigure(node=node_label(cluster, node), write_mb_per_s=event["write_mb_per_s"],
                       read_mb_per_s=event["read_mb_per_s"], bytes=event["bytes"], direct=event["direct"],
                       note=event["note"])

@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from infra.node.events import emit, fail
+from infra.node.events import NodeEvent, emit, fail
 
 MB = 1024 * 1024
 MIN_ITERS = 3
@@ -109,7 +109,7 @@ def main(argv: list[str]) -> int:
                 figures = measure(size_mb * MB, args.warmup, args.iters, args.seconds_per_size, device, rank,
                                   world_size)
                 if rank == 0:
-                    emit("allreduce", backend=backend, world_size=world_size, **figures)
+                    emit(NodeEvent.ALLREDUCE, backend=backend, world_size=world_size, **figures)
         finally:
             dist.destroy_process_group()
     except RuntimeError as exc:  # torch.distributed's errors are RuntimeErrors; one line beats a traceback per rank

@@ -15,7 +15,7 @@ import shutil
 import time
 from pathlib import Path
 
-from infra.node.events import emit, fail
+from infra.node.events import NodeEvent, emit, fail
 from infra.node.preemption import NOTICE_FILE, Notice, write_notice
 from infra.node.processes import NODE_TAG, hard_kill, tagged_processes
 
@@ -31,16 +31,16 @@ def main(argv: list[str]) -> int:
     if not node_tag:
         return fail(f"chaos: {NODE_TAG} is not set: start it through the node's runner, which tags it")
 
-    emit("chaos-armed", trigger=str(args.trigger), notice_s=args.notice_s)
+    emit(NodeEvent.CHAOS_ARMED, trigger=str(args.trigger), notice_s=args.notice_s)
     while not args.trigger.exists():
         time.sleep(args.poll)
     if args.notice_s > 0:
         notice = Notice("chaos: spot notice", time.time() + args.notice_s, "chaos")
         write_notice(args.workdir / NOTICE_FILE, notice)
-        emit("notice-raised", deadline=notice.deadline)
+        emit(NodeEvent.NOTICE_RAISED, deadline=notice.deadline)
         time.sleep(args.notice_s)
     processes = tagged_processes(NODE_TAG, node_tag)
-    emit("node-reclaimed", killed=len(processes), notice_s=args.notice_s)
+    emit(NodeEvent.NODE_RECLAIMED, killed=len(processes), notice_s=args.notice_s)
     hard_kill(processes)
     shutil.rmtree(args.workdir, ignore_errors=True)
     return 0

@@ -14,7 +14,7 @@ import argparse
 import os
 from pathlib import Path
 
-from infra.node.events import emit, fail
+from infra.node.events import NodeEvent, emit, fail
 from infra.node.fanout import Counts, Exchange, File, Piece, add_peer_arguments, shares
 from infra.storage import StorageError, open_store
 from infra.storage.base import ObjectStore
@@ -76,7 +76,7 @@ def main(argv: list[str]) -> int:
         store = open_store(folder)
         counts = _through_peers(args, store, name, fetched, reused) if args.peers else None
         if reused:
-            emit("code", sha256=args.sha256, files=None, reused=True)
+            emit(NodeEvent.CODE, sha256=args.sha256, files=None, reused=True)
             return 0
         if counts is None:
             result = download(store, [FileSpec(name, sha256=args.sha256)], fetched)
@@ -93,5 +93,5 @@ def main(argv: list[str]) -> int:
     stamp.write_text(sha256 + "\n")
     fanout = {} if counts is None else {"store_bytes": counts.store_bytes, "peer_bytes": counts.peer_bytes,
                                         "fallback_files": counts.fallback_files}
-    emit("code", sha256=sha256, files=files, reused=False, **fanout)
+    emit(NodeEvent.CODE, sha256=sha256, files=files, reused=False, **fanout)
     return 0

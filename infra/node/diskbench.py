@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from infra.node.events import emit, fail
+from infra.node.events import NodeEvent, emit, fail
 
 BLOCK = 4 * 1024 * 1024  # a multiple of every logical block size O_DIRECT may demand (512 B, 4 KiB)
 
@@ -149,5 +149,5 @@ def main(argv: list[str]) -> int:
                     f"{args.megabytes} MB free")
     finally:
         target.unlink(missing_ok=True)
-    emit("diskbench", dir=str(args.dir), **figures)
+    emit(NodeEvent.DISKBENCH, dir=str(args.dir), **figures)
     return 0

@@ -32,7 +32,7 @@ from typing import Protocol
 from infra.dataset.assign import assign
 from infra.dataset.errors import DatasetError
 from infra.dataset.stagecache import link_into
-from infra.node.events import emit
+from infra.node.events import NodeEvent, emit
 from infra.storage.base import ObjectStore, StorageError
 from infra.storage.cloud import TransientStorageError
 from infra.storage.http import HttpStore
@@ -168,7 +168,7 @@ class Exchange:
                 self.publish(file)
         own = [file for file in fetch if owner[file.checksum] == self.rank]
         others = [file for file in fetch if owner[file.checksum] != self.rank]
-        emit("fanout", rank=self.rank, peers=len(self.peers), own_files=len(own),
+        emit(NodeEvent.FANOUT, rank=self.rank, peers=len(self.peers), own_files=len(own),
              own_bytes=sum(f.size for f in own), peer_files=len(others))
         beating = threading.Thread(target=self._beat, name="fanout-heartbeat", daemon=True)
         beating.start()
@@ -285,4 +285,4 @@ class Exchange:
             peer.gone = why
             self.counts.peers_gone[peer.rank] = why
         log.warning("peer %d (%s): %s: what it owes comes from the store", peer.rank, peer.store.url, why)
-        emit("fanout-fallback", peer=peer.rank, url=peer.store.url, reason=why)
+        emit(NodeEvent.FANOUT_FALLBACK, peer=peer.rank, url=peer.store.url, reason=why)

@@ -14,11 +14,9 @@ import runpy
 import sys
 from typing import Any
 
-from infra.node.events import emit
+from infra.node.events import NodeEvent, emit
 
 log = logging.getLogger(__name__)
-
-RANKS_EXITED = "ranks_exited"
 
 
 def _announce_exit_barrier() -> None:
@@ -34,7 +32,7 @@ def _announce_exit_barrier() -> None:
         return
 
     def announcing(self: Any) -> Any:
-        emit(RANKS_EXITED)
+        emit(NodeEvent.RANKS_EXITED)
         return barrier(self)
 
     SimpleElasticAgent._exit_barrier = announcing  # type: ignore[method-assign]

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from infra.node.events import emit, fail
+from infra.node.events import NodeEvent, emit, fail
 
 BUFFER = 4 * 1024 * 1024  # per sendall / recv_into: large calls keep the per-call Python overhead negligible
 ACK = struct.Struct("!Q")  # the server's byte count for one stream, sent back after that stream's EOF
@@ -177,12 +177,12 @@ def main(argv: list[str]) -> int:
         except OSError as exc:
             return fail(f"netbench server: cannot listen on {args.bind or '*'}:{args.port} ({exc.strerror or exc})")
         with server:
-            emit("netbench-listening", port=server.getsockname()[1], streams=args.streams)
+            emit(NodeEvent.NETBENCH_LISTENING, port=server.getsockname()[1], streams=args.streams)
             try:
                 total, seconds = serve(server, args.streams, args.timeout, args.sockbuf_kb)
             except (OSError, NetbenchError) as exc:
                 return fail(f"netbench server: {exc}")
-        emit("netbench-server", streams=args.streams, bytes=total, seconds=round(seconds, 4),
+        emit(NodeEvent.NETBENCH_SERVER, streams=args.streams, bytes=total, seconds=round(seconds, 4),
              gbps=gbit_per_s(total, seconds))
         return 0
 
@@ -193,6 +193,6 @@ def main(argv: list[str]) -> int:
                                     args.sockbuf_kb)
     except (OSError, NetbenchError) as exc:
         return fail(f"netbench client: to {args.host}:{args.port}: {exc}")
-    emit("netbench", host=args.host, port=args.port, streams=args.streams, bytes=total, seconds=round(seconds, 4),
-         gbps=gbit_per_s(total, seconds))
+    emit(NodeEvent.NETBENCH, host=args.host, port=args.port, streams=args.streams, bytes=total,
+         seconds=round(seconds, 4), gbps=gbit_per_s(total, seconds))
     return 0

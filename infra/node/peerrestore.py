@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.checkpoints.commit import CheckpointManifest, CheckpointStore, FileEntry
-from infra.node.events import emit
+from infra.node.events import NodeEvent, emit
 from infra.node.fanout import Counts, Exchange, File, Piece, share_name, shares
 from infra.node.replica import REPLICA_DIR, replica_holder, replica_path
 from infra.storage.base import ObjectStore
@@ -123,8 +123,8 @@ class PeerFill:
         for piece in pieces:
             if piece.key not in held and first[piece.checksum] is not piece:
                 _copy(folder / first[piece.checksum].key, folder / piece.key)
-        emit("restore-fanout", step=manifest.step, local_bytes=self.local_bytes, replica_bytes=self.replica_bytes,
-             store_bytes=self.counts.store_bytes, peer_bytes=self.counts.peer_bytes,
+        emit(NodeEvent.RESTORE_FANOUT, step=manifest.step, local_bytes=self.local_bytes,
+             replica_bytes=self.replica_bytes, store_bytes=self.counts.store_bytes, peer_bytes=self.counts.peer_bytes,
              fallback_files=self.counts.fallback_files, peers_gone=self.counts.peers_gone)
 
     @property

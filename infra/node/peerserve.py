@@ -18,7 +18,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from infra.node.events import emit, fail
+from infra.node.events import NodeEvent, emit, fail
 from infra.node.ports import free_port
 from infra.storage.http import PASS_ENV, USER_ENV
 
@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
             port = str(free_port(host))
         except OSError as exc:
             return fail(f"peer-serve: no free port on {host}: {exc.strerror}: check the node's cluster address")
-    emit("peer-serving", addr=f"{host}:{port}")
+    emit(NodeEvent.PEER_SERVING, addr=f"{host}:{port}")
     env = {**os.environ, "RCLONE_USER": user, "RCLONE_PASS": password}
     # --dir-cache-time 0: a file published a moment ago is served at once (rclone caches listings for 5 min).
     os.execve(binary, [binary, "serve", "http", str(args.dir), "--addr", f"{host}:{port}", "--read-only",

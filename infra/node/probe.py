@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from infra.dataset.stagecache import cached_bytes
-from infra.node.events import emit
+from infra.node.events import NodeEvent, emit
 from infra.node.ports import free_port
 from infra.node.protocol import NodeRequest, ProbeRequest, as_request
 
@@ -45,6 +45,6 @@ def main(request: NodeRequest) -> int:
             problems.append(f"{first}: {available / 1e9:.2f} GB free, this node's share of the dataset needs "
                             f"{probe.need_bytes / 1e9:.2f} GB: free space, use dataset.shard: split, or nodes with "
                             "larger local disks")
-    emit("probe", host=socket.gethostname(), python=sys.version.split()[0], platform=platform.platform(),
+    emit(NodeEvent.PROBE, host=socket.gethostname(), python=sys.version.split()[0], platform=platform.platform(),
          cpus=os.cpu_count(), free_bytes=free, free_port=free_port(), problems=problems)
     return 1 if problems else 0

@@ -13,7 +13,7 @@ import argparse
 import shutil
 from pathlib import Path
 
-from infra.node.events import emit
+from infra.node.events import NodeEvent, emit
 from infra.node.ports import free_port
 
 
@@ -40,5 +40,5 @@ def main(argv: list[str]) -> int:
             target = path.with_name(f"{path.name}.{args.suffix}")
             path.replace(target)
             aside.append(str(target))
-    emit("rejoined", free_port=free_port(), cleared=[str(d) for d in args.clear], set_aside=aside)
+    emit(NodeEvent.REJOINED, free_port=free_port(), cleared=[str(d) for d in args.clear], set_aside=aside)
     return 0

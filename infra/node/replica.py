@@ -42,7 +42,7 @@ from infra.checkpoints.commit import CheckpointError, CheckpointStore, FileEntry
 from infra.checkpoints.steps import step_name
 from infra.dataset.manifest import DatasetError
 from infra.dataset.stagecache import link_into
-from infra.node.events import emit
+from infra.node.events import NodeEvent, emit
 from infra.node.fanout import share_name
 from infra.node.ports import free_port
 from infra.storage.base import StorageError
@@ -137,7 +137,7 @@ class Replicator:
         self.serve_addr = self._free_addr(config.serve_host) if config.serve_host else None
         if self.serve_addr is not None:
             self._serve()
-            emit("replica-serving", url=self.url)
+            emit(NodeEvent.REPLICA_SERVING, url=self.url)
         threading.Thread(target=self._work, name=f"replica-{rank}", daemon=True).start()
 
     @property
@@ -191,7 +191,7 @@ class Replicator:
         self._server_restarts += 1
         log.warning("replica peer server on %s exited %s: restarting it (%d/%d)", self.serve_addr, code,
                     self._server_restarts, SERVER_RESTARTS)
-        emit("replica-server-restarted", addr=self.serve_addr, code=code, restarts=self._server_restarts)
+        emit(NodeEvent.REPLICA_SERVER_RESTARTED, addr=self.serve_addr, code=code, restarts=self._server_restarts)
         self._serve()
 
     def wait_idle(self, timeout_s: float) -> bool:
@@ -233,7 +233,7 @@ class Replicator:
     def _failed(self, step: int, reason: str) -> None:
         log.warning("replica of step %d (node %d's part): %s: a restore would read that part from the store",
                     step, self.buddy, reason)
-        emit("replica-failed", step=step, buddy=self.buddy, reason=reason)
+        emit(NodeEvent.REPLICA_FAILED, step=step, buddy=self.buddy, reason=reason)
 
     def _pull_logged(self, step: int) -> None:
         try:
@@ -292,6 +292,6 @@ class Replicator:
             if other not in kept:
                 shutil.rmtree(other, ignore_errors=True)
         size = sum(entry.bytes for entry in files)
-        emit("replica", step=step, buddy=self.buddy, files=len(files), bytes=size,
+        emit(NodeEvent.REPLICA, step=step, buddy=self.buddy, files=len(files), bytes=size,
              seconds=round(time.monotonic() - started, 3))
         return size

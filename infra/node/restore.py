@@ -19,7 +19,7 @@ from pathlib import Path
 
 from infra.checkpoints.commit import CheckpointError, CheckpointStore, NoCommittedCheckpoint, StoreFill
 from infra.checkpoints.formats import FORMATS, Detector
-from infra.node.events import emit, fail
+from infra.node.events import NodeEvent, emit, fail
 from infra.node.fanout import add_peer_arguments
 from infra.node.peerrestore import PeerFill
 from infra.node.sync import write_restored
@@ -76,7 +76,7 @@ def main(argv: list[str]) -> int:
         write_restored(args.sync_dir, manifest.step, Detector(args.dest, args.format).scan())
     for warning in warnings:
         print(f"restore: warning: {warning}", file=sys.stderr, flush=True)
-    emit("restored", step=manifest.step, path=str(path), name=manifest.ref.name, bytes=manifest.total_bytes,
+    emit(NodeEvent.RESTORED, step=manifest.step, path=str(path), name=manifest.ref.name, bytes=manifest.total_bytes,
          seconds=round(time.monotonic() - started, 3), config_hash=manifest.config_hash, warnings=warnings,
          sources=fill.sources)
     return 0

@@ -26,7 +26,7 @@ from infra.dataset.checksums import file_matches, hasher
 from infra.dataset.errors import DatasetError
 from infra.dataset.snapshot import DATASET, DatasetSnapshot, SnapshotFile, check_unchanged, read_snapshot
 from infra.dataset.stagecache import CacheBusy, ObjectCache, link_into
-from infra.node.events import Throttle, emit, fail
+from infra.node.events import NodeEvent, Throttle, emit, fail
 from infra.node.fanout import Counts, Exchange, Piece, add_peer_arguments
 from infra.storage import StorageError, open_store
 from infra.storage.base import ChecksumMismatch, ObjectStore
@@ -317,7 +317,7 @@ def main(argv: list[str]) -> int:
     def reporter(what: str) -> Callable[[Progress], None]:
         def report(progress: Progress) -> None:
             if throttle.ready() or progress.bytes_done == progress.bytes_total:
-                emit("progress", what=what, bytes_done=progress.bytes_done, bytes_total=progress.bytes_total,
+                emit(NodeEvent.PROGRESS, what=what, bytes_done=progress.bytes_done, bytes_total=progress.bytes_total,
                      files_done=progress.files_done, files_total=progress.files_total,
                      mb_per_s=round(progress.mb_per_s, 1), eta_s=round(progress.eta_s, 1))
 
@@ -334,7 +334,7 @@ def main(argv: list[str]) -> int:
                                progress=reporter(DATASET),
                                exchange=exchange(cache) if args.shard == "replicate" else None)
                 _write_files_list(args.workdir / FILES_LIST, mine)
-                emit("staged", **staged)
+                emit(NodeEvent.STAGED, **staged)
             for name, url in args.input:
                 what = f"inputs.{name}"
                 snapshot = read_snapshot(url)
@@ -342,7 +342,7 @@ def main(argv: list[str]) -> int:
                 dest.mkdir(parents=True, exist_ok=True)
                 staged = stage(snapshot, list(snapshot.files), dest, cache, run=args.run, workers=args.workers,
                                progress=reporter(what), what=what, exchange=exchange(cache))
-                emit("input-staged", name=name, **staged)
+                emit(NodeEvent.INPUT_STAGED, name=name, **staged)
     except (DatasetError, StorageError) as exc:
         return fail(str(exc))
     return 0

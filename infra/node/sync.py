@@ -52,7 +52,7 @@ from infra.checkpoints.formats import (
     required_files,
 )
 from infra.checkpoints.lineage import Lineage
-from infra.node.events import emit, fail
+from infra.node.events import NodeEvent, emit, fail
 from infra.node.replica import ReplicaConfig, Replicator, add_replica_arguments, replica_config
 from infra.registry import Registry, RegistryError, registry_root_of
 from infra.storage import StorageError, open_store
@@ -313,8 +313,9 @@ class Syncer:
         self._save_state()
         if self.replica is not None:
             self.replica.shipped(step)  # background work: never raises
-        emit("uploaded", step=step, name=ref.name, node_rank=config.node_rank, files=len(record.files), bytes=size,
-             seconds=round(seconds, 3), mb_per_s=round(size / 1e6 / seconds, 1) if seconds > 0 and size else None)
+        emit(NodeEvent.UPLOADED, step=step, name=ref.name, node_rank=config.node_rank, files=len(record.files),
+             bytes=size, seconds=round(seconds, 3),
+             mb_per_s=round(size / 1e6 / seconds, 1) if seconds > 0 and size else None)
         return True
 
     @staticmethod
@@ -332,7 +333,7 @@ class Syncer:
         log.warning("%s: deleted or rewritten locally before it was uploaded: skipping step %d",
                     self.config.ckpt_dir / ref.name, step)
         self.gone.add((ref.name, version))
-        emit("skipped", step=step, name=ref.name, reason="deleted or rewritten locally before upload")
+        emit(NodeEvent.SKIPPED, step=step, name=ref.name, reason="deleted or rewritten locally before upload")
         if self.is_coordinator:
             self._withdraw(step)  # its own part will never come: nobody waits for it
         return False
@@ -384,7 +385,7 @@ class Syncer:
             call_with_retries(lambda a=announcement: self.checkpoints.announce(a),
                               f"announcement of step {step}", self.config.retry)
             self.state.newest_step = max(step, self.state.newest_step or step)
-            emit("announced", step=step, name=found.name, format=found.format, nodes=nodes)
+            emit(NodeEvent.ANNOUNCED, step=step, name=found.name, format=found.format, nodes=nodes)
             self._ship(step, ref, found.version, own_part_required=True)
 
     def commit_pending(self) -> list[int | str]:
@@ -407,7 +408,7 @@ class Syncer:
                 )
             except CheckpointError as exc:
                 log.warning("%s", exc)
-                emit("abandoned", step=step, reason=str(exc))
+                emit(NodeEvent.ABANDONED, step=step, reason=str(exc))
                 self._withdraw(step)
                 continue
             if manifest is None:
@@ -416,12 +417,12 @@ class Syncer:
                 continue
             self.state.newest_committed = step
             self._save_state()
-            emit("committed", step=step, name=announcement.checkpoint.name, files=len(manifest.files),
+            emit(NodeEvent.COMMITTED, step=step, name=announcement.checkpoint.name, files=len(manifest.files),
                  bytes=manifest.total_bytes, commit_s=round(time.time() - announcement.announced_at, 3))
             deleted = call_with_retries(self._apply_retention, f"retention in {self.checkpoints.store.url}",
                                         self.config.retry)
             if deleted:
-                emit("retention", deleted=deleted, keep=config.keep)
+                emit(NodeEvent.RETENTION, deleted=deleted, keep=config.keep)
         return waiting
 
     def _part_lost(self, step: int, nodes: Sequence[int]) -> bool:
@@ -433,7 +434,7 @@ class Syncer:
             self.lost_steps.add(step)
             log.warning("step %d cannot be committed: node(s) %s were lost before their part was uploaded", step,
                         ", ".join(map(str, gone)))
-            emit("uncommittable", step=step, lost=gone)
+            emit(NodeEvent.UNCOMMITTABLE, step=step, lost=gone)
         return bool(gone)
 
     def _apply_retention(self) -> list[int]:
@@ -444,7 +445,7 @@ class Syncer:
             protected = registry.protected(self.checkpoints.store.url)
         except RegistryError as exc:
             log.warning("retention skipped: %s", exc)
-            emit("retention_skipped", reason=str(exc))
+            emit(NodeEvent.RETENTION_SKIPPED, reason=str(exc))
             return []
         return self.checkpoints.apply_retention(self.config.keep, protected)
 
@@ -504,7 +505,7 @@ class Syncer:
         config = self.config
         stopped_at: float | None = None
         final_announced = False
-        emit("started", node_rank=config.node_rank, url=config.url, coordinator=self.is_coordinator,
+        emit(NodeEvent.STARTED, node_rank=config.node_rank, url=config.url, coordinator=self.is_coordinator,
              attempt=config.attempt, format=config.format)
         if self.is_coordinator:
             self.withdraw_unshipped()
@@ -534,7 +535,8 @@ class Syncer:
                 continue
             if stopping:
                 if not waiting:
-                    emit("stopped", node_rank=config.node_rank, shipped=sorted({s.step for s in self.state.shipped}),
+                    emit(NodeEvent.STOPPED, node_rank=config.node_rank,
+                         shipped=sorted({s.step for s in self.state.shipped}),
                          newest_committed=self.state.newest_committed)
                     return 0
                 # From the stop request, saves and uploads included: the orchestrator waits one bound from there.

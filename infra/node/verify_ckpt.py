@@ -6,7 +6,7 @@ import argparse
 import time
 
 from infra.checkpoints.commit import CheckpointError, CheckpointStore
-from infra.node.events import emit, fail
+from infra.node.events import NodeEvent, emit, fail
 from infra.storage import StorageError, open_store
 
 
@@ -20,6 +20,6 @@ def main(argv: list[str]) -> int:
         manifest = CheckpointStore(open_store(args.url)).verify(args.step, deep=True)
     except (CheckpointError, StorageError) as exc:
         return fail(str(exc))
-    emit("verified", step=manifest.step, files=len(manifest.files), bytes=sum(f.bytes for f in manifest.files),
+    emit(NodeEvent.VERIFIED, step=manifest.step, files=len(manifest.files), bytes=sum(f.bytes for f in manifest.files),
          seconds=round(time.perf_counter() - started, 3))
     return 0

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 
-from infra.node.events import emit, fail
+from infra.node.events import NodeEvent, emit, fail
 from infra.node.preemption import (
     AWS_IMDS,
     GCP_METADATA,
@@ -71,7 +71,7 @@ class NoticeWatch:
         if rebalance and not self._rebalance_seen:
             # Softer than a notice: the node may run for a long time yet; the orchestrator's log says so.
             self._rebalance_seen = True
-            emit("rebalance-recommendation", source="aws")
+            emit(NodeEvent.REBALANCE_RECOMMENDATION, source="aws")
         return notice
 
     def poll(self) -> None:
@@ -81,14 +81,14 @@ class NoticeWatch:
             notice = self._check()
         except (OSError, MetadataError, ValueError, KeyError) as exc:
             self._failures += 1
-            emit("notice-check-failed", error=str(exc), failures=self._failures)
+            emit(NodeEvent.NOTICE_CHECK_FAILED, error=str(exc), failures=self._failures)
             return
         if notice is not None:
             self.notice = notice
             self._act(notice)
 
     def _act(self, notice: Notice) -> None:
-        emit("preemption-notice", reason=notice.reason, deadline=notice.deadline, source=notice.source)
+        emit(NodeEvent.PREEMPTION_NOTICE, reason=notice.reason, deadline=notice.deadline, source=notice.source)
         path = self.workdir / NOTICE_FILE
         if read_notice(path) is None:
             write_notice(path, notice)  # what the orchestrator of a local or ssh node reads
@@ -96,7 +96,7 @@ class NoticeWatch:
         for trainer in trainers:
             trainer.send_signal(signal.SIGTERM)
         _gone, alive = psutil.wait_procs(trainers, timeout=max(0.0, notice.deadline - time.time()))
-        emit("trainer-stopped", trainers=len(trainers), still_running=len(alive))
+        emit(NodeEvent.TRAINER_STOPPED, trainers=len(trainers), still_running=len(alive))
         if self.stop_sync is not None:
             self.stop_sync.write_text("stop\n")  # after the trainer's last save: the syncer ships it, then exits
 
@@ -139,7 +139,7 @@ def main(argv: list[str]) -> int:
     next_notice_check = 0.0
 
     started = time.time()
-    emit("watching", lease=str(args.lease), ttl_s=args.ttl)
+    emit(NodeEvent.WATCHING, lease=str(args.lease), ttl_s=args.ttl)
     while True:
         now = time.time()
         # Before the first renewal the lease counts from the watchdog's own start.
@@ -152,7 +152,7 @@ def main(argv: list[str]) -> int:
             next_notice_check = now + args.notice_poll
         time.sleep(args.poll)
 
-    emit("lease-expired", age_s=round(age, 1), ttl_s=args.ttl, action=args.on_expire)
+    emit(NodeEvent.LEASE_EXPIRED, age_s=round(age, 1), ttl_s=args.ttl, action=args.on_expire)
     failed = False
     if args.on_expire == "shutdown":
         try:
@@ -160,11 +160,11 @@ def main(argv: list[str]) -> int:
             return 0
         except (OSError, subprocess.CalledProcessError) as exc:
             # Still end what runs here: the machine bills on, but the sweeper (its heartbeat is gone) ends it.
-            emit("power-off-failed", error=str(exc))
+            emit(NodeEvent.POWER_OFF_FAILED, error=str(exc))
             failed = True
             if not node_tag:
                 return 1
     processes = tagged_processes(NODE_TAG, node_tag)
     kill_processes(processes)
-    emit("node-down", killed=len(processes))
+    emit(NodeEvent.NODE_DOWN, killed=len(processes))
     return 1 if failed else 0

@@ -6,11 +6,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from infra.cancel import CANCEL
 from infra.compute.access.remote import CANCEL_POLL_S, LineSink, Process, RemoteError, last_error
-from infra.node.events import parse
+from infra.node.events import Event, NodeEvent, parse
 
 
 class EventTap:
@@ -24,7 +23,7 @@ class EventTap:
         self._sink = sink
         self._error = error
         self._markers = markers
-        self._events: list[dict[str, Any]] = []
+        self._events: list[Event] = []
         self._changed = threading.Condition()
 
     def __call__(self, line: str) -> None:
@@ -36,33 +35,33 @@ class EventTap:
         if self._sink is not None:
             self._sink(line)
 
-    def all(self, name: str) -> list[dict[str, Any]]:
+    def all(self, kind: NodeEvent) -> list[Event]:
         with self._changed:
-            return [event for event in self._events if event["event"] == name]
+            return [event for event in self._events if event.kind is kind]
 
-    def wait_for(self, name: str, process: Process, timeout_s: float, what: str) -> dict[str, Any]:
-        """The newest `name` event of process, waited for up to timeout_s (a cancel ends the wait with Cancelled);
+    def wait_for(self, kind: NodeEvent, process: Process, timeout_s: float, what: str) -> Event:
+        """The newest `kind` event of process, waited for up to timeout_s (a cancel ends the wait with Cancelled);
         error(...) when the process exits without it or the time runs out."""
         deadline = time.monotonic() + timeout_s
-        while not (found := self.all(name)):
+        while not (found := self.all(kind)):
             if process.poll() is not None or time.monotonic() > deadline:
                 break
             CANCEL.check()
             with self._changed:
-                self._changed.wait_for(lambda: any(e["event"] == name for e in self._events),
+                self._changed.wait_for(lambda: any(e.kind is kind for e in self._events),
                                        min(CANCEL_POLL_S, max(0.0, deadline - time.monotonic())))
         if found:
             return found[-1]
         if process.poll() is None:
-            raise self._error(f"{what}: no '{name}' within {timeout_s:.0f}s: check the node")
+            raise self._error(f"{what}: no '{kind}' within {timeout_s:.0f}s: check the node")
         process.wait(5)  # lets the output pump deliver the last lines
-        if found := self.all(name):
+        if found := self.all(kind):
             return found[-1]
-        raise self._error(f"{what}: exited {process.poll()} without '{name}': "
+        raise self._error(f"{what}: exited {process.poll()} without '{kind}': "
                           f"{last_error(process, self._markers, lines=200)}")
 
-    def last(self, name: str, what: str) -> dict[str, Any]:
-        found = self.all(name)
+    def last(self, kind: NodeEvent, what: str) -> Event:
+        found = self.all(kind)
         if not found:
-            raise self._error(f"{what}: printed no '{name}' event")
+            raise self._error(f"{what}: printed no '{kind}' event")
         return found[-1]
