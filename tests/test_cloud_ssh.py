@@ -35,7 +35,9 @@ from infra.compute.access.ssh.runner import SshRunner
 from infra.compute.providers.aws.provider import TAG_HOST_KEY, AwsProvider, user_data
 from infra.compute.providers.base import Cluster, InvalidRequestError, LaunchError, Node
 from infra.compute.providers.cloud import HOST_KEYS, MOUNT, CloudProvider, boot_script
-from infra.compute.providers.gcp.provider import META_HOST_KEY, GcpProvider, startup_script
+from infra.compute.providers.gcp.boot import startup_script
+from infra.compute.providers.gcp.labels import META_HOST_KEY
+from infra.compute.providers.gcp.provider import GcpProvider
 from infra.compute.providers.hosts import HostUnreachableError
 from infra.compute.providers.local import CLUSTER_TAG, NODE_TAG
 
