@@ -24,7 +24,7 @@ from prefect.states import Completed, State
 
 from infra.cancel import CANCEL, signals_cancel
 from infra.compute.catalog import load_catalog
-from infra.compute.providers import Cluster
+from infra.compute.providers import Cluster, Node
 from infra.dataset.snapshot import snapshot_digest
 from infra.job.plan import Plan, cluster_name_for
 from infra.job.spec import JobSpec
@@ -51,11 +51,11 @@ from tasks.report import (
     record_workload,
     restore_sources,
 )
-from tasks.results import Staged
+from tasks.results import Restored, Staged, StagedNode
 from tasks.stage import restore_checkpoint, stage_node
 from tasks.train import TrainLaunch, TrainOutcome, run_training
 from tasks.verify import bench_cluster, verify_node
-from tasks.workload import agreed_code_hash, prepare_node, publish_code
+from tasks.workload import NodeReady, agreed_code_hash, prepare_node, publish_code
 
 
 def default_run_id(job_name: str, flow_run_id: str) -> str:
@@ -198,78 +198,124 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: 
         cluster = replaced.cluster
     new = [node for node in cluster.nodes if replaced is None or replaced.is_new(node)]
     survivors = [node for node in cluster.nodes if node not in new]
-    # Remote access reads every batch from the store: nothing is staged, so nodes need no room for the dataset.
-    staging = job.dataset.access == "staged"
     attempt = recovery.number if recovery is not None else 0
     with phase("verify"):
-        # Each node needs room for what it will hold (split: its share), not the whole dataset.
-        need_bytes = [(plan.dataset.node_bytes[node.rank] if staging else 0) + plan.inputs_bytes for node in new]
-        probing = verify_node.map(unmapped(cluster), new, need_bytes)
-        rejoined = (rejoin_node.map(unmapped(cluster), survivors, unmapped(attempt),
-                                    unmapped(resume_step is None)).result() if survivors else [])
-        ports = {node.name: port for node, port in zip(survivors, rejoined, strict=True)}
-        ports.update({node.name: probe.free_port for node, probe in zip(new, probing.result(), strict=True)})
-        if not survivors:
-            summary.cluster_bench = bench_cluster(job, cluster)
+        ports = verify_nodes(job, plan, cluster, new, survivors, attempt, resume_step, summary)
     launch = TrainLaunch(plan.checkpoint_url, plan.dataset_url, ports[cluster.head.name], plan.workload.config_hash,
                          attempt=attempt, attempt_id=f"{attempt}-{uuid.uuid4().hex[:8]}")
     with phase("stage"):
-        inputs = {name: input_plan.snapshot_url for name, input_plan in plan.inputs.items()}
-        fan, why = fanout.decide(job.dataset.fanout, len(cluster.nodes), summary.cluster_bench,
-                                 [plan.dataset_url, *(i.url for i in plan.inputs.values())])
-        summary.dataset["fanout"] = {"on": fan, "why": why}
-        get_run_logger().info("fan-out staging: %s", why)
-        # The peers serve the code archive (when its sha256 is known), the dataset's and the inputs' shares, then the
-        # checkpoint's files a resume restores; they stay up until every node holds its code.
-        sharing_code = code_url is not None and plan.workload.code_sha256 is not None
-        exchanging = fan and (staging or bool(inputs) or resume_step is not None or sharing_code)
-        with (fanout.peer_servers(cluster) if exchanging else nullcontext(([], None))) as peers:
-            # The code and the setup go their own way beside the dataset: neither waits for the other. Survivors
-            # have theirs (and serve the archive from their share dirs still).
-            preparing = prepare_node.map(unmapped(job), unmapped(cluster), new, unmapped(code_url),
-                                         unmapped(plan.workload.code_sha256), unmapped(launch),
-                                         peers=unmapped(peers[0]), peer_env=unmapped(peers[1]))
-            with phase.recovery_part("stage"):
-                # The dataset and the inputs one after the other on each node, through its one cache.
-                nodes_staged = (stage_node.map(unmapped(cluster), cluster.nodes,
-                                               unmapped(plan.dataset.snapshot_url if staging else None),
-                                               unmapped(plan.dataset.shard), unmapped(inputs),
-                                               peers=unmapped(peers[0]), peer_env=unmapped(peers[1]),
-                                               holders=unmapped([node.rank for node in survivors])).result()
-                                if staging or inputs else [])
-            staged = [s.dataset for s in nodes_staged if s.dataset is not None]
-            with phase.recovery_part("restore"):
-                # A survivor's saves newer than the commit are dropped (prune): never committed, and misleading.
-                restored = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.checkpoint_url),
-                                                   unmapped(job.checkpoints.format), peers=unmapped(peers[0]),
-                                                   peer_env=unmapped(peers[1]),
-                                                   prune=unmapped(bool(survivors)),
-                                                   holders=unmapped([node.rank for node in survivors])).result()
-                            if resume_step is not None else [])
-            # A warm start: only when nothing of this run is committed yet (a resume continues from its own commit).
-            warm = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.init_from.run_url),
-                                           unmapped(job.checkpoints.format), step=unmapped(plan.init_from.step),
-                                           dest=[node.path("init-from") for node in cluster.nodes]).result()
-                    if plan.init_from is not None and resume_step is None else [])
-            ready = preparing.result()
-    if warm:
-        summary.init_from = plan.init_from.url if plan.init_from is not None else None
-    record_workload(summary, plan, ready, agreed_code_hash(ready))
-    record_inputs(summary, plan, nodes_staged)
-    if restored:
-        record_resume(summary, restored, initial=recovery is None)
-    if recovery is not None:
-        recovery.reused_bytes = sum(s.skipped_bytes for s in staged) + sum(
-            i.skipped_bytes for n in nodes_staged for i in n.inputs.values())
-        recovery.restore_bytes = restore_sources(restored)
-        recovery.resumed(restored[0].step if restored else None, cluster.price_per_hour)
+        nodes = stage_nodes(job, plan, cluster, code_url, launch, new, survivors, resume_step, summary, phase)
+    record_nodes(summary, plan, cluster, recovery, nodes)
     with phase("train"):
-        resume_from = {node.name: r.path for node, r in zip(cluster.nodes, restored, strict=False)}
-        init_from = {node.name: w.path for node, w in zip(cluster.nodes, warm, strict=False)}
+        resume_from = {node.name: r.path for node, r in zip(cluster.nodes, nodes.restored, strict=False)}
+        init_from = {node.name: w.path for node, w in zip(cluster.nodes, nodes.warm, strict=False)}
         launch = replace(launch, resume_from=resume_from, init_from=init_from,
                          lineage=lineage_of(plan, cluster, summary, launch.attempt_id))
         outcome = run_training(job, cluster, launch)
-    return cluster, staged, outcome, launch
+    return cluster, nodes.staged, outcome, launch
+
+
+def verify_nodes(job: JobSpec, plan: Plan, cluster: Cluster, new: list[Node], survivors: list[Node], attempt: int,
+                 resume_step: int | None, summary: RunSummary) -> dict[str, int]:
+    """The new nodes probed (room, a free port), the survivors rejoined, and a new cluster benched: the port each
+    node's trainer listens on, by node name."""
+    # Remote access reads every batch from the store: nothing is staged, so nodes need no room for the dataset.
+    staging = job.dataset.access == "staged"
+    # Each node needs room for what it will hold (split: its share), not the whole dataset.
+    need_bytes = [(plan.dataset.node_bytes[node.rank] if staging else 0) + plan.inputs_bytes for node in new]
+    probing = verify_node.map(unmapped(cluster), new, need_bytes)
+    rejoined = (rejoin_node.map(unmapped(cluster), survivors, unmapped(attempt),
+                                unmapped(resume_step is None)).result() if survivors else [])
+    ports = {node.name: port for node, port in zip(survivors, rejoined, strict=True)}
+    ports.update({node.name: probe.free_port for node, probe in zip(new, probing.result(), strict=True)})
+    if not survivors:
+        summary.cluster_bench = bench_cluster(job, cluster)
+    return ports
+
+
+@dataclass(frozen=True)
+class NodesReady:
+    """What the stage phase left on the nodes: each node's staging, checkpoint restore and warm start (in rank order;
+    empty where there were none), and each new node's code and setup."""
+
+    staged_nodes: list[StagedNode]
+    restored: list[Restored]
+    warm: list[Restored]
+    ready: list[NodeReady]
+
+    @property
+    def staged(self) -> list[Staged]:
+        return [s.dataset for s in self.staged_nodes if s.dataset is not None]
+
+
+def stage_nodes(job: JobSpec, plan: Plan, cluster: Cluster, code_url: str | None, launch: TrainLaunch,
+                new: list[Node], survivors: list[Node], resume_step: int | None, summary: RunSummary,
+                phase: Phases) -> NodesReady:
+    """The code and the setup on the new nodes, beside the dataset and the inputs on every node, then the checkpoint
+    (a resume's or a warm start's); through the peers' servers when the cluster fans out."""
+    staging = job.dataset.access == "staged"
+    inputs = {name: input_plan.snapshot_url for name, input_plan in plan.inputs.items()}
+    fan, why = fanout.decide(job.dataset.fanout, len(cluster.nodes), summary.cluster_bench,
+                             [plan.dataset_url, *(i.url for i in plan.inputs.values())])
+    summary.dataset["fanout"] = {"on": fan, "why": why}
+    get_run_logger().info("fan-out staging: %s", why)
+    # The peers serve the code archive (when its sha256 is known), the dataset's and the inputs' shares, then the
+    # checkpoint's files a resume restores; they stay up until every node holds its code.
+    sharing_code = code_url is not None and plan.workload.code_sha256 is not None
+    exchanging = fan and (staging or bool(inputs) or resume_step is not None or sharing_code)
+    with (fanout.peer_servers(cluster) if exchanging else nullcontext(([], None))) as peers:
+        # The code and the setup go their own way beside the dataset: neither waits for the other. Survivors
+        # have theirs (and serve the archive from their share dirs still).
+        preparing = prepare_node.map(unmapped(job), unmapped(cluster), new, unmapped(code_url),
+                                     unmapped(plan.workload.code_sha256), unmapped(launch),
+                                     peers=unmapped(peers[0]), peer_env=unmapped(peers[1]))
+        with phase.recovery_part("stage"):
+            # The dataset and the inputs one after the other on each node, through its one cache.
+            nodes_staged = (stage_node.map(unmapped(cluster), cluster.nodes,
+                                           unmapped(plan.dataset.snapshot_url if staging else None),
+                                           unmapped(plan.dataset.shard), unmapped(inputs),
+                                           peers=unmapped(peers[0]), peer_env=unmapped(peers[1]),
+                                           holders=unmapped([node.rank for node in survivors])).result()
+                            if staging or inputs else [])
+        restored, warm = restore_nodes(job, plan, cluster, survivors, resume_step, peers, phase)
+        return NodesReady(nodes_staged, restored, warm, preparing.result())
+
+
+def restore_nodes(job: JobSpec, plan: Plan, cluster: Cluster, survivors: list[Node], resume_step: int | None,
+                  peers: tuple[list[str], dict[str, str] | None], phase: Phases
+                  ) -> tuple[list[Restored], list[Restored]]:
+    """Every node's copy of the run's latest commit (a resume), and of the checkpoint a warm start begins from."""
+    with phase.recovery_part("restore"):
+        # A survivor's saves newer than the commit are dropped (prune): never committed, and misleading.
+        restored = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.checkpoint_url),
+                                           unmapped(job.checkpoints.format), peers=unmapped(peers[0]),
+                                           peer_env=unmapped(peers[1]),
+                                           prune=unmapped(bool(survivors)),
+                                           holders=unmapped([node.rank for node in survivors])).result()
+                    if resume_step is not None else [])
+    # A warm start: only when nothing of this run is committed yet (a resume continues from its own commit).
+    warm = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.init_from.run_url),
+                                   unmapped(job.checkpoints.format), step=unmapped(plan.init_from.step),
+                                   dest=[node.path("init-from") for node in cluster.nodes]).result()
+            if plan.init_from is not None and resume_step is None else [])
+    return restored, warm
+
+
+def record_nodes(summary: RunSummary, plan: Plan, cluster: Cluster, recovery: RecoveryRecord | None,
+                 nodes: NodesReady) -> None:
+    """What the stage phase did, into the summary (warm start, code, inputs, resume) and a recovery's record (the
+    bytes it reused and restored)."""
+    if nodes.warm:
+        summary.init_from = plan.init_from.url if plan.init_from is not None else None
+    record_workload(summary, plan, nodes.ready, agreed_code_hash(nodes.ready))
+    record_inputs(summary, plan, nodes.staged_nodes)
+    if nodes.restored:
+        record_resume(summary, nodes.restored, initial=recovery is None)
+    if recovery is not None:
+        recovery.reused_bytes = sum(s.skipped_bytes for s in nodes.staged) + sum(
+            i.skipped_bytes for n in nodes.staged_nodes for i in n.inputs.values())
+        recovery.restore_bytes = restore_sources(nodes.restored)
+        recovery.resumed(nodes.restored[0].step if nodes.restored else None, cluster.price_per_hour)
 
 
 def lineage_of(plan: Plan, cluster: Cluster, summary: RunSummary, attempt_id: str) -> dict[str, Any]:

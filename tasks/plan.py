@@ -6,7 +6,8 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 
 from infra.dataset.planning import freeze
-from infra.job.plan import Plan, plan_job
+from infra.job.handoff import take_handed
+from infra.job.plan import Plan, check_secrets, plan_job
 from infra.job.spec import JobSpec
 from tasks.policy import TRANSIENT_RETRIES
 from tasks.secrets import read_secret_block
@@ -14,7 +15,11 @@ from tasks.secrets import read_secret_block
 
 @task(name="plan", **TRANSIENT_RETRIES)
 def plan_run(job: JobSpec, run_id: str) -> Plan:
-    plan = plan_job(job, run_id, secret_blocks=read_secret_block)
+    plan = take_handed(job, run_id)  # `trainpipe run` planned it already, in this process
+    if plan is None:
+        plan = plan_job(job, run_id, secret_blocks=read_secret_block)
+    else:
+        check_secrets(job, read_secret_block)  # the command planned before Prefect's blocks could be read
     # From here on every node, recovery and rerun of this run id stages exactly these objects.
     for prefix in (plan.dataset, *plan.inputs.values()):
         freeze(prefix, plan.checkpoint_url)

@@ -72,7 +72,7 @@ def aws_left(ec2: Ec2Server, cluster: str, region: str = "us-east-1") -> dict[st
 
 
 def gcp_left(gce: GceServer, cluster: str) -> dict[str, list[str]]:
-    from infra.compute.providers.gcp.provider import LABEL_CLUSTER, resource_name
+    from infra.compute.providers.gcp.labels import LABEL_CLUSTER, resource_name
 
     instances = [f"{i['name']}:{i['status']}" for i in gce.instances()
                  if i["labels"].get(LABEL_CLUSTER) == cluster]

@@ -32,7 +32,7 @@ from infra.cancel import CANCEL, Cancelled
 from infra.checkpoints.commit import CheckpointStore
 from infra.checkpoints.steps import step_name
 from infra.compute.access.remote import LocalRunner
-from infra.compute.access.ssh import wait_for_ssh
+from infra.compute.access.ssh.connection import wait_for_ssh
 from infra.compute.providers.hosts import in_parallel
 from infra.compute.providers.local import CLUSTER_TAG
 from infra.job.plan import cluster_name_for

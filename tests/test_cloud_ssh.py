@@ -27,14 +27,17 @@ import test_gcp_provider as gcp_tests
 from gce_server import GceServer
 from sshd import SshServer, fingerprint, keygen, require_sshd, start_server
 
-import infra.compute.access.ssh
+import infra.compute.access.ssh.connection
 import infra.compute.providers.cloud as cloud
 from infra.compute.access.hostkeys import HostKey, fingerprint_of, generate_host_key, install_script
-from infra.compute.access.ssh import HostKeyError, SshRunner, close_connections
+from infra.compute.access.ssh.connection import HostKeyError, close_connections
+from infra.compute.access.ssh.runner import SshRunner
 from infra.compute.providers.aws.provider import TAG_HOST_KEY, AwsProvider, user_data
 from infra.compute.providers.base import Cluster, InvalidRequestError, LaunchError, Node
 from infra.compute.providers.cloud import HOST_KEYS, MOUNT, CloudProvider, boot_script
-from infra.compute.providers.gcp.provider import META_HOST_KEY, GcpProvider, startup_script
+from infra.compute.providers.gcp.boot import startup_script
+from infra.compute.providers.gcp.labels import META_HOST_KEY
+from infra.compute.providers.gcp.provider import GcpProvider
 from infra.compute.providers.hosts import HostUnreachableError
 from infra.compute.providers.local import CLUSTER_TAG, NODE_TAG
 
@@ -261,7 +264,7 @@ def test_without_the_key_file_nothing_is_launched_and_no_runner_is_made(aws: Aws
 def test_nodes_that_never_answer_are_torn_down(aws: AwsProvider, monkeypatch: pytest.MonkeyPatch) -> None:
     # The simulated instances have addresses with no machine behind them: bootstrap gives up, the launch is undone.
     monkeypatch.setattr(cloud, "BOOT_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(infra.compute.access.ssh, "TCP_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(infra.compute.access.ssh.connection, "TCP_TIMEOUT_S", 0.3)
     provider = AwsProvider(catalog=aws_tests.small_catalog())
     with pytest.raises(HostUnreachableError) as caught:
         provider.launch("tp-aws-silent", aws_tests.spec(regions=("us-east-1",)), "run-silent")

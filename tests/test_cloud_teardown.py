@@ -40,7 +40,8 @@ from sshd import require_sshd
 
 from infra.compute.providers.aws.provider import TAG_HEARTBEAT, AwsProvider
 from infra.compute.providers.cloud import lease_alive
-from infra.compute.providers.gcp.provider import LABEL_CLUSTER, LABEL_HEARTBEAT, GcpProvider
+from infra.compute.providers.gcp.labels import LABEL_CLUSTER, LABEL_HEARTBEAT
+from infra.compute.providers.gcp.provider import GcpProvider
 from infra.compute.providers.local import LocalProvider
 from infra.job.plan import cluster_name_for
 from infra.job.spec import ClusterSpec

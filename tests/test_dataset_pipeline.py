@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -306,3 +307,48 @@ def test_a_rerun_trains_on_its_snapshot_and_refuses_a_changed_dataset(
     narrowed = job.model_copy(update={"dataset": job.dataset.model_copy(update={"exclude": ("tables/*",)})})
     with pytest.raises(PlanError, match=r"dataset.exclude is \['tables/\*'\] but the run's snapshot was taken with"):
         plan_job(narrowed, "rerun")
+
+
+def test_one_trainpipe_run_lists_the_dataset_once(
+        prefect_server: None, workspace: Path, tmp_path: Path, s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`trainpipe run` plans before the flow (bad input is one line, while Prefect's server starts) and hands its plan
+    to the flow's plan task, which freezes it rather than list and check the dataset again; a run started without the
+    command (a deployment) plans in the flow. The flow stops after its plan here: the rest is every other run's."""
+    import flows.retrain
+    from infra.dataset import planning
+    from infra.job.summary import LAUNCHED_AT_VAR
+    from tasks.plan import plan_run
+
+    listed: list[str] = []
+
+    def counted(listing: Any) -> Any:
+        def count(*args: Any, **kwargs: Any) -> Any:
+            listed.append(listing.__name__)
+            return listing(*args, **kwargs)
+        return count
+
+    monkeypatch.setattr(planning, "take_snapshot", counted(planning.take_snapshot))
+    monkeypatch.setattr(planning, "check_unchanged", counted(planning.check_unchanged))
+    planned = []
+    monkeypatch.setattr(flows.retrain, "run_job", lambda job, run_id: planned.append(plan_run(job, run_id)) or {})
+    from prefect.settings import PREFECT_API_URL
+
+    monkeypatch.setenv("PREFECT_API_URL", str(PREFECT_API_URL.value()))  # the session's server, not one of its own
+    monkeypatch.setenv(LAUNCHED_AT_VAR, "0")  # set by the command otherwise, and kept in this process
+    dataset_url = f"{s3_url}/teams/churn"
+    make_dataset(dataset_url)
+    config = write_config(tmp_path / "job.yaml", config_for(tmp_path, dataset_url))
+
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        result = invoke("run", str(config), "--run-id", "once")
+    finally:
+        for signum, handler in handlers.items():  # the command's own, for its life
+            signal.signal(signum, handler)
+    assert result.exit_code == 0, result.output
+    assert listed == ["take_snapshot"], "the dataset was listed again after the command's plan"
+    [plan] = planned
+    assert not plan.dataset.frozen and open_store(plan.checkpoint_url).head(SNAPSHOT_KEY) is not None
+
+    flows.retrain.retrain(parse_job(config_for(tmp_path, dataset_url)), "deployed")
+    assert listed == ["take_snapshot", "take_snapshot"] and planned[1].run_id == "deployed"

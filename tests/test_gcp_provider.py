@@ -25,26 +25,27 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
 from provider_checks import assert_reports_launched_cluster
 
+import infra.compute.providers.gcp.api as gcp_api
 import infra.compute.providers.gcp.provider as gcp_module
 from infra.compute.access.hostkeys import generate_host_key
 from infra.compute.catalog import Catalog, shipped_catalog
 from infra.compute.failover import QuotaEverywhere
 from infra.compute.providers import get_provider
 from infra.compute.providers.base import CapacityError, InvalidRequestError, LaunchError, QuotaError
+from infra.compute.providers.cloud import MOUNT
+from infra.compute.providers.gcp.boot import startup_script
 from infra.compute.providers.gcp.config import CLOUD_PLATFORM
 from infra.compute.providers.gcp.errors import AuthError, classify, is_transient, operation_error
-from infra.compute.providers.gcp.provider import (
+from infra.compute.providers.gcp.labels import (
     LABEL_CLUSTER,
     LABEL_CREATED,
     LABEL_OWNER,
     LABEL_RANK,
     LABEL_RUN,
-    MOUNT,
-    GcpProvider,
     label_value,
     resource_name,
-    startup_script,
 )
+from infra.compute.providers.gcp.provider import GcpProvider
 from infra.job.spec import ClusterSpec
 
 REGIONS = ("us-central1", "europe-west4")
@@ -73,9 +74,9 @@ def gcp(gce: GceServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> GcpP
     key.write_text("a private key\n")
     monkeypatch.setenv("TRAINPIPE_SSH_KEY_FILE", str(key))
     # The simulated API answers at once: poll and back off in milliseconds, not in the seconds GCE needs.
-    monkeypatch.setattr(gcp_module, "POLL_FIRST_S", 0.005)
-    monkeypatch.setattr(gcp_module, "POLL_MAX_S", 0.02)
-    monkeypatch.setattr(gcp_module, "RETRY_FIRST_S", 0.01)
+    monkeypatch.setattr(gcp_api, "POLL_FIRST_S", 0.005)
+    monkeypatch.setattr(gcp_api, "POLL_MAX_S", 0.02)
+    monkeypatch.setattr(gcp_api, "RETRY_FIRST_S", 0.01)
     monkeypatch.setattr(gcp_module, "FREE_FIRST_S", 0.01)
     monkeypatch.delenv("TRAINPIPE_GCP_ZONES", raising=False)
     return GcpProvider(catalog=small_catalog(), project=PROJECT, credentials=AnonymousCredentials(),
@@ -109,12 +110,12 @@ def test_provider_is_registered_and_needs_no_credentials_to_build(monkeypatch: p
     for name in ("GOOGLE_APPLICATION_CREDENTIALS", "TRAINPIPE_GCP_PROJECT", "GOOGLE_CLOUD_PROJECT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "gcloud"))
-    monkeypatch.setattr(gcp_module, "GCE_PRODUCT_FILE", tmp_path / "product_name")
+    monkeypatch.setattr(gcp_api, "GCE_PRODUCT_FILE", tmp_path / "product_name")
 
     def no_lookup(*_: Any, **__: Any) -> None:
         raise AssertionError("google.auth.default() probes the network: not without credentials")
 
-    monkeypatch.setattr(gcp_module.google.auth, "default", no_lookup)
+    monkeypatch.setattr(gcp_api.google.auth, "default", no_lookup)
     started = time.monotonic()
     provider = get_provider("gcp")
     assert provider.name == "gcp" and provider.list_clusters() == []
@@ -299,7 +300,7 @@ def test_a_refused_second_insert_rolls_back_the_first(gcp: GcpProvider, gce: Gce
 def test_transient_api_errors_are_retried_with_the_same_request_id(gcp: GcpProvider, gce: GceServer,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     gce.fail("backendError", zone="us-central1-a", http_status=503, times=2)
-    with caplog.at_level(logging.WARNING, logger="infra.compute.providers.gcp.provider"):
+    with caplog.at_level(logging.WARNING, logger="infra.compute.providers.gcp.api"):
         cluster = gcp.launch("tp-gcp-retry", spec(regions=("us-central1",)), "run-retry")
     assert [a.outcome for a in gcp.last_attempts] == ["launched"] and len(cluster.nodes) == 2
     posts = gce.calls("POST", "/zones/us-central1-a/instances$")

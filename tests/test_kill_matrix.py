@@ -45,7 +45,8 @@ from warm_flows import WarmFlows, alive, warm_flows
 from infra.checkpoints.commit import CheckpointStore
 from infra.compute.providers import Provider, get_provider
 from infra.compute.providers.aws.provider import TAG_HEARTBEAT, AwsProvider
-from infra.compute.providers.gcp.provider import LABEL_CLUSTER, LABEL_HEARTBEAT, GcpProvider
+from infra.compute.providers.gcp.labels import LABEL_CLUSTER, LABEL_HEARTBEAT
+from infra.compute.providers.gcp.provider import GcpProvider
 from infra.compute.providers.local import CLUSTER_TAG, NODE_TAG
 from infra.compute.providers.netns import emulation as netns
 from infra.job.plan import cluster_name_for

@@ -71,3 +71,18 @@ def test_bad_references_exit_2_with_one_line(tmp_path: Path) -> None:
     ]:
         code, _, err = model(*args, root=root)
         assert code == 2 and message in err and len(err.splitlines()) == 1, (args, err)
+
+
+def test_promote_refuses_a_checkpoint_its_runs_retention_would_not_keep(tmp_path: Path) -> None:
+    """A run's retention keeps what the registry at the run's parent protects: an alias under another root (or a
+    root above that parent) would not keep its checkpoint from being deleted, so the promotion is refused."""
+    root = f"file://{tmp_path}/ckpts"
+    elsewhere = commit_step(f"file://{tmp_path}/other", "night-1", 10, tmp_path)
+    nested = commit_step(f"{root}/team", "night-2", 10, tmp_path)
+    for checkpoint, its_root in [(elsewhere, f"file://{tmp_path}/other"), (nested, f"{root}/team")]:
+        code, out, err = model("promote", "gpt@production", checkpoint, root=root)
+        assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+        assert checkpoint in err and f"outside the registry root {root}" in err and f"--root {its_root}" in err, err
+    assert model("ls", root=root)[1].endswith("no models yet (trainpipe model promote NAME@alias CKPT)\n")
+    code, out, _ = model("promote", "gpt@production", nested, root=f"{root}/team")
+    assert code == 0 and out == f"gpt@production -> {nested} (its first promotion)\n"

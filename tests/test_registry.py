@@ -103,6 +103,20 @@ def test_retention_keeps_what_aliases_point_at(root: str, tmp_path: Path) -> Non
     assert [m.step for m in checkpoints.committed()] == [5, 3, 2, 1]
 
 
+def test_promote_refuses_a_checkpoint_outside_the_root_s3(s3_url: str, tmp_path: Path) -> None:
+    """Retention in a run asks the registry at the run's parent: an alias kept under another root would not stop it
+    deleting the promoted step, so the registry refuses to point at it and writes nothing."""
+    root = f"{s3_url}/ckpts"
+    outside = commit_step(f"{s3_url}/other", "run-1", 1, tmp_path)
+    registry = Registry(root)
+    with pytest.raises(RegistryError, match=rf"{outside}: outside the registry root {root}.*--root {s3_url}/other"):
+        registry.promote("m", "production", outside, metrics={}, reason="r", who="t")
+    assert registry.models() == {} and list(registry.store.list("_registry/")) == []
+    home = Registry(registry_root_of(f"{s3_url}/other/run-1"))
+    home.promote("m", "production", outside, metrics={}, reason="r", who="t")
+    assert home.protected(f"{s3_url}/other/run-1") == {1}
+
+
 def test_lineage_and_eval_beside_the_manifest(root: str, tmp_path: Path) -> None:
     lineage = Lineage.model_validate({**LINEAGE, "parent": f"{root}/run-1/step-00000001"})
     url = commit_step(root, "run-2", 3, tmp_path, lineage=lineage)

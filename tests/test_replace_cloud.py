@@ -43,7 +43,7 @@ from sshd import require_sshd
 from test_cloud_teardown import AWS_PREFIX, GCP_PREFIX, REGION
 
 import infra.compute.providers.cloud as cloud
-import infra.compute.providers.gcp.provider as gcp_module
+import infra.compute.providers.gcp.api as gcp_api
 from infra.compute.providers.aws.provider import (
     TAG_CLUSTER,
     TAG_CREATED,
@@ -57,7 +57,7 @@ from infra.compute.providers.aws.provider import (
 )
 from infra.compute.providers.base import Cluster, ReplacementUnavailable
 from infra.compute.providers.cloud import HOST_KEYS, CloudProvider
-from infra.compute.providers.gcp.provider import (
+from infra.compute.providers.gcp.labels import (
     LABEL_CLUSTER,
     LABEL_CREATED,
     LABEL_HEARTBEAT,
@@ -66,9 +66,9 @@ from infra.compute.providers.gcp.provider import (
     LABEL_RANK,
     LABEL_RUN,
     META_HOST_KEY,
-    GcpProvider,
     resource_name,
 )
+from infra.compute.providers.gcp.provider import GcpProvider
 from infra.compute.providers.hosts import HostUnreachableError
 from infra.lifecycle.sweep import sweep_clusters
 
@@ -92,8 +92,8 @@ def aws_setup(ec2: Ec2Server, image: str, monkeypatch: pytest.MonkeyPatch, tmp_p
 def gcp_setup(gce: GceServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, str]:
     gce.reset()
     # The simulated API answers at once: poll and back off in milliseconds, not in the seconds GCE needs.
-    monkeypatch.setattr(gcp_module, "POLL_FIRST_S", 0.005)
-    monkeypatch.setattr(gcp_module, "POLL_MAX_S", 0.02)
+    monkeypatch.setattr(gcp_api, "POLL_FIRST_S", 0.005)
+    monkeypatch.setattr(gcp_api, "POLL_MAX_S", 0.02)
     env = {**gcp_env(gce, gcp_key_file(tmp_path / "service-account.json", gce)),
            "TRAINPIPE_GCP_ZONES": f"{GCP_REGION}-a", "TRAINPIPE_SSH_KEY_FILE": str(unreached_key(tmp_path))}
     for name, value in env.items():

@@ -18,14 +18,14 @@ import pytest
 from sshd import SshServer, keygen, ssh_servers
 
 from infra.compute.access.remote import RemoteError
-from infra.compute.access.ssh import (
+from infra.compute.access.ssh.connection import (
     HostKeyError,
     SshAuthError,
     SshConnectError,
-    SshRunner,
     close_connections,
     wait_for_ssh,
 )
+from infra.compute.access.ssh.runner import SshRunner
 from infra.errors import is_transient
 
 # A command that reports a child it started, says when SIGTERM reaches it, and exits cleanly after it.
@@ -128,7 +128,7 @@ def test_env_values_are_on_no_command_line_of_the_node(server: SshServer, client
 def test_a_command_whose_environment_is_cut_short_never_runs(server: SshServer, client_key: Path) -> None:
     """The wrapper reads the environment until its end mark: input that stops before it exits 125, the command
     unstarted, rather than running it with half its environment."""
-    from infra.compute.access.ssh import wrapped_command
+    from infra.compute.access.ssh.command import wrapped_command
 
     runner = runner_for(server, client_key)
     code, output = runner.exec_quick(wrapped_command(["echo", "ran"], None, None) + " < /dev/null")

@@ -28,10 +28,10 @@ from said import listening
 from sshd import SshServer, ssh_servers
 from test_ssh_provider import cluster_processes, host_config
 
-import infra.compute.access.ssh
+import infra.compute.access.ssh.connection
 import infra.compute.providers.ssh.provider as ssh_provider
 from infra.checkpoints.commit import CheckpointStore
-from infra.compute.access.ssh import close_connections
+from infra.compute.access.ssh.connection import close_connections
 from infra.job.plan import cluster_name_for
 from infra.job.spec import parse_job
 from infra.storage import open_store
@@ -39,7 +39,7 @@ from infra.storage import open_store
 KEEPALIVE_S = 1.0
 # Long enough (~20 s idle) that the partition, made at the first commit, is mostly found while training goes on.
 STEPS = 600
-KEEPALIVE_BOUND_S = KEEPALIVE_S * (infra.compute.access.ssh.KEEPALIVE_MISSES + 1)
+KEEPALIVE_BOUND_S = KEEPALIVE_S * (infra.compute.access.ssh.connection.KEEPALIVE_MISSES + 1)
 # Generous on a loaded machine, and still far below what the bounds tell apart: the default keepalive (15 s × 4 = 60 s)
 # or a connection left to TCP's retransmissions (minutes).
 SLACK = 3
@@ -86,8 +86,8 @@ def test_a_node_whose_packets_are_dropped_mid_training_is_recovered_not_waited_o
     from flows.retrain import retrain
 
     require_nft()
-    monkeypatch.setattr(infra.compute.access.ssh, "KEEPALIVE_S", KEEPALIVE_S)
-    monkeypatch.setattr(infra.compute.access.ssh, "TCP_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(infra.compute.access.ssh.connection, "KEEPALIVE_S", KEEPALIVE_S)
+    monkeypatch.setattr(infra.compute.access.ssh.connection, "TCP_TIMEOUT_S", 0.5)
     monkeypatch.setattr(ssh_provider, "TEARDOWN_CONNECT_S", 2.0)
     monkeypatch.setattr(ssh_provider, "LAUNCH_CONNECT_S", 2.0)
     close_connections()  # connections opened before the patch would keep the 15 s keepalive

@@ -28,7 +28,8 @@ from sshd import SshServer, ssh_servers
 
 from infra.checkpoints.commit import CheckpointStore
 from infra.compute.access.bootstrap import bootstrap_node, build_wheel
-from infra.compute.access.ssh import SshRunner, close_connections
+from infra.compute.access.ssh.connection import close_connections
+from infra.compute.access.ssh.runner import SshRunner
 from infra.compute.providers import InvalidRequestError, get_provider
 from infra.compute.providers.base import Cluster, ReplacementUnavailable
 from infra.compute.providers.local import CLUSTER_TAG

@@ -67,6 +67,7 @@ def run(config: ConfigArg, run_id: RunIdOpt = None) -> None:
     """Run the whole pipeline as a Prefect flow and print its summary."""
     import psutil
 
+    from infra.job.handoff import hand_over
     from infra.job.plan import plan_job
     from infra.job.spec import load_job
     from infra.job.summary import LAUNCHED_AT_VAR, RunSummary, load_summary
@@ -85,8 +86,9 @@ def run(config: ConfigArg, run_id: RunIdOpt = None) -> None:
         signal.signal(signum, _exit_on_signal)
     server = BackgroundServer().start()
     try:
-        # Fail on bad input before the flow starts, so the user sees one line rather than a flow traceback.
-        plan_job(job, run_id)
+        # Fail on bad input before the flow starts, so the user sees one line rather than a flow traceback; the flow's
+        # plan task takes this plan rather than list and check the dataset again.
+        hand_over(job, plan_job(job, run_id))
     except resolve_errors(*USER_ERRORS) as exc:
         typer.echo(f"error: {exc}", err=True)
         server.stop()  # after the line: the user need not wait for it

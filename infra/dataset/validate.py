@@ -149,11 +149,15 @@ def _shard_rows(store: ObjectStore, manifest: DatasetManifest, deep: bool) -> pd
 
 
 def _shard_checks(store: ObjectStore, manifest: DatasetManifest, frame: pd.DataFrame, deep: bool) -> list[_Check]:
+    checks = [*_entry_checks(), *_store_checks(store, manifest, frame), _token_total_check(manifest)]
+    return [*checks, *_content_checks(manifest)] if deep else checks
+
+
+def _entry_checks() -> list[_Check]:
+    """Each manifest entry on its own: one entry per shard name, a shard's name, its size for its tokens."""
     import great_expectations.expectations as gxe
 
-    top = manifest.vocab_size - 1
-    strays = frame.loc[~frame["in_manifest"], "name"].tolist()
-    checks = [
+    return [
         _Check(
             gxe.ExpectColumnValuesToBeUnique(column="name"),
             _per_row(lambda r: f"{r['name']}: listed more than once in the manifest: re-create the dataset"),
@@ -169,6 +173,15 @@ def _shard_checks(store: ObjectStore, manifest: DatasetManifest, frame: pd.DataF
                 "(2 per token): re-create the dataset"
             ),
         ),
+    ]
+
+
+def _store_checks(store: ObjectStore, manifest: DatasetManifest, frame: pd.DataFrame) -> list[_Check]:
+    """The manifest against the store's listing: every shard there at its size, and no shard the manifest lacks."""
+    import great_expectations.expectations as gxe
+
+    strays = frame.loc[~frame["in_manifest"], "name"].tolist()
+    return [
         _Check(
             gxe.ExpectColumnValuesToNotBeNull(column="actual_bytes"),
             _per_row(lambda r: f"{r['name']}: missing from {store.url}: re-create or re-upload the shard"),
@@ -186,38 +199,49 @@ def _shard_checks(store: ObjectStore, manifest: DatasetManifest, frame: pd.DataF
                 f"{name}: in {store.url} but not in the manifest: delete it or re-create the dataset" for name in strays
             ],
         ),
-        _Check(
-            gxe.ExpectColumnSumToBeBetween(
-                column="tokens", min_value=manifest.total_tokens, max_value=manifest.total_tokens
-            ),
-            lambda result: [
-                f"{MANIFEST_KEY}: total_tokens {manifest.total_tokens} != sum of shard tokens "
-                f"{_plain(result['observed_value'])}: re-create the dataset"
-            ],
-        ),
     ]
-    if deep:
+
+
+def _token_total_check(manifest: DatasetManifest) -> _Check:
+    import great_expectations.expectations as gxe
+
+    return _Check(
+        gxe.ExpectColumnSumToBeBetween(
+            column="tokens", min_value=manifest.total_tokens, max_value=manifest.total_tokens
+        ),
+        lambda result: [
+            f"{MANIFEST_KEY}: total_tokens {manifest.total_tokens} != sum of shard tokens "
+            f"{_plain(result['observed_value'])}: re-create the dataset"
+        ],
+    )
+
+
+def _content_checks(manifest: DatasetManifest) -> list[_Check]:
+    """What only reading the shards shows (deep): each one's sha256, and its token ids within the vocab."""
+    import great_expectations.expectations as gxe
+
+    top = manifest.vocab_size - 1
+    checks = [
+        _columns_agree(
+            "sha256", "actual_sha256",
+            lambda r: (
+                f"{r['name']}: sha256 mismatch (manifest {_short(r['sha256'])}, actual "
+                f"{_short(r['actual_sha256'])}): re-create or re-upload the shard"
+            ),
+        )
+    ]
+    for column in ("min_token", "max_token"):
         checks.append(
-            _columns_agree(
-                "sha256", "actual_sha256",
-                lambda r: (
-                    f"{r['name']}: sha256 mismatch (manifest {_short(r['sha256'])}, actual "
-                    f"{_short(r['actual_sha256'])}): re-create or re-upload the shard"
+            _Check(
+                gxe.ExpectColumnValuesToBeBetween(column=column, min_value=0, max_value=top),
+                _per_row(
+                    lambda r, column=column: (
+                        f"{r['name']}: token id {r[column]} out of vocab [0, {top}] (vocab_size "
+                        f"{manifest.vocab_size}): re-create the shard, or the dataset with a larger vocab"
+                    )
                 ),
             )
         )
-        for column in ("min_token", "max_token"):
-            checks.append(
-                _Check(
-                    gxe.ExpectColumnValuesToBeBetween(column=column, min_value=0, max_value=top),
-                    _per_row(
-                        lambda r, column=column: (
-                            f"{r['name']}: token id {r[column]} out of vocab [0, {top}] (vocab_size "
-                            f"{manifest.vocab_size}): re-create the shard, or the dataset with a larger vocab"
-                        )
-                    ),
-                )
-            )
     return checks
 
 

@@ -197,15 +197,21 @@ def _init_from(job: JobSpec) -> CheckpointTarget | None:
         raise PlanError(f"training.init_from: {exc}") from None
 
 
+def check_secrets(job: JobSpec, secret_blocks: BlockReader | None) -> None:
+    """That each secret the job names is there (the values are not kept); without secret_blocks, Prefect's blocks
+    are left to the flow's plan."""
+    try:
+        resolve_secrets(job.training.secrets, secret_blocks)
+    except SecretMissing as exc:
+        raise PlanError(str(exc)) from None
+
+
 def plan_job(job: JobSpec, run_id: str, secret_blocks: BlockReader | None = None) -> Plan:
     """secret_blocks reads Prefect Secret blocks (the flow's plan has one); without it those the job names are
     checked by the flow's plan, still before anything is launched."""
     if not RUN_ID.match(run_id):
         raise PlanError(f"run id '{run_id}': use letters, digits, '.', '_' or '-' (at most 64)")
-    try:
-        resolve_secrets(job.training.secrets, secret_blocks)  # that each is there; the values are not kept
-    except SecretMissing as exc:
-        raise PlanError(str(exc)) from None
+    check_secrets(job, secret_blocks)
     if (problem := store_access_problem(job)) is not None:
         raise PlanError(problem)
     found = cluster_candidates(job)

@@ -30,7 +30,14 @@ from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
 
-from infra.registry.refs import AliasConflict, RegistryError, check_name, resolve_checkpoint
+from infra.registry.refs import (
+    AliasConflict,
+    CheckpointTarget,
+    RegistryError,
+    check_name,
+    registry_root_of,
+    resolve_checkpoint,
+)
 from infra.storage import ObjectNotFound, open_store
 
 log = logging.getLogger(__name__)
@@ -163,10 +170,21 @@ class Registry:
         Compare-and-swap: AliasConflict when the alias is not at expected_previous (a step URL, or None for "names
         nothing"), or moves while this call decides; ANY expects the position this call reads first."""
         target = resolve_checkpoint(target_url, self.root_url)
+        self._refuse_if_unkept(target)
         head = self._head(model, alias)
         self._expect(model, alias, head, expected_previous)
         return self._append(model, alias, head, target=target.url, metrics=metrics, reason=reason, who=who,
                             run_id=run_id)
+
+    def _refuse_if_unkept(self, target: CheckpointTarget) -> None:
+        """A run's retention spares only what the registry at the run's parent protects (registry_root_of; its
+        syncer's registry): an alias here pointing at a run anywhere else would not stop that retention deleting it."""
+        its_root = registry_root_of(target.run_url)
+        if its_root != self.store.url:
+            raise RegistryError(f"{target.url}: outside the registry root {self.store.url} (its run's retention keeps "
+                                f"only what the registry at {its_root} protects, so it could delete it): promote it "
+                                f"there (--root {its_root}), or copy its run under {self.store.url} and promote the "
+                                "copy")
 
     def rollback(self, model: str, alias: str, who: str) -> AliasMove:
         """Move the alias back to where it was before its last move (a new move: history is never rewritten)."""

@@ -24,7 +24,7 @@ from typing import Any
 
 import infra
 from infra.compute.access.remote import RemoteError
-from infra.compute.access.ssh import SshRunner
+from infra.compute.access.ssh.runner import SshRunner
 
 log = logging.getLogger(__name__)
 

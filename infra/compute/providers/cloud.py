@@ -32,7 +32,8 @@ from infra.cancel import CANCEL
 from infra.compute.access.bootstrap import NodeReport, WheelBuilder, WheelSource, bootstrap_node
 from infra.compute.access.hostkeys import SSH_DIR, HostKey, generate_host_key, install_script
 from infra.compute.access.remote import RemoteError
-from infra.compute.access.ssh import HostKeyError, SshConnectError, SshRunner, wait_for_ssh
+from infra.compute.access.ssh.connection import HostKeyError, SshConnectError, wait_for_ssh
+from infra.compute.access.ssh.runner import SshRunner
 from infra.compute.catalog import Catalog, load_catalog
 from infra.compute.failover import launch_with_failover
 from infra.compute.optimizer import Candidate, NoCandidateError, candidates

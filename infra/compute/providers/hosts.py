@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 from infra.cancel import CANCEL
-from infra.compute.access.ssh import HostKeyError, SshAuthError, SshConnectError
+from infra.compute.access.ssh.connection import HostKeyError, SshAuthError, SshConnectError
 from infra.compute.providers.base import InvalidRequestError, LaunchError
 
 T = TypeVar("T")

@@ -25,7 +25,7 @@ from typing import Any
 
 from infra.compute.access.bootstrap import NodeReport, WheelBuilder, WheelSource, bootstrap_node
 from infra.compute.access.remote import RemoteError, Runner
-from infra.compute.access.ssh import SshRunner
+from infra.compute.access.ssh.runner import SshRunner
 from infra.compute.providers.base import (
     Attempt,
     Cluster,

@@ -1,0 +1,97 @@
+"""What a GCP node boots with: the Deep Learning VM image, its boot disk, its local SSDs (attached by GCE itself on
+the series that bundle them) mounted as one filesystem, the cluster's host key, and a power-off that deletes the
+instance; all from the startup-script, which GCE runs at every boot."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from infra.compute.access.hostkeys import HostKey
+from infra.compute.providers.cloud import MOUNT, boot_script
+from infra.compute.providers.gcp.errors import InvalidRequestError
+from infra.node import gce_self_delete
+
+# Deep Learning VM image (NVIDIA driver, CUDA) published by Google; TRAINPIPE_GCP_IMAGE overrides it.
+DEFAULT_IMAGE = "projects/deeplearning-platform-release/global/images/family/common-cu128-ubuntu-2204-nvidia-570"
+BOOT_DISK_GB = 200
+BOOT_DISK_TYPE = "pd-balanced"
+# Series that come with their local SSDs attached; earlier ones (A2 standard, N1, G2) take SCRATCH disks in the
+# request (cloud.google.com/compute/docs/disks/add-local-ssd).
+BUNDLED_SSD_SERIES = ("a2-ultragpu-", "a3-", "a4-", "a4x-", "a5x-", "z3-", "z4d-", "z4m-")
+
+# Local SSDs: RAID0 over every device (one device is used as is), one filesystem, mounted at MOUNT. GCE runs the
+# startup script on every boot, so each step is skipped when already done; it follows the host key install (see
+# startup_script), which is the same key at every boot.
+NVME_SCRIPT = f"""shopt -s nullglob
+mkdir -p {MOUNT}
+if ! mountpoint -q {MOUNT}; then
+  devices=(/dev/disk/by-id/google-local-nvme-ssd-*)
+  target=""
+  if [ -e /dev/md0 ]; then
+    target=/dev/md0
+  elif [ "${{#devices[@]}}" -gt 1 ]; then
+    command -v mdadm >/dev/null || {{ apt-get update -qq && apt-get install -y -qq mdadm; }}
+    mdadm --create /dev/md0 --run --force --level=0 --raid-devices="${{#devices[@]}}" "${{devices[@]}}"
+    target=/dev/md0
+  elif [ "${{#devices[@]}}" -eq 1 ]; then
+    target="${{devices[0]}}"
+  fi
+  if [ -n "$target" ]; then
+    if ! blkid "$target" >/dev/null 2>&1; then
+      if command -v mkfs.xfs >/dev/null; then mkfs.xfs -f -K "$target"; else mkfs.ext4 -F -E nodiscard "$target"; fi
+    fi
+    mount -o noatime "$target" {MOUNT}
+  fi
+fi
+mkdir -p {MOUNT}/trainpipe/data {MOUNT}/trainpipe/ckpt {MOUNT}/trainpipe/logs
+chmod -R 1777 {MOUNT}/trainpipe
+"""
+
+
+SELF_DELETE = "/usr/local/sbin/trainpipe-delete-self"
+POWEROFF_UNIT = "trainpipe-delete-on-poweroff.service"
+
+
+def poweroff_deletes_script(api_endpoint: str | None = None) -> str:
+    """Makes powering the instance off delete it (infra.node.gce_self_delete says why GCE needs this): the program,
+    and a unit whose stop (at shutdown; skipped on a reboot) runs it while the network is still up. Idempotent, as
+    GCE runs the startup script at every boot."""
+    program = Path(gce_self_delete.__file__).read_text()
+    api = api_endpoint or gce_self_delete.API
+    if not re.fullmatch(r"[A-Za-z0-9:/._-]+", api):
+        raise InvalidRequestError(f"gcp: API endpoint {api!r}: give a plain http(s)://host[:port] URL")
+    return f"""cat > {SELF_DELETE} <<'TRAINPIPE_SELF_DELETE'
+{program}TRAINPIPE_SELF_DELETE
+chmod 0755 {SELF_DELETE}
+cat > /etc/systemd/system/{POWEROFF_UNIT} <<'TRAINPIPE_UNIT'
+[Unit]
+Description=trainpipe: delete this instance when it powers off (GCE only stops it, and bills its disks)
+Wants=network-online.target
+After=network-online.target
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+ExecStart=/bin/true
+ExecStop=/bin/sh -c 'systemctl list-jobs | grep -q reboot.target || exec /usr/bin/python3 {SELF_DELETE} --api {api}'
+TimeoutStopSec=60
+
+[Install]
+WantedBy=multi-user.target
+TRAINPIPE_UNIT
+systemctl daemon-reload
+systemctl enable --now {POWEROFF_UNIT}
+"""
+
+
+def startup_script(host_key: HostKey, api_endpoint: str | None = None) -> str:
+    """The instance's startup-script: the cluster's host key installed first, then the local SSD mount, then what makes
+    a power-off delete the instance (api_endpoint: the Compute API the nodes call, default Google's). Anyone who may
+    read instance metadata in the project (compute.instances.get) can read it, host private key included: see
+    infra.compute.access.hostkeys."""
+    return boot_script(host_key, NVME_SCRIPT + poweroff_deletes_script(api_endpoint))
+
+
+def bundles_local_ssd(machine_type: str) -> bool:
+    return machine_type.startswith(BUNDLED_SSD_SERIES) or machine_type.endswith("-lssd")
