@@ -45,7 +45,7 @@ from infra.compute.providers.gcp.provider import (
     resource_name,
     startup_script,
 )
-from infra.job.spec import ClusterSpec
+from infra.compute.spec import ClusterSpec
 
 REGIONS = ("us-central1", "europe-west4")
 LABEL_VALUE = re.compile(r"^[a-z0-9_-]{0,63}$")

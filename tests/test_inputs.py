@@ -17,8 +17,9 @@ from test_dataset_stage import failure_line, tree
 
 from infra.checkpoints.commit import CheckpointStore
 from infra.dataset.snapshot import input_snapshot_key, save_snapshot, take_snapshot
+from infra.dataset.spec import InputSpec
 from infra.job.plan import PlanError, plan_job
-from infra.job.spec import ConfigError, InputSpec, parse_job
+from infra.job.spec import ConfigError, parse_job
 from infra.node.events import parse
 from infra.storage import open_store
 

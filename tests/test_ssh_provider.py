@@ -33,8 +33,9 @@ from infra.compute.providers import InvalidRequestError, get_provider
 from infra.compute.providers.base import Cluster, ReplacementUnavailable
 from infra.compute.providers.local import CLUSTER_TAG
 from infra.compute.providers.ssh.provider import RESERVATION, HostReservedError, SshProvider
-from infra.job.spec import ClusterSpec, ConfigError, parse_job
-from infra.node.preemption import NOTICE_FILE, Notice, write_notice
+from infra.compute.spec import ClusterSpec
+from infra.job.spec import ConfigError, parse_job
+from infra.node.preemption_notice import NOTICE_FILE, Notice, write_notice
 from infra.storage import open_store
 
 Servers = tuple[Path, list[SshServer]]

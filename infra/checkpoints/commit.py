@@ -45,10 +45,10 @@ from pydantic import Field, ValidationError, model_validator
 from infra.checkpoints.lineage import Lineage
 from infra.checkpoints.steps import PATTERN as STEP_PATTERN
 from infra.checkpoints.steps import parse_step_name, step_name
-from infra.models import SHA256_HEX, StrictModel
 from infra.storage.base import ChecksumMismatch, ObjectNotFound, ObjectStore
 from infra.storage.checksum import SHA256, TAGGED_CHECKSUM, Checksum, checksum_of_ranges, sha256_file
 from infra.storage.transfer import FileSpec, download, upload
+from infra.strict_model import SHA256_HEX, StrictModel
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,10 @@ from infra.compute.optimizer import Candidate, NoCandidateError, candidates, ren
 from infra.dataset.docs import write_data_docs
 from infra.dataset.manifest import DatasetError
 from infra.dataset.planning import CarriesValidation, DatasetPlan, ExpectationsFailed, plan_dataset, plan_input
+from infra.dataset.spec import InputSpec
 from infra.dataset.stagecache import CACHE_DIR, cached_bytes
 from infra.job.secrets import BlockReader, SecretMissing, resolve_secrets
-from infra.job.spec import InputSpec, JobSpec
+from infra.job.spec import JobSpec
 from infra.job.store_access import store_access_problem
 from infra.registry import CheckpointTarget, RegistryError, resolve_checkpoint
 from infra.storage import StorageError, open_store

@@ -55,8 +55,8 @@ from infra.compute.providers.gcp.errors import (
     is_transient,
     operation_error,
 )
-from infra.compute.providers.launcher import launcher_stamp
-from infra.job.spec import ClusterSpec
+from infra.compute.providers.owner import launcher_stamp
+from infra.compute.spec import ClusterSpec
 from infra.node import gce_self_delete
 
 
