@@ -144,7 +144,7 @@ def imports_of(source: str, module: str, is_package: bool, known: set[str]) -> I
     yield from (found.module for found in imports_with_lines(source, module, is_package, known))
 
 
-def _arrows(root: Path = ROOT) -> dict[str, dict[str, int]]:
+def _arrows(root: Path) -> dict[str, dict[str, int]]:
     """Per module of the tree: every module it imports (of the tree or not), each with the line of its first import."""
     modules = _modules(root)
     known = set(modules)
@@ -156,7 +156,7 @@ def _arrows(root: Path = ROOT) -> dict[str, dict[str, int]]:
     return graph
 
 
-def _graph(root: Path = ROOT) -> dict[str, set[str]]:
+def _graph(root: Path) -> dict[str, set[str]]:
     return {name: set(arrows) for name, arrows in _arrows(root).items()}
 
 
@@ -318,25 +318,25 @@ def test_every_room_is_in_the_order() -> None:
 
 
 def test_no_import_circles() -> None:
-    arrows = _arrows()
+    arrows = _arrows(ROOT)
     circles = [_describe(circle, arrows) for circle in import_circles(arrows)]
     assert not circles, "import circles:\n" + "\n".join(circles)
 
 
 def test_every_arrow_points_down_the_order() -> None:
-    breaches = order_breaches(_arrows())
+    breaches = order_breaches(_arrows(ROOT))
     assert not breaches, "\n".join(breaches)
 
 
 def test_no_module_imports_a_higher_layer() -> None:
-    graph = _graph()
+    graph = _graph(ROOT)
     broken = [f"{importer} imports {imported}: {why}" for importer, imported_set in sorted(graph.items())
               for imported in sorted(imported_set) if (why := violation(importer, imported))]
     assert not broken, "\n".join(broken)
 
 
 def test_the_node_agent_reaches_no_orchestration_through_its_imports() -> None:
-    graph = _graph()
+    graph = _graph(ROOT)
     broken = []
     for start in sorted(m for m in graph if _within(m, "infra.node")):
         for reached, importer in sorted(_reachable(graph, start).items()):
