@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import get_run_logger, task
 
-from infra.checkpoints.commit import CheckpointStore
+from infra.checkpoints.store import CheckpointStore
 from infra.compute.providers import Cluster, runner_for
 from infra.storage import open_store
 from tasks.node_output import last_event, node_line_sink

@@ -27,7 +27,7 @@ from test_cluster_bench import bench_task_failure
 from test_pipeline_e2e import tagged_processes
 
 from infra.analysis import clusterbench
-from infra.checkpoints.commit import CheckpointStore
+from infra.checkpoints.store import CheckpointStore
 from infra.compute.providers import Cluster, ClusterRecord, InvalidRequestError, get_provider
 from infra.compute.providers.netns import emulation as netns
 from infra.compute.providers.netns.provider import NetnsProvider

@@ -26,7 +26,7 @@ from jobs import job_config, make_dataset
 from provider_checks import assert_replaces_only_the_lost
 from sshd import SshServer, ssh_servers
 
-from infra.checkpoints.commit import CheckpointStore
+from infra.checkpoints.store import CheckpointStore
 from infra.compute.access.bootstrap import bootstrap_node, build_wheel
 from infra.compute.access.ssh import SshRunner, close_connections
 from infra.compute.providers import InvalidRequestError, get_provider

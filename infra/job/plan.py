@@ -8,7 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.checkpoints.commit import CheckpointError, CheckpointStore
+from infra.checkpoints.layout import CheckpointError
+from infra.checkpoints.store import CheckpointStore
 from infra.compute.catalog import CatalogError, load_catalog
 from infra.compute.optimizer import Candidate, NoCandidateError, candidates, render_candidates
 from infra.dataset.docs import write_data_docs

@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
 
-from infra.checkpoints.commit import CheckpointStore
 from infra.checkpoints.steps import PATTERN as STEP_PATTERN
+from infra.checkpoints.store import CheckpointStore
 from infra.registry.refs import (
     AliasConflict,
     CheckpointTarget,
