@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.trainer_flags import VOCAB_SIZE, ModelShape
-from infra.checkpoints.commit import CheckpointStore
+from infra.checkpoints.store import CheckpointStore
 from infra.dataset.synth import synthesize
 from infra.node.events import NodeEvent, WorkloadEvent, parse
 from infra.storage import open_store

@@ -30,8 +30,8 @@ from infra.dataset.formats import detect_formats, read_rows
 from infra.dataset.gate import validate_files
 from infra.dataset.planning import plan_dataset
 from infra.dataset.snapshot import take_snapshot
+from infra.dataset.spec import DatasetSpec
 from infra.dataset.stagecache import ObjectCache
-from infra.job.spec import DatasetSpec
 from infra.node.stage import stage
 from infra.storage import open_store
 from infra.storage.transfer import DEFAULT_CONFIG, FileSpec, download, upload

@@ -39,7 +39,7 @@ from unittest.mock import patch
 from bench.staging import report_json, store_tx_bytes
 from bench.trainer_flags import VOCAB_SIZE, ModelShape
 from infra.analysis.predict import Hardware, Recovery, recovery
-from infra.checkpoints.commit import CheckpointStore
+from infra.checkpoints.store import CheckpointStore
 from infra.compute.providers.netns import emulation as netns
 from infra.dataset.synth import TOKEN_BYTES, synthesize
 from infra.job.recovery_spec import RecoverySpec

@@ -36,10 +36,10 @@ from infra.compute.providers import Cluster, Node
 from infra.compute.providers.netns import emulation as netns
 from infra.compute.providers.netns.provider import NetnsProvider
 from infra.compute.providers.netns.store import NetnsStore
+from infra.compute.spec import ClusterSpec
 from infra.dataset.checksums import file_matches
 from infra.dataset.snapshot import DatasetSnapshot, save_snapshot, take_snapshot
 from infra.dataset.stagecache import node_cache_dir
-from infra.job.spec import ClusterSpec
 from infra.node.events import Event, NodeEvent, parse
 from infra.node.fanout import SHARE_DIR
 from infra.node.stage import FILES_LIST

@@ -10,8 +10,8 @@ from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as current_flow_run
 from prefect.states import State
 
+from infra.compute.spec import ClusterSpec
 from infra.job.plan import cluster_name_for
-from infra.job.spec import ClusterSpec
 from tasks.bench import launch_bench_cluster, measure_cluster, publish_bench
 from tasks.capacity import nodes_held
 from tasks.cluster import teardown_cluster

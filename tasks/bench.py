@@ -8,7 +8,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from infra.analysis import clusterbench
 from infra.analysis.clusterbench import BenchResult
 from infra.compute.providers import Cluster, launch_cluster
-from infra.job.spec import ClusterSpec
+from infra.compute.spec import ClusterSpec
 from tasks.node_output import node_line_sink
 from tasks.policy import TRANSIENT_RETRIES
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import get_run_logger, task
 
-from infra.checkpoints.commit import CheckpointStore
+from infra.checkpoints.store import CheckpointStore
 from infra.compute.providers import Cluster, runner_for
 from infra.node.events import NodeEvent
 from infra.storage import open_store

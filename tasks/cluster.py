@@ -10,8 +10,9 @@ from prefect.exceptions import MissingContextError
 
 from infra.cancel import CANCEL
 from infra.compute.providers import Cluster, Node, Provider, launch_cluster, provider_of, terminate_cluster
+from infra.compute.renewal import RENEWALS_PER_TTL
 from infra.job.spec import JobSpec
-from infra.lifecycle.lease import LEASE_FILE, RENEWALS_PER_TTL, LeaseKeeper
+from infra.lifecycle.lease import LEASE_FILE, LeaseKeeper
 from infra.node.sync import STOP_FILE
 from tasks.policy import TRANSIENT_RETRIES
 

@@ -18,7 +18,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
-from infra.checkpoints.commit import CheckpointStore
+from infra.checkpoints.store import CheckpointStore
 from infra.compute.providers import Cluster, runner_for
 from infra.job.spec import JobSpec
 from infra.registry.refs import step_url

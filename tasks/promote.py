@@ -17,7 +17,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.events import emit_event
 
-from infra.checkpoints.commit import CheckpointStore
+from infra.checkpoints.store import CheckpointStore
 from infra.job.spec import PromoteSpec
 from infra.registry import AliasMove, Registry, RegistryError, resolve_checkpoint
 from infra.storage import open_store

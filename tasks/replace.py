@@ -15,7 +15,7 @@ from infra.job.spec import JobSpec
 from infra.lifecycle.preemption_watch import CHAOS_TRIGGER, Preempted
 from infra.lifecycle.recovery import RecoveryRecord
 from infra.node.events import NodeEvent
-from infra.node.preemption import NOTICE_FILE
+from infra.node.preemption_notice import NOTICE_FILE
 from tasks.cluster import start_lease
 from tasks.node_output import last_event, node_line_sink
 from tasks.policy import NO_RETRIES, TRANSIENT_RETRIES

@@ -15,8 +15,8 @@ from infra.analysis.breakdown import StepBreakdown
 from infra.analysis.charts import markdown_image, run_chart_png
 from infra.analysis.predict import what_if
 from infra.analysis.predict_report import facts_from_summary
-from infra.checkpoints.commit import CheckpointStore
 from infra.checkpoints.steps import step_name
+from infra.checkpoints.store import CheckpointStore
 from infra.compute.failover import attempts_of
 from infra.compute.providers import Cluster
 from infra.dataset.gate import DatasetValidation

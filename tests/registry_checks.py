@@ -7,9 +7,9 @@ import threading
 from pathlib import Path
 from typing import Any, cast
 
-from infra.checkpoints.commit import CheckpointStore
 from infra.checkpoints.lineage import Lineage
 from infra.checkpoints.steps import step_name
+from infra.checkpoints.store import CheckpointStore
 from infra.registry import AliasConflict, AliasMove, Registry
 from infra.storage import ObjectInfo, ObjectStore, open_store
 

@@ -23,7 +23,7 @@ from infra.compute.providers import get_provider
 from infra.compute.providers.aws.errors import AuthError, classify
 from infra.compute.providers.aws.provider import TAG_CLUSTER, TAG_CREATED, TAG_OWNER, TAG_RUN, AwsProvider
 from infra.compute.providers.base import CapacityError, InvalidRequestError, QuotaError
-from infra.job.spec import ClusterSpec
+from infra.compute.spec import ClusterSpec
 
 REGIONS = ("us-east-1", "us-west-2")
 SSH_CIDR = "203.0.113.7/32"

@@ -29,8 +29,8 @@ from conftest import REPO, TRAINPIPE
 from jobs import job_config, make_dataset, write_config
 
 from infra.cancel import CANCEL, Cancelled
-from infra.checkpoints.commit import CheckpointStore
 from infra.checkpoints.steps import step_name
+from infra.checkpoints.store import CheckpointStore
 from infra.compute.access.remote import LocalRunner
 from infra.compute.access.ssh.connection import wait_for_ssh
 from infra.compute.providers.hosts import in_parallel

@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_trainer import TINY_CONFIG
 
-from infra.checkpoints.commit import UPLOAD_LEASE, write_lease
+from infra.checkpoints.upload_lease import UPLOAD_LEASE, write_lease
 from infra.node.events import Event, NodeEvent, WorkloadEvent
 from infra.workload.contract import SYNC_DIR_VAR
 from tasks.report import checkpoint_metrics

@@ -10,14 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from infra.checkpoints.commit import (
-    FILES_PREFIX,
-    CheckpointError,
-    CheckpointStore,
-    NoCommittedCheckpoint,
-    manifest_key,
-    step_name,
-)
+from infra.checkpoints.layout import FILES_PREFIX, CheckpointError, NoCommittedCheckpoint, manifest_key
+from infra.checkpoints.steps import step_name
+from infra.checkpoints.store import CheckpointStore
 from infra.node import restore
 from infra.node.events import NodeEvent, parse
 from infra.storage import open_store

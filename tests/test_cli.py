@@ -19,8 +19,8 @@ from conftest import run_trainpipe
 from jobs import job_config, make_dataset, write_config
 from typer.testing import CliRunner, Result
 
-from infra.checkpoints.commit import CheckpointStore
 from infra.checkpoints.steps import step_name
+from infra.checkpoints.store import CheckpointStore
 from infra.storage import open_store
 from trainpipe.cli import app
 

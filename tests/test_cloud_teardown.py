@@ -43,9 +43,9 @@ from infra.compute.providers.cloud import lease_alive
 from infra.compute.providers.gcp.labels import LABEL_CLUSTER, LABEL_HEARTBEAT
 from infra.compute.providers.gcp.provider import GcpProvider
 from infra.compute.providers.local import LocalProvider
+from infra.compute.renewal import Renewal
+from infra.compute.spec import ClusterSpec
 from infra.job.plan import cluster_name_for
-from infra.job.spec import ClusterSpec
-from infra.lifecycle.lease import Renewal
 from infra.node.events import NodeEvent, parse
 
 AWS_PREFIX, GCP_PREFIX = "127.77.1.", "127.77.2."

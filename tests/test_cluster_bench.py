@@ -28,8 +28,9 @@ from infra.analysis.clusterbench import (
 from infra.compute.access.remote import LocalRunner
 from infra.compute.catalog import shipped_catalog
 from infra.compute.providers import Cluster, Provider, get_provider
+from infra.compute.spec import ClusterSpec
 from infra.job.plan import cluster_candidates
-from infra.job.spec import ClusterSpec, JobSpec, parse_job
+from infra.job.spec import JobSpec, parse_job
 from infra.node import diskbench
 
 QUICK = {"tcp_seconds": 1, "tcp_streams": 2, "allreduce_sizes_mb": [1, 4], "disk_bytes_mb": 16}

@@ -20,7 +20,7 @@ import psutil
 from test_syncer import SyncProcess
 from zygote import FORK_PER_LINE
 
-from infra.checkpoints.commit import CheckpointStore
+from infra.checkpoints.store import CheckpointStore
 from infra.storage import open_store
 from trainer.checkpoint import complete_steps, inspect_checkpoint, step_dir_name
 

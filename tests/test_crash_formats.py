@@ -22,7 +22,8 @@ from test_crash_consistency import kill_pid
 from test_syncer import SyncProcess
 from zygote import FORK_PER_LINE
 
-from infra.checkpoints.commit import CheckpointManifest, CheckpointStore
+from infra.checkpoints.layout import CheckpointManifest
+from infra.checkpoints.store import CheckpointStore
 from infra.storage import open_store
 
 KILL_POINTS = 6

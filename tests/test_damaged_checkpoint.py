@@ -12,8 +12,9 @@ from test_checkpoints import CONFIG_HASH, make_step, node_dirs, node_files
 from test_syncer import both_running, is_event
 from typer.testing import CliRunner
 
-from infra.checkpoints.commit import CheckpointManifest, CheckpointStore, manifest_key
+from infra.checkpoints.layout import CheckpointManifest, manifest_key
 from infra.checkpoints.steps import step_name
+from infra.checkpoints.store import CheckpointStore
 from infra.node import restore
 from infra.node.events import NodeEvent, parse
 from infra.storage import open_store

@@ -22,7 +22,7 @@ import pytest
 import yaml
 from conftest import REPO, run_trainpipe
 
-from infra.checkpoints.commit import CheckpointStore
+from infra.checkpoints.store import CheckpointStore
 from infra.node.events import Event, NodeEvent, parse
 from infra.registry import Registry
 from infra.storage import open_store

@@ -16,8 +16,9 @@ from servers import S3Server
 from test_checkpoints import CONFIG_HASH, make_step
 from test_fanout_stage import Node, Staging, counted_store, local_nodes, node_command, start_server
 
-from infra.checkpoints.commit import CheckpointManifest, CheckpointStore
+from infra.checkpoints.layout import CheckpointManifest
 from infra.checkpoints.steps import step_name
+from infra.checkpoints.store import CheckpointStore
 from infra.node.events import Event, NodeEvent
 from infra.node.sync import RESTORED
 from infra.storage import open_store

@@ -352,7 +352,7 @@ def test_an_owner_slower_than_the_wait_bound_but_alive_is_waited_for(
 @contextmanager
 def local_cluster(name: str, nodes: int) -> Iterator[Any]:
     from infra.compute.providers import get_provider
-    from infra.job.spec import ClusterSpec
+    from infra.compute.spec import ClusterSpec
 
     provider = get_provider("local")
     cluster = provider.launch(name, ClusterSpec(provider="local", nodes=nodes), name)

@@ -9,7 +9,7 @@ import pytest
 from jobs import job_config, make_dataset
 from test_spec import base, error_for
 
-from infra.checkpoints.commit import CheckpointStore
+from infra.checkpoints.store import CheckpointStore
 from infra.job.plan import PlanError, plan_job
 from infra.job.spec import JobSpec, PromoteSpec, parse_job
 from infra.registry import Registry

@@ -46,7 +46,7 @@ from infra.compute.providers.gcp.labels import (
     resource_name,
 )
 from infra.compute.providers.gcp.provider import GcpProvider
-from infra.job.spec import ClusterSpec
+from infra.compute.spec import ClusterSpec
 
 REGIONS = ("us-central1", "europe-west4")
 LABEL_VALUE = re.compile(r"^[a-z0-9_-]{0,63}$")

@@ -17,7 +17,7 @@ from infra.dataset.held import check_held
 from infra.dataset.manifest import DatasetError
 from infra.dataset.planning import plan_prefix
 from infra.dataset.snapshot import take_snapshot
-from infra.job.spec import DatasetSpec
+from infra.dataset.spec import DatasetSpec
 from infra.storage import open_store
 
 

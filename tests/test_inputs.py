@@ -15,10 +15,11 @@ from conftest import REPO, run_trainpipe
 from jobs import COMMIT_TINY_CHECKPOINT, job_config, make_dataset, probe_project, write_config
 from test_dataset_stage import failure_line, tree
 
-from infra.checkpoints.commit import CheckpointStore
+from infra.checkpoints.store import CheckpointStore
 from infra.dataset.snapshot import input_snapshot_key, save_snapshot, take_snapshot
+from infra.dataset.spec import InputSpec
 from infra.job.plan import PlanError, plan_job
-from infra.job.spec import ConfigError, InputSpec, parse_job
+from infra.job.spec import ConfigError, parse_job
 from infra.node.events import NodeEvent, parse
 from infra.storage import open_store
 

@@ -42,7 +42,7 @@ from jobs import job_config, make_dataset, write_config
 from test_cli import invoke
 from warm_flows import WarmFlows, alive, warm_flows
 
-from infra.checkpoints.commit import CheckpointStore
+from infra.checkpoints.store import CheckpointStore
 from infra.compute.providers import Provider, get_provider
 from infra.compute.providers.aws.provider import TAG_HEARTBEAT, AwsProvider
 from infra.compute.providers.gcp.labels import LABEL_CLUSTER, LABEL_HEARTBEAT

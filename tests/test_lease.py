@@ -17,7 +17,7 @@ from said import listening
 from infra.compute.access.remote import LocalRunner, Process, RemoteError
 from infra.compute.providers.base import Cluster, Node
 from infra.compute.providers.local import LocalProvider
-from infra.job.spec import ClusterSpec
+from infra.compute.spec import ClusterSpec
 from infra.lifecycle.lease import LEASE_FILE, LeaseError, LeaseKeeper
 from infra.node.events import Event, NodeEvent, parse
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from conftest import run_trainpipe
 from registry_checks import commit_step
 
-from infra.checkpoints.commit import CheckpointStore
 from infra.checkpoints.lineage import Lineage
+from infra.checkpoints.store import CheckpointStore
 from infra.storage import open_store
 
 

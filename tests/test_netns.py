@@ -27,14 +27,15 @@ from test_cluster_bench import bench_task_failure
 from test_pipeline_e2e import tagged_processes
 
 from infra.analysis import clusterbench
-from infra.checkpoints.commit import CheckpointStore
+from infra.checkpoints.store import CheckpointStore
 from infra.compute.providers import Cluster, ClusterRecord, InvalidRequestError, get_provider
 from infra.compute.providers.netns import emulation as netns
 from infra.compute.providers.netns.provider import NetnsProvider
 from infra.compute.providers.netns.store import NetnsStore
+from infra.compute.spec import ClusterSpec
 from infra.dataset.stagecache import node_cache_dir
 from infra.dataset.synth import synthesize
-from infra.job.spec import ClusterSpec, load_job, parse_job
+from infra.job.spec import load_job, parse_job
 from infra.storage import open_store
 
 QUICK_VERIFY = {"tcp_seconds": 1, "allreduce_sizes_mb": [1], "disk_bytes_mb": 8}

@@ -6,7 +6,7 @@ import pytest
 
 from infra.compute.catalog import Catalog, InstanceType, RegionOffer, shipped_catalog
 from infra.compute.optimizer import NoCandidateError, candidates
-from infra.job.spec import ClusterSpec
+from infra.compute.spec import ClusterSpec
 
 GB = 10**9
 

@@ -17,7 +17,7 @@ import pytest
 from conftest import CLI_TIMEOUT_S, REPO, TRAINPIPE, run_trainpipe
 from jobs import job_config, make_dataset, write_config
 
-from infra.checkpoints.commit import CheckpointStore
+from infra.checkpoints.store import CheckpointStore
 from infra.compute.providers.local import CLUSTER_TAG
 from infra.job.spec import parse_job
 from infra.storage import open_store

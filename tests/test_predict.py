@@ -32,7 +32,7 @@ from infra.analysis.predict import (
 )
 from infra.analysis.predict_report import facts_from_summary
 from infra.compute.catalog import load_catalog
-from infra.job.spec import ClusterSpec
+from infra.compute.spec import ClusterSpec
 from trainpipe.cli import app
 
 MEASURED = Hardware(network_gbps=10, store_gbps=8, local_disk_read_mb_s=1000, local_disk_write_mb_s=500,

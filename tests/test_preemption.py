@@ -23,11 +23,12 @@ from test_pipeline_e2e import tagged_processes
 
 from infra.compute.catalog import shipped_catalog
 from infra.compute.providers.local import NODE_TAG
+from infra.compute.spec import ClusterSpec
 from infra.job.recovery_spec import RecoverySpec
-from infra.job.spec import ClusterSpec, ConfigError, parse_job
+from infra.job.spec import ConfigError, parse_job
 from infra.lifecycle.recovery import Recoveries, RecoveryExhausted, narrowed
 from infra.node.events import NodeEvent, parse
-from infra.node.preemption import NOTICE_FILE, aws_notice, gcp_notice, read_notice
+from infra.node.preemption_notice import NOTICE_FILE, aws_notice, gcp_notice, read_notice
 
 # -- fake metadata services -------------------------------------------------------------------------------------
 

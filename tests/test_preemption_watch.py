@@ -14,7 +14,7 @@ import pytest
 
 from infra.compute.providers.base import Cluster
 from infra.compute.providers.local import NODE_MARKER, LocalProvider
-from infra.job.spec import ClusterSpec
+from infra.compute.spec import ClusterSpec
 from infra.lifecycle.preemption_watch import UNREADABLE_ROUNDS, Preempted, PreemptionWatch, TrainingError
 from infra.workload.progress import StepClock
 

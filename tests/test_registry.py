@@ -11,8 +11,8 @@ from registry_checks import check_race, commit_step
 from test_checkpoints import make_step, node_dirs
 from test_syncer import SyncProcess, is_event
 
-from infra.checkpoints.commit import CheckpointStore
 from infra.checkpoints.lineage import Lineage
+from infra.checkpoints.store import CheckpointStore
 from infra.node.events import NodeEvent
 from infra.registry import (
     AliasConflict,

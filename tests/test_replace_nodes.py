@@ -18,9 +18,10 @@ from test_pipeline_e2e import tagged_processes
 
 from infra.compute.providers.base import Cluster, ReplacementUnavailable
 from infra.compute.providers.local import LocalProvider
+from infra.compute.spec import ClusterSpec
 from infra.dataset.stagecache import node_cache_dir
 from infra.job.plan import cluster_name_for
-from infra.job.spec import ClusterSpec, parse_job
+from infra.job.spec import parse_job
 from infra.lifecycle.preemption_watch import Preempted
 from infra.lifecycle.recovery import Recoveries
 from infra.node import rejoin

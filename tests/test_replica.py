@@ -17,8 +17,9 @@ from test_fanout_restore import NODES, STEP, commit_step, events, held, peer_cre
 from test_fanout_stage import Node, Staging, counted_store, local_nodes, node_command, start_server
 from test_syncer import SyncProcess, is_event
 
-from infra.checkpoints.commit import CheckpointManifest, CheckpointStore
+from infra.checkpoints.layout import CheckpointManifest
 from infra.checkpoints.steps import step_name
+from infra.checkpoints.store import CheckpointStore
 from infra.node.events import NodeEvent
 from infra.node.replica import ReplicaConfig, Replicator, buddy, replica_holder
 from infra.storage import open_store
@@ -232,7 +233,7 @@ def test_a_part_is_served_before_its_record_names_it(tmp_path: Path) -> None:
     """The replica holder pulls a part as soon as its upload record is in the store: the part's files must already be
     in the share dir then. Linked after the record, a pull that came in between found nothing (404) and that step's
     replica was lost."""
-    from infra.checkpoints.commit import FileEntry, NodeRecord
+    from infra.checkpoints.layout import FileEntry, NodeRecord
     from infra.node.fanout import share_name
     from infra.node.sync import Syncer, _parse
 

@@ -17,7 +17,7 @@ from test_checkpoint_async import _saved_model_state
 from test_syncer import SyncProcess
 from test_trainer import VOCAB, markov_shards, merge_step, run_nodes, start_nodes, trainer_args, write_dataset
 
-from infra.checkpoints.commit import CheckpointStore
+from infra.checkpoints.store import CheckpointStore
 from infra.storage import open_store
 from trainer.checkpoint import complete_steps
 

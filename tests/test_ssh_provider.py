@@ -26,7 +26,7 @@ from jobs import job_config, make_dataset
 from provider_checks import assert_replaces_only_the_lost
 from sshd import SshServer, ssh_servers
 
-from infra.checkpoints.commit import CheckpointStore
+from infra.checkpoints.store import CheckpointStore
 from infra.compute.access.bootstrap import bootstrap_node, build_wheel
 from infra.compute.access.ssh.connection import close_connections
 from infra.compute.access.ssh.runner import SshRunner
@@ -34,8 +34,9 @@ from infra.compute.providers import InvalidRequestError, get_provider
 from infra.compute.providers.base import Cluster, ReplacementUnavailable
 from infra.compute.providers.local import CLUSTER_TAG
 from infra.compute.providers.ssh.provider import RESERVATION, HostReservedError, SshProvider
-from infra.job.spec import ClusterSpec, ConfigError, parse_job
-from infra.node.preemption import NOTICE_FILE, Notice, write_notice
+from infra.compute.spec import ClusterSpec
+from infra.job.spec import ConfigError, parse_job
+from infra.node.preemption_notice import NOTICE_FILE, Notice, write_notice
 from infra.storage import open_store
 
 Servers = tuple[Path, list[SshServer]]

@@ -21,7 +21,7 @@ import torch
 from test_trainer import REPO_ROOT, TINY_CONFIG, TINY_MODEL, TORCHRUN, VOCAB, _free_port, markov_shards, write_dataset
 
 from infra.analysis.breakdown import StepBreakdown
-from infra.checkpoints.commit import CheckpointStore
+from infra.checkpoints.store import CheckpointStore
 from infra.node.events import WorkloadEvent
 from infra.node.sync import Shipped, SyncState, read_state, state_path
 from infra.storage import open_store

@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 from test_checkpoints import CONFIG_HASH, make_step, node_dirs
 
-from infra.checkpoints.commit import Announcement, CheckpointRef, CheckpointStore
+from infra.checkpoints.layout import Announcement, CheckpointRef
 from infra.checkpoints.steps import step_name
+from infra.checkpoints.store import CheckpointStore
 from infra.node import restore
 from infra.node.events import Event, NodeEvent, parse
 from infra.node.sync import stop_request

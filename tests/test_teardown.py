@@ -20,7 +20,8 @@ import infra.compute.providers
 import tasks.cluster
 from flows.retrain import run_closed
 from infra.compute.providers.local import LocalProvider
-from infra.job.spec import ClusterSpec, parse_job
+from infra.compute.spec import ClusterSpec
+from infra.job.spec import parse_job
 from infra.job.summary import RunSummary
 from infra.lifecycle.recovery import Recoveries
 from infra.workspace import run_dir

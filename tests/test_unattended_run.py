@@ -17,7 +17,7 @@ from conftest import CLI_TIMEOUT_S, REPO, TRAINPIPE, run_trainpipe
 from jobs import job_config, make_dataset, write_config
 from servers import S3Server, free_port, rclone_s3
 
-from infra.checkpoints.commit import CheckpointStore
+from infra.checkpoints.store import CheckpointStore
 from infra.storage import open_store
 
 # The HF Trainer's layout without torch: a zip is what torch.save writes, and all the syncer checks of a .pth.

@@ -20,7 +20,7 @@ from servers import S3Server, free_port, rclone_s3
 from test_checkpoints import make_step, node_dirs
 from test_syncer import SyncProcess, both_running, is_event
 
-from infra.checkpoints.commit import CheckpointStore
+from infra.checkpoints.store import CheckpointStore
 from infra.compute.access.remote import LocalProcess, LocalRunner, RemoteError, wait_all
 from infra.compute.providers import Node
 from infra.lifecycle.preemption_watch import TrainingError

@@ -43,9 +43,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from infra.checkpoints.commit import UPLOAD_LEASE, leased_step
-from infra.checkpoints.commit import CheckpointError as StoreCheckpointError
+from infra.checkpoints.layout import CheckpointError as StoreCheckpointError
 from infra.checkpoints.steps import parse_step_name, step_name
+from infra.checkpoints.upload_lease import UPLOAD_LEASE, leased_step
 from infra.node.sync import SyncError, read_state, state_path
 from infra.workload.contract import SYNC_DIR_VAR
 

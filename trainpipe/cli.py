@@ -19,7 +19,8 @@ from trainpipe import bench_command, catalog_command, cp_command, model_command,
 from trainpipe.errors import exit_2_on, resolve_errors
 
 if TYPE_CHECKING:
-    from infra.checkpoints.commit import CheckpointManifest, CheckpointStore
+    from infra.checkpoints.layout import CheckpointManifest
+    from infra.checkpoints.store import CheckpointStore
     from infra.compute.providers import ClusterRecord
     from infra.job.spec import JobSpec
 
@@ -34,7 +35,7 @@ app.add_typer(ckpt_app, name="ckpt")
 
 # By name: imported only once an exception comes through (see trainpipe.errors.exit_on).
 USER_ERRORS = ("infra.job.spec:ConfigError", "infra.job.plan:PlanError", "infra.dataset.manifest:DatasetError",
-               "infra.storage:StorageError", "infra.checkpoints.commit:CheckpointError",
+               "infra.storage:StorageError", "infra.checkpoints.layout:CheckpointError",
                "infra.compute.providers:LaunchError", "infra.registry.refs:RegistryError")
 user_errors_exit_2 = exit_2_on(*USER_ERRORS)
 
@@ -262,7 +263,7 @@ def dataset_inspect(
 def split_step_url(url: str, step: int | None = None) -> tuple[str, int | None]:
     """(the run's checkpoint root, the step) from a run's root URL or a step's URL; a step given both ways must
     agree."""
-    from infra.checkpoints.commit import CheckpointError
+    from infra.checkpoints.layout import CheckpointError
     from infra.checkpoints.steps import PATTERN
 
     found = re.match(rf"^(?P<root>.+)/{PATTERN}/?$", url)
@@ -278,7 +279,7 @@ def split_step_url(url: str, step: int | None = None) -> tuple[str, int | None]:
 @user_errors_exit_2
 def ckpt_ls(url: Annotated[str, typer.Argument(help="a run's checkpoint root URL, or one of its step URLs")]) -> None:
     """List committed and uncommitted steps."""
-    from infra.checkpoints.commit import CheckpointStore
+    from infra.checkpoints.store import CheckpointStore
     from infra.storage import open_store
 
     root, _ = split_step_url(url)
@@ -304,8 +305,9 @@ def ckpt_verify(
     step: Annotated[int | None, typer.Argument(help="default: the step in the URL, else the latest committed")] = None,
 ) -> None:
     """Check every file against the manifest, then open the checkpoint as its framework would."""
-    from infra.checkpoints.commit import CheckpointError, CheckpointStore
     from infra.checkpoints.formats import check_loadable
+    from infra.checkpoints.layout import CheckpointError
+    from infra.checkpoints.store import CheckpointStore
     from infra.storage import open_store
 
     root, step = split_step_url(url, step)

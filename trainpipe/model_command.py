@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 model_app = typer.Typer(no_args_is_help=True, help="Model aliases (NAME@alias) over committed checkpoints: list, "
                         "promote, roll back, trace lineage.")
 user_errors_exit_2 = exit_2_on("infra.registry.refs:RegistryError", "infra.storage:StorageError",
-                               "infra.checkpoints.commit:CheckpointError")
+                               "infra.checkpoints.layout:CheckpointError")
 RootOpt = Annotated[str, typer.Option("--root", envvar="TRAINPIPE_REGISTRY",
                                       help="the store root that holds the runs (the job's checkpoints.url)")]
 RefArg = Annotated[str, typer.Argument(help="NAME@alias, e.g. gpt@production")]

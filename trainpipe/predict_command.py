@@ -40,7 +40,7 @@ def summary_path(summary: str) -> Path:
 def _providers(catalog: Catalog, run_provider: str, asked: list[str] | None) -> list[str]:
     """Those asked for, else the run's when the catalog lists it (local, ssh: it does not), else every provider the
     catalog lists that a job config can name."""
-    from infra.compute.providers.registry import PROVIDER_NAMES
+    from infra.compute.providers.table import PROVIDER_NAMES
 
     usable = [p for p in PROVIDER_NAMES if catalog.for_provider(p)]
     for name in asked or []:
@@ -55,7 +55,7 @@ def _candidate_targets(catalog: Catalog, facts: RunFacts, providers: list[str], 
     """Catalog targets for each provider; a provider the floors leave empty becomes a note, not a failure."""
     from infra.analysis.predict import catalog_targets, ranks_per_node
     from infra.compute.optimizer import NoCandidateError
-    from infra.job.spec import ClusterSpec
+    from infra.compute.spec import ClusterSpec
 
     targets: list[Target] = []
     notes: list[str] = []

@@ -36,7 +36,7 @@ from infra.compute.access.events import EventTap
 from infra.compute.access.remote import LineSink, Process, RemoteError, last_error, wait_all
 from infra.compute.catalog import InstanceType, load_catalog
 from infra.compute.providers import Cluster, Node, Provider, provider_of
-from infra.job.spec import ClusterSpec
+from infra.compute.spec import ClusterSpec
 from infra.node.events import Event, NodeEvent
 from infra.node.protocol import NodeRequest, ProbeRequest
 

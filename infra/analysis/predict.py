@@ -65,7 +65,7 @@ from typing import Any, Literal
 from infra.analysis.breakdown import StepBreakdown
 from infra.compute.catalog import Catalog, InstanceType
 from infra.compute.optimizer import candidates
-from infra.job.spec import ClusterSpec
+from infra.compute.spec import ClusterSpec
 
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
 MB = 1e6

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from infra.models import StrictModel
+from infra.strict_model import StrictModel
 
 
 class LineageSnapshot(StrictModel):

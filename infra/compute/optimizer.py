@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from infra.compute.catalog import Catalog, InstanceType, RegionOffer
-from infra.job.spec import ClusterSpec
+from infra.compute.spec import ClusterSpec
 
 
 class NoCandidateError(ValueError):

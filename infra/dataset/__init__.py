@@ -1,13 +1,12 @@
 """Datasets: any prefix of objects, frozen per run as a snapshot (snapshot), assigned to nodes (assign), staged
 through a node's object cache (stagecache), read by format (formats) and checked at plan with a Great Expectations
-suite (expectations, gate, docs); planning puts these together. The bundled trainer's token format (manifest, synth,
-validate) is one format among them.
+suite (expectations, gate, docs); planning puts these together for the job's `dataset:` and `inputs:` sections
+(spec). The bundled trainer's token format (manifest, synth, validate) is one format among them.
 
 Great Expectations is imported only when a suite is first loaded or run, and the names below only when first used,
 so importing this package (or any of its modules) stays cheap.
 
-May import: storage and the shared infra modules; planning alone also reads the job's DatasetSpec (infra.job.spec),
-and the node agent never imports planning.
+May import: storage and the shared infra modules; the node agent never imports planning.
 """
 
 from __future__ import annotations

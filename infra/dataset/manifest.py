@@ -13,8 +13,8 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError
 
 from infra.dataset.errors import DatasetError
-from infra.models import SHA256_HEX, StrictModel
 from infra.storage.base import ObjectInfo, ObjectNotFound, ObjectStore
+from infra.strict_model import SHA256_HEX, StrictModel
 
 MANIFEST_KEY = "manifest.json"
 DATASET_FORMAT = "trainpipe-tokens-v1"

@@ -31,7 +31,7 @@ from infra.dataset.snapshot import (
     snapshot_url,
     take_snapshot,
 )
-from infra.job.spec import DatasetSpec, InputSpec, PrefixSpec
+from infra.dataset.spec import DatasetSpec, InputSpec, PrefixSpec
 from infra.storage import open_store
 
 

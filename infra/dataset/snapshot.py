@@ -24,9 +24,9 @@ from pydantic import Field, ValidationError
 from infra.dataset.checksums import object_checksum
 from infra.dataset.errors import DatasetError
 from infra.dataset.listing import Listed, list_prefix
-from infra.models import StrictModel
 from infra.storage import open_store
 from infra.storage.base import ObjectNotFound, ObjectStore
+from infra.strict_model import StrictModel
 
 log = logging.getLogger(__name__)
 

@@ -8,15 +8,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.checkpoints.commit import CheckpointError, CheckpointStore
+from infra.checkpoints.layout import CheckpointError
+from infra.checkpoints.store import CheckpointStore
 from infra.compute.catalog import CatalogError, load_catalog
 from infra.compute.optimizer import Candidate, NoCandidateError, candidates, render_candidates
 from infra.dataset.docs import write_data_docs
 from infra.dataset.manifest import DatasetError
 from infra.dataset.planning import CarriesValidation, DatasetPlan, ExpectationsFailed, plan_dataset, plan_input
+from infra.dataset.spec import InputSpec
 from infra.dataset.stagecache import CACHE_DIR, cached_bytes
 from infra.job.secrets import BlockReader, SecretMissing, resolve_secrets
-from infra.job.spec import InputSpec, JobSpec
+from infra.job.spec import JobSpec
 from infra.job.store_access import store_access_problem
 from infra.registry import CheckpointTarget, RegistryError, resolve_checkpoint
 from infra.storage import StorageError, open_store

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from infra.models import StrictModel
+from infra.strict_model import StrictModel
 
 
 class RecoverySpec(StrictModel):

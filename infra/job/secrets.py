@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 
 from pydantic import Field, model_validator
 
-from infra.models import StrictModel
+from infra.strict_model import StrictModel
 
 # A Prefect Secret block's value by the block's name; None when there is no such block.
 BlockReader = Callable[[str], str | None]

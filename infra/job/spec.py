@@ -1,8 +1,9 @@
 """The job specification: what a retraining job needs, validated before anything is paid for.
 
 Every model here is also the Prefect parameter schema of the retrain flow, so field descriptions
-are what a user reads in the UI form. A provider's own section (cluster.ssh, cluster.netns) is defined, and checked
-against the cluster, in that provider's package; the names and what each supports come from its registry.
+are what a user reads in the UI form. The job composes the sections each room defines: the cluster (infra.compute.spec,
+with each provider's own section from that provider's package), the dataset and inputs (infra.dataset.spec) and the
+recovery policy (infra.job.recovery_spec); checkpoints, training, evaluate and promote are the job's own.
 """
 
 from __future__ import annotations
@@ -16,198 +17,23 @@ import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from infra.checkpoints.formats import CheckpointFormat
-from infra.compute.providers.aws.config import AwsClusterSpec
-from infra.compute.providers.gcp.config import GcpClusterSpec
-from infra.compute.providers.netns.config import NetnsClusterSpec
-from infra.compute.providers.registry import CHAOS_PROVIDERS, PROVIDER_NAMES
-from infra.compute.providers.ssh.config import SshClusterSpec
+from infra.compute.providers.table import CHAOS_PROVIDERS
+from infra.compute.spec import ClusterSpec
+from infra.dataset.spec import DatasetSpec, InputSpec
 from infra.job.recovery_spec import ChaosSpec, RecoverySpec
 from infra.job.secrets import SecretRef
-from infra.models import StrictModel, readable_file
 from infra.registry.refs import NAME, parse_model_ref
-from infra.storage import BACKENDS, as_url
+from infra.storage import store_url
+from infra.strict_model import StrictModel
 from infra.workload.code import ARCHIVE_SUFFIXES
 from infra.workload.contract import check_command
-
-SpotPolicy = Literal["never", "prefer", "only"]
 
 
 class ConfigError(ValueError):
     """A job config that cannot run; the message is one line naming the field and the fix."""
 
 
-def _to_url(value: str) -> str:
-    """Accept a URL or a local path; a path becomes an absolute file:// URL (relative to the cwd)."""
-    if "://" in value:
-        scheme = value.split("://", 1)[0]
-        # The store's own list: a backend added there is accepted here with no second list to keep in step.
-        if scheme not in BACKENDS:
-            raise ValueError(f"unknown scheme '{scheme}://': use one of " + ", ".join(f"{s}://" for s in BACKENDS))
-        return value.rstrip("/")
-    return as_url(value)
-
-
-class VerifySpec(StrictModel):
-    """The verify stage's cluster bench: does the cluster deliver the network and disk the job pays for."""
-
-    bench: Literal["off", "warn", "fail"] = Field(
-        "warn", description="off: skip the bench; warn: log figures below expectation and train anyway; fail: stop "
-        "the run before training when a figure is below expectation.")
-    min_fraction: float = Field(0.8, gt=0, le=1, description="A measured figure below this fraction of what is "
-                                "expected (the job's floors, the catalog's figures) misses.")
-    tcp_streams: int = Field(4, ge=1, le=64, description="Parallel TCP streams per node-to-node link.")
-    tcp_seconds: float = Field(3.0, gt=0, le=60, description="How long each node-to-node TCP test sends.")
-    allreduce_sizes_mb: tuple[int, ...] = Field(
-        (1, 16, 64), min_length=1, description="All-reduce message sizes in MB; the largest gives the bus bandwidth "
-        "that is compared.")
-    disk_bytes_mb: int = Field(256, ge=1, description="Size of the file each node writes and reads back with direct "
-                               "I/O on its data dir, in MB.")
-    measure: Literal["needed", "all"] = Field(
-        "needed", description="needed: only the figures something holds the cluster to (a floor, the catalog's "
-        "figure for the instance type), so a run pays no seconds for figures reported only; all: every figure.")
-
-    @field_validator("bench", mode="before")
-    @classmethod
-    def _bench_from_yaml_bool(cls, value: object) -> object:
-        # YAML 1.1 reads a bare off/no/false as False (and on/yes/true as True) before we see the word.
-        if value is False:
-            return "off"
-        if value is True:
-            raise ValueError("bench: on/yes/true reads as a boolean and names no mode: use warn or fail "
-                             "(off, no or false turn the bench off)")
-        return value
-
-    @field_validator("allreduce_sizes_mb")
-    @classmethod
-    def _positive_sizes(cls, value: tuple[int, ...]) -> tuple[int, ...]:
-        if any(size < 1 for size in value):
-            raise ValueError(f"allreduce_sizes_mb {list(value)}: every size must be at least 1 MB")
-        return value
-
-
-class ClusterSpec(StrictModel):
-    provider: str = Field("local", description=f"Where nodes run: one of {', '.join(PROVIDER_NAMES)}.")
-    nodes: int = Field(2, ge=1, le=1024, description="Number of nodes (machines).")
-    procs_per_node: int = Field(1, ge=1, le=64, description="Training processes per node (one per GPU).")
-    accelerator: str | None = Field(None, description="GPU type each process needs (e.g. H100); none trains on CPU.")
-    min_network_gbps: float = Field(0.0, ge=0, description="Floor on the inter-node network bandwidth, in Gbit/s.")
-    local_nvme: bool = Field(False, description="Require node-local NVMe for data and checkpoints.")
-    instance_type: str | None = Field(None, description="Pin one instance type (e.g. p5.48xlarge); none lets the "
-                                      "optimizer pick the cheapest that meets the floors.")
-    spot: SpotPolicy = Field("never", description="never: on-demand only; prefer: spot first, on-demand when no spot "
-                             "launches; only: spot or nothing. (true/false mean prefer/never.)")
-    regions: tuple[str, ...] = Field((), description="Regions to consider, in order of preference; empty = any.")
-    zones: tuple[str, ...] = Field((), description="Zones to consider (e.g. us-east-1a); empty = any in the regions.")
-    max_price_per_hour: float | None = Field(None, gt=0, description="Price cap for the whole cluster, USD/hour.")
-    lease_ttl_s: float = Field(120.0, ge=10, description="Nodes tear themselves down after this long without "
-                               "hearing from the orchestrator (bounds how long a cluster outlives a dead run).")
-    ssh: SshClusterSpec = Field(default_factory=SshClusterSpec, description="provider ssh: the machines to use and "
-                                "how to reach them.")
-    verify: VerifySpec = Field(default_factory=VerifySpec, description="After provisioning: measure node-to-node "
-                               "network, all-reduce and local disk throughput against the floors and the catalog.")
-    netns: NetnsClusterSpec = Field(default_factory=NetnsClusterSpec, description="provider netns: how its emulated "
-                                    "links are shaped.")
-    aws: AwsClusterSpec = Field(default_factory=AwsClusterSpec, description="provider aws: the instance profile "
-                                "the nodes reach their stores with.")
-    gcp: GcpClusterSpec = Field(default_factory=GcpClusterSpec, description="provider gcp: the service account the "
-                                "nodes reach their stores with.")
-
-    @field_validator("provider")
-    @classmethod
-    def _known_provider(cls, value: str) -> str:
-        if value not in PROVIDER_NAMES:
-            raise ValueError(f"unknown provider '{value}': use one of {', '.join(PROVIDER_NAMES)}")
-        return value
-
-    @field_validator("spot", mode="before")
-    @classmethod
-    def _spot_from_bool(cls, value: object) -> object:
-        # Configs written before the three-way policy said `spot: true/false`.
-        return {True: "prefer", False: "never"}.get(value, value) if isinstance(value, bool) else value
-
-    @model_validator(mode="after")
-    def _provider_section_fits(self) -> ClusterSpec:
-        # A provider's own section is the field named after it (infra.compute.providers.registry).
-        check_fits = getattr(getattr(self, self.provider, None), "check_fits", None)
-        if check_fits is not None:
-            check_fits(self.nodes)
-        return self
-
-
-class PrefixSpec(StrictModel):
-    """A prefix of objects in any format, frozen at plan as the run's snapshot: the dataset, and each input."""
-
-    url: str = Field(description="Any prefix of objects in any format (file://, s3://, gs:// or a path). At plan its "
-                     "listing is frozen as the run's snapshot; every node stages exactly those objects.")
-    include: tuple[str, ...] = Field((), description="Globs (relative to url; * also matches '/') selecting the files "
-                                     "to use; empty = every object under url.")
-    exclude: tuple[str, ...] = Field((), description="Globs of files to leave out, applied after include.")
-    expectations: str | list[dict[str, Any]] | None = Field(
-        None, description="Great Expectations checks of the tabular files (Parquet, CSV, JSONL, trainpipe tokens), "
-        "run before anything is launched: the path of an ExpectationSuite JSON file, or a list of expectations "
-        "({type: expect_..., column: ..., ...; optional files: glob}).")
-    validation: str = Field("full", description="full: expectations read every row; sample: sample_rows rows per file, "
-                            "read with ranged GETs.")
-    sample_rows: int = Field(1000, ge=1, description="Rows per file that validation: sample reads.")
-
-    @field_validator("url")
-    @classmethod
-    def _normalise_url(cls, value: str) -> str:
-        return _to_url(value)
-
-    @field_validator("validation")
-    @classmethod
-    def _known_validation(cls, value: str) -> str:
-        if value not in ("full", "sample"):
-            raise ValueError(f"unknown validation '{value}': use 'full' or 'sample'")
-        return value
-
-    @field_validator("include", "exclude")
-    @classmethod
-    def _non_empty_globs(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        if any(not glob.strip() for glob in value):
-            raise ValueError("an empty glob selects nothing: remove it")
-        return value
-
-    @field_validator("expectations")
-    @classmethod
-    def _suite_file_readable(cls, value: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
-        if isinstance(value, str):
-            return readable_file(value, "expectation suite", "give the path of an ExpectationSuite JSON file, or "
-                                  "list the expectations inline")
-        return value
-
-
-class DatasetSpec(PrefixSpec):
-    url: str = Field(description="The dataset: any prefix of objects in any format (file://, s3://, gs:// or a path). "
-                     "At plan its listing is frozen as the run's snapshot; every node stages exactly those objects.")
-    shard: Literal["replicate", "split"] = Field(
-        "replicate", description="replicate: every node stages every file; split: each node stages a disjoint set of "
-        "files, balanced by bytes (listed in TRAINPIPE_DATA_SHARDS), as WebDataset and MDS readers expect per rank.")
-    access: Literal["staged", "remote"] = Field(
-        "staged", description="staged: every node copies the dataset to its local disk before training (fast); "
-        "remote: the trainer reads each batch from the store with ranged GETs, as a mounted object store does "
-        "(for comparisons: every step then waits on the store).")
-    fanout: Literal["auto", "on", "off"] = Field(
-        "auto", description="Fan-out staging of what every node needs whole (a replicated dataset, the inputs): the "
-        "store is read once per cluster, each node fetches a share and the nodes fill each other over the cluster "
-        "network (each node serves its share with rclone serve http, per-run credentials), every byte checked "
-        "against the snapshot; a peer slow or gone is replaced by the store for what it owed. on: whenever there "
-        "are 2+ nodes; auto: when there are 2+ nodes and the cluster bench's slowest node-to-node link is at least "
-        "1 Gbit/s (faster than one node's store reads usually are); with cluster.verify.bench off, auto is off; off: "
-        "every node reads everything from the store.")
-
-
 INPUT_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
-
-
-class InputSpec(PrefixSpec):
-    """One more prefix besides the dataset (base model weights, a tokenizer, an eval set), staged whole to every node:
-    TRAINPIPE_INPUT_<NAME> and {input_<name>} name its folder there."""
-
-    url: str = Field(description="The input: any prefix of objects in any format (file://, s3://, gs:// or a path), "
-                     "frozen at plan as the run's snapshot of it and staged whole to every node's local disk, "
-                     "through the same cache as the dataset.")
 
 
 def _input_entry(value: object) -> object:
@@ -249,7 +75,7 @@ class CheckpointSpec(StrictModel):
     @field_validator("url")
     @classmethod
     def _normalise_url(cls, value: str) -> str:
-        return _to_url(value)
+        return store_url(value)
 
 
 class TrainingSpec(StrictModel):
@@ -288,7 +114,7 @@ class TrainingSpec(StrictModel):
         if value is None:
             return None
         if "://" in value:
-            url = _to_url(value)
+            url = store_url(value)
             if not url.endswith(ARCHIVE_SUFFIXES):
                 raise ValueError(f"code URL {url} is not a .tar.gz: pack the code (tar czf code.tar.gz -C dir .) "
                                  "or give a local dir")
@@ -314,7 +140,7 @@ class TrainingSpec(StrictModel):
         # MODEL@ALIAS is the registry's; anything else is a URL or a path.
         if value is None or parse_model_ref(value) is not None:
             return value
-        return _to_url(value)
+        return store_url(value)
 
     @field_validator("env", "secrets")
     @classmethod

@@ -2,6 +2,6 @@
 bookkeeping of recoveries from preemption (recovery) and the watch during training that tells a preemption
 from a failure (preemption_watch).
 
-May import: compute, job and everything below them. The node agent's side of the lease (its watchdog) lives in
-infra.node, which never imports this package.
+May import: job, compute and everything below them (tests/test_layering.py). The node agent's side of the lease
+(its watchdog) lives in infra.node, which never imports this package.
 """

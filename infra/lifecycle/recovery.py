@@ -17,8 +17,8 @@ from typing import Any
 
 from infra.compute.catalog import Catalog
 from infra.compute.optimizer import NoCandidateError, candidates
+from infra.compute.spec import ClusterSpec
 from infra.job.recovery_spec import RecoverySpec
-from infra.job.spec import ClusterSpec
 from infra.job.summary import timed_into
 
 RECOVERY_PHASES = ("teardown", "provision", "verify", "stage", "restore")

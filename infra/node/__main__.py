@@ -18,7 +18,7 @@ COMMANDS = {
     "sync": "infra.node.sync",
     "restore": "infra.node.restore",
     "verify-ckpt": "infra.node.verify_ckpt",
-    "watch": "infra.node.watch",
+    "watch": "infra.node.watchdog",
     "diskbench": "infra.node.diskbench",
     "netbench": "infra.node.netbench",
     "allreduce-bench": "infra.node.allreduce_bench",

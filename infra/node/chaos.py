@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from infra.node.events import NodeEvent, emit, fail
-from infra.node.preemption import NOTICE_FILE, Notice, write_notice
+from infra.node.preemption_notice import NOTICE_FILE, Notice, write_notice
 from infra.node.processes import NODE_TAG, hard_kill, tagged_processes
 
 

@@ -56,7 +56,7 @@ class NodeEvent(StrEnum):
     REPLICA_FAILED = "replica-failed"
     # launch (infra/node/launch.py): torchrun's agent of a node whose ranks all exited 0, before its exit barrier
     RANKS_EXITED = "ranks-exited"
-    # watch (infra/node/watch.py)
+    # watch (infra/node/watchdog.py)
     WATCHING = "watching"
     REBALANCE_RECOMMENDATION = "rebalance-recommendation"
     NOTICE_CHECK_FAILED = "notice-check-failed"

@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.checkpoints.commit import CheckpointManifest, CheckpointStore, FileEntry
+from infra.checkpoints.layout import CheckpointManifest, FileEntry
+from infra.checkpoints.store import CheckpointStore
 from infra.node.events import NodeEvent, emit
 from infra.node.fanout import Counts, Exchange, File, Piece, share_name, shares
 from infra.node.replica import REPLICA_DIR, replica_holder, replica_path

@@ -38,8 +38,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.checkpoints.commit import CheckpointError, CheckpointStore, FileEntry, NodeRecord
+from infra.checkpoints.layout import CheckpointError, FileEntry, NodeRecord
 from infra.checkpoints.steps import step_name
+from infra.checkpoints.store import CheckpointStore
 from infra.dataset.manifest import DatasetError
 from infra.dataset.stagecache import link_into
 from infra.node.events import NodeEvent, emit

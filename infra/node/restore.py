@@ -17,8 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-from infra.checkpoints.commit import CheckpointError, CheckpointStore, NoCommittedCheckpoint, StoreFill
 from infra.checkpoints.formats import FORMATS, Detector
+from infra.checkpoints.layout import CheckpointError, NoCommittedCheckpoint
+from infra.checkpoints.restore import StoreFill
+from infra.checkpoints.store import CheckpointStore
 from infra.node.events import NodeEvent, emit, fail
 from infra.node.fanout import add_peer_arguments
 from infra.node.peerrestore import PeerFill

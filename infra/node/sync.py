@@ -29,17 +29,6 @@ from types import FrameType
 
 from pydantic import BaseModel, Field, ValidationError
 
-from infra.checkpoints.commit import (
-    UPLOAD_LEASE,
-    Announcement,
-    CheckpointError,
-    CheckpointRef,
-    CheckpointStore,
-    FileEntry,
-    clear_lease,
-    step_name,
-    write_lease,
-)
 from infra.checkpoints.formats import (
     FORMATS,
     Detector,
@@ -51,7 +40,11 @@ from infra.checkpoints.formats import (
     part_settled,
     required_files,
 )
+from infra.checkpoints.layout import Announcement, CheckpointError, CheckpointRef, FileEntry
 from infra.checkpoints.lineage import Lineage
+from infra.checkpoints.steps import step_name
+from infra.checkpoints.store import CheckpointStore
+from infra.checkpoints.upload_lease import UPLOAD_LEASE, clear_lease, write_lease
 from infra.node.events import NodeEvent, emit, fail
 from infra.node.replica import ReplicaConfig, Replicator, add_replica_arguments, replica_config
 from infra.registry import Registry, RegistryError, registry_root_of

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from infra.checkpoints.commit import CheckpointError, CheckpointStore
+from infra.checkpoints.layout import CheckpointError
+from infra.checkpoints.store import CheckpointStore
 from infra.node.events import NodeEvent, emit, fail
 from infra.storage import StorageError, open_store
 

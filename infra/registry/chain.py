@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from infra.checkpoints.commit import CheckpointManifest, CheckpointStore, EvalRecord
-from infra.registry.refs import CheckpointTarget, RegistryError, resolve_checkpoint
+from infra.checkpoints.layout import CheckpointManifest, EvalRecord
+from infra.checkpoints.store import CheckpointStore
+from infra.registry.refs import CheckpointTarget, RegistryError
+from infra.registry.registry import resolve_checkpoint
 from infra.storage import open_store
 
 

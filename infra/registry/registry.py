@@ -1,4 +1,6 @@
-"""The model registry in the checkpoint store itself: aliases (`<model>@<alias>`) with an append-only history.
+"""The model registry in the checkpoint store itself: aliases (`<model>@<alias>`) with an append-only history, and
+the resolution of any checkpoint reference to a committed step (resolve_checkpoint): an alias resolves through the
+registry, and a move checks its target through that resolution, so both live here.
 
 Layout under the store root that holds the runs (job.checkpoints.url):
     _registry/<model>/<alias>/history/00000007.json   move 7 of the alias (an AliasMove): the alias's position is
@@ -30,15 +32,18 @@ from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
 
+from infra.checkpoints.steps import PATTERN as STEP_PATTERN
+from infra.checkpoints.store import CheckpointStore
 from infra.registry.refs import (
     AliasConflict,
     CheckpointTarget,
     RegistryError,
     check_name,
+    parse_model_ref,
     registry_root_of,
-    resolve_checkpoint,
+    step_url,
 )
-from infra.storage import ObjectNotFound, open_store
+from infra.storage import ObjectNotFound, as_url, open_store
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +51,7 @@ REGISTRY_DIR = "_registry"
 RECENT_MOVES = 10  # retention keeps what an alias pointed at in its last this many moves (so rollback can land)
 CLAIM_TTL_S = 600.0
 CONTENTION_DEADLINE_S = 30.0
+_STEP_URL = re.compile(rf"^(?P<run>.+)/{STEP_PATTERN}/?$")
 _HISTORY_KEY = re.compile(rf"^{REGISTRY_DIR}/(?P<model>[^/]+)/(?P<alias>[^/]+)/history/(?P<seq>\d+)\.json$")
 
 
@@ -257,3 +263,29 @@ class Registry:
         raise AliasConflict(f"{move.ref}: moved to {winner.target} by {winner.who} at {winner.at} ({winner.reason}) "
                             f"while this move to {move.target} was deciding: nothing was written; read it again "
                             "(trainpipe model show) and retry")
+
+
+def resolve_checkpoint(ref: str, root_url: str) -> CheckpointTarget:
+    """The committed checkpoint ref names: a step URL, a run's root (its newest commit), or "<model>@<alias>" in the
+    registry under root_url. RegistryError naming the ref and the fix when it names nothing committed."""
+    model_ref = parse_model_ref(ref)
+    if model_ref is not None:
+        move = Registry(root_url).resolve(*model_ref)
+        if move is None or move.target is None:
+            raise RegistryError(f"{ref}: the alias names no checkpoint in {Registry(root_url).url}: promote one first "
+                                f"(trainpipe model promote {ref} CKPT) or check the name (trainpipe model ls)")
+        return resolve_checkpoint(move.target, root_url)
+    url = as_url(ref.strip()).rstrip("/")
+    found = _STEP_URL.match(url)
+    run_url, step = (found["run"], int(found["step"])) if found else (url, None)
+    checkpoints = CheckpointStore(open_store(run_url))
+    committed = checkpoints.committed()
+    if step is None:
+        if not committed:
+            raise RegistryError(f"{ref}: no committed checkpoint under it: give a run's checkpoint root or a step URL "
+                                "as `trainpipe run` prints it, or <model>@<alias>")
+        step = committed[0].step
+    elif step not in {manifest.step for manifest in committed}:
+        raise RegistryError(f"{ref}: step {step} is not committed (or is damaged): pick a committed step "
+                            f"(trainpipe ckpt ls {run_url})")
+    return CheckpointTarget(run_url=checkpoints.store.url, step=step, url=step_url(checkpoints.store.url, step))

@@ -22,6 +22,7 @@ __all__ = [
     "StorageError",
     "as_url",
     "open_store",
+    "store_url",
 ]
 
 # scheme -> "module:ClassName" of its ObjectStore, constructed with the full URL.
@@ -41,6 +42,18 @@ def _supported() -> str:
 def as_url(location: str) -> str:
     """A store URL as it is; a plain local path (no '://') as file:// of its absolute path (relative to the cwd)."""
     return location if "://" in location else "file://" + str(Path(location).expanduser().resolve())
+
+
+def store_url(value: str) -> str:
+    """A spec's store location as a URL: a URL whose scheme a backend serves (without a trailing '/'), or a plain
+    local path as file:// (as_url); ValueError naming the schemes for any other scheme."""
+    if "://" in value:
+        scheme = value.split("://", 1)[0]
+        # BACKENDS is the list: a backend added there is accepted here with no second list to keep in step.
+        if scheme not in BACKENDS:
+            raise ValueError(f"unknown scheme '{scheme}://': use one of " + ", ".join(f"{s}://" for s in BACKENDS))
+        return value.rstrip("/")
+    return as_url(value)
 
 
 def open_store(url: str) -> ObjectStore:

@@ -1,13 +1,16 @@
 """Providers by name: the caller asks for one and never branches on which it got.
 
-The registry is the table of providers (name, class, what the job spec needs of it). Each provider owns its module
+The table lists the providers (name, class, what the cluster spec needs of it). Each provider owns its module
 (local) or package (aws, gcp, ssh, netns: the provider, its errors, its config section); cloud holds what the
-clouds share (boot script, heartbeat), launcher who launched a cluster. May import: access, catalog, optimizer,
-failover, job, lifecycle (lease renewal), the node agent's process tags and notices, and the shared infra modules.
+clouds share (boot script, heartbeat), owner who launched a cluster. May import the rest of compute (access,
+catalog, optimizer, failover, the cluster spec, renewal) and the rooms below it: the node agent's process tags and
+notices, the dataset's staging cache, the shared infra modules; never the job or the lifecycle
+(tests/test_layering.py).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -26,17 +29,22 @@ from infra.compute.providers.base import (
     QuotaError,
     ReplacementUnavailable,
 )
-from infra.compute.providers.registry import PROVIDER_NAMES, PROVIDERS, provider_entry
+from infra.compute.providers.table import PROVIDER_NAMES, PROVIDERS, ProviderEntry, provider_entry
 
-if TYPE_CHECKING:  # the job spec imports the providers' config sections, which import this package
-    from infra.job.spec import ClusterSpec
+if TYPE_CHECKING:  # the cluster spec imports the providers' config sections, which import this package
+    from infra.compute.spec import ClusterSpec
+
+
+def _create(entry: ProviderEntry) -> Provider:
+    module, _, cls = entry.implementation.partition(":")
+    return getattr(importlib.import_module(module), cls)()  # type: ignore[no-any-return]
 
 
 def get_provider(name: str) -> Provider:
     entry = provider_entry(name)
     if entry is None:
         raise InvalidRequestError(f"unknown provider '{name}': use one of {', '.join(sorted(PROVIDER_NAMES))}")
-    return entry.create()
+    return _create(entry)
 
 
 def provider_of(cluster: Cluster) -> Provider:
@@ -78,7 +86,7 @@ def terminate_cluster(provider_name: str, cluster_name: str, keep_data: bool = F
 
 
 def all_providers() -> list[Provider]:
-    return [entry.create() for entry in PROVIDERS]
+    return [_create(entry) for entry in PROVIDERS]
 
 
 __all__ = [

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from infra.compute.access.remote import Runner
 
 if TYPE_CHECKING:  # the job spec imports the providers' config sections, which import this package
-    from infra.job.spec import ClusterSpec
+    from infra.compute.spec import ClusterSpec
 
 
 class LaunchError(Exception):

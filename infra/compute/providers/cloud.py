@@ -53,8 +53,8 @@ from infra.compute.providers.base import (
 # The ssh provider's helpers: run every node at once, and turn an SSH failure into the LaunchError saying whether
 # trying again can help.
 from infra.compute.providers.hosts import in_parallel, launch_error
-from infra.job.spec import ClusterSpec
-from infra.lifecycle.lease import RENEWALS_PER_TTL, Renewal
+from infra.compute.renewal import RENEWALS_PER_TTL, Renewal
+from infra.compute.spec import ClusterSpec
 from infra.node.processes import CLUSTER_TAG, NODE_TAG
 from infra.workspace import workspace_dir
 

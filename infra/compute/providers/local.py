@@ -32,10 +32,10 @@ from infra.compute.providers.base import (
     count_replaced,
     lost_nodes,
 )
-from infra.compute.providers.launcher import launcher, launcher_alive
+from infra.compute.providers.owner import launcher, launcher_alive
+from infra.compute.spec import ClusterSpec
 from infra.dataset.stagecache import node_cache_dir
-from infra.job.spec import ClusterSpec
-from infra.node.preemption import NOTICE_FILE, read_notice
+from infra.node.preemption_notice import NOTICE_FILE, read_notice
 from infra.node.processes import CLUSTER_TAG, NODE_TAG, kill_processes, tagged_processes
 from infra.workspace import local_clusters_dir
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from infra.models import StrictModel
+from infra.strict_model import StrictModel
 
 # IAM's own rules for an instance profile's name, and its ARN (a path may come before the name).
 PROFILE_NAME = re.compile(r"^[A-Za-z0-9_+=,.@-]{1,128}$")

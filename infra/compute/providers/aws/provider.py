@@ -32,8 +32,8 @@ from infra.compute.optimizer import Candidate
 from infra.compute.providers.aws.errors import CapacityError, InvalidRequestError, LaunchError, classify, error_code
 from infra.compute.providers.base import Cluster, ClusterRecord, Node, PreemptionNotice, ReplacementUnavailable
 from infra.compute.providers.cloud import HOST_KEYS, LEASE_TTL, MOUNT, CloudProvider, boot_script, lease_alive
-from infra.compute.providers.launcher import launcher_stamp
-from infra.job.spec import ClusterSpec
+from infra.compute.providers.owner import launcher_stamp
+from infra.compute.spec import ClusterSpec
 
 log = logging.getLogger(__name__)
 

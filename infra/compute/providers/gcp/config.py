@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from infra.models import StrictModel
+from infra.strict_model import StrictModel
 
 CLOUD_PLATFORM = "https://www.googleapis.com/auth/cloud-platform"
 # The scopes under which a VM's service account may read and write Cloud Storage objects.

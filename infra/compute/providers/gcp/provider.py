@@ -81,8 +81,8 @@ from infra.compute.providers.gcp.labels import (
     resource_name,
     stamp_of,
 )
-from infra.compute.providers.launcher import launcher_stamp
-from infra.job.spec import ClusterSpec
+from infra.compute.providers.owner import launcher_stamp
+from infra.compute.spec import ClusterSpec
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from infra.models import StrictModel
+from infra.strict_model import StrictModel
 
 
 class NetnsClusterSpec(StrictModel):

@@ -31,12 +31,12 @@ from infra.compute.providers.base import (
     Node,
     ReplacementUnavailable,
 )
-from infra.compute.providers.launcher import launcher
 from infra.compute.providers.local import RECORD, LocalProvider, owner_alive
 from infra.compute.providers.netns import emulation as netns
 from infra.compute.providers.netns.emulation import NetnsError, NetnsRunner
+from infra.compute.providers.owner import launcher
+from infra.compute.spec import ClusterSpec
 from infra.dataset.stagecache import node_cache_dir
-from infra.job.spec import ClusterSpec
 from infra.workspace import workspace_dir
 
 log = logging.getLogger(__name__)

@@ -28,9 +28,9 @@ from pathlib import Path
 from types import TracebackType
 
 from infra.compute.access.remote import Process
-from infra.compute.providers.launcher import launcher
 from infra.compute.providers.netns import emulation as netns
 from infra.compute.providers.netns.emulation import NetnsError, NetnsRunner
+from infra.compute.providers.owner import launcher
 
 PORT = 9000  # the namespace is the store's alone: a fixed port cannot collide with anything
 START_TIMEOUT_S = 30.0

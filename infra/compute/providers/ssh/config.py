@@ -10,7 +10,7 @@ import re
 
 from pydantic import Field, field_validator, model_validator
 
-from infra.models import StrictModel, readable_file
+from infra.strict_model import StrictModel, readable_file
 
 SSH_FINGERPRINT = r"^SHA256:[A-Za-z0-9+/]{43}$"
 

@@ -40,10 +40,10 @@ from infra.compute.providers.base import (
     lost_nodes,
 )
 from infra.compute.providers.hosts import in_parallel, launch_error
-from infra.compute.providers.launcher import launcher, launcher_alive
+from infra.compute.providers.owner import launcher, launcher_alive
 from infra.compute.providers.ssh.config import SshHostSpec
-from infra.job.spec import ClusterSpec
-from infra.node.preemption import NOTICE_FILE, parse_notice
+from infra.compute.spec import ClusterSpec
+from infra.node.preemption_notice import NOTICE_FILE, parse_notice
 from infra.node.processes import CLUSTER_TAG, NODE_TAG
 from infra.workspace import workspace_dir
 

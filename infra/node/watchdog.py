@@ -1,9 +1,9 @@
 """`watch`: the node's lease watchdog and preemption watcher.
 
 A node that stops hearing from its orchestrator tears itself down; a node told it is about to be taken away
-(a spot notice: infra.node.preemption) stops its trainer with SIGTERM — the trainer saves at its next step boundary
-within checkpoints.flush_deadline_s — then asks the syncer to flush, so the last save is committed before the
-node goes.
+(a spot notice: infra.node.preemption_notice) stops its trainer with SIGTERM — the trainer saves at its next step
+boundary within checkpoints.flush_deadline_s — then asks the syncer to flush, so the last save is committed before
+the node goes.
 
 The orchestrator renews a lease file on every node (infra.lifecycle.lease.LeaseKeeper). If the orchestrator dies —
 SIGKILL, a lost machine, a network partition — renewals stop, and once the lease is older than its TTL the
@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 
 from infra.node.events import NodeEvent, emit, fail
-from infra.node.preemption import (
+from infra.node.preemption_notice import (
     AWS_IMDS,
     GCP_METADATA,
     NOTICE_FILE,

@@ -1,20 +1,16 @@
 """Every provider in one table: its name, the class that implements it and what the job spec needs to know of it.
 
-Adding a provider is one row here (and its package). The job spec reads the names and the chaos column from this
-table, and a provider with its own config section has a ClusterSpec field named after it (`cluster.ssh:`,
-`cluster.netns:`) whose model lives in the provider's package; a section with a `check_fits(nodes)` method is asked
-whether it can hold the cluster. The classes are imported on first use: aws pulls in boto3, gcp
-google-cloud-compute, and most commands need neither.
+Adding a provider is one row here (and its package). The cluster spec (infra.compute.spec) and the job spec read the
+names and the chaos column from this table, and a provider with its own config section has a ClusterSpec field named
+after it (`cluster.ssh:`, `cluster.netns:`) whose model lives in the provider's package; a section with a
+`check_fits(nodes)` method is asked whether it can hold the cluster. The table names each class as text, imported on
+first use (infra.compute.providers.get_provider): aws pulls in boto3, gcp google-cloud-compute, and most commands
+need neither. It imports nothing itself, so the specs read it without loading any provider.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from infra.compute.providers.base import Provider
 
 
 @dataclass(frozen=True)
@@ -22,10 +18,6 @@ class ProviderEntry:
     name: str
     implementation: str  # "module:Class"
     chaos: bool  # the chaos injector can take its nodes away (tests only; a cloud takes nodes away by itself)
-
-    def create(self) -> Provider:
-        module, _, cls = self.implementation.partition(":")
-        return getattr(importlib.import_module(module), cls)()  # type: ignore[no-any-return]
 
 
 PROVIDERS = (
