@@ -19,7 +19,6 @@ node or stager is gone is given up on within the bound.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import threading
 import time
@@ -82,18 +81,6 @@ def share_name(checksum: str) -> str:
     base64url's '_' and '-'; the padding dropped). A snapshot's hex checksums keep the object cache's names."""
     algorithm, _, value = checksum.partition(":")
     return f"{algorithm}-{value.replace('/', '_').replace('+', '-').rstrip('=')}"
-
-
-def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
-    """The fan-out options of the node commands that exchange (stage, restore)."""
-    parser.add_argument("--peers", help="fan-out: every node's peer server URL, comma-separated in rank order (this "
-                        "node's own included); credentials in TRAINPIPE_PEER_USER/TRAINPIPE_PEER_PASS")
-    parser.add_argument("--share-dir", type=Path, help="fan-out: the dir this node's peer server serves")
-    parser.add_argument("--peer-wait", type=float, default=WAIT_S,
-                        help="fan-out: seconds a peer may show no sign of life (no file, no heartbeat) before what "
-                        "it owes is taken from the store")
-    parser.add_argument("--peer-connect-grace", type=float, default=CONNECT_GRACE_S,
-                        help="fan-out: seconds a refused connection to a peer is retried (its server starting)")
 
 
 def shares(files: Sequence[Piece], nodes: int, holders: Sequence[int] = ()) -> dict[str, int]:
