@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from infra.checkpoints.commit import CheckpointManifest, CheckpointStore, manifest_key
 from infra.checkpoints.steps import step_name
 from infra.node import restore
+from infra.node.protocol import RestoreRequest
 from infra.storage import open_store
 from trainpipe.cli import app
 
@@ -75,8 +76,8 @@ def test_a_damaged_step_is_set_aside_and_its_retrain_commits_only_the_new_attemp
     # The resume on each node checks every byte, falls back to 200 and says what it set aside and why.
     for rank in (0, 1):
         dest = tmp_path / f"resume-{rank}" / "ckpt"
-        assert restore.main(["--url", checkpoints.store.url, "--dest", str(dest),
-                             "--sync-dir", str(dest.parent / "sync")]) == 0
+        assert restore.main(RestoreRequest(url=checkpoints.store.url, dest=str(dest),
+                                           sync_dir=str(dest.parent / "sync"))) == 0
         captured = capsys.readouterr()
         [restored] = [json.loads(line) for line in captured.out.splitlines() if '"restored"' in line]
         assert restored["step"] == 200
@@ -170,8 +171,8 @@ def test_the_resumed_attempts_syncer_commits_the_retrain_and_keeps_the_set_aside
     damage(checkpoints, checkpoints.manifest(300), "flipped")
     dirs = [tmp_path / f"node-{rank}" / "ckpt" for rank in (0, 1)]
     for ckpt_dir in dirs:
-        assert restore.main(["--url", checkpoints.store.url, "--dest", str(ckpt_dir),
-                             "--sync-dir", str(ckpt_dir.parent / "sync")]) == 0
+        assert restore.main(RestoreRequest(url=checkpoints.store.url, dest=str(ckpt_dir),
+                                           sync_dir=str(ckpt_dir.parent / "sync"))) == 0
     [note] = checkpoints.set_aside_notes()
     kept = {key: checkpoints.store.get_bytes(key) for key in note.keys}
 
