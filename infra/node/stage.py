@@ -1,5 +1,5 @@
 """`stage`: mirror this node's files of the run's dataset snapshot into its data dir, and each input's snapshot whole
-into <inputs-dir>/<name>, verified.
+into <inputs_dir>/<name>, verified.
 
 Runs on the node, so the bytes travel store → node directly; the orchestrator only sees progress events. The data
 dir ends up holding exactly the node's selected files (replicate: every snapshot file; split: its share) under their
