@@ -23,7 +23,6 @@ from typing import ClassVar, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from infra.checkpoints.formats import FORMATS
-from infra.node.fanout import CONNECT_GRACE_S, WAIT_S
 
 # The variable a node command finds its request in; removed from the environment once read, so nothing the command
 # starts (torchrun, the training script) inherits it.
@@ -72,6 +71,11 @@ class ProbeRequest(NodeRequest):
     cache: str | None = None  # the node's dataset object cache: its bytes count as free
 
 
+# Fan-out's defaults (infra/node/fanout.py's Exchange): here, so a request needs nothing of the exchange's imports.
+PEER_WAIT_S = 30.0  # how long a node waits for a file from an owner that shows no sign of life (no file, no beat)
+PEER_CONNECT_GRACE_S = 15.0  # a peer's server may still be starting: refused connections are retried this long
+
+
 class PeerExchange(BaseModel):
     """Fan-out (infra/node/fanout.py): the nodes fill each other through their peer servers, the store serving each
     file once per cluster; the servers' credentials come in the environment (TRAINPIPE_PEER_USER/_PASS)."""
@@ -79,8 +83,8 @@ class PeerExchange(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     urls: tuple[str, ...]  # every node's peer server URL in rank order, this node's own included
     share_dir: str  # the dir this node's peer server serves
-    wait_s: float = WAIT_S  # how long a peer may show no sign of life before what it owes is taken from the store
-    connect_grace_s: float = CONNECT_GRACE_S  # how long a refused connection to a peer is retried (its server starting)
+    wait_s: float = PEER_WAIT_S  # how long a peer may show no sign of life before what it owes is taken from the store
+    connect_grace_s: float = PEER_CONNECT_GRACE_S  # how long a refused connection to a peer is retried
 
 
 def _check_holders(holders: tuple[int, ...], nodes: int, what: str) -> None:
