@@ -32,6 +32,7 @@ from typing import Any
 from unittest.mock import patch
 
 from infra.analysis.predict import Hardware, staging_time
+from infra.compute.access.agent import NodeAgent
 from infra.compute.providers import Cluster, Node
 from infra.compute.providers.netns import emulation as netns
 from infra.compute.providers.netns.provider import NetnsProvider
@@ -42,6 +43,7 @@ from infra.dataset.snapshot import DatasetSnapshot, save_snapshot, take_snapshot
 from infra.dataset.stagecache import node_cache_dir
 from infra.node.events import Event, NodeEvent, parse
 from infra.node.fanout import SHARE_DIR
+from infra.node.protocol import PeerExchange, StageRequest
 from infra.node.stage import FILES_LIST
 from infra.storage import open_store
 from infra.storage.transfer import DEFAULT_CONFIG, upload
@@ -185,13 +187,11 @@ def _verify(snapshot: DatasetSnapshot, node: Node) -> None:
 def _stage_node(provider: NetnsProvider, cluster: Cluster, node: Node, snapshot_url: str, workers: int,
                 peers: list[str] | None, env: dict[str, str] | None) -> tuple[Event, list[str]]:
     """The node agent's stage on one node, as tasks.stage runs it; its `staged` event and its fallbacks."""
-    fanout = ["--peers", ",".join(peers), "--share-dir", node.path(SHARE_DIR)] if peers else []
-    result = provider.runner(cluster, node).run(
-        [node.python, "-m", "infra.node", "stage", "--snapshot", snapshot_url, "--dest", node.data_dir,
-         "--rank", str(node.rank), "--nodes", str(len(cluster.nodes)), "--shard", "replicate",
-         "--workdir", node.workdir, "--cache", node_cache_dir(cluster.provider, node.workdir),
-         "--run", cluster.run_id, "--workers", str(workers), *fanout],
-        env=env, timeout=STAGE_TIMEOUT_S)
+    request = StageRequest(snapshot=snapshot_url, dest=node.data_dir, rank=node.rank, nodes=len(cluster.nodes),
+                           shard="replicate", workdir=node.workdir,
+                           cache=node_cache_dir(cluster.provider, node.workdir), run=cluster.run_id, workers=workers,
+                           peers=PeerExchange(urls=tuple(peers), share_dir=node.path(SHARE_DIR)) if peers else None)
+    result = NodeAgent(provider.runner(cluster, node), node.python).run(request, env=env, timeout=STAGE_TIMEOUT_S)
     events = [e for e in map(parse, result.output.splitlines()) if e is not None]
     staged = [e for e in events if e.kind is NodeEvent.STAGED]
     if not staged:

@@ -137,7 +137,8 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
                                                                       keep_data=True)
                     job = _avoiding(job, plan, recoveries, summary.attempts)
         with phase("sync"):
-            verified = verify_committed_checkpoint(cluster, plan.checkpoint_url, job.checkpoints.format)
+            verified = verify_committed_checkpoint(cluster, plan.checkpoint_url, job.checkpoints.format,
+                                                   secrets=job.training.secrets)
         record_training(summary, staged, outcome, verified, plan.checkpoint_url)
         # The clock's last step: a script whose progress comes from its log lines has no point times of its own.
         evaluate_and_promote(job, plan, cluster, launch, verified.step, summary, phase, outcome.last_step_at)
@@ -275,7 +276,8 @@ def stage_nodes(job: JobSpec, plan: Plan, cluster: Cluster, code_url: str | None
                                            unmapped(plan.dataset.snapshot_url if staging else None),
                                            unmapped(plan.dataset.shard), unmapped(inputs),
                                            peers=unmapped(peers[0]), peer_env=unmapped(peers[1]),
-                                           holders=unmapped([node.rank for node in survivors])).result()
+                                           holders=unmapped([node.rank for node in survivors]),
+                                           secrets=unmapped(job.training.secrets)).result()
                             if staging or inputs else [])
         restored, warm = restore_nodes(job, plan, cluster, survivors, resume_step, peers, phase)
         return NodesReady(nodes_staged, restored, warm, preparing.result())
@@ -291,12 +293,14 @@ def restore_nodes(job: JobSpec, plan: Plan, cluster: Cluster, survivors: list[No
                                            unmapped(job.checkpoints.format), peers=unmapped(peers[0]),
                                            peer_env=unmapped(peers[1]),
                                            prune=unmapped(bool(survivors)),
-                                           holders=unmapped([node.rank for node in survivors])).result()
+                                           holders=unmapped([node.rank for node in survivors]),
+                                           secrets=unmapped(job.training.secrets)).result()
                     if resume_step is not None else [])
     # A warm start: only when nothing of this run is committed yet (a resume continues from its own commit).
     warm = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.init_from.run_url),
                                    unmapped(job.checkpoints.format), step=unmapped(plan.init_from.step),
-                                   dest=[node.path("init-from") for node in cluster.nodes]).result()
+                                   dest=[node.path("init-from") for node in cluster.nodes],
+                                   secrets=unmapped(job.training.secrets)).result()
             if plan.init_from is not None and resume_step is None else [])
     return restored, warm
 

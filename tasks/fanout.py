@@ -11,11 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
+from infra.compute.access.agent import NodeAgent
 from infra.compute.access.events import EventTap
 from infra.compute.access.remote import Process, RemoteError, last_error
 from infra.compute.providers import Cluster, Node, provider_of
 from infra.node.events import NodeEvent
 from infra.node.fanout import SHARE_DIR
+from infra.node.protocol import PeerServeRequest
 from infra.node.replica import REPLICA_DIR
 from infra.storage.http import PASS_ENV, USER_ENV
 
@@ -76,10 +78,9 @@ def peer_servers(cluster: Cluster) -> Iterator[tuple[list[str], dict[str, str] |
 
     def start(node: Node) -> tuple[Node, Process, EventTap]:
         tap = EventTap(markers=SERVER_ERRORS)
-        process = provider.runner(cluster, node).start(
-            [node.python, "-m", "infra.node", "peer-serve", "--dir", node.path(SHARE_DIR),
-             "--addr", f"{node.address}:0"],
-            env=env, log_path=node.path("logs", "peer-serve.log"), on_line=tap)
+        agent = NodeAgent(provider.runner(cluster, node), node.python, env)
+        process = agent.start(PeerServeRequest(dir=node.path(SHARE_DIR), addr=f"{node.address}:0"),
+                              log_path=node.path("logs", "peer-serve.log"), on_line=tap)
         return node, process, tap
 
     try:

@@ -10,12 +10,13 @@ from dataclasses import dataclass
 
 from prefect import get_run_logger, task
 
-from infra.compute.providers import Cluster, Node, ReplacementUnavailable, provider_of, runner_for
+from infra.compute.providers import Cluster, Node, ReplacementUnavailable, agent_for, provider_of
 from infra.job.spec import JobSpec
 from infra.lifecycle.preemption_watch import CHAOS_TRIGGER, Preempted
 from infra.lifecycle.recovery import RecoveryRecord
 from infra.node.events import NodeEvent
 from infra.node.preemption_notice import NOTICE_FILE
+from infra.node.protocol import RejoinRequest
 from tasks.cluster import start_lease
 from tasks.node_output import last_event, node_line_sink
 from tasks.policy import NO_RETRIES, TRANSIENT_RETRIES
@@ -73,10 +74,8 @@ def rejoin_node(cluster: Cluster, node: Node, attempt: int, fresh_start: bool) -
     """A survivor ready for attempt `attempt` (infra/node/rejoin.py): what the attempt that ended would mislead it with
     removed, its metrics set aside; fresh_start (nothing committed to resume from): its local saves go too. Returns a
     free port on the node (the head's is the rendezvous port)."""
-    runner = runner_for(cluster, node)
-    result = runner.run([node.python, "-m", "infra.node", "rejoin", "--clear", node.sync_dir,
-                         *(["--clear", node.ckpt_dir] if fresh_start else []),
-                         "--remove", node.path(NOTICE_FILE), "--remove", node.path(CHAOS_TRIGGER),
-                         "--set-aside", node.metrics_file, "--suffix", f"attempt-{attempt - 1}"],
-                        timeout=120, on_line=node_line_sink(get_run_logger(), node.name))
+    request = RejoinRequest(clear=(node.sync_dir, *([node.ckpt_dir] if fresh_start else [])),
+                            remove=(node.path(NOTICE_FILE), node.path(CHAOS_TRIGGER)),
+                            set_aside=(node.metrics_file,), suffix=f"attempt-{attempt - 1}")
+    result = agent_for(cluster, node).run(request, timeout=120, on_line=node_line_sink(get_run_logger(), node.name))
     return int(last_event(result.output, NodeEvent.REJOINED)["free_port"])

@@ -7,8 +7,9 @@ straight into the command's environment and are kept nowhere else.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
-from infra.job.secrets import resolve_secrets
+from infra.job.secrets import SecretRef, resolve_secrets
 from infra.job.spec import JobSpec
 
 
@@ -30,3 +31,10 @@ def read_secret_block(name: str) -> str | None:
 def job_secrets(job: JobSpec) -> dict[str, str]:
     """Every secret the job names, by the variable it is given as; SecretMissing names the first that is not set."""
     return resolve_secrets(job.training.secrets, read_secret_block)
+
+
+def secrets_env(secrets: Mapping[str, SecretRef] | None) -> dict[str, str]:
+    """The job's secrets (training.secrets: names, never values) resolved for a node command that reads a store
+    (stage, restore, code, verify-ckpt): a store credential given as a secret reaches a node that has none of its own.
+    Tasks take the names as a parameter (recorded by Prefect) and resolve them here, as the command starts."""
+    return resolve_secrets(secrets or {}, read_secret_block)

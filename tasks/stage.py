@@ -9,15 +9,18 @@ from collections.abc import Callable
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from infra.compute.providers import Cluster, Node, runner_for
+from infra.compute.providers import Cluster, Node, agent_for
 from infra.dataset.stagecache import node_cache_dir
+from infra.job.secrets import SecretRef
 from infra.node.events import Event, NodeEvent, parse
 from infra.node.fanout import SHARE_DIR
+from infra.node.protocol import PeerExchange, RestoreRequest, StageRequest
 from infra.node.replica import REPLICA_DIR
 from infra.workload.contract import INPUTS_DIR
 from tasks.node_output import last_event, node_line_sink
 from tasks.policy import TRANSIENT_RETRIES
 from tasks.results import Restored, Staged, StagedNode
+from tasks.secrets import secrets_env
 
 
 def _progress_artifact(node: Node, what: str) -> Callable[[Event], None]:
@@ -52,7 +55,8 @@ def _progress_artifact(node: Node, what: str) -> Callable[[Event], None]:
 @task(name="stage-data", **TRANSIENT_RETRIES)
 def stage_node(cluster: Cluster, node: Node, snapshot_url: str | None, shard: str, inputs: dict[str, str],
                timeout_s: float = 3600, peers: list[str] | None = None,
-               peer_env: dict[str, str] | None = None, holders: list[int] | None = None) -> StagedNode:
+               peer_env: dict[str, str] | None = None, holders: list[int] | None = None,
+               secrets: dict[str, SecretRef] | None = None) -> StagedNode:
     """Mirror the node's files of the run's dataset snapshot into its data dir (<workdir>/data-files.txt lists them;
     snapshot_url None: the dataset is read from the store, not staged), and each input's snapshot (inputs: name ->
     snapshot URL) whole into <workdir>/inputs/<name>, through the node's one cache.
@@ -61,19 +65,20 @@ def stage_node(cluster: Cluster, node: Node, snapshot_url: str | None, shard: st
     and skipped_bytes (reused from the node's cache or data dir), seconds and mb_per_s (of the fetch).
 
     peers (fan-out, tasks/fanout.py): every node's peer server URL by rank; peer_env their credentials; holders: the
-    ranks that hold the files already (the survivors of a replace-one recovery): the others are filled from them."""
-    runner = runner_for(cluster, node)
+    ranks that hold the files already (the survivors of a replace-one recovery): the others are filled from them.
+
+    secrets: the job's training.secrets (names): resolved here, they reach the stager's environment (a store
+    credential given as a secret)."""
     sink = node_line_sink(get_run_logger(), node.name, on_event=_progress_artifact(node, "stage"))
-    dataset = (["--snapshot", snapshot_url, "--dest", node.data_dir] if snapshot_url is not None else [])
-    wanted = [part for name, url in inputs.items() for part in ("--input", f"{name}={url}")]
-    result = runner.run([node.python, "-m", "infra.node", "stage", *dataset, *wanted,
-                         *(["--inputs-dir", node.path(INPUTS_DIR)] if inputs else []),
-                         "--rank", str(node.rank), "--nodes", str(len(cluster.nodes)), "--shard", shard,
-                         "--workdir", node.workdir,
-                         "--cache", node_cache_dir(cluster.provider, node.workdir), "--run", cluster.run_id,
-                         *(["--peers", ",".join(peers), "--share-dir", node.path(SHARE_DIR)] if peers else []),
-                         *(["--holders", ",".join(map(str, holders))] if peers and holders else [])],
-                        env=peer_env, timeout=timeout_s, on_line=sink)
+    request = StageRequest(
+        rank=node.rank, nodes=len(cluster.nodes), workdir=node.workdir,
+        cache=node_cache_dir(cluster.provider, node.workdir), run=cluster.run_id, shard=shard,
+        snapshot=snapshot_url, dest=node.data_dir if snapshot_url is not None else None,
+        inputs=inputs, inputs_dir=node.path(INPUTS_DIR) if inputs else None,
+        peers=PeerExchange(urls=tuple(peers), share_dir=node.path(SHARE_DIR)) if peers else None,
+        holders=tuple(holders or ()) if peers else ())
+    result = agent_for(cluster, node, secrets_env(secrets)).run(request, env=peer_env, timeout=timeout_s,
+                                                                 on_line=sink)
     staged = {event["name"]: Staged.from_event(event) for event in map(parse, result.output.splitlines())
               if event is not None and event.kind is NodeEvent.INPUT_STAGED}
     if missing := sorted(inputs.keys() - staged.keys()):
@@ -87,7 +92,8 @@ def stage_node(cluster: Cluster, node: Node, snapshot_url: str | None, shard: st
 def restore_checkpoint(cluster: Cluster, node: Node, checkpoint_url: str, checkpoint_format: str,
                        timeout_s: float = 3600, step: int | None = None, dest: str | None = None,
                        peers: list[str] | None = None, peer_env: dict[str, str] | None = None,
-                       prune: bool = False, holders: list[int] | None = None) -> Restored:
+                       prune: bool = False, holders: list[int] | None = None,
+                       secrets: dict[str, SecretRef] | None = None) -> Restored:
     """Download the latest committed checkpoint (or `step`) into the node's checkpoint dir (the whole union of every
     node's files, under the name the script saved it as); returns its step and local path (TRAINPIPE_RESUME_FROM).
 
@@ -100,15 +106,16 @@ def restore_checkpoint(cluster: Cluster, node: Node, checkpoint_url: str, checkp
 
     prune: the node's checkpoint dir keeps only the restored checkpoint (a survivor of a replace-one recovery).
     holders: the survivors of a replace-one: a replaced node's part comes from its replica on a survivor
-    (checkpoints.peer_replica, infra/node/replica.py), else from the store."""
-    runner = runner_for(cluster, node)
+    (checkpoints.peer_replica, infra/node/replica.py), else from the store.
+
+    secrets: the job's training.secrets (names): resolved here, they reach the restore's environment."""
     sink = node_line_sink(get_run_logger(), node.name)
-    where = ["--dest", dest] if dest is not None else ["--dest", node.ckpt_dir, "--sync-dir", node.sync_dir]
-    result = runner.run([node.python, "-m", "infra.node", "restore", "--url", checkpoint_url, *where,
-                         "--format", checkpoint_format, *(["--step", str(step)] if step is not None else []),
-                         *(["--prune"] if prune else []),
-                         *(["--rank", str(node.rank), "--peers", ",".join(peers), "--share-dir", node.path(SHARE_DIR),
-                            "--replica-dir", node.path(REPLICA_DIR)] if peers else []),
-                         *(["--holders", ",".join(map(str, holders))] if peers and holders else [])],
-                        env=peer_env, timeout=timeout_s, on_line=sink)
+    request = RestoreRequest(
+        url=checkpoint_url, dest=dest if dest is not None else node.ckpt_dir,
+        sync_dir=node.sync_dir if dest is None else None, format=checkpoint_format, step=step, prune=prune,
+        rank=node.rank if peers else 0,
+        peers=PeerExchange(urls=tuple(peers), share_dir=node.path(SHARE_DIR)) if peers else None,
+        replica_dir=node.path(REPLICA_DIR) if peers else None, holders=tuple(holders or ()) if peers else ())
+    result = agent_for(cluster, node, secrets_env(secrets)).run(request, env=peer_env, timeout=timeout_s,
+                                                                 on_line=sink)
     return Restored.from_event(last_event(result.output, NodeEvent.RESTORED))

@@ -12,17 +12,20 @@ from pathlib import Path
 
 from prefect import get_run_logger, task
 
+from infra.compute.access.agent import NodeAgent
 from infra.compute.access.remote import RemoteError
 from infra.compute.providers import Cluster, Node, runner_for
 from infra.job.plan import Plan
 from infra.job.spec import JobSpec
 from infra.node.events import NodeEvent
 from infra.node.fanout import SHARE_DIR
+from infra.node.protocol import CodeRequest, PeerExchange
 from infra.storage import open_store
 from infra.workload.code import pack
 from infra.workload.plan import code_archive_url
 from tasks.node_output import last_event, node_line_sink
 from tasks.policy import NO_RETRIES, TRANSIENT_RETRIES
+from tasks.secrets import job_secrets
 from tasks.train import TrainLaunch, failure_tail, node_context, workload_env
 
 SETUP_STAMP = "setup.done"  # in the node's workdir: this setup already ran on this node
@@ -82,12 +85,14 @@ def prepare_node(job: JobSpec, cluster: Cluster, node: Node, code_url: str | Non
     sink = node_line_sink(logger, f"{node.name} setup")
     sha256 = None
     if code_url is not None:
-        argv = [node.python, "-m", "infra.node", "code", "--url", code_url, "--dest", node.code_dir]
-        if code_sha256:
-            argv += ["--sha256", code_sha256]
-            if peers:
-                argv += ["--rank", str(node.rank), "--peers", ",".join(peers), "--share-dir", node.path(SHARE_DIR)]
-        result = runner.run(argv, env=peer_env if peers and code_sha256 else None, timeout=3600, on_line=sink)
+        exchanging = bool(peers and code_sha256)
+        request = CodeRequest(url=code_url, dest=node.code_dir, sha256=code_sha256 or None,
+                              rank=node.rank if exchanging else 0,
+                              peers=PeerExchange(urls=tuple(peers or ()), share_dir=node.path(SHARE_DIR))
+                              if exchanging else None)
+        # The job's secrets: a store credential given as one reaches the fetch.
+        result = NodeAgent(runner, node.python, job_secrets(job)).run(
+            request, env=peer_env if exchanging else None, timeout=3600, on_line=sink)
         sha256 = last_event(result.output, NodeEvent.CODE)["sha256"]
     setup = job.training.setup
     if not setup:

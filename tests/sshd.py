@@ -12,7 +12,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,13 +135,18 @@ LogLevel VERBOSE
 {more}"""
 
 
-def _write_config(root: Path, port: int, host_key: Path, authorized_keys: Path) -> None:
-    (root / "sshd_config").write_text(sshd_config(port, host_key, authorized_keys, root / "sshd.pid"))
+def _write_config(root: Path, port: int, host_key: Path, authorized_keys: Path,
+                  session_env: Mapping[str, str] | None = None) -> None:
+    # SetEnv: what every session gets besides sshd's own few variables (sshd passes none of its own environment on).
+    more = "".join(f"SetEnv {name}={value}\n" for name, value in (session_env or {}).items())
+    (root / "sshd_config").write_text(sshd_config(port, host_key, authorized_keys, root / "sshd.pid", more=more))
 
 
-def start_server(root: Path, client_public_key: Path, attempts: int = 5, host_key: Path | None = None) -> SshServer:
+def start_server(root: Path, client_public_key: Path, attempts: int = 5, host_key: Path | None = None,
+                 session_env: Mapping[str, str] | None = None) -> SshServer:
     """A new sshd in root, accepting client_public_key; retried on a port taken between probe and bind. Its host key
-    is host_key (private, mode 0600, .pub beside it) when given, else a new one."""
+    is host_key (private, mode 0600, .pub beside it) when given, else a new one; session_env: variables every session
+    gets."""
     root.mkdir(parents=True, exist_ok=True)
     PRIVSEP_DIR.mkdir(parents=True, exist_ok=True)
     host_key = host_key or keygen(root / "host_ed25519", "test-host")
@@ -149,7 +154,7 @@ def start_server(root: Path, client_public_key: Path, attempts: int = 5, host_ke
     authorized.write_text(client_public_key.read_text())
     for attempt in range(1, attempts + 1):
         server = SshServer(root=root, port=free_port(), host_key=host_key)
-        _write_config(root, server.port, host_key, authorized)
+        _write_config(root, server.port, host_key, authorized, session_env)
         try:
             server.start()
             return server
@@ -161,15 +166,18 @@ def start_server(root: Path, client_public_key: Path, attempts: int = 5, host_ke
 
 
 @contextmanager
-def ssh_servers(root: Path, count: int) -> Iterator[tuple[Path, list[SshServer]]]:
-    """count servers accepting one new client key; yields (client private key, servers) and stops them after."""
+def ssh_servers(root: Path, count: int, session_env: Mapping[str, str] | None = None
+                ) -> Iterator[tuple[Path, list[SshServer]]]:
+    """count servers accepting one new client key; yields (client private key, servers) and stops them after.
+    session_env: variables every session of theirs gets (sshd_config SetEnv)."""
     require_sshd()
     root.mkdir(parents=True, exist_ok=True)
     client_key = keygen(root / "client_ed25519", "test-client")
     servers: list[SshServer] = []
     try:
         for index in range(count):
-            servers.append(start_server(root / f"sshd-{index}", client_key.with_suffix(".pub")))
+            servers.append(start_server(root / f"sshd-{index}", client_key.with_suffix(".pub"),
+                                        session_env=session_env))
         yield client_key, servers
     finally:
         for server in servers:

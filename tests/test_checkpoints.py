@@ -15,6 +15,7 @@ from infra.checkpoints.steps import step_name
 from infra.checkpoints.store import CheckpointStore
 from infra.node import restore
 from infra.node.events import NodeEvent, parse
+from infra.node.protocol import RestoreRequest
 from infra.storage import open_store
 
 CONFIG_HASH = "0123456789abcdef"
@@ -250,7 +251,7 @@ def test_restore_latest_falls_back_when_the_newest_checkpoint_is_damaged(
 def test_restore_cli_reports_the_step_and_exits_3_without_a_checkpoint(
     tmp_path: Path, checkpoints: CheckpointStore, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = ["--url", checkpoints.store.url, "--dest", str(tmp_path / "dest")]
+    args = RestoreRequest(url=checkpoints.store.url, dest=str(tmp_path / "dest"))
     with pytest.raises(NoCommittedCheckpoint):
         checkpoints.restore_latest(tmp_path / "dest")
     assert restore.main(args) == 3
@@ -262,7 +263,7 @@ def test_restore_cli_reports_the_step_and_exits_3_without_a_checkpoint(
     assert report is not None and report.kind is NodeEvent.RESTORED and report["step"] == 100
     assert report["bytes"] == 60_000 and report["warnings"] == []
     assert Path(report["path"]) == tmp_path / "dest" / step_name(100)
-    assert restore.main([*args, "--step", "300"]) == 1
+    assert restore.main(args.model_copy(update={"step": 300})) == 1
     assert "step 300 is not committed" in capsys.readouterr().err
 
 
@@ -290,8 +291,7 @@ def test_a_corrupt_manifest_or_a_missing_file_fails_verify_naming_it_and_resume_
     assert f"{checkpoints.store.url_for(manifest_key(200))}: corrupt manifest" in line
 
     # The resume takes the previous commit, and the flow says so in its log and in the run summary.
-    args = ["--url", url, "--dest", str(tmp_path / "dest")]
-    assert restore.main(args) == 0
+    assert restore.main(RestoreRequest(url=url, dest=str(tmp_path / "dest"))) == 0
     captured = capsys.readouterr()
     assert f"restore: warning: skipped checkpoint step 200: {checkpoints.store.url_for(manifest_key(200))}" in (
         captured.err

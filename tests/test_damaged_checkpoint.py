@@ -17,6 +17,7 @@ from infra.checkpoints.steps import step_name
 from infra.checkpoints.store import CheckpointStore
 from infra.node import restore
 from infra.node.events import NodeEvent, parse
+from infra.node.protocol import RestoreRequest
 from infra.storage import open_store
 from trainpipe.cli import app
 
@@ -77,8 +78,8 @@ def test_a_damaged_step_is_set_aside_and_its_retrain_commits_only_the_new_attemp
     # The resume on each node checks every byte, falls back to 200 and says what it set aside and why.
     for rank in (0, 1):
         dest = tmp_path / f"resume-{rank}" / "ckpt"
-        assert restore.main(["--url", checkpoints.store.url, "--dest", str(dest),
-                             "--sync-dir", str(dest.parent / "sync")]) == 0
+        assert restore.main(RestoreRequest(url=checkpoints.store.url, dest=str(dest),
+                                           sync_dir=str(dest.parent / "sync"))) == 0
         captured = capsys.readouterr()
         [restored] = [e for e in map(parse, captured.out.splitlines()) if e and e.kind is NodeEvent.RESTORED]
         assert restored["step"] == 200
@@ -172,8 +173,8 @@ def test_the_resumed_attempts_syncer_commits_the_retrain_and_keeps_the_set_aside
     damage(checkpoints, checkpoints.manifest(300), "flipped")
     dirs = [tmp_path / f"node-{rank}" / "ckpt" for rank in (0, 1)]
     for ckpt_dir in dirs:
-        assert restore.main(["--url", checkpoints.store.url, "--dest", str(ckpt_dir),
-                             "--sync-dir", str(ckpt_dir.parent / "sync")]) == 0
+        assert restore.main(RestoreRequest(url=checkpoints.store.url, dest=str(ckpt_dir),
+                                           sync_dir=str(ckpt_dir.parent / "sync"))) == 0
     [note] = checkpoints.set_aside_notes()
     kept = {key: checkpoints.store.get_bytes(key) for key in note.keys}
 

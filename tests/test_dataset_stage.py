@@ -19,6 +19,7 @@ from infra.dataset.assign import assign
 from infra.dataset.snapshot import DatasetSnapshot, save_snapshot, take_snapshot
 from infra.dataset.stagecache import ObjectCache
 from infra.node.events import Event, NodeEvent, parse
+from infra.node.protocol import StageRequest
 from infra.storage import ObjectStore, open_store
 from infra.storage.transfer import TransferConfig, upload
 
@@ -44,11 +45,10 @@ def freeze(store: ObjectStore, checkpoints: str, snapshot: DatasetSnapshot | Non
 
 def stage(snapshot_url: str, workdir: Path, cache: Path, *, rank: int = 0, nodes: int = 1,
           shard: str = "replicate") -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "infra.node", "stage", "--snapshot", snapshot_url, "--rank", str(rank), "--nodes",
-         str(nodes), "--shard", shard, "--dest", str(workdir / "data"), "--workdir", str(workdir), "--cache",
-         str(cache), "--run", "run-1", "--workers", "16"],
-        cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=300)
+    request = StageRequest(snapshot=snapshot_url, rank=rank, nodes=nodes, shard=shard, dest=str(workdir / "data"),
+                           workdir=str(workdir), cache=str(cache), run="run-1", workers=16)
+    return subprocess.run(request.command_line(sys.executable), cwd=REPO, env=request.environment(os.environ),
+                          capture_output=True, text=True, timeout=300)
 
 
 def staged_event(result: subprocess.CompletedProcess[str]) -> Event:

@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 from servers import S3Server
 from test_checkpoints import CONFIG_HASH, make_step
-from test_fanout_stage import Node, Staging, counted_store, local_nodes, node_command, start_server
+from test_fanout_stage import Node, Staging, counted_store, local_nodes, node_command, peer_exchange, start_server
 
 from infra.checkpoints.layout import CheckpointManifest
 from infra.checkpoints.steps import step_name
 from infra.checkpoints.store import CheckpointStore
 from infra.node.events import Event, NodeEvent
+from infra.node.protocol import RestoreRequest
 from infra.node.sync import RESTORED
 from infra.storage import open_store
 from infra.storage.http import PASS_ENV, USER_ENV
@@ -67,10 +68,9 @@ def cluster(tmp_path: Path) -> Iterator[list[Node]]:
 
 def start_restore(url: str, node: Node, nodes: list[Node], dest: Path, *, fanout: bool,
                   peer_wait_s: float = 60) -> Staging:
-    peers = ["--rank", str(node.rank), "--peers", ",".join(n.url for n in nodes), "--share-dir",
-             str(node.workdir / "share"), "--peer-connect-grace", "2", "--peer-wait", str(peer_wait_s)]
-    return node_command(["restore", "--url", url, "--dest", str(dest), "--sync-dir", str(node.workdir / "sync"),
-                         *(peers if fanout else [])])
+    peers = peer_exchange(node, nodes, connect_grace_s=2, wait_s=peer_wait_s) if fanout else None
+    return node_command(RestoreRequest(url=url, dest=str(dest), sync_dir=str(node.workdir / "sync"),
+                                       rank=node.rank if fanout else 0, peers=peers))
 
 
 def finished(restoring: Staging) -> Event:

@@ -30,6 +30,7 @@ from infra.dataset.snapshot import read_snapshot
 from infra.node.events import Event, NodeEvent, parse
 from infra.node.fanout import SHARE_DIR, Exchange, File, Piece, shares
 from infra.node.processes import NODE_TAG, tagged_processes
+from infra.node.protocol import CodeRequest, NodeRequest, PeerExchange, PeerServeRequest, StageRequest
 from infra.storage import open_store
 from infra.storage.base import ObjectStore
 from infra.storage.http import PASS_ENV, USER_ENV
@@ -111,23 +112,28 @@ def start_server(node: Node) -> None:
     log = node.workdir / "peer-serve.log"
     node.workdir.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:
-        node.server = subprocess.Popen(
-            [sys.executable, "-m", "infra.node", "peer-serve", "--dir", str(node.workdir / "share"), "--addr",
-             f"127.0.0.1:{node.port}"], cwd=REPO, env=dict(os.environ), stdout=out, stderr=subprocess.STDOUT)
+        request = PeerServeRequest(dir=str(node.workdir / "share"), addr=f"127.0.0.1:{node.port}")
+        node.server = subprocess.Popen(request.command_line(sys.executable), cwd=REPO,
+                                       env=request.environment(os.environ), stdout=out, stderr=subprocess.STDOUT)
     _wait_for_port(node.port, node.server, log)
 
 
 def start_stage(snapshot_url: str, node: Node, nodes: list[Node], *, fanout: bool) -> Staging:
-    peers = ["--peers", ",".join(n.url for n in nodes), "--share-dir", str(node.workdir / "share"),
-             "--peer-connect-grace", "2", "--peer-wait", "60"] if fanout else []
-    return node_command(["stage", "--snapshot", snapshot_url, "--rank", str(node.rank), "--nodes", str(len(nodes)),
-                         "--dest", str(node.workdir / "data"), "--workdir", str(node.workdir), "--cache",
-                         str(node.workdir / "cache"), "--run", "run-1", "--workers", "8", *peers])
+    peers = peer_exchange(node, nodes, connect_grace_s=2) if fanout else None
+    return node_command(StageRequest(snapshot=snapshot_url, rank=node.rank, nodes=len(nodes),
+                                     dest=str(node.workdir / "data"), workdir=str(node.workdir),
+                                     cache=str(node.workdir / "cache"), run="run-1", workers=8, peers=peers))
 
 
-def node_command(args: list[str]) -> Staging:
-    """`python -m infra.node ARGS` started, its output followed (events as they come)."""
-    process = subprocess.Popen([sys.executable, "-m", "infra.node", *args], cwd=REPO, env=dict(os.environ),
+def peer_exchange(node: Node, nodes: list[Node], *, connect_grace_s: float, wait_s: float = 60) -> PeerExchange:
+    """Fan-out among the local nodes, node's share dir under its workdir."""
+    return PeerExchange(urls=tuple(n.url for n in nodes), share_dir=str(node.workdir / "share"), wait_s=wait_s,
+                        connect_grace_s=connect_grace_s)
+
+
+def node_command(request: NodeRequest) -> Staging:
+    """The request's node command started, its output followed (events as they come)."""
+    process = subprocess.Popen(request.command_line(sys.executable), cwd=REPO, env=request.environment(os.environ),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     staging = Staging(process)
     threading.Thread(target=staging.follow, daemon=True).start()
@@ -248,9 +254,8 @@ def code_archive(s3_url: str, tmp_path: Path) -> tuple[str, PackedCode]:
 
 
 def start_code(url: str, packed: PackedCode, node: Node, nodes: list[Node]) -> Staging:
-    return node_command(["code", "--url", url, "--dest", str(node.workdir / "code"), "--sha256", packed.sha256,
-                         "--rank", str(node.rank), "--peers", ",".join(n.url for n in nodes), "--share-dir",
-                         str(node.workdir / "share"), "--peer-connect-grace", "1", "--peer-wait", "60"])
+    return node_command(CodeRequest(url=url, dest=str(node.workdir / "code"), sha256=packed.sha256, rank=node.rank,
+                                    peers=peer_exchange(node, nodes, connect_grace_s=1)))
 
 
 def fetched_code(staging: Staging) -> Event:

@@ -21,6 +21,7 @@ from infra.dataset.spec import InputSpec
 from infra.job.plan import PlanError, plan_job
 from infra.job.spec import ConfigError, parse_job
 from infra.node.events import NodeEvent, parse
+from infra.node.protocol import StageRequest
 from infra.storage import open_store
 
 PROBE = COMMIT_TINY_CHECKPOINT + """
@@ -132,14 +133,12 @@ def test_the_node_stages_inputs_alone_through_its_cache_and_refuses_changed_byte
                                    input_snapshot_key(name))
     workdir = tmp_path / "node"
 
-    wanted = [part for name, url in urls.items() for part in ("--input", f"{name}={url}")]
+    request = StageRequest(inputs=urls, inputs_dir=str(workdir / "inputs"), rank=0, nodes=1, workdir=str(workdir),
+                           cache=str(tmp_path / "cache"), run="run-1")
 
     def stage_inputs() -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "infra.node", "stage", *wanted,
-             "--inputs-dir", str(workdir / "inputs"), "--rank", "0", "--nodes", "1", "--workdir", str(workdir),
-             "--cache", str(tmp_path / "cache"), "--run", "run-1"],
-            cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=300)
+        return subprocess.run(request.command_line(sys.executable), cwd=REPO, env=request.environment(os.environ),
+                              capture_output=True, text=True, timeout=300)
 
     def events(result: subprocess.CompletedProcess[str]) -> dict[str, dict]:
         assert result.returncode == 0, result.stderr[-3000:]

@@ -27,6 +27,7 @@ from infra.lifecycle.recovery import Recoveries
 from infra.node import rejoin
 from infra.node.events import NodeEvent, parse
 from infra.node.processes import NODE_TAG
+from infra.node.protocol import RejoinRequest
 from infra.node.restore import prune_all_but
 from infra.workload.progress import StepClock
 from tasks.replace import Replaced, replace_or_relaunch
@@ -170,9 +171,9 @@ def test_a_survivor_rejoins_without_what_would_mislead_the_next_attempt(tmp_path
     (sync / "stop").write_text("stop\n")
     (tmp_path / "notice").write_text("{}")
     (logs / "metrics.jsonl").write_text('{"step": 60}\n')
-    argv = ["--clear", str(sync), "--remove", str(tmp_path / "notice"), "--remove", str(tmp_path / "absent"),
-            "--set-aside", str(logs / "metrics.jsonl"), "--suffix", "attempt-0"]
-    assert rejoin.main(argv) == 0
+    request = RejoinRequest(clear=(str(sync),), remove=(str(tmp_path / "notice"), str(tmp_path / "absent")),
+                            set_aside=(str(logs / "metrics.jsonl"),), suffix="attempt-0")
+    assert rejoin.main(request) == 0
     [event] = [parse(line) for line in capsys.readouterr().out.splitlines()]
     assert event is not None and event.kind is NodeEvent.REJOINED and event["free_port"] > 0
     assert list(sync.iterdir()) == [] and not (tmp_path / "notice").exists()

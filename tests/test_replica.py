@@ -14,13 +14,14 @@ from cloud_env import wait_for
 from servers import S3Server
 from test_checkpoints import make_step, node_dirs
 from test_fanout_restore import NODES, STEP, commit_step, events, held, peer_credentials, whole
-from test_fanout_stage import Node, Staging, counted_store, local_nodes, node_command, start_server
+from test_fanout_stage import Node, Staging, counted_store, local_nodes, node_command, peer_exchange, start_server
 from test_syncer import SyncProcess, is_event
 
 from infra.checkpoints.layout import CheckpointManifest
 from infra.checkpoints.steps import step_name
 from infra.checkpoints.store import CheckpointStore
 from infra.node.events import NodeEvent
+from infra.node.protocol import RestoreRequest
 from infra.node.replica import ReplicaConfig, Replicator, buddy, replica_holder
 from infra.storage import open_store
 
@@ -51,11 +52,10 @@ def replicate(checkpoints: CheckpointStore, manifest: CheckpointManifest, nodes:
 
 
 def restore(url: str, node: Node, nodes: list[Node], holders: str) -> Staging:
-    return node_command(["restore", "--url", url, "--dest", str(node.workdir / "ckpt"), "--sync-dir",
-                         str(node.workdir / "sync"), "--rank", str(node.rank),
-                         "--peers", ",".join(n.url for n in nodes), "--share-dir", str(node.workdir / "share"),
-                         "--peer-connect-grace", "2", "--peer-wait", "60", "--holders", holders,
-                         "--replica-dir", str(replica_dir(node))])
+    return node_command(RestoreRequest(url=url, dest=str(node.workdir / "ckpt"), sync_dir=str(node.workdir / "sync"),
+                                       rank=node.rank, peers=peer_exchange(node, nodes, connect_grace_s=2),
+                                       holders=tuple(int(rank) for rank in holders.split(",")),
+                                       replica_dir=str(replica_dir(node))))
 
 
 def finished(one: Staging) -> dict[str, object]:

@@ -22,6 +22,7 @@ from infra.checkpoints.steps import step_name
 from infra.checkpoints.store import CheckpointStore
 from infra.node import restore
 from infra.node.events import Event, NodeEvent, parse
+from infra.node.protocol import RestoreRequest
 from infra.node.sync import stop_request
 from infra.storage import open_store
 
@@ -223,8 +224,8 @@ def test_restored_checkpoints_are_never_shipped_again(tmp_path: Path, checkpoint
     # A recovery: fresh nodes restore the union of both parts into their checkpoint dirs, then train on.
     fresh = node_dirs(tmp_path / "again")
     for ckpt_dir in fresh:
-        assert restore.main(["--url", checkpoints.store.url, "--dest", str(ckpt_dir), "--sync-dir",
-                             str(ckpt_dir.parent / "sync"), "--format", "auto"]) == 0
+        assert restore.main(RestoreRequest(url=checkpoints.store.url, dest=str(ckpt_dir),
+                                           sync_dir=str(ckpt_dir.parent / "sync"), format="auto")) == 0
         assert sorted(p.name for p in (ckpt_dir / step_name(100)).iterdir()) == [
             ".metadata", "__0_0.distcp", "__1_0.distcp"]
     with both_running(tmp_path, fresh, checkpoints.store.url, "--stop-file", str(stop), fmt="auto",

@@ -11,6 +11,7 @@ import pytest
 
 from infra.node import code as code_agent
 from infra.node.events import Event, NodeEvent, parse
+from infra.node.protocol import CodeRequest
 from infra.workload.code import CodeError, code_files, pack, unpack
 from infra.workload.contract import NodeContext, check_command, render_command
 from infra.workload.plan import WorkloadError, plan_workload
@@ -96,14 +97,14 @@ def test_the_node_fetches_verifies_and_reuses_its_code(tmp_path: Path, capsys: p
     packed = pack(project, tmp_path / "store")
     url = f"file://{packed.archive}"
     dest = tmp_path / "node" / "code"
-    assert code_agent.main(["--url", url, "--dest", str(dest), "--sha256", packed.sha256]) == 0
+    assert code_agent.main(CodeRequest(url=url, dest=str(dest), sha256=packed.sha256)) == 0
     first = parse(capsys.readouterr().out.splitlines()[-1])
     assert first == Event(NodeEvent.CODE, {"sha256": packed.sha256, "files": 1, "reused": False})
     assert (dest / "train.py").read_text() == "print('hi')\n"
     assert sorted(p.name for p in dest.iterdir()) == ["train.py"], "the code dir is exactly the archive's tree"
-    assert code_agent.main(["--url", url, "--dest", str(dest), "--sha256", packed.sha256]) == 0
+    assert code_agent.main(CodeRequest(url=url, dest=str(dest), sha256=packed.sha256)) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["reused"] is True
-    assert code_agent.main(["--url", url, "--dest", str(tmp_path / "other"), "--sha256", "0" * 64]) == 1
+    assert code_agent.main(CodeRequest(url=url, dest=str(tmp_path / "other"), sha256="0" * 64)) == 1
     assert "sha256" in capsys.readouterr().err
 
 

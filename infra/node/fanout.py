@@ -19,7 +19,6 @@ node or stager is gone is given up on within the bound.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import threading
 import time
@@ -33,6 +32,7 @@ from infra.dataset.assign import assign
 from infra.dataset.errors import DatasetError
 from infra.dataset.stagecache import link_into
 from infra.node.events import NodeEvent, emit
+from infra.node.protocol import PEER_CONNECT_GRACE_S, PEER_WAIT_S
 from infra.storage.base import ObjectStore, StorageError
 from infra.storage.cloud import TransientStorageError
 from infra.storage.http import HttpStore
@@ -40,10 +40,8 @@ from infra.storage.http import HttpStore
 log = logging.getLogger(__name__)
 
 SHARE_DIR = "fanout"  # under the node's workdir: what its peer server serves, each file under its checksum's name
-WAIT_S = 30.0  # how long a node waits for a file from an owner that shows no sign of life (no file, no beat)
 HEARTBEAT = "_alive"  # in the share dir (share names are "<algorithm>-<value>"): rewritten every BEAT_S while running
 BEAT_S = 2.0
-CONNECT_GRACE_S = 15.0  # a peer's server may still be starting: refused connections are retried this long
 # A piece published is fetched within _POLL_MAX_S: the exchange's tail (each owner's last piece) waits no longer for
 # it. At 8 pieces awaited per node that is ≤ 80 HEADs a second a node sends, each answered from the owner's dir.
 _POLL_FIRST_S, _POLL_MAX_S = 0.02, 0.1
@@ -84,18 +82,6 @@ def share_name(checksum: str) -> str:
     return f"{algorithm}-{value.replace('/', '_').replace('+', '-').rstrip('=')}"
 
 
-def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
-    """The fan-out options of the node commands that exchange (stage, restore)."""
-    parser.add_argument("--peers", help="fan-out: every node's peer server URL, comma-separated in rank order (this "
-                        "node's own included); credentials in TRAINPIPE_PEER_USER/TRAINPIPE_PEER_PASS")
-    parser.add_argument("--share-dir", type=Path, help="fan-out: the dir this node's peer server serves")
-    parser.add_argument("--peer-wait", type=float, default=WAIT_S,
-                        help="fan-out: seconds a peer may show no sign of life (no file, no heartbeat) before what "
-                        "it owes is taken from the store")
-    parser.add_argument("--peer-connect-grace", type=float, default=CONNECT_GRACE_S,
-                        help="fan-out: seconds a refused connection to a peer is retried (its server starting)")
-
-
 def shares(files: Sequence[Piece], nodes: int, holders: Sequence[int] = ()) -> dict[str, int]:
     """checksum -> the rank that fetches it from the store; every node computes the same. holders: only these ranks
     own files (the nodes that already hold them: a replaced node's survivors), default every rank."""
@@ -131,7 +117,8 @@ class Exchange:
     says where a verified piece lies on this node (what gets published)."""
 
     def __init__(self, rank: int, peer_urls: Sequence[str], share_dir: Path, local: Callable[[Piece], Path], *,
-                 wait_s: float = WAIT_S, connect_grace_s: float = CONNECT_GRACE_S, holders: Sequence[int] = ()) -> None:
+                 wait_s: float = PEER_WAIT_S, connect_grace_s: float = PEER_CONNECT_GRACE_S,
+                 holders: Sequence[int] = ()) -> None:
         self.rank = rank
         self.holders = tuple(holders)  # the ranks that own the shares (shares()); empty: every rank
         self.peers = [_Peer(r, HttpStore(url)) for r, url in enumerate(peer_urls)]

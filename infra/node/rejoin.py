@@ -9,36 +9,31 @@ the metrics file (set aside, renamed, so the orchestrator and the syncer read on
 
 from __future__ import annotations
 
-import argparse
 import shutil
 from pathlib import Path
 
 from infra.node.events import NodeEvent, emit
 from infra.node.ports import free_port
+from infra.node.protocol import NodeRequest, RejoinRequest, as_request
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m infra.node rejoin", description=__doc__.splitlines()[0])
-    parser.add_argument("--clear", type=Path, action="append", default=[], help="a dir to empty (kept itself)")
-    parser.add_argument("--remove", type=Path, action="append", default=[], help="a file to remove if present")
-    parser.add_argument("--set-aside", type=Path, action="append", default=[],
-                        help="a file renamed to FILE.<suffix> if present")
-    parser.add_argument("--suffix", default="old", help="what --set-aside appends to the name")
-    args = parser.parse_args(argv)
-    for directory in args.clear:
+def main(request: NodeRequest) -> int:
+    rejoining = as_request(request, RejoinRequest)
+    cleared = [Path(directory) for directory in rejoining.clear]
+    for directory in cleared:
         directory.mkdir(parents=True, exist_ok=True)
         for entry in directory.iterdir():
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)
             else:
                 entry.unlink()
-    for path in args.remove:
+    for path in map(Path, rejoining.remove):
         path.unlink(missing_ok=True)
     aside = []
-    for path in args.set_aside:
+    for path in map(Path, rejoining.set_aside):
         if path.exists():
-            target = path.with_name(f"{path.name}.{args.suffix}")
+            target = path.with_name(f"{path.name}.{rejoining.suffix}")
             path.replace(target)
             aside.append(str(target))
-    emit(NodeEvent.REJOINED, free_port=free_port(), cleared=[str(d) for d in args.clear], set_aside=aside)
+    emit(NodeEvent.REJOINED, free_port=free_port(), cleared=[str(d) for d in cleared], set_aside=aside)
     return 0

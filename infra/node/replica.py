@@ -46,6 +46,7 @@ from infra.dataset.stagecache import link_into
 from infra.node.events import NodeEvent, emit
 from infra.node.fanout import share_name
 from infra.node.ports import free_port
+from infra.node.protocol import PeerServeRequest
 from infra.storage.base import StorageError
 from infra.storage.http import HttpStore
 from infra.storage.transfer import FileSpec, download
@@ -177,9 +178,11 @@ class Replicator:
 
     def _serve(self) -> None:
         # stderr is the syncer's (its log): rclone's complaints land beside the syncer's own.
-        self.server = subprocess.Popen(
-            [sys.executable, "-m", "infra.node", "peer-serve", "--dir", str(self.share_dir), "--addr",
-             str(self.serve_addr)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        # The syncer's environment holds the server's credentials (peer_credentials), passed on with the request.
+        request = PeerServeRequest(dir=str(self.share_dir), addr=str(self.serve_addr))
+        self.server = subprocess.Popen(request.command_line(sys.executable), env=request.environment(os.environ),
+                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                       preexec_fn=_die_with_parent)
 
     def _check_server(self) -> None:
         if self.server is None or self._closed.is_set() or (code := self.server.poll()) is None:

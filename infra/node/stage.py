@@ -1,5 +1,5 @@
 """`stage`: mirror this node's files of the run's dataset snapshot into its data dir, and each input's snapshot whole
-into <inputs-dir>/<name>, verified.
+into <inputs_dir>/<name>, verified.
 
 Runs on the node, so the bytes travel store → node directly; the orchestrator only sees progress events. The data
 dir ends up holding exactly the node's selected files (replicate: every snapshot file; split: its share) under their
@@ -12,7 +12,6 @@ run exactly as the dataset's are. Events: `staged` for the dataset, `input-stage
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import threading
@@ -27,7 +26,8 @@ from infra.dataset.errors import DatasetError
 from infra.dataset.snapshot import DATASET, DatasetSnapshot, SnapshotFile, check_unchanged, read_snapshot
 from infra.dataset.stagecache import CacheBusy, ObjectCache, link_into
 from infra.node.events import NodeEvent, Throttle, emit, fail
-from infra.node.fanout import Counts, Exchange, Piece, add_peer_arguments
+from infra.node.fanout import Counts, Exchange, Piece
+from infra.node.protocol import NodeRequest, StageRequest, as_request
 from infra.storage import StorageError, open_store
 from infra.storage.base import ChecksumMismatch, ObjectStore
 from infra.storage.records import DEFAULT_CONFIG
@@ -265,84 +265,56 @@ def _fetch_own(store: ObjectStore, snapshot: DatasetSnapshot, own: list[Snapshot
         list(pool.map(one, range(len(large))))
 
 
-def _input(text: str) -> tuple[str, str]:
-    name, sep, url = text.partition("=")
-    if not sep or not name or not url:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=SNAPSHOT_URL")
-    return name, url
+def _exchange(request: StageRequest, cache: ObjectCache) -> Exchange | None:
+    """A fresh exchange per snapshot (its own counts), when fanning out."""
+    if request.peers is None:
+        return None
+    share_dir = Path(request.peers.share_dir)
+    share_dir.mkdir(parents=True, exist_ok=True)
+    return Exchange(request.rank, request.peers.urls, share_dir, lambda file: cache.path(file.checksum),
+                    wait_s=request.peers.wait_s, connect_grace_s=request.peers.connect_grace_s,
+                    holders=request.holders)
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m infra.node stage")
-    parser.add_argument("--snapshot", help="URL of the run's dataset snapshot (none: only inputs are staged)")
-    parser.add_argument("--input", type=_input, action="append", default=[], metavar="NAME=SNAPSHOT_URL",
-                        help="an input's snapshot, staged whole into <inputs-dir>/NAME (repeatable)")
-    parser.add_argument("--inputs-dir", type=Path, help="where the inputs go, one folder each")
-    parser.add_argument("--rank", type=int, required=True, help="this node's rank")
-    parser.add_argument("--nodes", type=int, required=True, help="nodes in the cluster")
-    parser.add_argument("--shard", choices=("replicate", "split"), default="replicate")
-    parser.add_argument("--dest", type=Path, help="the node's data dir: becomes the mirror of the dataset")
-    parser.add_argument("--workdir", required=True, type=Path, help=f"the node's workdir: {FILES_LIST} goes here")
-    parser.add_argument("--cache", required=True, type=Path, help="the node's object cache (kept across runs)")
-    parser.add_argument("--run", default="the run", help="run id, for error messages")
-    parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--progress-interval", type=float, default=2.0)
-    add_peer_arguments(parser)
-    parser.add_argument("--holders", help="fan-out: comma-separated ranks that already hold the files (the survivors "
-                        "of a replaced node): only they fetch from the store what they lack, the others take every "
-                        "file from them (default: every rank fetches its share)")
-    args = parser.parse_args(argv)
+def _reporter(throttle: Throttle, what: str) -> Callable[[Progress], None]:
+    def report(progress: Progress) -> None:
+        if throttle.ready() or progress.bytes_done == progress.bytes_total:
+            emit(NodeEvent.PROGRESS, what=what, bytes_done=progress.bytes_done, bytes_total=progress.bytes_total,
+                 files_done=progress.files_done, files_total=progress.files_total,
+                 mb_per_s=round(progress.mb_per_s, 1), eta_s=round(progress.eta_s, 1))
 
-    throttle = Throttle(args.progress_interval)
+    return report
 
-    if args.input and args.inputs_dir is None:
-        parser.error("--input needs --inputs-dir")
-    if args.snapshot is not None and args.dest is None:
-        parser.error("--snapshot needs --dest")
-    peers = args.peers.split(",") if args.peers else []
-    holders = [int(rank) for rank in args.holders.split(",")] if args.holders else []
-    if any(not 0 <= rank < args.nodes for rank in holders):
-        parser.error(f"--holders {args.holders}: ranks must be below --nodes {args.nodes}")
-    if peers and (args.share_dir is None or len(peers) != args.nodes):
-        parser.error(f"--peers needs --share-dir and one URL per node ({args.nodes}), got {len(peers)}")
 
-    def exchange(cache: ObjectCache) -> Exchange | None:
-        """A fresh exchange per snapshot (its own counts), when fanning out."""
-        if not peers:
-            return None
-        args.share_dir.mkdir(parents=True, exist_ok=True)
-        return Exchange(args.rank, peers, args.share_dir, lambda file: cache.path(file.checksum), wait_s=args.peer_wait,
-                        connect_grace_s=args.peer_connect_grace, holders=holders)
+def _stage_all(request: StageRequest, cache: ObjectCache) -> None:
+    """The dataset (when the request names one), then each input, each with its own `staged` event."""
+    throttle = Throttle(request.progress_interval)
+    if request.snapshot is not None and request.dest is not None:
+        snapshot = read_snapshot(request.snapshot)
+        mine = assign(snapshot.files, request.shard, request.nodes)[request.rank]
+        dest = Path(request.dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        # split: each node holds its own files, nothing to exchange.
+        staged = stage(snapshot, mine, dest, cache, run=request.run, workers=request.workers,
+                       progress=_reporter(throttle, DATASET),
+                       exchange=_exchange(request, cache) if request.shard == "replicate" else None)
+        _write_files_list(Path(request.workdir) / FILES_LIST, mine)
+        emit(NodeEvent.STAGED, **staged)
+    for name, url in request.inputs.items():
+        what = f"inputs.{name}"
+        snapshot = read_snapshot(url)
+        dest = Path(request.inputs_dir or "") / name
+        dest.mkdir(parents=True, exist_ok=True)
+        staged = stage(snapshot, list(snapshot.files), dest, cache, run=request.run, workers=request.workers,
+                       progress=_reporter(throttle, what), what=what, exchange=_exchange(request, cache))
+        emit(NodeEvent.INPUT_STAGED, name=name, **staged)
 
-    def reporter(what: str) -> Callable[[Progress], None]:
-        def report(progress: Progress) -> None:
-            if throttle.ready() or progress.bytes_done == progress.bytes_total:
-                emit(NodeEvent.PROGRESS, what=what, bytes_done=progress.bytes_done, bytes_total=progress.bytes_total,
-                     files_done=progress.files_done, files_total=progress.files_total,
-                     mb_per_s=round(progress.mb_per_s, 1), eta_s=round(progress.eta_s, 1))
 
-        return report
-
+def main(request: NodeRequest) -> int:
+    staging = as_request(request, StageRequest)
     try:
-        with _open_cache(args.cache, args.workdir) as cache:
-            if args.snapshot is not None:
-                snapshot = read_snapshot(args.snapshot)
-                mine = assign(snapshot.files, args.shard, args.nodes)[args.rank]
-                args.dest.mkdir(parents=True, exist_ok=True)
-                # split: each node holds its own files, nothing to exchange.
-                staged = stage(snapshot, mine, args.dest, cache, run=args.run, workers=args.workers,
-                               progress=reporter(DATASET),
-                               exchange=exchange(cache) if args.shard == "replicate" else None)
-                _write_files_list(args.workdir / FILES_LIST, mine)
-                emit(NodeEvent.STAGED, **staged)
-            for name, url in args.input:
-                what = f"inputs.{name}"
-                snapshot = read_snapshot(url)
-                dest = args.inputs_dir / name
-                dest.mkdir(parents=True, exist_ok=True)
-                staged = stage(snapshot, list(snapshot.files), dest, cache, run=args.run, workers=args.workers,
-                               progress=reporter(what), what=what, exchange=exchange(cache))
-                emit(NodeEvent.INPUT_STAGED, name=name, **staged)
+        with _open_cache(Path(staging.cache), Path(staging.workdir)) as cache:
+            _stage_all(staging, cache)
     except (DatasetError, StorageError) as exc:
         return fail(str(exc))
     return 0

@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-import argparse
 import time
 
 from infra.checkpoints.layout import CheckpointError
 from infra.checkpoints.store import CheckpointStore
 from infra.node.events import NodeEvent, emit, fail
+from infra.node.protocol import NodeRequest, VerifyCkptRequest, as_request
 from infra.storage import StorageError, open_store
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m infra.node verify-ckpt")
-    parser.add_argument("--url", required=True, help="the run's checkpoint root URL")
-    parser.add_argument("--step", type=int, default=None, help="default: the latest committed step")
-    args = parser.parse_args(argv)
+def main(request: NodeRequest) -> int:
+    verifying = as_request(request, VerifyCkptRequest)
     started = time.perf_counter()
     try:
-        manifest = CheckpointStore(open_store(args.url)).verify(args.step, deep=True)
+        manifest = CheckpointStore(open_store(verifying.url)).verify(verifying.step, deep=True)
     except (CheckpointError, StorageError) as exc:
         return fail(str(exc))
     emit(NodeEvent.VERIFIED, step=manifest.step, files=len(manifest.files), bytes=sum(f.bytes for f in manifest.files),
