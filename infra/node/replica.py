@@ -24,7 +24,6 @@ This is background work on one thread: a failure is logged and emitted (`replica
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import logging
 import os
@@ -78,27 +77,6 @@ class ReplicaConfig:
     share_dir: Path
     replica_dir: Path
     serve_host: str | None = None  # serve share_dir on this address during training (peer-serve); None: serve none
-
-
-def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--replica-dir", type=Path, help="peer replica: where the buddy's part is kept "
-                        "(<workdir>/replica)")
-    parser.add_argument("--replica-share-dir", type=Path, help="peer replica: the dir this node's peer server serves: "
-                        "its own uploaded part is linked there for its replica holder")
-    parser.add_argument("--replica-serve", metavar="HOST", help="peer replica: serve --replica-share-dir on this "
-                        "cluster address, on a free port its upload records name, while the syncer runs (rclone serve "
-                        "http, restarted if it dies, killed with the syncer); credentials in "
-                        "TRAINPIPE_PEER_USER/TRAINPIPE_PEER_PASS, which the buddy's pulls use too")
-
-
-def replica_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ReplicaConfig | None:
-    given = [args.replica_dir, args.replica_share_dir]
-    if not any(given) and args.replica_serve is None:
-        return None
-    if not all(given):
-        parser.error("--replica-dir and --replica-share-dir go together (and --replica-serve needs them): give both "
-                     "(peer replica) or none")
-    return ReplicaConfig(args.replica_share_dir, args.replica_dir, args.replica_serve)
 
 
 _PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child of a fork must not import or load
