@@ -61,6 +61,7 @@ from infra.storage.retry import RetryPolicy, call_with_retries
 log = logging.getLogger(__name__)
 
 EXIT_COMMIT_TIMEOUT = 2
+EXIT_BAD_REQUEST = 2  # what its request names cannot be used (a lineage file that is not one)
 # The store refused, or stayed unavailable longer than its store_outage_s: a restarted syncer would fare no better, so
 # the orchestrator stops training rather than train on what can no longer be committed.
 EXIT_STORE_FAILED = 3
@@ -561,25 +562,24 @@ def sync_config(request: SyncRequest) -> SyncConfig:
         except ValidationError as exc:
             raise SyncError(f"lineage {request.lineage}: not a Lineage ({exc.errors()[0]['msg']}): write it as the "
                             "train task does") from None
-    replica = None
-    if request.replica_dir is not None and request.replica_share_dir is not None:
-        replica = ReplicaConfig(Path(request.replica_share_dir), Path(request.replica_dir), request.replica_serve)
+    replica = (ReplicaConfig(Path(request.replica_share_dir), Path(request.replica_dir), request.replica_serve)
+               if request.replica_dir is not None and request.replica_share_dir is not None else None)
     return SyncConfig(
-        ckpt_dir=Path(request.ckpt_dir), sync_dir=Path(request.sync_dir), url=request.url,
-        node_rank=request.node_rank, nodes=request.nodes, procs_per_node=request.procs_per_node,
-        attempt=request.attempt, config_hash=request.config_hash, keep=request.keep, format=request.format,
-        poll_s=request.poll_s, stop_file=None if request.stop_file is None else Path(request.stop_file),
+        ckpt_dir=Path(request.ckpt_dir), sync_dir=Path(request.sync_dir), url=request.url, node_rank=request.node_rank,
+        nodes=request.nodes, procs_per_node=request.procs_per_node, attempt=request.attempt,
+        config_hash=request.config_hash, keep=request.keep, format=request.format, poll_s=request.poll_s,
+        stop_file=None if request.stop_file is None else Path(request.stop_file),
         commit_timeout_s=request.commit_timeout_s, flush_deadline_s=request.flush_deadline_s,
         metrics_file=None if request.metrics_file is None else Path(request.metrics_file), lineage=lineage,
-        registry_url=request.registry_url, store_outage_s=request.store_outage_s, replica=replica,
-    )
+        registry_url=request.registry_url, store_outage_s=request.store_outage_s, replica=replica)
 
 
 def main(request: NodeRequest) -> int:
-    sync = as_request(request, SyncRequest)
-    ckpt_dir = Path(sync.ckpt_dir)
     try:
-        config = sync_config(sync)
+        config = sync_config(as_request(request, SyncRequest))
+    except SyncError as exc:
+        return fail(f"sync: {exc}", EXIT_BAD_REQUEST)
+    try:
         # The syncer may start before the script has saved anything.
         config.ckpt_dir.mkdir(parents=True, exist_ok=True)
         config.sync_dir.mkdir(parents=True, exist_ok=True)
@@ -596,4 +596,4 @@ def main(request: NodeRequest) -> int:
     except (SyncError, CheckpointError) as exc:
         return fail(f"sync: {exc}")
     except OSError as exc:
-        return fail(f"sync: {exc.filename or ckpt_dir}: {exc.strerror or exc}: check the checkpoint dir")
+        return fail(f"sync: {exc.filename or config.ckpt_dir}: {exc.strerror or exc}: check the checkpoint dir")
