@@ -12,7 +12,7 @@ it too) over the cluster network, verifies each against the record's checksum li
 may yet be abandoned). A restore holds a replica to the commit's manifest. The store is read only for the records:
 its egress does not grow with the checkpoint.
 
-During training the node's part is served by a `peer-serve` the syncer starts (--replica-serve: the node's cluster
+During training the node's part is served by a `peer-serve` the syncer starts (replica_serve: the node's cluster
 address, on a port picked free when the syncer starts, so two clusters on one host never collide; per-run
 credentials), which every upload record of the node names (`replica_url`). It is watched by the replica thread
 (restarted, on the same port, when it dies) and killed with the syncer (a parent-death signal), so the syncer, itself
@@ -245,7 +245,7 @@ class Replicator:
             return None
         if record.replica_url is None:
             raise CheckpointError(f"node {self.buddy}'s upload record of step {step} names no replica server: it "
-                                  "runs without --replica-serve")
+                                  "runs without replica_serve")
         peer, files = HttpStore(record.replica_url), record.files
         started = time.monotonic()
         partial = self.replica_dir / f".{step_name(step)}.partial"
