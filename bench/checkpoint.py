@@ -26,6 +26,7 @@ from bench.trainer_flags import VOCAB_SIZE, ModelShape
 from infra.checkpoints.store import CheckpointStore
 from infra.dataset.synth import synthesize
 from infra.node.events import NodeEvent, WorkloadEvent, parse
+from infra.node.protocol import SyncRequest
 from infra.storage import open_store
 from trainer.checkpoint import complete_steps, read_marker, step_dir_name
 from trainer.model import GPT, GPTConfig
@@ -137,15 +138,13 @@ def _run_mode(mode: str, config: BenchConfig, data_dir: Path, work: Path) -> Mod
         "--batch-size", str(config.batch_size), "--threads", str(config.threads), "--log-every", str(config.steps),
         "--eval-batches", "1", *config.model.flags(),
     ]
-    syncer = [
-        _python(), "-m", "infra.node", "sync", "--ckpt-dir", str(ckpt_dir), "--sync-dir", str(node / "sync"),
-        "--url", store_url, "--node-rank", "0", "--nodes", "1", "--attempt", f"bench-{mode}",
-        "--config-hash", f"bench-{mode}", "--keep", "2", "--format", "marker", "--stop-file", str(stop_file),
-        "--poll", "0.2",
-    ]
+    syncer = SyncRequest(ckpt_dir=str(ckpt_dir), sync_dir=str(node / "sync"), url=store_url, node_rank=0, nodes=1,
+                         attempt=f"bench-{mode}", config_hash=f"bench-{mode}", keep=2, format="marker",
+                         stop_file=str(stop_file), poll_s=0.2)
     started = time.monotonic()
     with open(node / "sync.out", "w") as sync_out, open(node / "sync.err", "w") as sync_err:
-        sync_proc = subprocess.Popen(syncer, env=env, stdout=sync_out, stderr=sync_err)
+        sync_proc = subprocess.Popen(syncer.command_line(_python()), env=syncer.environment(env), stdout=sync_out,
+                                     stderr=sync_err)
         try:
             train = subprocess.run(trainer, env=env, capture_output=True, text=True, timeout=config.timeout_s)
             train_s = time.monotonic() - started

@@ -11,16 +11,16 @@ from __future__ import annotations
 from infra.compute.providers import Node
 from infra.job.spec import JobSpec
 from infra.lifecycle.preemption_watch import PreemptionWatch
+from infra.node.protocol import ChaosRequest
 
 
-def chaos_argv(node: Node, trigger: str, notice_s: float) -> list[str]:
+def chaos_request(node: Node, trigger: str, notice_s: float) -> ChaosRequest:
     """The node's chaos injector: it waits for the trigger file, then gives notice and takes the node away."""
-    return [node.python, "-m", "infra.node", "chaos", "--trigger", trigger, "--workdir", node.workdir,
-            "--notice-s", str(notice_s)]
+    return ChaosRequest(trigger=trigger, workdir=node.workdir, notice_s=notice_s)
 
 
 def arm_chaos(job: JobSpec, attempt: int, watch: PreemptionWatch) -> None:
     """Start the injector on each node this attempt's chaos events preempt (each event names its attempt)."""
     if job.chaos is None:
         return
-    watch.arm([event for event in job.chaos.preempt if event.attempt == attempt], chaos_argv)
+    watch.arm([event for event in job.chaos.preempt if event.attempt == attempt], chaos_request)

@@ -9,10 +9,12 @@ from prefect import get_run_logger, task
 from prefect.exceptions import MissingContextError
 
 from infra.cancel import CANCEL
+from infra.compute.access.agent import NodeAgent
 from infra.compute.providers import Cluster, Node, Provider, launch_cluster, provider_of, terminate_cluster
 from infra.compute.renewal import RENEWALS_PER_TTL
 from infra.job.spec import JobSpec
 from infra.lifecycle.lease import LEASE_FILE, LeaseKeeper
+from infra.node.protocol import WatchRequest
 from infra.node.sync import STOP_FILE
 from tasks.policy import TRANSIENT_RETRIES
 
@@ -31,14 +33,18 @@ def start_lease(provider: Provider, cluster: Cluster, ttl_s: float, nodes: Seque
     _lease_keepers[cluster.name] = LeaseKeeper(provider, cluster, ttl_s / RENEWALS_PER_TTL).start()
     try:
         for node in cluster.nodes if nodes is None else nodes:
-            provider.runner(cluster, node).start(
-                [node.python, "-m", "infra.node", "watch", "--lease", node.path(LEASE_FILE), "--ttl", str(ttl_s),
-                 "--on-expire", provider.lease_expiry, "--notice-source", provider.notice_source,
-                 "--workdir", node.workdir, "--stop-sync-file", f"{node.sync_dir}/{STOP_FILE}"],
-                log_path=node.path("logs", "watch.log"))
+            NodeAgent(provider.runner(cluster, node), node.python).start(
+                watch_request(provider, node, ttl_s), log_path=node.path("logs", "watch.log"))
     except BaseException:
         _stop_lease(cluster.name)
         raise
+
+
+def watch_request(provider: Provider, node: Node, ttl_s: float) -> WatchRequest:
+    """The node's watchdog: the lease's TTL and what to do when it expires, and where preemption notices come from."""
+    return WatchRequest(lease=node.path(LEASE_FILE), ttl_s=ttl_s, on_expire=provider.lease_expiry,
+                        notice_source=provider.notice_source, workdir=node.workdir,
+                        stop_sync_file=f"{node.sync_dir}/{STOP_FILE}")
 
 
 def _stop_lease(cluster_name: str) -> None:

@@ -56,12 +56,12 @@ def peer_credentials() -> dict[str, str]:
     return {USER_ENV: f"run-{secrets.token_hex(4)}", PASS_ENV: secrets.token_urlsafe(24)}
 
 
-def replica_argv(node: Node) -> list[str]:
-    """A node's syncer flags for checkpoints.peer_replica: it serves its share dir on its cluster address (a free port
-    its upload records name) while it runs and keeps its ring buddy's part under <workdir>/replica (credentials:
-    peer_credentials in its environment)."""
-    return ["--replica-dir", node.path(REPLICA_DIR), "--replica-share-dir", node.path(SHARE_DIR),
-            "--replica-serve", node.address]
+def replica_fields(node: Node) -> dict[str, str]:
+    """A node's syncer request fields for checkpoints.peer_replica: it serves its share dir on its cluster address (a
+    free port its upload records name) while it runs and keeps its ring buddy's part under <workdir>/replica
+    (credentials: peer_credentials in its environment)."""
+    return {"replica_dir": node.path(REPLICA_DIR), "replica_share_dir": node.path(SHARE_DIR),
+            "replica_serve": node.address}
 
 
 @contextmanager

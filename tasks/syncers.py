@@ -1,7 +1,7 @@
 """The checkpoint syncers of one training launch, one per node: started before the trainers, watched from the train
 wait loop, stopped together.
 
-A syncer that dies during training is restarted with the same arguments (the same attempt id: it resumes from its
+A syncer that dies during training is restarted with the same request (the same attempt id: it resumes from its
 state file and ships nothing twice), up to MAX_RESTARTS times per node; one that gave up on the store (it already
 rode out checkpoints.store_outage_s) or keeps dying stops training with the reason, so the run never trains on
 what can no longer be committed.
@@ -15,14 +15,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from infra.compute.access.agent import NodeAgent
 from infra.compute.access.remote import LineSink, Process, RemoteError, Runner, last_error
 from infra.compute.providers import Node
 from infra.lifecycle.preemption_watch import TrainingError
 from infra.node.events import Event, NodeEvent
+from infra.node.protocol import NodeRequest
 from infra.node.sync import EXIT_STORE_FAILED, STOP_FILE, stop_request
 
 MAX_RESTARTS = 3
-# Beyond the syncer's own --commit-timeout: time for it to say which node's part is missing, and to exit.
+# Beyond the syncer's own commit_timeout_s: time for it to say which node's part is missing, and to exit.
 STOP_GRACE_S = 10.0
 POLL_S = 0.5
 
@@ -51,11 +53,12 @@ def _exit_code(process: Process) -> int | None:
 class Syncers:
     """Every node's syncer; events (uploads, commits) from all of them are kept in `events`, in arrival order."""
 
-    def __init__(self, runners: dict[str, Runner], nodes: Sequence[Node], argv: Callable[[Node], list[str]],
+    def __init__(self, runners: dict[str, Runner], nodes: Sequence[Node], request: Callable[[Node], NodeRequest],
                  sink: Callable[[Node, Callable[[Event], None]], LineSink], logger: Logger,
                  max_restarts: int = MAX_RESTARTS, env: dict[str, str] | None = None) -> None:
-        self.runners, self.nodes, self.argv, self.sink, self.logger = runners, tuple(nodes), argv, sink, logger
-        self.env = env  # the peer replicas' credentials (checkpoints.peer_replica), the same on every restart
+        self.runners, self.nodes, self.request, self.sink, self.logger = runners, tuple(nodes), request, sink, logger
+        # The job's secrets (store credentials) and the peer replicas' credentials, the same on every restart.
+        self.env = env
         self.max_restarts = max_restarts
         self.processes: dict[str, Process] = {}
         self.restarts: dict[str, int] = {}
@@ -66,8 +69,8 @@ class Syncers:
             self._start(node)
 
     def _start(self, node: Node) -> None:
-        self.processes[node.name] = self.runners[node.name].start(
-            self.argv(node), env=self.env, on_line=self.sink(node, self.events.append),
+        self.processes[node.name] = NodeAgent(self.runners[node.name], node.python, self.env).start(
+            self.request(node), on_line=self.sink(node, self.events.append),
             log_path=node.path("logs", "sync.log"))
 
     def poll(self) -> None:
@@ -111,7 +114,7 @@ class Syncers:
     def stop(self, timeout_s: float, grace_s: float = STOP_GRACE_S, lost: Sequence[str] = (),
              each_round: Callable[[], None] | None = None) -> None:
         """Ask every syncer to flush what is complete and exit, and wait for all of them together, within one bound:
-        timeout_s (the syncers' own --commit-timeout) plus grace_s. A syncer that fails means checkpoints were not
+        timeout_s (the syncers' own commit_timeout_s) plus grace_s. A syncer that fails means checkpoints were not
         saved.
 
         lost: nodes preempted (gone with their syncers): nothing is asked of them or waited for, and the others are

@@ -12,16 +12,18 @@ from prefect import get_run_logger, task
 
 from infra.cancel import CANCEL
 from infra.checkpoints.lineage import Lineage
+from infra.compute.access.agent import NodeAgent
 from infra.compute.access.remote import Process, RemoteError, Runner, wait_all
 from infra.compute.providers import Cluster, Node, provider_of
 from infra.job.spec import JobSpec
 from infra.lifecycle.preemption_watch import Preempted, PreemptionWatch, TrainingError
 from infra.node.events import Event, NodeEvent
+from infra.node.protocol import SyncRequest, TorchrunRequest
 from infra.node.sync import STOP_FILE
 from infra.workload.contract import NodeContext, input_dir, render_command
 from infra.workload.progress import Point
 from tasks.chaos import arm_chaos
-from tasks.fanout import peer_credentials, replica_argv
+from tasks.fanout import peer_credentials, replica_fields
 from tasks.node_output import TrainingProgress, node_line_sink
 from tasks.policy import NO_RETRIES
 from tasks.results import CheckpointSave, Committed, Uploaded, checkpoint_saves, sync_results
@@ -82,32 +84,34 @@ def workload_env(job: JobSpec, context: NodeContext) -> dict[str, str]:
             **job.training.env, **job_secrets(job), **context.environment()}
 
 
-def torchrun_argv(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch) -> list[str]:
-    return [
-        # torchrun, plus an event once every rank of the node exited 0 (see infra.node.launch).
-        node.python, "-m", "infra.node.launch", "torch.distributed.run",
-        "--nnodes", str(len(cluster.nodes)), "--nproc-per-node", str(job.cluster.procs_per_node),
-        "--node-rank", str(node.rank), "--master-addr", cluster.head.address,
-        "--master-port", str(launch.rendezvous_port), "--max-restarts", "0",
-        # Everything after `--` is the script's: its own options never reach torchrun's parser (where `--run` would
-        # be taken for an abbreviation of torchrun's --run-path).
-        "--", *render_command(job.training.command, node_context(job, cluster, node, launch)),
-    ]
+def torchrun_request(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch) -> TorchrunRequest:
+    """torchrun on this node, plus an event once every rank of the node exited 0 (see infra.node.torchrun)."""
+    return TorchrunRequest(
+        nnodes=len(cluster.nodes), nproc_per_node=job.cluster.procs_per_node, node_rank=node.rank,
+        master_addr=cluster.head.address, master_port=launch.rendezvous_port, max_restarts=0,
+        script=tuple(render_command(job.training.command, node_context(job, cluster, node, launch))))
 
 
-def syncer_argv(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch) -> list[str]:
-    return [
-        node.python, "-m", "infra.node", "sync", "--ckpt-dir", node.ckpt_dir, "--sync-dir", node.sync_dir,
-        "--url", launch.checkpoint_url, "--node-rank", str(node.rank), "--nodes", str(len(cluster.nodes)),
-        "--procs-per-node", str(job.cluster.procs_per_node), "--attempt", launch.attempt_id,
-        "--config-hash", launch.config_hash, "--keep", str(job.checkpoints.keep),
-        "--format", job.checkpoints.format, "--flush-deadline", str(job.checkpoints.flush_deadline_s),
-        "--poll", str(job.checkpoints.sync_poll_s), "--stop-file", f"{node.sync_dir}/{STOP_FILE}",
-        "--metrics-file", node.metrics_file, "--store-outage", str(job.checkpoints.store_outage_s),
-        "--commit-timeout", str(job.checkpoints.final_upload_timeout_s),
-        *(["--lineage", lineage_path(node)] if launch.lineage is not None else []),
-        *(replica_argv(node) if job.peer_replica else []),
-    ]
+def syncer_request(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch) -> SyncRequest:
+    checkpoints = job.checkpoints
+    return SyncRequest(
+        ckpt_dir=node.ckpt_dir, sync_dir=node.sync_dir, url=launch.checkpoint_url, node_rank=node.rank,
+        nodes=len(cluster.nodes), procs_per_node=job.cluster.procs_per_node, attempt=launch.attempt_id,
+        config_hash=launch.config_hash, keep=checkpoints.keep, format=checkpoints.format,
+        flush_deadline_s=checkpoints.flush_deadline_s, poll_s=checkpoints.sync_poll_s,
+        stop_file=f"{node.sync_dir}/{STOP_FILE}", metrics_file=node.metrics_file,
+        store_outage_s=checkpoints.store_outage_s, commit_timeout_s=checkpoints.final_upload_timeout_s,
+        # The registry `model promote` and the promote section move aliases in: retention keeps what they name.
+        registry_url=checkpoints.url,
+        lineage=lineage_path(node) if launch.lineage is not None else None,
+        **(replica_fields(node) if job.peer_replica else {}),
+    )
+
+
+def syncer_env(job: JobSpec) -> dict[str, str]:
+    """The syncers' environment: the job's secrets (store credentials given as secrets among them), resolved here as
+    the syncers start, and the peer replicas' credentials (the same on every restart)."""
+    return {**job_secrets(job), **(peer_credentials() if job.peer_replica else {})}
 
 
 def lineage_path(node: Node) -> str:
@@ -217,9 +221,9 @@ def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOu
     runners = {node.name: provider.runner(cluster, node) for node in cluster.nodes}
     watch = PreemptionWatch(provider, cluster, runners, progress, job.recovery.confirm_s, logger)
     metrics = _MetricsPoll(progress, runners[cluster.head.name], cluster.head.metrics_file)
-    syncers = Syncers(runners, cluster.nodes, lambda node: syncer_argv(job, cluster, node, launch),
+    syncers = Syncers(runners, cluster.nodes, lambda node: syncer_request(job, cluster, node, launch),
                       lambda node, on_event: node_line_sink(logger, f"{node.name} sync", on_event), logger,
-                      env=peer_credentials() if job.peer_replica else None)
+                      env=syncer_env(job))
     exit_grace = _ExitGrace(syncers, len(cluster.nodes), job.training.exit_grace_s)
     upload_s = job.checkpoints.final_upload_timeout_s
     started = time.monotonic()
@@ -232,8 +236,8 @@ def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOu
         syncers.start()
         for node in cluster.nodes:
             env = workload_env(job, node_context(job, cluster, node, launch))
-            trainers[node.name] = runners[node.name].start(
-                torchrun_argv(job, cluster, node, launch), env=env, cwd=code_dir[node.name],
+            trainers[node.name] = NodeAgent(runners[node.name], node.python, env).start(
+                torchrun_request(job, cluster, node, launch), cwd=code_dir[node.name],
                 on_line=node_line_sink(logger, node.name, exit_grace.on_event(node.name),
                                        follow=progress.follow if node == cluster.head else None),
                 log_path=node.path("logs", "train.log"))

@@ -38,6 +38,7 @@ from google.auth.credentials import AnonymousCredentials
 from jobs import job_config, make_dataset, write_config
 from sshd import require_sshd
 
+from infra.compute.access.agent import NodeAgent
 from infra.compute.providers.aws.provider import TAG_HEARTBEAT, AwsProvider
 from infra.compute.providers.cloud import lease_alive
 from infra.compute.providers.gcp.labels import LABEL_CLUSTER, LABEL_HEARTBEAT
@@ -47,6 +48,7 @@ from infra.compute.renewal import Renewal
 from infra.compute.spec import ClusterSpec
 from infra.job.plan import cluster_name_for
 from infra.node.events import NodeEvent, parse
+from infra.node.protocol import NodeCommand, WatchRequest, runs_command
 
 AWS_PREFIX, GCP_PREFIX = "127.77.1.", "127.77.2."
 REGION, ZONE = "us-east-1", "us-central1-a"
@@ -98,7 +100,7 @@ def watchdogs(stand_ins, address: str) -> list[psutil.Process]:
     for pid in stand_ins.processes_of(address):
         try:
             process = psutil.Process(pid)
-            if "infra.node" in process.cmdline() and "watch" in process.cmdline():
+            if runs_command(process.cmdline(), NodeCommand.WATCH):
                 found.append(process)
         except psutil.Error:
             continue
@@ -275,9 +277,9 @@ def test_a_node_that_cannot_power_off_still_ends_its_processes(tmp_path: Path) -
     runner = provider.runner(cluster, node)
     try:
         workload = runner.start(["sleep", "600"])
-        watchdog = runner.start([node.python, "-m", "infra.node", "watch", "--lease", node.path("lease"), "--ttl", "1",
-                                 "--poll", "0.2", "--on-expire", "shutdown"],
-                                env={"PATH": f"{refuses.parent}:{os.environ['PATH']}"})
+        watchdog = NodeAgent(runner, node.python).start(
+            WatchRequest(lease=node.path("lease"), ttl_s=1, poll_s=0.2, on_expire="shutdown"),
+            env={"PATH": f"{refuses.parent}:{os.environ['PATH']}"})
         assert watchdog.wait(timeout=30) == 1
         assert workload.wait(timeout=10) is not None
         events = [e.kind for e in map(parse, watchdog.tail(50).splitlines()) if e]

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 from test_syncer import SyncProcess
@@ -108,9 +109,9 @@ def test_kill_9_never_leaves_a_torn_checkpoint_visible(tmp_path: Path) -> None:
     ckpt_dir.mkdir(parents=True)
     checkpoints = CheckpointStore(open_store(f"file://{tmp_path / 'store'}"))
 
-    def syncer(*extra: str) -> SyncProcess:
+    def syncer(**fields: Any) -> SyncProcess:
         # keep is large so retention never deletes a step this test is verifying concurrently.
-        return SyncProcess(tmp_path, ckpt_dir, checkpoints.store.url, 0, *extra, nodes=1, keep=1000)
+        return SyncProcess(tmp_path, ckpt_dir, checkpoints.store.url, 0, nodes=1, keep=1000, **fields)
 
     savers = Savers(ckpt_dir)
     running = syncer()
@@ -151,5 +152,5 @@ def test_kill_9_never_leaves_a_torn_checkpoint_visible(tmp_path: Path) -> None:
     # A restarted syncer flushes what the trainer completed: the newest local step becomes latest.
     stop = tmp_path / "stop"
     stop.touch()
-    assert syncer("--stop-file", str(stop)).finish() == 0
+    assert syncer(stop_file=str(stop)).finish() == 0
     assert assert_latest_is_whole(checkpoints, tmp_path / "restored-final") == complete_steps(ckpt_dir)[-1]

@@ -132,7 +132,7 @@ def test_kill_9_mid_save_never_commits_a_torn_checkpoint(fmt: str, tmp_path: Pat
         syncer.proc.kill()
         syncer.proc.wait()
         # A restarted syncer flushes what is complete, and commits nothing that is not.
-        assert SyncProcess(tmp_path, ckpt_dir, checkpoints.store.url, 0, "--stop-file", str(stop), nodes=1,
+        assert SyncProcess(tmp_path, ckpt_dir, checkpoints.store.url, 0, stop_file=str(stop), nodes=1,
                            keep=1000, fmt=fmt).finish() == 0
     finally:
         zygote.kill()

@@ -179,7 +179,7 @@ def test_the_resumed_attempts_syncer_commits_the_retrain_and_keeps_the_set_aside
     kept = {key: checkpoints.store.get_bytes(key) for key in note.keys}
 
     stop = tmp_path / "stop"
-    with both_running(tmp_path, dirs, checkpoints.store.url, "--stop-file", str(stop), attempt=NEW, keep=1) as syncers:
+    with both_running(tmp_path, dirs, checkpoints.store.url, stop_file=str(stop), attempt=NEW, keep=1) as syncers:
         for step in (300, 400):
             for rank in (0, 1):
                 make_step(dirs[rank], step, rank)

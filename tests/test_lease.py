@@ -14,12 +14,14 @@ from typing import Any
 import pytest
 from said import listening
 
+from infra.compute.access.agent import NodeAgent
 from infra.compute.access.remote import LocalRunner, Process, RemoteError
 from infra.compute.providers.base import Cluster, Node
 from infra.compute.providers.local import LocalProvider
 from infra.compute.spec import ClusterSpec
 from infra.lifecycle.lease import LEASE_FILE, LeaseError, LeaseKeeper
 from infra.node.events import Event, NodeEvent, parse
+from infra.node.protocol import WatchRequest
 
 TTL_S = 2.0
 
@@ -37,8 +39,8 @@ def start_workload_and_watchdog(provider: LocalProvider, cluster: Cluster) -> tu
     for node in cluster.nodes:
         runner = provider.runner(cluster, node)
         workloads.append(runner.start(["sleep", "600"]))
-        watchdogs.append(runner.start([node.python, "-m", "infra.node", "watch", "--lease", node.path(LEASE_FILE),
-                                       "--ttl", str(TTL_S), "--poll", "0.2"]))
+        watchdogs.append(NodeAgent(runner, node.python).start(
+            WatchRequest(lease=node.path(LEASE_FILE), ttl_s=TTL_S, poll_s=0.2)))
     return workloads, watchdogs
 
 

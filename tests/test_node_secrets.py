@@ -28,7 +28,7 @@ import tasks.checkpoint
 import tasks.evaluate
 import tasks.stage
 import tasks.workload
-from infra.checkpoints.commit import CheckpointStore
+from infra.checkpoints.store import CheckpointStore
 from infra.compute.access.remote import RemoteError
 from infra.compute.access.ssh import close_connections
 from infra.compute.providers import Cluster, Node, runner_for

@@ -29,6 +29,7 @@ from infra.job.spec import ConfigError, parse_job
 from infra.lifecycle.recovery import Recoveries, RecoveryExhausted, narrowed
 from infra.node.events import NodeEvent, parse
 from infra.node.preemption_notice import NOTICE_FILE, aws_notice, gcp_notice, read_notice
+from infra.node.protocol import TorchrunRequest, WatchRequest
 
 # -- fake metadata services -------------------------------------------------------------------------------------
 
@@ -109,7 +110,7 @@ def test_gcp_notice_reads_instance_preempted(metadata: FakeMetadata) -> None:
     assert notice is not None and notice.source == "gcp" and notice.deadline > time.time()
 
 
-# A stand-in trainer: its command line carries torchrun's module name, which is how the watcher finds trainers.
+# A stand-in trainer: its command line carries the torchrun command's, which is how the watcher finds trainers.
 FAKE_TRAINER = ("import signal, sys, time\n"
                 "signal.signal(signal.SIGTERM, lambda *_: (print('saving', flush=True), sys.exit(143)))\n"
                 "time.sleep(120)\n")
@@ -119,14 +120,16 @@ def test_the_watcher_stops_the_trainer_on_an_aws_notice_then_asks_the_syncer_to_
     metadata: FakeMetadata, tmp_path: Path
 ) -> None:
     env = {**os.environ, NODE_TAG: f"node-{tmp_path.name}"}
-    trainer = subprocess.Popen([sys.executable, "-c", FAKE_TRAINER, "torch.distributed.run"], env=env,
-                               stdout=subprocess.PIPE, text=True)
+    torchrun = TorchrunRequest(nnodes=1, nproc_per_node=1, node_rank=0, master_addr="127.0.0.1", master_port=29500,
+                               script=("train.py",))
+    trainer = subprocess.Popen([sys.executable, "-c", FAKE_TRAINER, *torchrun.command_line(sys.executable)[1:]],
+                               env=env, stdout=subprocess.PIPE, text=True)
     stop_sync = tmp_path / "stop-sync"
-    watcher = subprocess.Popen(
-        [sys.executable, "-m", "infra.node", "watch", "--lease", str(tmp_path / "lease"), "--ttl", "600",
-         "--poll", "0.2", "--notice-source", "aws", "--notice-url", metadata.url, "--notice-poll", "0.3",
-         "--workdir", str(tmp_path), "--stop-sync-file", str(stop_sync)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watch = WatchRequest(lease=str(tmp_path / "lease"), ttl_s=600, poll_s=0.2, notice_source="aws",
+                         notice_url=metadata.url, notice_poll_s=0.3, workdir=str(tmp_path),
+                         stop_sync_file=str(stop_sync))
+    watcher = subprocess.Popen(watch.command_line(sys.executable), env=watch.environment(env), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
     try:
         # Two full checks found no notice (each starts an IMDSv2 session): the first one's answer was acted on.
         deadline = time.monotonic() + 30

@@ -142,7 +142,7 @@ def test_two_promoters_race_gcs(gs_url: str, tmp_path: Path) -> None:
 
 
 def test_the_syncer_records_lineage_and_retention_spares_what_an_alias_holds(tmp_path: Path) -> None:
-    """Through the real syncer process: every manifest carries --lineage; keep=1 deletes old steps but not the one
+    """Through the real syncer process: every manifest carries its lineage; keep=1 deletes old steps but not the one
     production points at (the registry is found at the parent of the run's URL)."""
     root = f"file://{tmp_path}/store"
     checkpoints = CheckpointStore(open_store(f"{root}/run-1"))
@@ -150,8 +150,8 @@ def test_the_syncer_records_lineage_and_retention_spares_what_an_alias_holds(tmp
     lineage_file = tmp_path / "lineage.json"
     lineage_file.write_text(json.dumps(LINEAGE))
     stop = tmp_path / "stop"
-    syncer = SyncProcess(tmp_path, ckpt_dir, checkpoints.store.url, 0, "--stop-file", str(stop), "--lineage",
-                         str(lineage_file), nodes=1, keep=1)
+    syncer = SyncProcess(tmp_path, ckpt_dir, checkpoints.store.url, 0, stop_file=str(stop),
+                         lineage=str(lineage_file), nodes=1, keep=1)
     try:
         make_step(ckpt_dir, 100, 0, world_size=1)
         syncer.wait_for(is_event(NodeEvent.COMMITTED, 100))
@@ -172,6 +172,6 @@ def test_the_syncer_refuses_a_lineage_file_that_is_not_one(tmp_path: Path) -> No
     bad = tmp_path / "lineage.json"
     bad.write_text('{"run_id": "x"}')
     syncer = SyncProcess(tmp_path, node_dirs(tmp_path, nodes=1)[0], f"file://{tmp_path}/store/run-1", 0,
-                         "--lineage", str(bad), nodes=1)
+                         lineage= str(bad), nodes=1)
     assert syncer.finish() == 2
-    assert f"--lineage {bad}: not a Lineage" in syncer.err.read_text()
+    assert f"lineage {bad}: not a Lineage" in syncer.err.read_text()

@@ -27,7 +27,7 @@ from infra.lifecycle.recovery import Recoveries
 from infra.node import rejoin
 from infra.node.events import NodeEvent, parse
 from infra.node.processes import NODE_TAG
-from infra.node.protocol import RejoinRequest
+from infra.node.protocol import NodeCommand, RejoinRequest, runs_command
 from infra.node.restore import prune_all_but
 from infra.workload.progress import StepClock
 from tasks.replace import Replaced, replace_or_relaunch
@@ -65,7 +65,7 @@ class NodeWatch(Polling):
         for process in psutil.process_iter():
             try:
                 node = process.environ().get(NODE_TAG)
-                if node in pids and process.cmdline()[1:4] == ["-m", "infra.node", "watch"]:
+                if node in pids and runs_command(process.cmdline(), NodeCommand.WATCH):
                     pids[node].append(process.pid)
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, IndexError):
                 continue

@@ -128,9 +128,9 @@ def test_a_replica_that_cannot_be_pulled_never_stops_the_syncer(tmp_path: Path, 
     checkpoints = CheckpointStore(open_store(f"file://{tmp_path / 'store' / 'run-1'}"))
     dirs = node_dirs(tmp_path)
     stop = tmp_path / "stop"
-    replica = ["--replica-dir", str(tmp_path / "replica-1"), "--replica-share-dir", str(tmp_path / "share-1")]
-    syncers = [SyncProcess(tmp_path, dirs[0], checkpoints.store.url, 0, "--stop-file", str(stop)),
-               SyncProcess(tmp_path, dirs[1], checkpoints.store.url, 1, "--stop-file", str(stop), *replica)]
+    replica = {"replica_dir": str(tmp_path / "replica-1"), "replica_share_dir": str(tmp_path / "share-1")}
+    syncers = [SyncProcess(tmp_path, dirs[0], checkpoints.store.url, 0, stop_file=str(stop)),
+               SyncProcess(tmp_path, dirs[1], checkpoints.store.url, 1, stop_file=str(stop), **replica)]
     try:
         for step in (100, 200):
             for rank in (0, 1):
@@ -159,12 +159,12 @@ def test_syncers_serve_their_parts_and_keep_their_buddys_part_of_the_newest_comm
     dirs = node_dirs(tmp_path)
     stop = tmp_path / "stop"
 
-    def replica(rank: int) -> list[str]:
-        return ["--replica-dir", str(tmp_path / f"replica-{rank}"), "--replica-share-dir",
-                str(tmp_path / f"share-{rank}"), "--replica-serve", "127.0.0.1"]
+    def replica(rank: int) -> dict[str, str]:
+        return {"replica_dir": str(tmp_path / f"replica-{rank}"), "replica_share_dir": str(tmp_path / f"share-{rank}"),
+                "replica_serve": "127.0.0.1"}
 
-    syncers = [SyncProcess(tmp_path, dirs[rank], checkpoints.store.url, rank, "--stop-file", str(stop),
-                           *replica(rank)) for rank in (0, 1)]
+    syncers = [SyncProcess(tmp_path, dirs[rank], checkpoints.store.url, rank, stop_file=str(stop),
+                           **replica(rank)) for rank in (0, 1)]
     try:
         # Each picks its port when it starts (two clusters on one host never collide) and names it in its records.
         urls = [str(syncer.wait_for(is_event(NodeEvent.REPLICA_SERVING))["url"]) for syncer in syncers]
@@ -235,7 +235,8 @@ def test_a_part_is_served_before_its_record_names_it(tmp_path: Path) -> None:
     replica was lost."""
     from infra.checkpoints.layout import FileEntry, NodeRecord
     from infra.node.fanout import share_name
-    from infra.node.sync import Syncer, _parse
+    from infra.node.protocol import SyncRequest
+    from infra.node.sync import Syncer, sync_config
 
     share = tmp_path / "share-0"
     served_at_record: list[bool] = []
@@ -250,9 +251,9 @@ def test_a_part_is_served_before_its_record_names_it(tmp_path: Path) -> None:
     ckpt_dir = node_dirs(tmp_path)[0]
     (tmp_path / "sync-0").mkdir()
     url = f"file://{tmp_path / 'store' / 'run-1'}"
-    config = _parse(["--ckpt-dir", str(ckpt_dir), "--sync-dir", str(tmp_path / "sync-0"), "--url", url,
-                     "--node-rank", "0", "--nodes", "2", "--attempt", "a1", "--config-hash", "h", "--keep", "2",
-                     "--replica-dir", str(tmp_path / "replica-0"), "--replica-share-dir", str(share)])
+    config = sync_config(SyncRequest(ckpt_dir=str(ckpt_dir), sync_dir=str(tmp_path / "sync-0"), url=url, node_rank=0,
+                                     nodes=2, attempt="a1", config_hash="h", keep=2,
+                                     replica_dir=str(tmp_path / "replica-0"), replica_share_dir=str(share)))
     syncer = Syncer(config, Watched(open_store(url)))
     assert syncer.replica is not None
     try:
@@ -280,7 +281,7 @@ def test_peer_replica_is_on_with_two_nodes_off_when_asked_and_refused_on_one() -
     from infra.compute.providers import Cluster
     from infra.compute.providers import Node as ClusterNode
     from infra.job.spec import JobSpec
-    from tasks.train import TrainLaunch, syncer_argv
+    from tasks.train import TrainLaunch, syncer_request
 
     def job(nodes: int, **checkpoints: object) -> JobSpec:
         return JobSpec.model_validate({"dataset": {"url": "file:///d"}, "cluster": {"nodes": nodes},
@@ -290,10 +291,10 @@ def test_peer_replica_is_on_with_two_nodes_off_when_asked_and_refused_on_one() -
     nodes = tuple(ClusterNode(f"n{r}", r, f"10.0.0.{r + 1}", f"/w{r}", "/d", f"/w{r}/ckpt", "python") for r in (0, 1))
     cluster = Cluster("c", "local", "run", nodes, 0.0)
     launch = TrainLaunch("file:///c", "file:///d", 29500, "hash", attempt_id="0-x")
-    argv = syncer_argv(job(2), cluster, nodes[0], launch)
-    assert argv[argv.index("--replica-serve") + 1] == "10.0.0.1"  # its cluster address: the port is picked there
-    assert argv[argv.index("--replica-dir") + 1] == "/w0/replica"
-    assert "--replica-serve" not in syncer_argv(job(2, peer_replica=False), cluster, nodes[0], launch)
+    request = syncer_request(job(2), cluster, nodes[0], launch)
+    assert request.replica_serve == "10.0.0.1"  # its cluster address: the port is picked there
+    assert request.replica_dir == "/w0/replica"
+    assert syncer_request(job(2, peer_replica=False), cluster, nodes[0], launch).replica_serve is None
     assert not job(1).peer_replica
     with pytest.raises(ValidationError, match=r"checkpoints\.peer_replica true with cluster\.nodes 1"):
         job(1, peer_replica=True)

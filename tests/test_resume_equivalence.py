@@ -55,7 +55,7 @@ def interrupted(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Che
     stop = root / "stop-sync"
     for node in nodes:
         (node / "ckpt").mkdir(parents=True)
-    syncers = [SyncProcess(root, node / "ckpt", checkpoints.store.url, rank, "--stop-file", str(stop), keep=10)
+    syncers = [SyncProcess(root, node / "ckpt", checkpoints.store.url, rank, stop_file=str(stop), keep=10)
                for rank, node in enumerate(nodes)]
     agents = start_nodes(node_args(data_dir, nodes, "--flush-deadline-s", "20"))
     try:

@@ -23,10 +23,11 @@ from test_trainer import REPO_ROOT, TINY_CONFIG, TINY_MODEL, TORCHRUN, VOCAB, _f
 from infra.analysis.breakdown import StepBreakdown
 from infra.checkpoints.store import CheckpointStore
 from infra.node.events import WorkloadEvent
+from infra.node.protocol import SyncRequest
 from infra.node.sync import Shipped, SyncState, read_state, state_path
 from infra.storage import open_store
 from infra.workload.contract import SYNC_DIR_VAR
-from tasks.train import TrainLaunch, syncer_argv
+from tasks.train import TrainLaunch, syncer_request
 from trainer.checkpoint import complete_steps, marker_path
 from trainer.data import StoreReader, TokenWindows
 from trainer.model import GPT
@@ -188,12 +189,12 @@ def syncers(nodes: list[Path], url: str) -> Iterator[list[subprocess.Popen]]:
     processes = []
     for rank, node in enumerate(nodes):
         (node / "ckpt").mkdir(parents=True)
-        argv = [sys.executable, "-m", "infra.node", "sync", "--ckpt-dir", str(node / "ckpt"), "--sync-dir",
-                str(node / "sync"), "--url", url, "--node-rank", str(rank), "--nodes", str(len(nodes)),
-                "--attempt", "a1", "--config-hash", "test", "--keep", "2", "--format", "marker", "--poll", "0.05",
-                "--stop-file", str(node / "stop-sync")]
+        request = SyncRequest(ckpt_dir=str(node / "ckpt"), sync_dir=str(node / "sync"), url=url, node_rank=rank,
+                              nodes=len(nodes), attempt="a1", config_hash="test", keep=2, format="marker",
+                              poll_s=0.05, stop_file=str(node / "stop-sync"))
         with (node / "sync.log").open("w") as log:  # the child keeps its own descriptor
-            processes.append(subprocess.Popen(argv, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT))
+            processes.append(subprocess.Popen(request.command_line(sys.executable), cwd=REPO_ROOT, stdout=log,
+                                              stderr=subprocess.STDOUT, env=request.environment(os.environ)))
     try:
         yield processes
     finally:
@@ -285,9 +286,9 @@ def test_the_syncer_polls_as_often_as_the_job_says() -> None:
     job = JobSpec.model_validate({"name": "j", "dataset": {"url": "file:///d"}, "checkpoints": {"url": "file:///c"},
                                   "training": {"command": ["-m", "trainer.train"]}})
     launch = TrainLaunch("file:///c", "file:///d", 29500, "hash", attempt_id="0-x")
-    argv = syncer_argv(job, cluster, node, launch)
-    assert float(argv[argv.index("--poll") + 1]) == 0.5
+    request = syncer_request(job, cluster, node, launch)
+    assert request.poll_s == 0.5
     waiting = job.model_copy(update={"checkpoints": job.checkpoints.model_copy(update={"sync_poll_s": 0.05})})
-    argv = syncer_argv(waiting, cluster, node, launch)
-    assert float(argv[argv.index("--poll") + 1]) == 0.05
-    assert argv[argv.index("--sync-dir") + 1] == "/w/sync" and argv[argv.index("--attempt") + 1] == "0-x"
+    request = syncer_request(waiting, cluster, node, launch)
+    assert request.poll_s == 0.05
+    assert request.sync_dir == "/w/sync" and request.attempt == "0-x"

@@ -22,13 +22,10 @@ from infra.checkpoints.steps import step_name
 from infra.checkpoints.store import CheckpointStore
 from infra.node import restore
 from infra.node.events import Event, NodeEvent, parse
-from infra.node.protocol import RestoreRequest
+from infra.node.protocol import RestoreRequest, SyncRequest
 from infra.node.sync import stop_request
 from infra.storage import open_store
 
-# Logging as `python -m infra.node` sets it up: the syncer's log lines (a stop request received) are events too.
-SYNC_MAIN = ("import logging, sys; from infra.node.sync import main; logging.basicConfig(level=logging.INFO); "
-             "sys.exit(main(sys.argv[1:]))")
 STOP_RECEIVED = "got signal 15: finishing uploads"
 
 
@@ -38,17 +35,20 @@ def checkpoints(tmp_path: Path) -> CheckpointStore:
 
 
 class SyncProcess:
-    def __init__(self, tmp_path: Path, ckpt_dir: Path, url: str, node_rank: int, *extra: str, nodes: int = 2,
-                 keep: int = 2, attempt: str = "a1", fmt: str = "marker", env: dict[str, str] | None = None) -> None:
+    def __init__(self, tmp_path: Path, ckpt_dir: Path, url: str, node_rank: int, *, nodes: int = 2, keep: int = 2,
+                 attempt: str = "a1", fmt: str = "marker", env: dict[str, str] | None = None, **fields: Any) -> None:
+        """fields: the SyncRequest's other fields (stop_file, commit_timeout_s, ...)."""
         runs = len(list(tmp_path.glob(f"sync-{node_rank}-*.out")))
         self.out = tmp_path / f"sync-{node_rank}-{runs}.out"
         self.err = tmp_path / f"sync-{node_rank}-{runs}.err"
         self.sync_dir = ckpt_dir.parent / "sync"
-        argv = ["--ckpt-dir", str(ckpt_dir), "--sync-dir", str(self.sync_dir), "--url", url, "--node-rank",
-                str(node_rank), "--nodes", str(nodes), "--attempt", attempt, "--config-hash", CONFIG_HASH,
-                "--keep", str(keep), "--format", fmt, "--poll", "0.1", *extra]
+        request = SyncRequest(**{"ckpt_dir": str(ckpt_dir), "sync_dir": str(self.sync_dir), "url": url,
+                                 "node_rank": node_rank, "nodes": nodes, "attempt": attempt,
+                                 "config_hash": CONFIG_HASH, "keep": keep, "format": fmt, "poll_s": 0.1, **fields})
+        # `python -m infra.node sync` as a node runs it: its log lines (a stop request received) are events too.
         with self.out.open("w") as out, self.err.open("w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-c", SYNC_MAIN, *argv], stdout=out, stderr=err, env=env)
+            self.proc = subprocess.Popen(request.command_line(sys.executable), stdout=out, stderr=err,
+                                         env=request.environment(os.environ if env is None else env))
 
     def events(self) -> list[Event]:
         return [event for event in map(parse, self.out.read_text().splitlines()) if event is not None]
@@ -87,16 +87,16 @@ def is_event(kind: NodeEvent, step: int | None = None) -> Callable[[Event], bool
     return lambda event: event.kind is kind and (step is None or event.get("step") == step)
 
 
-def both(tmp_path: Path, dirs: list[Path], url: str, *extra: str, **options: Any) -> list[SyncProcess]:
-    return [SyncProcess(tmp_path, dirs[rank], url, rank, *extra, **options) for rank in (0, 1)]
+def both(tmp_path: Path, dirs: list[Path], url: str, **options: Any) -> list[SyncProcess]:
+    return [SyncProcess(tmp_path, dirs[rank], url, rank, **options) for rank in (0, 1)]
 
 
 @contextmanager
 def both_running(
-    tmp_path: Path, dirs: list[Path], url: str, *extra: str, **options: Any
+    tmp_path: Path, dirs: list[Path], url: str, **options: Any
 ) -> Iterator[list[SyncProcess]]:
     """both(), each finished (killed if still running) however the block ends, so no test leaves a syncer behind."""
-    syncers = both(tmp_path, dirs, url, *extra, **options)
+    syncers = both(tmp_path, dirs, url, **options)
     try:
         yield syncers
     finally:
@@ -113,7 +113,7 @@ def test_the_coordinator_announces_every_node_ships_and_the_commit_waits_for_all
     shutil.rmtree(make_step(dirs[1], 100, 1))  # node 1's part was deleted locally before its syncer saw it
     for rank in (0, 1):
         make_step(dirs[rank], 200, rank)
-    with both_running(tmp_path, dirs, checkpoints.store.url, "--stop-file", str(stop)) as syncers:
+    with both_running(tmp_path, dirs, checkpoints.store.url, stop_file=str(stop)) as syncers:
         # One step at a time: a committer that sees 400 complete first rightly skips committing 300.
         for step in (200, 300):
             syncers[0].wait_for(is_event(NodeEvent.COMMITTED, step))
@@ -141,8 +141,8 @@ def test_a_part_a_node_lost_is_never_committed(tmp_path: Path, checkpoints: Chec
     dirs = node_dirs(tmp_path)
     stop = tmp_path / "stop"
     make_step(dirs[0], 100, 0)
-    with both_running(tmp_path, dirs, checkpoints.store.url, "--stop-file", str(stop),
-                      "--commit-timeout", "3") as syncers:
+    with both_running(tmp_path, dirs, checkpoints.store.url, stop_file=str(stop),
+                      commit_timeout_s=3) as syncers:
         syncers[0].wait_for(is_event(NodeEvent.ANNOUNCED, 100))
         stop.touch()  # node 1 owes __1_0.distcp (DCP's .metadata names it): the coordinator gives up on it
         codes = [syncer.finish() for syncer in syncers]
@@ -157,7 +157,7 @@ def test_a_killed_coordinator_resumes_without_reuploading(tmp_path: Path, checkp
     stop = tmp_path / "stop"
     url = checkpoints.store.url
     make_step(dirs[0], 100, 0)
-    first = SyncProcess(tmp_path, dirs[0], url, 0, "--stop-file", str(stop))
+    first = SyncProcess(tmp_path, dirs[0], url, 0, stop_file=str(stop))
     try:
         first.wait_for(is_event(NodeEvent.UPLOADED, 100))
         make_step(dirs[0], 200, 0, size=4_000_000)  # big enough that the kill may land mid-upload
@@ -170,8 +170,8 @@ def test_a_killed_coordinator_resumes_without_reuploading(tmp_path: Path, checkp
         make_step(dirs[rank], 300, rank)
     make_step(dirs[1], 100, 1)
     make_step(dirs[1], 200, 1, size=4_000_000)
-    restarted = SyncProcess(tmp_path, dirs[0], url, 0, "--stop-file", str(stop), keep=3)
-    other = SyncProcess(tmp_path, dirs[1], url, 1, "--stop-file", str(stop))
+    restarted = SyncProcess(tmp_path, dirs[0], url, 0, stop_file=str(stop), keep=3)
+    other = SyncProcess(tmp_path, dirs[1], url, 1, stop_file=str(stop))
     try:
         restarted.wait_for(is_event(NodeEvent.COMMITTED, 300))
         stop.touch()
@@ -198,7 +198,7 @@ def test_a_dead_attempts_records_never_join_a_commit(tmp_path: Path, checkpoints
     stop = tmp_path / "stop"
     for rank in (0, 1):
         make_step(dirs[rank], 100, rank)
-    with both_running(tmp_path, dirs, checkpoints.store.url, "--stop-file", str(stop), attempt="a2") as syncers:
+    with both_running(tmp_path, dirs, checkpoints.store.url, stop_file=str(stop), attempt="a2") as syncers:
         syncers[0].wait_for(is_event(NodeEvent.COMMITTED, 100))
         stop.touch()
         assert [syncer.finish() for syncer in syncers] == [0, 0]
@@ -215,7 +215,7 @@ def test_restored_checkpoints_are_never_shipped_again(tmp_path: Path, checkpoint
     stop = tmp_path / "stop"
     for rank in (0, 1):
         make_step(dirs[rank], 100, rank)
-    first = both(tmp_path, dirs, checkpoints.store.url, "--stop-file", str(stop), fmt="auto")
+    first = both(tmp_path, dirs, checkpoints.store.url, stop_file=str(stop), fmt="auto")
     first[0].wait_for(is_event(NodeEvent.COMMITTED, 100))
     stop.touch()
     assert [s.finish() for s in first] == [0, 0]
@@ -228,7 +228,7 @@ def test_restored_checkpoints_are_never_shipped_again(tmp_path: Path, checkpoint
                                            sync_dir=str(ckpt_dir.parent / "sync"), format="auto")) == 0
         assert sorted(p.name for p in (ckpt_dir / step_name(100)).iterdir()) == [
             ".metadata", "__0_0.distcp", "__1_0.distcp"]
-    with both_running(tmp_path, fresh, checkpoints.store.url, "--stop-file", str(stop), fmt="auto",
+    with both_running(tmp_path, fresh, checkpoints.store.url, stop_file=str(stop), fmt="auto",
                       attempt="a2") as second:
         for rank in (0, 1):
             make_step(fresh[rank], 200, rank)
@@ -246,7 +246,7 @@ def test_on_stop_the_syncer_waits_for_a_save_under_way_within_the_flush_deadline
     [ckpt_dir] = node_dirs(tmp_path, nodes=1)
     (ckpt_dir / step_name(100)).mkdir()
     writing = open(ckpt_dir / step_name(100) / "__0_0.distcp", "wb")  # noqa: SIM115 - this test is the writer
-    syncer = SyncProcess(tmp_path, ckpt_dir, checkpoints.store.url, 0, "--flush-deadline", "20", nodes=1,
+    syncer = SyncProcess(tmp_path, ckpt_dir, checkpoints.store.url, 0, flush_deadline_s=20, nodes=1,
                          fmt="dcp")
     try:
         syncer.wait_for(is_event(NodeEvent.STARTED))
@@ -268,7 +268,7 @@ def test_on_stop_the_syncer_waits_for_a_save_under_way_within_the_flush_deadline
 
     # A save that outlives the deadline is abandoned: the syncer exits anyway.
     with open(ckpt_dir / "late.bin", "wb"):
-        late = SyncProcess(tmp_path, ckpt_dir, checkpoints.store.url, 0, "--flush-deadline", "0.5", nodes=1,
+        late = SyncProcess(tmp_path, ckpt_dir, checkpoints.store.url, 0, flush_deadline_s=0.5, nodes=1,
                            fmt="dcp")
         late.wait_for(is_event(NodeEvent.STARTED))
         late.proc.send_signal(signal.SIGTERM)
@@ -279,7 +279,7 @@ def test_a_node_stops_once_the_coordinator_says_nothing_more_will_come(
     tmp_path: Path, checkpoints: CheckpointStore
 ) -> None:
     dirs = node_dirs(tmp_path)
-    syncer = SyncProcess(tmp_path, dirs[1], checkpoints.store.url, 1, "--poll", "5", "--commit-timeout", "30")
+    syncer = SyncProcess(tmp_path, dirs[1], checkpoints.store.url, 1, poll_s=5, commit_timeout_s=30)
     try:
         syncer.wait_for(is_event(NodeEvent.STARTED))
         make_step(dirs[1], 100, 1)
@@ -308,7 +308,7 @@ def test_a_flush_after_a_preemption_waits_for_no_part_of_a_lost_node(tmp_path: P
     dirs = node_dirs(tmp_path)
     stop = tmp_path / "stop"
     make_step(dirs[0], 100, 0)
-    head = SyncProcess(tmp_path, dirs[0], checkpoints.store.url, 0, "--stop-file", str(stop), "--commit-timeout", "120")
+    head = SyncProcess(tmp_path, dirs[0], checkpoints.store.url, 0, stop_file=str(stop), commit_timeout_s=120)
     try:
         head.wait_for(is_event(NodeEvent.ANNOUNCED, 100))
         stop.write_text(stop_request([1]))  # node 1 owes __1_0.distcp and is gone
@@ -326,7 +326,7 @@ def test_a_node_whose_coordinator_was_lost_ships_what_was_announced_and_stops(tm
     make_step(dirs[1], 100, 1)
     checkpoints.announce(Announcement(step=100, checkpoint=CheckpointRef(name=step_name(100)), attempt="a1",
                                       nodes=[0, 1], required=["__1_0.distcp"], announced_at=time.time()))
-    node = SyncProcess(tmp_path, dirs[1], checkpoints.store.url, 1, "--stop-file", str(stop), "--commit-timeout", "120")
+    node = SyncProcess(tmp_path, dirs[1], checkpoints.store.url, 1, stop_file=str(stop), commit_timeout_s=120)
     try:
         node.wait_for(is_event(NodeEvent.UPLOADED, 100))
         stop.write_text(stop_request([0]))  # no final announcement will ever come

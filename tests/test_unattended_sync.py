@@ -7,6 +7,7 @@ for the 3-minute outage."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -14,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from servers import S3Server, free_port, rclone_s3
@@ -25,6 +27,7 @@ from infra.compute.access.remote import LocalProcess, LocalRunner, RemoteError, 
 from infra.compute.providers import Node
 from infra.lifecycle.preemption_watch import TrainingError
 from infra.node.events import Event, NodeEvent, parse
+from infra.node.protocol import REQUEST_ENV, SyncRequest
 from infra.node.sync import EXIT_STORE_FAILED
 from infra.storage import open_store
 from tasks.syncers import Syncers
@@ -34,7 +37,6 @@ OUTAGE_BOUND_S = max(60.0, 2 * OUTAGE_S)
 # An S3 endpoint nobody serves (the discard port): every request is refused, as in an outage.
 NOBODY = {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y",
           "AWS_DEFAULT_REGION": "us-east-1"}
-SYNC_MAIN = "import sys; from infra.node.sync import main; sys.exit(main(sys.argv[1:]))"
 log = logging.getLogger(__name__)
 
 
@@ -51,7 +53,7 @@ def test_syncers_ride_out_a_store_outage_and_commit_what_came_during_it(
     stop = tmp_path / "stop"
     for rank in (0, 1):
         make_step(dirs[rank], 100, rank)
-    with both_running(tmp_path, dirs, url, "--stop-file", str(stop), "--store-outage", str(OUTAGE_BOUND_S)) as running:
+    with both_running(tmp_path, dirs, url, stop_file=str(stop), store_outage_s=OUTAGE_BOUND_S) as running:
         with rclone_s3(root, port=port):
             running[0].wait_for(is_event(NodeEvent.COMMITTED, 100))
         # The store is gone: a checkpoint completes during the outage and every try to ship it fails.
@@ -80,7 +82,7 @@ def test_a_syncer_exits_with_its_own_code_once_the_store_stays_down_past_the_bou
     dead_store = "s3://nowhere/run-1"
     env = {**os.environ, **NOBODY}
     started = time.monotonic()
-    syncer = SyncProcess(tmp_path, ckpt_dir, dead_store, 0, "--store-outage", "5", nodes=1, env=env)
+    syncer = SyncProcess(tmp_path, ckpt_dir, dead_store, 0, store_outage_s=5, nodes=1, env=env)
     code = syncer.finish(timeout=60)
     assert code == EXIT_STORE_FAILED, syncer.err.read_text()[-2000:]
     assert 5 <= time.monotonic() - started < 40
@@ -103,17 +105,17 @@ def local_nodes(tmp_path: Path, count: int = 2, env: dict[str, str] | None = Non
     return nodes, {node.name: LocalRunner(node.name, Path(node.workdir), env or {}) for node in nodes}
 
 
-def watched_syncers(tmp_path: Path, url: str, *extra: str, env: dict[str, str] | None = None,
+def sync_request(node: Node, url: str, **fields: Any) -> SyncRequest:
+    return SyncRequest(**{"ckpt_dir": node.ckpt_dir, "sync_dir": node.sync_dir, "url": url, "node_rank": node.rank,
+                          "nodes": 2, "attempt": "a1", "config_hash": "c0ffee", "keep": 3, "format": "marker",
+                          "poll_s": 0.1, "stop_file": f"{node.sync_dir}/stop", **fields})
+
+
+def watched_syncers(tmp_path: Path, url: str, env: dict[str, str] | None = None, **fields: Any,
                     ) -> tuple[list[Node], Syncers]:
     nodes, runners = local_nodes(tmp_path, env=env)
-
-    def argv(node: Node) -> list[str]:
-        return [sys.executable, "-c", SYNC_MAIN, "--ckpt-dir", node.ckpt_dir, "--sync-dir", node.sync_dir,
-                "--url", url, "--node-rank", str(node.rank), "--nodes", "2", "--attempt", "a1", "--config-hash",
-                "c0ffee", "--keep", "3", "--format", "marker", "--poll", "0.1", "--stop-file",
-                f"{node.sync_dir}/stop", *extra]
-
-    return nodes, Syncers(runners, nodes, argv, lambda node, on_event: events_to(on_event), log, max_restarts=2)
+    return nodes, Syncers(runners, nodes, lambda node: sync_request(node, url, **fields),
+                          lambda node, on_event: events_to(on_event), log, max_restarts=2)
 
 
 def events_to(on_event: Callable[[Event], None]) -> Callable[[str], None]:
@@ -186,7 +188,7 @@ def test_a_syncer_that_keeps_dying_stops_training_saying_why(tmp_path: Path) -> 
 
 
 def test_a_syncer_that_gave_up_on_the_store_stops_training_at_once(tmp_path: Path) -> None:
-    _, syncers = watched_syncers(tmp_path, "s3://nowhere/run-1", "--store-outage", "5", env=NOBODY)
+    _, syncers = watched_syncers(tmp_path, "s3://nowhere/run-1", store_outage_s=5, env=NOBODY)
     syncers.start()
     try:
         with pytest.raises(TrainingError, match=r"syncer gave up on the store: sync: .*failed for") as raised:
@@ -227,15 +229,21 @@ class UnreachableRunner(LocalRunner):
         raise RemoteError(f"{self.node_name}: connection lost")
 
 
-# Stands in for a syncer: exits 0 once asked to flush (its stop file exists), as a syncer with nothing pending does.
-WAITS_FOR_STOP = "import os, sys, time\nwhile not os.path.exists(sys.argv[1]): time.sleep(0.05)\n"
+# Stands in for the node's Python running a syncer: exits 0 once asked to flush (the stop file its request names
+# exists), as a syncer with nothing pending does.
+WAITS_FOR_STOP = ("import json, os, time\nstop = json.loads(os.environ[{request_env!r}])['stop_file']\n"
+                  "while not os.path.exists(stop): time.sleep(0.05)\n")
 
 
 def test_an_unreachable_node_does_not_keep_the_other_syncers_from_flushing(tmp_path: Path) -> None:
+    fake_python = tmp_path / "python"
+    fake_python.write_text(f"#!{sys.executable}\n{WAITS_FOR_STOP.format(request_env=REQUEST_ENV)}")
+    fake_python.chmod(0o755)
     nodes, runners = local_nodes(tmp_path)
+    nodes = [dataclasses.replace(node, python=str(fake_python)) for node in nodes]
     lost = nodes[0]  # asked first: before, its failed write left every later node's syncer unasked
     runners[lost.name] = UnreachableRunner(lost.name, Path(lost.workdir), {})
-    syncers = Syncers(runners, nodes, lambda node: [sys.executable, "-c", WAITS_FOR_STOP, f"{node.sync_dir}/stop"],
+    syncers = Syncers(runners, nodes, lambda node: sync_request(node, "file:///nowhere"),
                       lambda node, on_event: events_to(on_event), log)
     syncers.start()
     try:

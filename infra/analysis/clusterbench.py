@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -38,7 +38,14 @@ from infra.compute.catalog import InstanceType, load_catalog
 from infra.compute.providers import Cluster, Node, Provider, provider_of
 from infra.compute.spec import ClusterSpec
 from infra.node.events import Event, NodeEvent
-from infra.node.protocol import NodeRequest, ProbeRequest
+from infra.node.protocol import (
+    AllreduceBenchRequest,
+    DiskbenchRequest,
+    NetbenchRequest,
+    NodeRequest,
+    ProbeRequest,
+    TorchrunRequest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -279,18 +286,18 @@ def _last_error(process: Process) -> str:
     return last_error(process, _ERROR_MARKERS, lines=200)
 
 
-def _run(provider: Provider, cluster: Cluster, node: Node, request: NodeRequest | list[str], timeout_s: float,
+def _run(provider: Provider, cluster: Cluster, node: Node, request: NodeRequest, timeout_s: float,
          label: str, sink_for: SinkFactory) -> EventTap:
     tap = _tap(sink_for(f"{node.name} {label}"))
-    runner = provider.runner(cluster, node)
     try:
-        if isinstance(request, NodeRequest):
-            NodeAgent(runner, node.python).run(request, timeout=timeout_s, on_line=tap)
-        else:  # a command not on the protocol yet
-            runner.run(request, timeout=timeout_s, on_line=tap)
+        _agent(provider, cluster, node).run(request, timeout=timeout_s, on_line=tap)
     except RemoteError as exc:
         raise BenchError(f"{label}: {exc}") from None
     return tap
+
+
+def _agent(provider: Provider, cluster: Cluster, node: Node) -> NodeAgent:
+    return NodeAgent(provider.runner(cluster, node), node.python)
 
 
 # -- TCP ----------------------------------------------------------------------------------------------------
@@ -308,9 +315,9 @@ def link_batches(nodes: int) -> list[list[tuple[int, int]]]:
 def _client(provider: Provider, cluster: Cluster, src: Node, dst: Node, port: int, spec: ClusterSpec,
             sink_for: SinkFactory) -> Event:
     verify = spec.verify
-    argv = [src.python, "-m", "infra.node", "netbench", "client", "--host", dst.address, "--port", str(port),
-            "--streams", str(verify.tcp_streams), "--seconds", str(verify.tcp_seconds), "--timeout", str(TCP_GRACE_S)]
-    tap = _run(provider, cluster, src, argv, verify.tcp_seconds + TCP_GRACE_S, f"netbench → {dst.name}", sink_for)
+    request = NetbenchRequest(mode="client", host=dst.address, port=port, streams=verify.tcp_streams,
+                              seconds=verify.tcp_seconds, timeout_s=TCP_GRACE_S)
+    tap = _run(provider, cluster, src, request, verify.tcp_seconds + TCP_GRACE_S, f"netbench → {dst.name}", sink_for)
     return tap.last(NodeEvent.NETBENCH, f"{src.name}: netbench client")
 
 
@@ -322,9 +329,8 @@ def _measure_links(provider: Provider, cluster: Cluster, spec: ClusterSpec, batc
         for _, dst_rank in batch:
             dst = cluster.nodes[dst_rank]
             tap = _tap(sink_for(f"{dst.name} netbench server"))
-            argv = [dst.python, "-m", "infra.node", "netbench", "server", "--streams", str(streams),
-                    "--timeout", str(START_TIMEOUT_S + TCP_GRACE_S)]
-            servers.append((provider.runner(cluster, dst).start(argv, on_line=tap), tap))
+            request = NetbenchRequest(mode="server", streams=streams, timeout_s=START_TIMEOUT_S + TCP_GRACE_S)
+            servers.append((_agent(provider, cluster, dst).start(request, on_line=tap), tap))
         ports = [tap.wait_for(NodeEvent.NETBENCH_LISTENING, process, START_TIMEOUT_S,
                               f"{cluster.nodes[dst_rank].name}: netbench server")["port"]
                  for (process, tap), (_, dst_rank) in zip(servers, batch, strict=True)]
@@ -354,11 +360,11 @@ def measure_links(cluster: Cluster, spec: ClusterSpec, sink_for: SinkFactory = _
 # -- all-reduce ---------------------------------------------------------------------------------------------
 
 
-def torchrun_argv(cluster: Cluster, node: Node, procs_per_node: int, port: int, module: Sequence[str]) -> list[str]:
+def torchrun_request(cluster: Cluster, node: Node, procs_per_node: int, port: int,
+                     worker: AllreduceBenchRequest) -> TorchrunRequest:
     """torchrun with a static rendezvous on the head node: every node knows its rank, nobody waits for a store."""
-    return [node.python, "-m", "torch.distributed.run", "--nnodes", str(len(cluster.nodes)),
-            "--nproc-per-node", str(procs_per_node), "--node-rank", str(node.rank),
-            "--master-addr", cluster.head.address, "--master-port", str(port), "--max-restarts", "0", "-m", *module]
+    return TorchrunRequest(nnodes=len(cluster.nodes), nproc_per_node=procs_per_node, node_rank=node.rank,
+                           master_addr=cluster.head.address, master_port=port, max_restarts=0, worker=worker)
 
 
 def free_port(cluster: Cluster, node: Node, sink_for: SinkFactory = _log_sink) -> int:
@@ -383,15 +389,15 @@ def measure_allreduce(cluster: Cluster, spec: ClusterSpec,
     provider = provider_of(cluster)
     port = free_port(cluster, cluster.head, sink_for)
     sizes = spec.verify.allreduce_sizes_mb
-    module = ["infra.node", "allreduce-bench", "--sizes-mb", *map(str, sizes), "--timeout", str(COLLECTIVE_TIMEOUT_S),
-              "--seconds-per-size", str(ALLREDUCE_SECONDS_PER_SIZE)]
+    worker = AllreduceBenchRequest(sizes_mb=tuple(sizes), timeout_s=COLLECTIVE_TIMEOUT_S,
+                                   seconds_per_size=ALLREDUCE_SECONDS_PER_SIZE)
     processes: dict[str, Process] = {}
     head_tap = _tap(sink_for(f"{cluster.head.name} allreduce"))
     try:
         for node in cluster.nodes:
             tap = head_tap if node == cluster.head else _tap(sink_for(f"{node.name} allreduce"))
-            processes[node.name] = provider.runner(cluster, node).start(
-                torchrun_argv(cluster, node, spec.procs_per_node, port, module), on_line=tap)
+            processes[node.name] = _agent(provider, cluster, node).start(
+                torchrun_request(cluster, node, spec.procs_per_node, port, worker), on_line=tap)
         _wait_all(processes, ALLREDUCE_DEADLINE_S, "all-reduce bench")
         processes[cluster.head.name].wait(5)  # the head's last lines are through the pump before they are read
     finally:
@@ -411,8 +417,8 @@ def measure_allreduce(cluster: Cluster, spec: ClusterSpec,
 
 
 def _disk(provider: Provider, cluster: Cluster, node: Node, megabytes: int, sink_for: SinkFactory) -> DiskFigure:
-    argv = [node.python, "-m", "infra.node", "diskbench", "--dir", node.data_dir, "--megabytes", str(megabytes)]
-    event = _run(provider, cluster, node, argv, DISK_TIMEOUT_S, "diskbench", sink_for).last(
+    request = DiskbenchRequest(dir=node.data_dir, megabytes=megabytes)
+    event = _run(provider, cluster, node, request, DISK_TIMEOUT_S, "diskbench", sink_for).last(
         NodeEvent.DISKBENCH, f"{node.name}: diskbench")
     return DiskFigure(node=node_label(cluster, node), write_mb_per_s=event["write_mb_per_s"],
                       read_mb_per_s=event["read_mb_per_s"], bytes=event["bytes"], direct=event["direct"],

@@ -14,9 +14,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from infra.compute.access.agent import NodeAgent
 from infra.compute.access.remote import Process, RemoteError, Runner
 from infra.compute.providers import Cluster, Node, Provider
 from infra.job.recovery_spec import PreemptSpec
+from infra.node.protocol import NodeRequest
 from infra.workload.progress import StepClock
 
 CHAOS_TRIGGER = "chaos-trigger"
@@ -81,13 +83,14 @@ class PreemptionWatch:
 
     # -- chaos ---------------------------------------------------------------------------------------------------
 
-    def arm(self, events: list[PreemptSpec], node_argv: Callable[[Node, str, float], list[str]]) -> None:
-        """Start the chaos injector on each node an event of this attempt preempts (node_argv builds its argv)."""
+    def arm(self, events: list[PreemptSpec], injector: Callable[[Node, str, float], NodeRequest]) -> None:
+        """Start the chaos injector on each node an event of this attempt preempts (injector builds its request)."""
         for event in events:
             node = self.cluster.nodes[event.node]
             runner = self.runners[node.name]
             trigger = node.path(CHAOS_TRIGGER)
-            process = runner.start(node_argv(node, trigger, event.notice_s), log_path=node.path("logs", "chaos.log"))
+            process = NodeAgent(runner, node.python).start(injector(node, trigger, event.notice_s),
+                                                           log_path=node.path("logs", "chaos.log"))
             self.injections.append(_Injection(event, node.name, runner, trigger, process))
             when = f"step {event.at_step}" if event.at_step is not None else f"{event.after_s:.0f}s into training"
             self.logger.warning("chaos: %s will be preempted at %s (%s)", node.name, when,

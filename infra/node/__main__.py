@@ -26,6 +26,7 @@ COMMANDS = {
     "code": "infra.node.code",
     "peer-serve": "infra.node.peerserve",
     "rejoin": "infra.node.rejoin",
+    "torchrun": "infra.node.torchrun",
 }
 
 

@@ -1,7 +1,7 @@
 """`allreduce-bench`: all-reduce bandwidth over the training backend, as nccl-tests' all_reduce_perf reports it.
 
-Run under torchrun on every node (`torchrun ... -m infra.node allreduce-bench --sizes-mb 1 16 64`). Per message
-size, rank 0 prints an `allreduce` event with
+Run in every rank of a torchrun on every node (a TorchrunRequest whose worker is its AllreduceBenchRequest). Per
+message size, rank 0 prints an `allreduce` event with
 
     algbw = bytes / time                      (what one all-reduce of that size achieves)
     busbw = algbw × 2(n−1)/n                  (nccl-tests' bus bandwidth: comparable to the link's speed whatever n)
@@ -12,7 +12,6 @@ CUDA is available, else gloo.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from datetime import timedelta
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from infra.node.events import NodeEvent, emit, fail
+from infra.node.protocol import AllreduceBenchRequest, NodeRequest, as_request
 
 MB = 1024 * 1024
 MIN_ITERS = 3
@@ -79,17 +79,8 @@ def measure(size_bytes: int, warmup: int, max_iters: int, budget_s: float, devic
             "busbw_gbit_per_s": round(busbw * 8, 3)}
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="torchrun ... -m infra.node allreduce-bench")
-    parser.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 16, 64], help="message sizes in MB")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per size")
-    parser.add_argument("--iters", type=int, default=20, help="timed iterations per size, at most")
-    parser.add_argument("--seconds-per-size", type=float, default=2.0,
-                        help="fewer timed iterations (never under 3) when they would take longer than this")
-    parser.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
-    args = parser.parse_args(argv)
-    if min(args.sizes_mb) < 1 or args.warmup < 1 or args.iters < MIN_ITERS:
-        return fail(f"allreduce-bench: sizes must be ≥ 1 MB, --warmup ≥ 1 and --iters ≥ {MIN_ITERS}")
+def main(request: NodeRequest) -> int:
+    bench = as_request(request, AllreduceBenchRequest)
     if "RANK" not in os.environ:
         return fail("allreduce-bench: no RANK in the environment: run it under torchrun")
 
@@ -101,12 +92,12 @@ def main(argv: list[str]) -> int:
     backend = "nccl" if use_cuda else "gloo"
     try:
         # device_id binds nccl's communicator to this rank's GPU up front, so barriers never guess the device.
-        dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout),
+        dist.init_process_group(backend, timeout=timedelta(seconds=bench.timeout_s),
                                 device_id=device if use_cuda else None)
         try:
             world_size = dist.get_world_size()
-            for size_mb in args.sizes_mb:
-                figures = measure(size_mb * MB, args.warmup, args.iters, args.seconds_per_size, device, rank,
+            for size_mb in bench.sizes_mb:
+                figures = measure(size_mb * MB, bench.warmup, bench.iters, bench.seconds_per_size, device, rank,
                                   world_size)
                 if rank == 0:
                     emit(NodeEvent.ALLREDUCE, backend=backend, world_size=world_size, **figures)

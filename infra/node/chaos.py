@@ -9,7 +9,6 @@ directory: the machine is gone, with whatever the node had not shipped.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import time
@@ -18,29 +17,26 @@ from pathlib import Path
 from infra.node.events import NodeEvent, emit, fail
 from infra.node.preemption_notice import NOTICE_FILE, Notice, write_notice
 from infra.node.processes import NODE_TAG, hard_kill, tagged_processes
+from infra.node.protocol import ChaosRequest, NodeRequest, as_request
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m infra.node chaos")
-    parser.add_argument("--trigger", required=True, type=Path, help="file whose appearance starts the preemption")
-    parser.add_argument("--workdir", required=True, type=Path, help="the node's directory, deleted at the end")
-    parser.add_argument("--notice-s", type=float, default=0.0, help="notice before the node goes (0: none)")
-    parser.add_argument("--poll", type=float, default=0.2)
-    args = parser.parse_args(argv)
+def main(request: NodeRequest) -> int:
+    chaos = as_request(request, ChaosRequest)
+    trigger, workdir = Path(chaos.trigger), Path(chaos.workdir)
     node_tag = os.environ.get(NODE_TAG)
     if not node_tag:
         return fail(f"chaos: {NODE_TAG} is not set: start it through the node's runner, which tags it")
 
-    emit(NodeEvent.CHAOS_ARMED, trigger=str(args.trigger), notice_s=args.notice_s)
-    while not args.trigger.exists():
-        time.sleep(args.poll)
-    if args.notice_s > 0:
-        notice = Notice("chaos: spot notice", time.time() + args.notice_s, "chaos")
-        write_notice(args.workdir / NOTICE_FILE, notice)
+    emit(NodeEvent.CHAOS_ARMED, trigger=str(trigger), notice_s=chaos.notice_s)
+    while not trigger.exists():
+        time.sleep(chaos.poll_s)
+    if chaos.notice_s > 0:
+        notice = Notice("chaos: spot notice", time.time() + chaos.notice_s, "chaos")
+        write_notice(workdir / NOTICE_FILE, notice)
         emit(NodeEvent.NOTICE_RAISED, deadline=notice.deadline)
-        time.sleep(args.notice_s)
+        time.sleep(chaos.notice_s)
     processes = tagged_processes(NODE_TAG, node_tag)
-    emit(NodeEvent.NODE_RECLAIMED, killed=len(processes), notice_s=args.notice_s)
+    emit(NodeEvent.NODE_RECLAIMED, killed=len(processes), notice_s=chaos.notice_s)
     hard_kill(processes)
-    shutil.rmtree(args.workdir, ignore_errors=True)
+    shutil.rmtree(workdir, ignore_errors=True)
     return 0

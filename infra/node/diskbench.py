@@ -8,7 +8,6 @@ with fsync (what a checkpoint save costs) and the file dropped from the page cac
 
 from __future__ import annotations
 
-import argparse
 import errno
 import mmap
 import os
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.node.events import NodeEvent, emit, fail
+from infra.node.protocol import DiskbenchRequest, NodeRequest, as_request
 
 BLOCK = 4 * 1024 * 1024  # a multiple of every logical block size O_DIRECT may demand (512 B, 4 KiB)
 
@@ -132,22 +132,17 @@ def _figures(direct: bool, note: str | None, total: int, write_s: float, read_by
             "read_mb_per_s": round(read_bytes / 1e6 / max(read_s, 1e-9), 1)}
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m infra.node diskbench")
-    parser.add_argument("--dir", required=True, type=Path, help="a directory on the disk to measure")
-    parser.add_argument("--megabytes", type=int, default=256, help="size of the test file")
-    parser.add_argument("--buffered", action="store_true", help="measure through the page cache, not O_DIRECT")
-    args = parser.parse_args(argv)
-    if args.megabytes < 1:
-        return fail(f"--megabytes {args.megabytes}: measure at least 1 MB")
-    target = args.dir / ".diskbench"
+def main(request: NodeRequest) -> int:
+    bench = as_request(request, DiskbenchRequest)
+    directory = Path(bench.dir)
+    target = directory / ".diskbench"
     try:
-        args.dir.mkdir(parents=True, exist_ok=True)
-        figures = measure(target, args.megabytes * 1024 * 1024, direct=not args.buffered)
+        directory.mkdir(parents=True, exist_ok=True)
+        figures = measure(target, bench.megabytes * 1024 * 1024, direct=not bench.buffered)
     except OSError as exc:
-        return fail(f"{args.dir}: disk benchmark failed ({exc.strerror}): check the disk is mounted and has "
-                    f"{args.megabytes} MB free")
+        return fail(f"{directory}: disk benchmark failed ({exc.strerror}): check the disk is mounted and has "
+                    f"{bench.megabytes} MB free")
     finally:
         target.unlink(missing_ok=True)
-    emit(NodeEvent.DISKBENCH, dir=str(args.dir), **figures)
+    emit(NodeEvent.DISKBENCH, dir=str(directory), **figures)
     return 0

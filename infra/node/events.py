@@ -54,7 +54,7 @@ class NodeEvent(StrEnum):
     REPLICA_SERVER_RESTARTED = "replica-server-restarted"
     REPLICA = "replica"
     REPLICA_FAILED = "replica-failed"
-    # launch (infra/node/launch.py): torchrun's agent of a node whose ranks all exited 0, before its exit barrier
+    # torchrun (infra/node/torchrun.py): torchrun's agent of a node whose ranks all exited 0, before its exit barrier
     RANKS_EXITED = "ranks-exited"
     # watch (infra/node/watchdog.py)
     WATCHING = "watching"

@@ -1,17 +1,16 @@
 """`netbench`: node-to-node TCP throughput with parallel streams (what iperf3 -P measures, in plain Python).
 
-    python -m infra.node netbench server --streams 4
-    python -m infra.node netbench client --host 10.0.0.2 --port PORT --streams 4 --seconds 3
+    NetbenchRequest(mode="server", streams=4)
+    NetbenchRequest(mode="client", host="10.0.0.2", port=PORT, streams=4, seconds=3)
 
-The server listens on a free port and says which in a `netbench-listening` event, takes exactly --streams
-connections and counts what arrives on each. Every client stream sends until the time (or its share of --bytes) is
+The server listens on a free port and says which in a `netbench-listening` event, takes exactly `streams`
+connections and counts what arrives on each. Every client stream sends until the time (or its share of `bytes`) is
 up, half-closes, and waits for the server's count of what it received: the client's clock therefore stops only
 when the data is on the other node, not when it left this one's socket buffer.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 import struct
@@ -20,6 +19,7 @@ import time
 from collections.abc import Callable
 
 from infra.node.events import NodeEvent, emit, fail
+from infra.node.protocol import NetbenchRequest, NodeRequest, as_request
 
 BUFFER = 4 * 1024 * 1024  # per sendall / recv_into: large calls keep the per-call Python overhead negligible
 ACK = struct.Struct("!Q")  # the server's byte count for one stream, sent back after that stream's EOF
@@ -151,48 +151,31 @@ def gbit_per_s(total: int, seconds: float) -> float:
     return round(total * 8 / 1e9 / max(seconds, 1e-9), 3)
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m infra.node netbench")
-    modes = parser.add_subparsers(dest="mode", required=True)
-    server_args = modes.add_parser("server", help="receive the streams of one client, then exit")
-    server_args.add_argument("--bind", default="", help="address to listen on (default: all)")
-    server_args.add_argument("--port", type=int, default=0, help="port to listen on (default: a free one)")
-    client_args = modes.add_parser("client", help="send to a server and report Gbit/s")
-    client_args.add_argument("--host", required=True, help="the server node's address")
-    client_args.add_argument("--port", type=int, required=True)
-    amount = client_args.add_mutually_exclusive_group(required=True)
-    amount.add_argument("--seconds", type=float, help="send for this long")
-    amount.add_argument("--bytes", type=int, help="send this many bytes in all")
-    for sub in (server_args, client_args):
-        sub.add_argument("--streams", type=int, default=4, help="parallel TCP connections")
-        sub.add_argument("--timeout", type=float, default=60.0, help="give up when the peer is silent this long")
-        sub.add_argument("--sockbuf-kb", type=int, default=0, help="SO_SNDBUF/SO_RCVBUF (default: kernel autotuning)")
-    args = parser.parse_args(argv)
-    if args.streams < 1:
-        return fail(f"--streams {args.streams}: use at least 1")
-
-    if args.mode == "server":
-        try:
-            server = listen(args.bind, args.port, args.streams)
-        except OSError as exc:
-            return fail(f"netbench server: cannot listen on {args.bind or '*'}:{args.port} ({exc.strerror or exc})")
-        with server:
-            emit(NodeEvent.NETBENCH_LISTENING, port=server.getsockname()[1], streams=args.streams)
-            try:
-                total, seconds = serve(server, args.streams, args.timeout, args.sockbuf_kb)
-            except (OSError, NetbenchError) as exc:
-                return fail(f"netbench server: {exc}")
-        emit(NodeEvent.NETBENCH_SERVER, streams=args.streams, bytes=total, seconds=round(seconds, 4),
-             gbps=gbit_per_s(total, seconds))
-        return 0
-
-    if (args.seconds is not None and args.seconds <= 0) or (args.bytes is not None and args.bytes < args.streams):
-        return fail("netbench client: --seconds must be positive and --bytes at least one per stream")
+def main(request: NodeRequest) -> int:
+    bench = as_request(request, NetbenchRequest)
+    if bench.mode == "server":
+        return _server(bench)
     try:
-        total, seconds = run_client(args.host, args.port, args.streams, args.seconds, args.bytes, args.timeout,
-                                    args.sockbuf_kb)
+        total, seconds = run_client(bench.host or "", bench.port, bench.streams, bench.seconds, bench.bytes,
+                                    bench.timeout_s, bench.sockbuf_kb)
     except (OSError, NetbenchError) as exc:
-        return fail(f"netbench client: to {args.host}:{args.port}: {exc}")
-    emit(NodeEvent.NETBENCH, host=args.host, port=args.port, streams=args.streams, bytes=total,
+        return fail(f"netbench client: to {bench.host}:{bench.port}: {exc}")
+    emit(NodeEvent.NETBENCH, host=bench.host, port=bench.port, streams=bench.streams, bytes=total,
          seconds=round(seconds, 4), gbps=gbit_per_s(total, seconds))
+    return 0
+
+
+def _server(bench: NetbenchRequest) -> int:
+    try:
+        server = listen(bench.bind, bench.port, bench.streams)
+    except OSError as exc:
+        return fail(f"netbench server: cannot listen on {bench.bind or '*'}:{bench.port} ({exc.strerror or exc})")
+    with server:
+        emit(NodeEvent.NETBENCH_LISTENING, port=server.getsockname()[1], streams=bench.streams)
+        try:
+            total, seconds = serve(server, bench.streams, bench.timeout_s, bench.sockbuf_kb)
+        except (OSError, NetbenchError) as exc:
+            return fail(f"netbench server: {exc}")
+    emit(NodeEvent.NETBENCH_SERVER, streams=bench.streams, bytes=total, seconds=round(seconds, 4),
+         gbps=gbit_per_s(total, seconds))
     return 0

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from infra.checkpoints.formats import FORMATS
 
@@ -40,6 +40,13 @@ class NodeCommand(StrEnum):
     PEER_SERVE = "peer-serve"
     VERIFY_CKPT = "verify-ckpt"
     REJOIN = "rejoin"
+    SYNC = "sync"
+    WATCH = "watch"
+    CHAOS = "chaos"
+    NETBENCH = "netbench"
+    DISKBENCH = "diskbench"
+    ALLREDUCE_BENCH = "allreduce-bench"
+    TORCHRUN = "torchrun"
 
 
 class ProtocolError(ValueError):
@@ -216,6 +223,163 @@ class RejoinRequest(NodeRequest):
     suffix: str = "old"  # what set_aside appends to the name
 
 
+# The checkpoint formats the syncer recognises (infra.checkpoints.formats.FORMATS, which a test holds this to).
+CheckpointFormatName = Literal["auto", "dcp", "hf", "lightning", "torchtitan", "marker", "file"]
+
+
+class SyncRequest(NodeRequest):
+    """The checkpoint syncer beside training: ships this node's part of every complete checkpoint to the store (node
+    rank 0 announces, commits and applies retention) until its stop file appears or it gets SIGTERM."""
+
+    command: ClassVar[NodeCommand] = NodeCommand.SYNC
+    ckpt_dir: str  # this node's local checkpoint dir (the script's)
+    sync_dir: str  # where the syncer keeps its state and leases
+    url: str  # the run's checkpoint root URL
+    node_rank: int = Field(ge=0)
+    nodes: int = Field(ge=1)  # nodes of the cluster
+    procs_per_node: int = Field(1, ge=1)  # training processes per node
+    attempt: str  # this attempt's id: commits take only its records
+    config_hash: str  # recorded in each manifest
+    keep: int = Field(ge=1)  # committed checkpoints kept in the store (the newest is never deleted)
+    format: CheckpointFormatName = "auto"  # how complete checkpoints are recognised
+    metrics_file: str | None = None  # the script's metrics: numbers checkpoints without a step
+    poll_s: float = Field(0.5, gt=0)  # seconds between scans of ckpt_dir
+    stop_file: str | None = None  # finish uploading and exit once this file exists
+    lineage: str | None = None  # a file holding the JSON Lineage recorded in every manifest this syncer commits
+    # The model registry's root (the job's checkpoints.url, where `model promote` keeps aliases): retention never
+    # deletes a step an alias there points at. None: the parent of url.
+    registry_url: str | None = None
+    commit_timeout_s: float = Field(600.0, ge=0)  # on stop, how long to upload and commit what is complete
+    flush_deadline_s: float = Field(20.0, ge=0)  # on stop, how long to wait for a save under way
+    store_outage_s: float = Field(300.0, ge=0)  # ride out a store failing transiently this long, then exit 3
+    replica_dir: str | None = None  # peer replica: where the buddy's part is kept (<workdir>/replica)
+    replica_share_dir: str | None = None  # peer replica: the dir this node's peer server serves
+    # peer replica: serve replica_share_dir on this cluster address while the syncer runs (credentials in
+    # TRAINPIPE_PEER_USER/TRAINPIPE_PEER_PASS, in the environment)
+    replica_serve: str | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SyncRequest:
+        if self.node_rank >= self.nodes:
+            raise ValueError(f"node_rank {self.node_rank}: must be in [0, nodes={self.nodes})")
+        replica = (self.replica_dir, self.replica_share_dir)
+        if (any(replica) or self.replica_serve is not None) and not all(replica):
+            raise ValueError("replica_dir and replica_share_dir go together (and replica_serve needs them): give "
+                             "both (peer replica) or none")
+        return self
+
+
+class WatchRequest(NodeRequest):
+    """The node's lease watchdog and preemption watcher: ends the node's processes (or powers it off) once the lease
+    is older than its TTL; on a preemption notice stops the trainer, then asks the syncer to flush."""
+
+    command: ClassVar[NodeCommand] = NodeCommand.WATCH
+    lease: str  # the file holding the last renewal's unix time
+    ttl_s: float  # seconds without renewal before teardown
+    on_expire: Literal["kill-node", "shutdown"] = "kill-node"
+    poll_s: float = Field(1.0, gt=0)
+    notice_source: Literal["none", "aws", "gcp", "file"] = "none"  # where preemption notices come from
+    notice_url: str | None = None  # the metadata service's base URL (None: the cloud's own)
+    notice_poll_s: float = Field(2.0, gt=0)  # seconds between notice checks
+    workdir: str | None = None  # the node's workdir (notice file); None: the lease's dir
+    stop_sync_file: str | None = None  # written once the trainer stopped on a notice
+
+
+class ChaosRequest(NodeRequest):
+    """Take this node away on purpose once the trigger file appears (with a notice first, if any), the way a cloud
+    reclaims a spot instance: every process of the node killed, its directory deleted."""
+
+    command: ClassVar[NodeCommand] = NodeCommand.CHAOS
+    trigger: str  # the file whose appearance starts the preemption
+    workdir: str  # the node's directory, deleted at the end
+    notice_s: float = Field(0.0, ge=0)  # notice before the node goes (0: none)
+    poll_s: float = Field(0.2, gt=0)
+
+
+class NetbenchRequest(NodeRequest):
+    """TCP throughput between two nodes: a server receives one client's streams then exits; a client sends to it
+    and reports Gbit/s."""
+
+    command: ClassVar[NodeCommand] = NodeCommand.NETBENCH
+    mode: Literal["server", "client"]
+    bind: str = ""  # server: the address to listen on ("": all)
+    port: int = Field(0, ge=0, le=65535)  # server: 0 for a free one; client: the server's
+    host: str | None = None  # client: the server node's address
+    seconds: float | None = Field(None, gt=0)  # client: send for this long ...
+    bytes: int | None = Field(None, ge=1)  # client: ... or this many bytes in all (at least one per stream)
+    streams: int = Field(4, ge=1)  # parallel TCP connections
+    timeout_s: float = Field(60.0, gt=0)  # give up when the peer is silent this long
+    sockbuf_kb: int = Field(0, ge=0)  # SO_SNDBUF/SO_RCVBUF (0: kernel autotuning)
+
+    @model_validator(mode="after")
+    def _client_needs_target(self) -> NetbenchRequest:
+        if self.mode == "client" and (self.host is None or self.port == 0
+                                      or (self.seconds is None) == (self.bytes is None)):
+            raise ValueError("a netbench client needs host, port and one of seconds or bytes")
+        if self.bytes is not None and self.bytes < self.streams:
+            raise ValueError(f"bytes {self.bytes}: at least one per stream ({self.streams})")
+        return self
+
+
+class DiskbenchRequest(NodeRequest):
+    """Sequential write and read throughput of the disk a dir is on."""
+
+    command: ClassVar[NodeCommand] = NodeCommand.DISKBENCH
+    dir: str  # a directory on the disk to measure
+    megabytes: int = Field(256, ge=1)  # size of the test file
+    buffered: bool = False  # through the page cache, not O_DIRECT
+
+
+class AllreduceBenchRequest(NodeRequest):
+    """All-reduce bandwidth of the cluster, in every rank of a torchrun (TorchrunRequest.worker)."""
+
+    command: ClassVar[NodeCommand] = NodeCommand.ALLREDUCE_BENCH
+    sizes_mb: tuple[int, ...] = Field((1, 16, 64), min_length=1)  # message sizes in MB, each at least 1
+    warmup: int = Field(2, ge=1)  # untimed iterations per size
+    iters: int = Field(20, ge=3)  # timed iterations per size, at most (never under 3)
+    seconds_per_size: float = Field(2.0, gt=0)  # fewer timed iterations when they would take longer than this
+    timeout_s: float = Field(300.0, gt=0)  # the collective's timeout
+
+    @model_validator(mode="after")
+    def _sizes(self) -> AllreduceBenchRequest:
+        if min(self.sizes_mb) < 1:
+            raise ValueError(f"sizes_mb {list(self.sizes_mb)}: each at least 1 MB")
+        return self
+
+
+class TorchrunRequest(NodeRequest):
+    """torchrun (torch.distributed.run) with a static rendezvous on the head node, plus one event (RANKS_EXITED)
+    once every rank of this node exited 0. torchrun runs in the command's own process, so the signals the node's
+    runner sends reach it as they would a plain torchrun."""
+
+    command: ClassVar[NodeCommand] = NodeCommand.TORCHRUN
+    nnodes: int = Field(ge=1)
+    nproc_per_node: int = Field(ge=1)
+    node_rank: int = Field(ge=0)
+    master_addr: str
+    master_port: int = Field(ge=1, le=65535)
+    max_restarts: int = Field(0, ge=0)
+    # What every rank runs, as torchrun's script and its arguments (after `--`, so the script's own options never
+    # reach torchrun's parser) ...
+    script: tuple[str, ...] = ()
+    # ... or, instead, a node command (its request reaches the ranks in their environment).
+    worker: AllreduceBenchRequest | None = None
+
+    @model_validator(mode="after")
+    def _one_program(self) -> TorchrunRequest:
+        if bool(self.script) == (self.worker is not None):
+            raise ValueError("give a script or a worker request (not both)")
+        return self
+
+    def torchrun_argv(self) -> list[str]:
+        """torch.distributed.run's own argv (its options, then what every rank runs)."""
+        options = ["--nnodes", str(self.nnodes), "--nproc-per-node", str(self.nproc_per_node), "--node-rank",
+                   str(self.node_rank), "--master-addr", self.master_addr, "--master-port", str(self.master_port),
+                   "--max-restarts", str(self.max_restarts)]
+        program = ["-m", AGENT_MODULE, self.worker.command.value] if self.worker is not None else ["--", *self.script]
+        return [*options, *program]
+
+
 REQUESTS: dict[NodeCommand, type[NodeRequest]] = {
     cls.command: cls for cls in NodeRequest.__subclasses__()
 }
@@ -243,6 +407,13 @@ def as_request(request: NodeRequest, cls: type[R]) -> R:
     if not isinstance(request, cls):
         raise ProtocolError(f"{cls.command} was given a {type(request).__name__}")
     return request
+
+
+def runs_command(cmdline: Sequence[str], command: NodeCommand) -> bool:
+    """Whether a process's command line (psutil's cmdline()) is this node command's: how a node's watcher finds its
+    trainer (a TorchrunRequest's process) and tests find a command they started."""
+    wanted = ["-m", AGENT_MODULE, command.value]
+    return any(list(cmdline[i:i + 3]) == wanted for i in range(len(cmdline) - 2))
 
 
 def describe(request: NodeRequest) -> str:

@@ -12,7 +12,7 @@ it too) over the cluster network, verifies each against the record's checksum li
 may yet be abandoned). A restore holds a replica to the commit's manifest. The store is read only for the records:
 its egress does not grow with the checkpoint.
 
-During training the node's part is served by a `peer-serve` the syncer starts (--replica-serve: the node's cluster
+During training the node's part is served by a `peer-serve` the syncer starts (replica_serve: the node's cluster
 address, on a port picked free when the syncer starts, so two clusters on one host never collide; per-run
 credentials), which every upload record of the node names (`replica_url`). It is watched by the replica thread
 (restarted, on the same port, when it dies) and killed with the syncer (a parent-death signal), so the syncer, itself
@@ -24,7 +24,6 @@ This is background work on one thread: a failure is logged and emitted (`replica
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import logging
 import os
@@ -80,27 +79,6 @@ class ReplicaConfig:
     share_dir: Path
     replica_dir: Path
     serve_host: str | None = None  # serve share_dir on this address during training (peer-serve); None: serve none
-
-
-def add_replica_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--replica-dir", type=Path, help="peer replica: where the buddy's part is kept "
-                        "(<workdir>/replica)")
-    parser.add_argument("--replica-share-dir", type=Path, help="peer replica: the dir this node's peer server serves: "
-                        "its own uploaded part is linked there for its replica holder")
-    parser.add_argument("--replica-serve", metavar="HOST", help="peer replica: serve --replica-share-dir on this "
-                        "cluster address, on a free port its upload records name, while the syncer runs (rclone serve "
-                        "http, restarted if it dies, killed with the syncer); credentials in "
-                        "TRAINPIPE_PEER_USER/TRAINPIPE_PEER_PASS, which the buddy's pulls use too")
-
-
-def replica_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ReplicaConfig | None:
-    given = [args.replica_dir, args.replica_share_dir]
-    if not any(given) and args.replica_serve is None:
-        return None
-    if not all(given):
-        parser.error("--replica-dir and --replica-share-dir go together (and --replica-serve needs them): give both "
-                     "(peer replica) or none")
-    return ReplicaConfig(args.replica_share_dir, args.replica_dir, args.replica_serve)
 
 
 _PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child of a fork must not import or load
@@ -271,7 +249,7 @@ class Replicator:
             return None
         if record.replica_url is None:
             raise CheckpointError(f"node {self.buddy}'s upload record of step {step} names no replica server: it "
-                                  "runs without --replica-serve")
+                                  "runs without replica_serve")
         peer, files = HttpStore(record.replica_url), record.files
         started = time.monotonic()
         partial = self.replica_dir / f".{step_name(step)}.partial"

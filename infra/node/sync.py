@@ -15,7 +15,6 @@ before training (restore writes RESTORED into the sync dir) is never shipped aga
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -30,7 +29,6 @@ from types import FrameType
 from pydantic import BaseModel, Field, ValidationError
 
 from infra.checkpoints.formats import (
-    FORMATS,
     Detector,
     Found,
     file_is_whole,
@@ -46,7 +44,8 @@ from infra.checkpoints.steps import step_name
 from infra.checkpoints.store import CheckpointStore
 from infra.checkpoints.upload_lease import UPLOAD_LEASE, clear_lease, write_lease
 from infra.node.events import NodeEvent, emit, fail
-from infra.node.replica import ReplicaConfig, Replicator, add_replica_arguments, replica_config
+from infra.node.protocol import NodeRequest, SyncRequest, as_request
+from infra.node.replica import ReplicaConfig, Replicator
 from infra.registry import Registry, RegistryError, registry_root_of
 from infra.storage import StorageError, open_store
 from infra.storage.checksum import sha256_file
@@ -55,7 +54,8 @@ from infra.storage.retry import RetryPolicy, call_with_retries
 log = logging.getLogger(__name__)
 
 EXIT_COMMIT_TIMEOUT = 2
-# The store refused, or stayed unavailable longer than --store-outage: a restarted syncer would fare no better, so
+EXIT_BAD_REQUEST = 2  # what its request names cannot be used (a lineage file that is not one)
+# The store refused, or stayed unavailable longer than its store_outage_s: a restarted syncer would fare no better, so
 # the orchestrator stops training rather than train on what can no longer be committed.
 EXIT_STORE_FAILED = 3
 DEFAULT_STORE_OUTAGE_S = 300.0
@@ -546,82 +546,34 @@ class Syncer:
             self.stop_requested.wait(self.config.poll_s)
 
 
-def _parse(argv: list[str]) -> SyncConfig:
-    parser = argparse.ArgumentParser(prog="python -m infra.node sync", description=__doc__.splitlines()[0])
-    parser.add_argument("--ckpt-dir", required=True, type=Path, help="this node's local checkpoint dir (the script's)")
-    parser.add_argument("--sync-dir", required=True, type=Path, help="where the syncer keeps its state and leases")
-    parser.add_argument("--url", required=True, help="the run's checkpoint root URL")
-    parser.add_argument("--node-rank", required=True, type=int)
-    parser.add_argument("--nodes", required=True, type=int, help="nodes of the cluster")
-    parser.add_argument("--procs-per-node", type=int, default=1, help="training processes per node")
-    parser.add_argument("--attempt", required=True, help="this attempt's id: commits take only its records")
-    parser.add_argument("--config-hash", required=True, help="recorded in each manifest")
-    parser.add_argument("--keep", required=True, type=int, help="committed checkpoints kept in the store")
-    parser.add_argument("--format", choices=FORMATS, default="auto", help="how complete checkpoints are recognised")
-    parser.add_argument("--metrics-file", type=Path, help="the script's metrics: numbers checkpoints without a step")
-    parser.add_argument("--poll", type=float, default=0.5, help="seconds between scans of --ckpt-dir")
-    parser.add_argument("--stop-file", type=Path, help="finish uploading and exit once this file exists")
-    parser.add_argument("--lineage", type=Path, help="a JSON Lineage recorded in every manifest this syncer commits")
-    parser.add_argument("--registry-url", help="the model registry's root, whose aliases' checkpoints retention "
-                        "keeps (default: the parent of --url)")
-    parser.add_argument(
-        "--commit-timeout", type=float, default=600.0,
-        help="on stop, how long to upload and commit what is complete (other nodes' parts included)"
-    )
-    parser.add_argument(
-        "--flush-deadline", type=float, default=20.0, help="on stop, wait this long for a save under way"
-    )
-    parser.add_argument(
-        "--store-outage", type=float, default=DEFAULT_STORE_OUTAGE_S,
-        help="ride out a store that fails transiently for this long (retrying with backoff), then exit 3"
-    )
-    add_replica_arguments(parser)
-    args = parser.parse_args(argv)
-    if not 0 <= args.node_rank < args.nodes:
-        parser.error(f"--node-rank {args.node_rank}: must be in [0, --nodes={args.nodes})")
-    if (args.poll <= 0 or args.commit_timeout < 0 or args.flush_deadline < 0 or args.store_outage < 0
-            or args.procs_per_node < 1):
-        parser.error(
-            f"--poll {args.poll:g} / --commit-timeout {args.commit_timeout:g} / --flush-deadline "
-            f"{args.flush_deadline:g} / --store-outage {args.store_outage:g} / --procs-per-node "
-            f"{args.procs_per_node}: use a poll > 0, timeouts >= 0 and at least one process per node"
-        )
-    if args.keep < 1:
-        parser.error(f"--keep {args.keep}: must be at least 1 (the newest committed checkpoint is never deleted)")
+def sync_config(request: SyncRequest) -> SyncConfig:
+    """The syncer's configuration from its request, with the lineage file it names read (SyncError: unreadable)."""
     lineage = None
-    if args.lineage is not None:
+    if request.lineage is not None:
         try:
-            lineage = Lineage.model_validate_json(args.lineage.read_bytes())
+            lineage = Lineage.model_validate_json(Path(request.lineage).read_bytes())
         except OSError as exc:
-            parser.error(f"--lineage {args.lineage}: {exc.strerror or exc}: check the path")
+            raise SyncError(f"lineage {request.lineage}: {exc.strerror or exc}: check the path") from None
         except ValidationError as exc:
-            parser.error(f"--lineage {args.lineage}: not a Lineage ({exc.errors()[0]['msg']}): write it as the train "
-                         "task does")
+            raise SyncError(f"lineage {request.lineage}: not a Lineage ({exc.errors()[0]['msg']}): write it as the "
+                            "train task does") from None
+    replica = (ReplicaConfig(Path(request.replica_share_dir), Path(request.replica_dir), request.replica_serve)
+               if request.replica_dir is not None and request.replica_share_dir is not None else None)
     return SyncConfig(
-        ckpt_dir=args.ckpt_dir,
-        sync_dir=args.sync_dir,
-        url=args.url,
-        node_rank=args.node_rank,
-        nodes=args.nodes,
-        procs_per_node=args.procs_per_node,
-        attempt=args.attempt,
-        config_hash=args.config_hash,
-        keep=args.keep,
-        format=args.format,
-        poll_s=args.poll,
-        stop_file=args.stop_file,
-        commit_timeout_s=args.commit_timeout,
-        flush_deadline_s=args.flush_deadline,
-        metrics_file=args.metrics_file,
-        lineage=lineage,
-        registry_url=args.registry_url,
-        store_outage_s=args.store_outage,
-        replica=replica_config(parser, args),
-    )
+        ckpt_dir=Path(request.ckpt_dir), sync_dir=Path(request.sync_dir), url=request.url, node_rank=request.node_rank,
+        nodes=request.nodes, procs_per_node=request.procs_per_node, attempt=request.attempt,
+        config_hash=request.config_hash, keep=request.keep, format=request.format, poll_s=request.poll_s,
+        stop_file=None if request.stop_file is None else Path(request.stop_file),
+        commit_timeout_s=request.commit_timeout_s, flush_deadline_s=request.flush_deadline_s,
+        metrics_file=None if request.metrics_file is None else Path(request.metrics_file), lineage=lineage,
+        registry_url=request.registry_url, store_outage_s=request.store_outage_s, replica=replica)
 
 
-def main(argv: list[str]) -> int:
-    config = _parse(argv)
+def main(request: NodeRequest) -> int:
+    try:
+        config = sync_config(as_request(request, SyncRequest))
+    except SyncError as exc:
+        return fail(f"sync: {exc}", EXIT_BAD_REQUEST)
     try:
         # The syncer may start before the script has saved anything.
         config.ckpt_dir.mkdir(parents=True, exist_ok=True)

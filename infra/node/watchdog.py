@@ -7,14 +7,13 @@ the node goes.
 
 The orchestrator renews a lease file on every node (infra.lifecycle.lease.LeaseKeeper). If the orchestrator dies —
 SIGKILL, a lost machine, a network partition — renewals stop, and once the lease is older than its TTL the
-watchdog ends every process of its node (`--on-expire kill-node`, the local and ssh providers) or powers the
-machine off (`--on-expire shutdown`, cloud nodes launched to terminate on shutdown). This bounds how long a
+watchdog ends every process of its node (on_expire kill-node, the local and ssh providers) or powers the
+machine off (on_expire shutdown, cloud nodes launched to terminate on shutdown). This bounds how long a
 cluster can outlive its run even when nothing else cleans up.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
@@ -37,8 +36,7 @@ from infra.node.preemption_notice import (
     write_notice,
 )
 from infra.node.processes import NODE_TAG, kill_processes, tagged_processes
-
-TRAINER_MARK = "torch.distributed.run"
+from infra.node.protocol import NodeCommand, NodeRequest, WatchRequest, as_request, runs_command
 
 
 def lease_age_s(lease: Path, now: float) -> float | None:
@@ -92,7 +90,7 @@ class NoticeWatch:
         path = self.workdir / NOTICE_FILE
         if read_notice(path) is None:
             write_notice(path, notice)  # what the orchestrator of a local or ssh node reads
-        trainers = [p for p in self._node_processes() if TRAINER_MARK in " ".join(_cmdline(p))]
+        trainers = [p for p in self._node_processes() if runs_command(_cmdline(p), NodeCommand.TORCHRUN)]
         for trainer in trainers:
             trainer.send_signal(signal.SIGTERM)
         _gone, alive = psutil.wait_procs(trainers, timeout=max(0.0, notice.deadline - time.time()))
@@ -118,43 +116,35 @@ def power_off() -> None:
     subprocess.run(argv if os.geteuid() == 0 else ["sudo", "-n", *argv], check=True)
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m infra.node watch")
-    parser.add_argument("--lease", required=True, type=Path, help="file holding the last renewal's unix time")
-    parser.add_argument("--ttl", required=True, type=float, help="seconds without renewal before teardown")
-    parser.add_argument("--on-expire", choices=("kill-node", "shutdown"), default="kill-node")
-    parser.add_argument("--poll", type=float, default=1.0)
-    parser.add_argument("--notice-source", choices=("none", "aws", "gcp", "file"), default="none",
-                        help="where preemption notices come from: the cloud's metadata service or a notice file")
-    parser.add_argument("--notice-url", help="metadata service base URL (default: the cloud's own)")
-    parser.add_argument("--notice-poll", type=float, default=2.0, help="seconds between notice checks")
-    parser.add_argument("--workdir", type=Path, help="the node's workdir (notice file); default: the lease's dir")
-    parser.add_argument("--stop-sync-file", type=Path, help="written after the trainer stopped on a notice")
-    args = parser.parse_args(argv)
+def main(request: NodeRequest) -> int:
+    watch = as_request(request, WatchRequest)
+    lease = Path(watch.lease)
     node_tag = os.environ.get(NODE_TAG)
-    if (args.on_expire == "kill-node" or args.notice_source != "none") and not node_tag:
+    if (watch.on_expire == "kill-node" or watch.notice_source != "none") and not node_tag:
         return fail(f"watch: {NODE_TAG} is not set: start the watchdog through the node's runner, which tags it")
-    notices = (NoticeWatch(args.notice_source, args.notice_url, args.workdir or args.lease.parent,
-                           args.stop_sync_file, node_tag) if args.notice_source != "none" else None)
+    workdir = Path(watch.workdir) if watch.workdir is not None else lease.parent
+    stop_sync = Path(watch.stop_sync_file) if watch.stop_sync_file is not None else None
+    notices = (NoticeWatch(watch.notice_source, watch.notice_url, workdir, stop_sync, node_tag)
+               if watch.notice_source != "none" else None)
     next_notice_check = 0.0
 
     started = time.time()
-    emit(NodeEvent.WATCHING, lease=str(args.lease), ttl_s=args.ttl)
+    emit(NodeEvent.WATCHING, lease=str(lease), ttl_s=watch.ttl_s)
     while True:
         now = time.time()
         # Before the first renewal the lease counts from the watchdog's own start.
-        age = lease_age_s(args.lease, now)
+        age = lease_age_s(lease, now)
         age = now - started if age is None else age
-        if age > args.ttl:
+        if age > watch.ttl_s:
             break
         if notices is not None and now >= next_notice_check:
             notices.poll()
-            next_notice_check = now + args.notice_poll
-        time.sleep(args.poll)
+            next_notice_check = now + watch.notice_poll_s
+        time.sleep(watch.poll_s)
 
-    emit(NodeEvent.LEASE_EXPIRED, age_s=round(age, 1), ttl_s=args.ttl, action=args.on_expire)
+    emit(NodeEvent.LEASE_EXPIRED, age_s=round(age, 1), ttl_s=watch.ttl_s, action=watch.on_expire)
     failed = False
-    if args.on_expire == "shutdown":
+    if watch.on_expire == "shutdown":
         try:
             power_off()
             return 0
