@@ -17,7 +17,8 @@ On top of the order:
 * nothing under infra/ or trainer/ imports Prefect, flows or tasks.
 
 Every import counts: inside functions (they run too) and under `if TYPE_CHECKING:` (an annotation is a dependency
-as well). `import a.b` and `from a import b` (b a module) are arrows to a.b; `from a import name` to a.
+as well). `import a.b` and `from a import b` (b a module) are arrows to a.b; `from a import name` to a. An arrow is
+what the import names: the package __init__ that Python runs first (a, for a.b) is no arrow of the importer's.
 """
 
 from __future__ import annotations
@@ -138,10 +139,6 @@ def imports_with_lines(source: str, module: str, is_package: bool, known: set[st
             if len(submodules) < len(node.names):
                 yield Import(base, node.lineno)
             yield from (Import(name, node.lineno) for name in submodules)
-
-
-def imports_of(source: str, module: str, is_package: bool, known: set[str]) -> Iterator[str]:
-    yield from (found.module for found in imports_with_lines(source, module, is_package, known))
 
 
 def _arrows(root: Path) -> dict[str, dict[str, int]]:
