@@ -2,15 +2,18 @@
 
 One ssh node (a real OpenSSH server on loopback) whose sessions have no AWS variable at all (sshd passes none of its
 own environment on), an S3 store (rclone serve s3) whose endpoint and keys the job names as secrets: each task that
-starts a store command on a node (stage, restore, evaluate's restore, the code fetch, verify-ckpt) resolves the
-job's secrets and sends them in the command's environment, and the command reads the store with them; the same
-stage without the key pair fails with the store's missing-credentials error, so the node really has none of its own.
+starts a store command on a node (stage, restore, evaluate's restore, the code fetch, verify-ckpt, the syncer)
+resolves the job's secrets and sends them in the command's environment, and the command reads the store with them;
+the same stage without the key pair fails with the store's missing-credentials error, so the node really has none of
+its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,25 +24,29 @@ from conftest import REPO
 from jobs import job_config
 from servers import S3Server
 from sshd import ssh_servers
-from test_checkpoints import commit_step, node_dirs
+from test_checkpoints import commit_step, make_step, node_dirs
 from test_dataset_stage import freeze, put_dataset, tree
 
 import tasks.checkpoint
 import tasks.evaluate
 import tasks.stage
+import tasks.train
 import tasks.workload
 from infra.checkpoints.store import CheckpointStore
 from infra.compute.access.remote import RemoteError
-from infra.compute.access.ssh import close_connections
-from infra.compute.providers import Cluster, Node, runner_for
+from infra.compute.access.ssh.connection import close_connections
+from infra.compute.providers import Cluster, Node, agent_for, runner_for
 from infra.compute.providers.ssh.provider import SshProvider
 from infra.job.secrets import SecretRef
 from infra.job.spec import JobSpec, parse_job
+from infra.node.events import NodeEvent, parse
+from infra.node.sync import stop_request
 from infra.storage import open_store
 from infra.workload.code import pack
 from tasks.train import TrainLaunch
 
 STEP = 100
+SYNCED = 200  # the step the syncer test saves on the node
 # Where the orchestrator keeps each value (its own environment); the job names these, the node gets the values.
 STORE_SETTINGS = {"AWS_ENDPOINT_URL": "TP_NODE_TEST_S3_ENDPOINT", "AWS_DEFAULT_REGION": "TP_NODE_TEST_S3_REGION"}
 STORE_KEYS = {"AWS_ACCESS_KEY_ID": "TP_NODE_TEST_S3_KEY", "AWS_SECRET_ACCESS_KEY": "TP_NODE_TEST_S3_SECRET"}
@@ -168,15 +175,41 @@ def _verify_ckpt(setup: Setup) -> None:
     assert verified.step == STEP
 
 
-# Every node command that reads the store, driven through the task that starts it. The syncer (`sync`, moving to the
-# node protocol separately) is added here once it is on it: its driver starts the syncer with the job's secrets and
-# waits for a commit in the store.
+def _sync(setup: Setup) -> None:
+    """The syncer as the train task starts it (its request and its environment): a step saved on the node is
+    uploaded and committed in the store with the job's secrets alone."""
+    node, job = setup.node, setup.job
+    launch = dataclasses.replace(setup.launch(), checkpoint_url=f"{setup.checkpoint_url.rsplit('/', 1)[0]}/run-sync")
+    request = tasks.train.syncer_request(job, setup.cluster, node, launch)
+    make_step(Path(node.ckpt_dir), SYNCED, 0, world_size=1)
+    Path(node.sync_dir).mkdir(parents=True, exist_ok=True)
+    committed = threading.Event()
+
+    def on_line(line: str) -> None:
+        event = parse(line)
+        if event is not None and event.kind is NodeEvent.COMMITTED and event.get("step") == SYNCED:
+            committed.set()
+
+    syncer = agent_for(setup.cluster, node, tasks.train.syncer_env(job)).start(
+        request, on_line=on_line, log_path=node.path("logs", "sync-secrets.log"))
+    try:
+        assert committed.wait(120), f"no commit of step {SYNCED}: {syncer.tail(20)}"
+    finally:
+        Path(request.stop_file).write_text(stop_request())
+        code = syncer.wait(120)
+    assert code == 0, syncer.tail(20)
+    assert [m.step for m in CheckpointStore(open_store(launch.checkpoint_url)).committed()] == [SYNCED]
+
+
+# Every node command that reads or writes the store, driven through the task (or, for the syncer, the request and
+# environment) that starts it.
 STORE_COMMANDS: dict[str, Callable[[Setup], None]] = {
     "stage": _stage,
     "restore": _restore,
     "evaluate-restore": _evaluate_restore,
     "code": _code,
     "verify-ckpt": _verify_ckpt,
+    "sync": _sync,
 }
 
 

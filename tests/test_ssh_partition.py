@@ -31,7 +31,7 @@ from test_ssh_provider import cluster_processes, host_config
 import infra.compute.access.ssh.connection
 import infra.compute.providers.ssh.provider as ssh_provider
 from infra.checkpoints.store import CheckpointStore
-from infra.compute.access.ssh import close_connections
+from infra.compute.access.ssh.connection import close_connections
 from infra.job.plan import cluster_name_for
 from infra.job.spec import parse_job
 from infra.storage import open_store
