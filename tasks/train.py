@@ -13,7 +13,7 @@ from prefect import get_run_logger, task
 from infra.cancel import CANCEL
 from infra.checkpoints.lineage import Lineage
 from infra.compute.access.agent import NodeAgent
-from infra.compute.access.remote import Process, RemoteError, Runner, wait_all
+from infra.compute.access.remote import Process, RemoteError, Runner, stop_all, wait_all
 from infra.compute.providers import Cluster, Node, provider_of
 from infra.job.spec import JobSpec
 from infra.lifecycle.preemption_watch import Preempted, PreemptionWatch, TrainingError
@@ -32,6 +32,7 @@ from tasks.syncers import STOP_GRACE_S, Syncers
 
 # Beyond the flush deadline: the script's own exit (process group teardown, torchrun's agent shutting down).
 TRAINER_EXIT_GRACE_S = 10.0
+STRAGGLER_GRACE_S = 10.0  # a rank hung at exit after its node's work is saved: SIGKILL after this
 METRICS_POLL_S = 1.0
 FAILURE_LINES = 12  # of the failed command's output, in the error that ends the run
 # torchrun's own report of a failed worker follows the worker's traceback: the script's lines are the ones above it.
@@ -246,15 +247,15 @@ def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOu
         if pending:
             warnings.append(_hung_at_exit(job, cluster, exit_grace.hung(pending), exit_grace.step))
             logger.warning("%s", warnings[-1])
-            for name in pending:  # the hung ones, and torchrun's agents waiting for them in the exit barrier
-                trainers[name].terminate()
+            # The hung ones, and torchrun's agents waiting for them in the exit barrier.
+            stop_all({name: trainers[name] for name in pending}, STRAGGLER_GRACE_S)
     except BaseException as failure:
         CANCEL.interrupted(failure)  # a second signal during the flush below then skips it
         watch.disarm()
-        # SIGTERM first: each script finishes its save in flight (and a last one if the deadline allows) ...
+        # SIGTERM first, to every node at once: each script finishes its save in flight (and a last one if the
+        # deadline allows; a collective one needs every rank signalled) ...
         deadline_s = job.checkpoints.flush_deadline_s
-        for process in trainers.values():
-            process.terminate(grace_s=deadline_s + TRAINER_EXIT_GRACE_S)
+        stop_all(trainers, deadline_s + TRAINER_EXIT_GRACE_S)
         # ... then the syncers upload and commit what completed (final_upload_timeout_s, however long the save
         # deadline): committed checkpoints are what the next attempt resumes from. A lost node's part never comes:
         # then only the save deadline, and the others are told not to wait for its part at all.

@@ -14,6 +14,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,6 +155,19 @@ def wait_all(processes: Mapping[str, Process], deadline: float, *, failed: Calla
             raise overdue(list(pending))
         CANCEL.wait(interval_s)
     return []
+
+
+def stop_all(processes: Mapping[str, Process], grace_s: float) -> dict[str, int | None]:
+    """SIGTERM every process at once, then SIGKILL what is left after grace_s: one bound for all, however many.
+
+    Stopping them one after another would give N nodes up to N × grace_s, and a script whose last save on SIGTERM is
+    collective (a DCP save needs every rank) would wait on ranks not yet signalled until it is killed. Returns each
+    process's exit code (None when it could not be told)."""
+    if not processes:
+        return {}
+    with ThreadPoolExecutor(max_workers=len(processes), thread_name_prefix="stop") as pool:
+        stopping = {name: pool.submit(process.terminate, grace_s) for name, process in processes.items()}
+        return {name: future.result() for name, future in stopping.items()}
 
 
 def _short(argv: Sequence[str]) -> str:
