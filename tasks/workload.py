@@ -12,8 +12,9 @@ from pathlib import Path
 
 from prefect import get_run_logger, task
 
+from infra.cancel import Cancelled
 from infra.compute.access.agent import NodeAgent
-from infra.compute.access.remote import RemoteError
+from infra.compute.access.remote import CANCEL_GRACE_S, RemoteError, wait_cancellable
 from infra.compute.providers import Cluster, Node, runner_for
 from infra.job.plan import Plan
 from infra.job.spec import JobSpec
@@ -107,7 +108,10 @@ def prepare_node(job: JobSpec, cluster: Cluster, node: Node, code_url: str | Non
                            cwd=node.code_dir if code_url is not None else None,
                            log_path=node.path("logs", "setup.log"))
     try:
-        code = process.wait(job.training.timeout_s)
+        code = wait_cancellable(process, job.training.timeout_s)
+    except Cancelled:
+        process.terminate(grace_s=CANCEL_GRACE_S)  # the run is being torn down: its setup goes first
+        raise
     except TimeoutError:
         process.terminate()
         raise SetupError(f"{node.name}: training.setup still running after training.timeout_s") from None

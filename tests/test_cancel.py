@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -101,6 +102,40 @@ def test_a_cancel_stops_a_remote_command_but_not_a_teardown(tmp_path: Path) -> N
         CANCEL.wait(0.05)
         assert runner.run(["true"], timeout=30).returncode == 0
         assert in_parallel([1, 2], lambda n: n * 2) == [(1, 2, None), (2, 4, None)]
+
+
+def test_a_cancel_ends_the_setup_wait_and_its_command(workspace: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The setup (a pip install, say) is waited for up to training.timeout_s: a cancel ends that wait at once and the
+    setup with it, as it ends every other node command."""
+    import tasks.workload
+    from infra.compute.providers.local import LocalProvider
+    from infra.job.spec import parse_job
+    from tasks.train import TrainLaunch
+
+    monkeypatch.setattr(tasks.workload, "get_run_logger", lambda: logging.getLogger("test.cancel"))
+    config = job_config(tmp_path, "file:///unused", timeout_s=1800)
+    config["cluster"]["nodes"] = 1
+    config["training"]["setup"] = [f"touch {tmp_path / 'setup-began'}", "sleep 600"]
+    job = parse_job(config)
+    provider = LocalProvider()
+    cluster = provider.launch("tp-cancel-setup", job.cluster, "cancel-setup")
+    try:
+        node = cluster.nodes[0]
+        launch = TrainLaunch("file:///unused/ckpt", "file:///unused", 0, "hash")
+        threading.Thread(target=_cancel_once_there, args=(tmp_path / "setup-began",), daemon=True).start()
+        started = time.monotonic()
+        with pytest.raises(Cancelled):
+            tasks.workload.prepare_node.fn(job, cluster, node, None, None, launch)
+        assert time.monotonic() - started < 60, "the setup was waited for past the cancel"
+        assert not tagged_processes(CLUSTER_TAG, str(Path(node.workdir).parent)), "the setup outlived the cancel"
+    finally:
+        provider.terminate(cluster.name)
+
+
+def _cancel_once_there(path: Path) -> None:
+    wait_for(path.exists, 60, "the setup to begin")
+    CANCEL.cancel("test")
 
 
 # -- trainpipe run ----------------------------------------------------------------------------------------------------
