@@ -112,7 +112,7 @@ def test_a_local_job_without_floors_spends_no_time_on_the_bench(
         monkeypatch.setattr(LocalRunner, method, _recording(getattr(LocalRunner, method), commands))
     cluster = provider.launch("tp-bench-none", job.cluster, "bench-none")
     try:
-        result = tasks.verify.bench_cluster.fn(job, cluster)
+        result = tasks.verify.bench_cluster.fn(job, cluster).to_dict()
     finally:
         provider.terminate(cluster.name)
     measured = result["measurement"]
@@ -124,7 +124,7 @@ def test_bench_off_measures_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     job = parse_job(bench_config(tmp_path, verify={"bench": "off"}))
     monkeypatch.setattr(tasks.verify, "get_run_logger", lambda: logging.getLogger("test.verify"))
     never_launched = Cluster(name="tp-never", provider="local", run_id="never", nodes=(), created_at=0.0)
-    assert tasks.verify.bench_cluster.fn(job, never_launched) == {"mode": "off"}
+    assert tasks.verify.bench_cluster.fn(job, never_launched).to_dict() == {"mode": "off"}
 
 
 # -- compare: what each figure is held to ---------------------------------------------------------------------
