@@ -10,11 +10,11 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
-from infra.analysis.clusterbench import VerifyBench
 from infra.compute.access.agent import NodeAgent
 from infra.compute.access.events import EventTap
 from infra.compute.access.remote import Process, RemoteError, last_error
 from infra.compute.providers import Cluster, Node, provider_of
+from infra.job.summary import ClusterBenchRecord
 from infra.node.events import NodeEvent
 from infra.node.fanout import SHARE_DIR
 from infra.node.protocol import PeerServeRequest
@@ -31,7 +31,7 @@ PEER_START_S = 60.0
 SERVER_ERRORS = ("peer-serve:", "CRITICAL")  # a peer server's own error lines (its own, then rclone's)
 
 
-def decide(mode: str, nodes: int, bench: VerifyBench | None, store_urls: Sequence[str] = ()) -> tuple[bool, str]:
+def decide(mode: str, nodes: int, bench: ClusterBenchRecord | None, store_urls: Sequence[str] = ()) -> tuple[bool, str]:
     """Whether the cluster fans out (dataset.fanout), and why: the run summary says it. store_urls: where the staged
     bytes come from (the dataset's and the inputs' stores)."""
     if nodes < 2:
