@@ -37,6 +37,21 @@ class ClusterBenchRecord(Protocol):
     def to_dict(self) -> dict[str, Any]: ...
 
 
+@dataclass(frozen=True)
+class WrittenClusterBench:
+    """A cluster_bench section read back from summary.json: the JSON the bench's record wrote, unchanged."""
+
+    section: dict[str, Any]
+
+    @property
+    def slowest_link_gbps(self) -> float | None:
+        links = self.section.get("measurement", {}).get("links", [])
+        return min((link["gbps"] for link in links), default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.section
+
+
 @dataclass
 class RunSummary:
     run_id: str
@@ -118,6 +133,12 @@ class RunSummary:
         """What continues a failed or cancelled run: the same run id resumes from its latest commit."""
         start = f"from step {self.checkpoint_step}" if self.checkpoint_step is not None else "from the start"
         return f"trainpipe run {config} --run-id {self.run_id} (resumes {start})"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunSummary:
+        """A summary as summary.json holds it (to_dict's output), read back."""
+        bench = data.get("cluster_bench")
+        return cls(**{**data, "cluster_bench": WrittenClusterBench(bench) if bench else None})
 
     def to_dict(self) -> dict[str, Any]:
         bench = self.cluster_bench.to_dict() if self.cluster_bench is not None else {}
