@@ -324,7 +324,6 @@ def record_nodes(summary: RunSummary, plan: Plan, cluster: Cluster, recovery: Re
 
 def lineage_of(plan: Plan, cluster: Cluster, summary: RunSummary, attempt_id: str) -> dict[str, Any]:
     """Where this run's checkpoints come from (infra.checkpoints.lineage.Lineage): every manifest records it."""
-    links = summary.cluster_bench.get("measurement", {}).get("links", []) if summary.cluster_bench else []
     return {
         "run_id": plan.run_id, "attempt": attempt_id,
         "dataset": {"url": plan.dataset.url, "snapshot_digest": snapshot_digest(plan.dataset.snapshot)},
@@ -333,7 +332,7 @@ def lineage_of(plan: Plan, cluster: Cluster, summary: RunSummary, attempt_id: st
         "code_sha256": plan.workload.code_sha256, "config_hash": plan.workload.config_hash,
         "parent": plan.init_from.url if plan.init_from is not None else None,
         "cluster": {"provider": cluster.provider, "instance_type": cluster.instance_type, "nodes": len(cluster.nodes),
-                    "network_gbps": min((link["gbps"] for link in links), default=None)},
+                    "network_gbps": summary.cluster_bench.slowest_link_gbps if summary.cluster_bench else None},
     }
 
 

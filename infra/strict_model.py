@@ -4,6 +4,7 @@ the checks config sections share (a file the config names must be readable befor
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
@@ -21,3 +22,10 @@ def readable_file(value: str, what: str, fix: str) -> str:
     if not path.is_file() or not os.access(path, os.R_OK):
         raise ValueError(f"{what} {path}: not a readable file: {fix}")
     return str(path)
+
+
+def one_of(value: str, known: Sequence[str], what: str) -> str:
+    """value when it is among known; else the error a validator raises: what, the value and every choice."""
+    if value not in known:
+        raise ValueError(f"{what} {value!r}: use one of {', '.join(known)}")
+    return value

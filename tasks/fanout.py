@@ -9,12 +9,12 @@ import secrets
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any
 
 from infra.compute.access.agent import NodeAgent
 from infra.compute.access.events import EventTap
 from infra.compute.access.remote import Process, RemoteError, last_error
 from infra.compute.providers import Cluster, Node, provider_of
+from infra.job.summary import ClusterBenchRecord
 from infra.node.events import NodeEvent
 from infra.node.fanout import SHARE_DIR
 from infra.node.protocol import PeerServeRequest
@@ -31,7 +31,7 @@ PEER_START_S = 60.0
 SERVER_ERRORS = ("peer-serve:", "CRITICAL")  # a peer server's own error lines (its own, then rclone's)
 
 
-def decide(mode: str, nodes: int, bench: dict[str, Any] | None, store_urls: Sequence[str] = ()) -> tuple[bool, str]:
+def decide(mode: str, nodes: int, bench: ClusterBenchRecord | None, store_urls: Sequence[str] = ()) -> tuple[bool, str]:
     """Whether the cluster fans out (dataset.fanout), and why: the run summary says it. store_urls: where the staged
     bytes come from (the dataset's and the inputs' stores)."""
     if nodes < 2:
@@ -41,10 +41,9 @@ def decide(mode: str, nodes: int, bench: dict[str, Any] | None, store_urls: Sequ
     if store_urls and all(url.startswith("file://") for url in store_urls):
         # A path each node reads at its disk's speed (this machine's disk, or a shared mount): no egress to save.
         return False, "dataset.fanout auto: the store is a local path (file://): fan-out is off"
-    links = (bench or {}).get("measurement", {}).get("links", [])
-    if not links:
+    slowest = bench.slowest_link_gbps if bench is not None else None
+    if slowest is None:
         return False, "dataset.fanout auto: no node-to-node figure (cluster.verify.bench is off): fan-out is off"
-    slowest = min(link["gbps"] for link in links)
     if slowest < AUTO_MIN_LINK_GBPS:
         return False, (f"dataset.fanout auto: the slowest node-to-node link ({slowest:g} Gbit/s) is below "
                        f"{AUTO_MIN_LINK_GBPS:g} Gbit/s: fan-out is off")

@@ -9,7 +9,7 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from infra.analysis import clusterbench
-from infra.analysis.clusterbench import BenchResult
+from infra.analysis.clusterbench import BenchResult, VerifyBench
 from infra.compute.providers import Cluster, Node, agent_for
 from infra.dataset.stagecache import node_cache_dir
 from infra.job.spec import JobSpec
@@ -56,18 +56,18 @@ def enforce_verdict(result: BenchResult, mode: str, logger: logging.Logger | log
 
 
 @task(name="bench-cluster", **TRANSIENT_RETRIES)
-def bench_cluster(job: JobSpec, cluster: Cluster) -> dict[str, Any]:
+def bench_cluster(job: JobSpec, cluster: Cluster) -> VerifyBench:
     """Measure node-to-node TCP, all-reduce and local disk throughput, and hold them to the floors and the catalog.
 
-    Retried only on transient errors (a dropped connection to a node); a verdict is never retried. Returns the run
-    summary's cluster_bench section as it is written (BenchResult.to_dict() is already the typed result's JSON).
+    Retried only on transient errors (a dropped connection to a node); a verdict is never retried. The run summary
+    keeps the record; its cluster_bench section is the record's to_dict().
     """
     logger = get_run_logger()
     mode = job.cluster.verify.bench
     if mode == "off":
         logger.info("cluster bench skipped: cluster.verify.bench is off")
-        return {"mode": mode}
+        return VerifyBench(mode)
     result = clusterbench.bench_cluster(cluster, job.cluster, sink_for=lambda label: node_line_sink(logger, label),
                                         say=lambda message: logger.info("cluster bench: %s", message))
     enforce_verdict(result, mode, logger)
-    return {"mode": mode, **result.to_dict()}
+    return VerifyBench(mode, result)

@@ -169,6 +169,52 @@ class LoopbackProxy:
         self._listener.close()
 
 
+class BreakingProxy(LoopbackProxy):
+    """A TCP proxy whose connections may break once they have carried break_after bytes, both directions counted
+    together: the chunk that crosses the mark is forwarded up to it, and then the subclass says whether this
+    connection breaks there (breaks, asked under the lock) and how (break_off). A connection that ends otherwise has
+    both its sockets closed, unless the subclass keeps it open (kept_open)."""
+
+    break_after: int
+
+    def connected(self, client: socket.socket, upstream: socket.socket) -> None:
+        carried = [0]  # bytes both directions of this connection carried so far
+        for src, dst in ((client, upstream), (upstream, client)):
+            threading.Thread(target=self._pump, args=(src, dst, carried, client, upstream), daemon=True).start()
+
+    def breaks(self, client: socket.socket) -> bool:
+        raise NotImplementedError
+
+    def break_off(self, client: socket.socket, upstream: socket.socket) -> None:
+        raise NotImplementedError
+
+    def kept_open(self, client: socket.socket) -> bool:
+        return False
+
+    def _pump(self, src: socket.socket, dst: socket.socket, carried: list[int], client: socket.socket,
+              upstream: socket.socket) -> None:
+        try:
+            while chunk := src.recv(64 << 10):
+                with self._lock:
+                    room = self.break_after - carried[0]
+                    carried[0] += len(chunk)
+                    breaking = 0 < room <= len(chunk) and self.breaks(client)
+                if breaking:
+                    dst.sendall(chunk[:room])
+                    self.break_off(client, upstream)
+                    return
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        with self._lock:
+            if self.kept_open(client):
+                return
+        for sock in (client, upstream):
+            with suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
 class CountingProxy(LoopbackProxy):
     """Counts the bytes the upstream sends back: what a store served, counted at the store's side rather than by its
     clients."""

@@ -4,6 +4,7 @@ the verdict against the job's floors and the catalog, and `trainpipe bench clust
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import subprocess
@@ -19,9 +20,12 @@ import tasks.verify
 from infra.analysis import clusterbench
 from infra.analysis.clusterbench import (
     AllReduceFigure,
+    BenchResult,
     ClusterMeasurement,
     DiskFigure,
     LinkFigure,
+    Verdict,
+    VerifyBench,
     compare,
     link_batches,
 )
@@ -31,6 +35,7 @@ from infra.compute.providers import Cluster, Provider, get_provider
 from infra.compute.spec import ClusterSpec
 from infra.job.plan import cluster_candidates
 from infra.job.spec import JobSpec, parse_job
+from infra.job.summary import RunSummary
 from infra.node import diskbench
 
 QUICK = {"tcp_seconds": 1, "tcp_streams": 2, "allreduce_sizes_mb": [1, 4], "disk_bytes_mb": 16}
@@ -112,7 +117,7 @@ def test_a_local_job_without_floors_spends_no_time_on_the_bench(
         monkeypatch.setattr(LocalRunner, method, _recording(getattr(LocalRunner, method), commands))
     cluster = provider.launch("tp-bench-none", job.cluster, "bench-none")
     try:
-        result = tasks.verify.bench_cluster.fn(job, cluster)
+        result = tasks.verify.bench_cluster.fn(job, cluster).to_dict()
     finally:
         provider.terminate(cluster.name)
     measured = result["measurement"]
@@ -124,7 +129,24 @@ def test_bench_off_measures_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     job = parse_job(bench_config(tmp_path, verify={"bench": "off"}))
     monkeypatch.setattr(tasks.verify, "get_run_logger", lambda: logging.getLogger("test.verify"))
     never_launched = Cluster(name="tp-never", provider="local", run_id="never", nodes=(), created_at=0.0)
-    assert tasks.verify.bench_cluster.fn(job, never_launched) == {"mode": "off"}
+    assert tasks.verify.bench_cluster.fn(job, never_launched).to_dict() == {"mode": "off"}
+
+
+def test_the_summary_writes_the_bench_record_as_its_cluster_bench_section_and_reads_it_back() -> None:
+    links = (LinkFigure("node-0", "node-1", 9.5, 4, 10**9, 1.0, 9.4),
+             LinkFigure("node-1", "node-2", 3.5, 4, 10**9, 1.0, 3.4))
+    measured = ClusterMeasurement(nodes=3, instance_type=None, links=links, allreduce=(), disks=())
+    result = BenchResult(measured, Verdict(checks=()), catalog_key=None)
+    for bench, section in ((None, {}), (VerifyBench("off"), {"mode": "off"}),
+                           (VerifyBench("warn", result), {"mode": "warn", **result.to_dict()})):
+        summary = RunSummary(run_id="r", job="j", provider="local", nodes=3, cluster_bench=bench)
+        written = json.loads(json.dumps(summary.to_dict()))
+        assert written["cluster_bench"] == json.loads(json.dumps(section))
+        back = RunSummary.from_dict(written)
+        assert json.loads(json.dumps(back.to_dict())) == written
+        expected = None if bench is None or bench.result is None else 3.5
+        assert (bench.slowest_link_gbps if bench else None) == expected
+        assert (back.cluster_bench.slowest_link_gbps if back.cluster_bench else None) == expected
 
 
 # -- compare: what each figure is held to ---------------------------------------------------------------------

@@ -26,6 +26,7 @@ from conftest import REPO
 from servers import CountingProxy, S3Server, _wait_for_port, free_port
 from test_dataset_stage import freeze, put_dataset, tree
 
+from infra.analysis.clusterbench import BenchResult, ClusterMeasurement, LinkFigure, Verdict, VerifyBench
 from infra.dataset.snapshot import read_snapshot
 from infra.node.events import Event, NodeEvent, parse
 from infra.node.fanout import SHARE_DIR, Exchange, File, Piece, shares
@@ -222,6 +223,14 @@ def test_a_peer_killed_mid_exchange_its_share_comes_from_the_store(
     assert store.served <= 1.05 * (unique + sum(snapshot_files[c] for c in owed)), store.served
 
 
+def benched(*gbps: float) -> VerifyBench:
+    """A verify stage's bench that measured node-to-node links at these speeds."""
+    links = tuple(LinkFigure(src="node-0", dst=f"node-{i + 1}", gbps=g, streams=1, bytes=1, seconds=1.0,
+                             receiver_gbps=g) for i, g in enumerate(gbps))
+    measurement = ClusterMeasurement(nodes=len(gbps) + 1, instance_type=None, links=links, allreduce=(), disks=())
+    return VerifyBench("warn", BenchResult(measurement, Verdict(checks=()), catalog_key=None))
+
+
 @pytest.mark.parametrize(("mode", "nodes", "gbps", "on"), [
     ("on", 2, None, True), ("off", 4, 10.0, False), ("on", 1, None, False),
     ("auto", 4, None, False),  # no bench: no node-to-node figure, so off
@@ -229,13 +238,13 @@ def test_a_peer_killed_mid_exchange_its_share_comes_from_the_store(
 ])
 def test_fanout_is_decided_from_the_spec_and_the_cluster_bench(mode: str, nodes: int, gbps: float | None,
                                                                on: bool) -> None:
-    bench = {"mode": "off"} if gbps is None else {"measurement": {"links": [{"gbps": gbps}, {"gbps": gbps * 2}]}}
+    bench = VerifyBench("off") if gbps is None else benched(gbps, gbps * 2)
     decided, why = decide(mode, nodes, bench)
     assert decided is on and why
 
 
 def test_auto_fanout_is_off_when_every_store_is_a_local_path() -> None:
-    fast = {"measurement": {"links": [{"gbps": 25.0}]}}
+    fast = benched(25.0)
     assert decide("auto", 4, fast, ["file:///data/ds", "file:///data/base"])[0] is False
     assert decide("auto", 4, fast, ["file:///data/ds", "s3://bucket/base"])[0] is True
     assert decide("on", 4, fast, ["file:///data/ds"])[0] is True

@@ -44,6 +44,7 @@ from test_cloud_teardown import AWS_PREFIX, GCP_PREFIX, REGION
 
 import infra.compute.providers.cloud as cloud
 import infra.compute.providers.gcp.api as gcp_api
+import infra.compute.providers.gcp.labels as gcp_labels
 from infra.compute.providers.aws.provider import (
     TAG_CLUSTER,
     TAG_CREATED,
@@ -57,17 +58,6 @@ from infra.compute.providers.aws.provider import (
 )
 from infra.compute.providers.base import Cluster, ReplacementUnavailable
 from infra.compute.providers.cloud import HOST_KEYS, CloudProvider
-from infra.compute.providers.gcp.labels import (
-    LABEL_CLUSTER,
-    LABEL_CREATED,
-    LABEL_HEARTBEAT,
-    LABEL_LEASE_TTL,
-    LABEL_OWNER,
-    LABEL_RANK,
-    LABEL_RUN,
-    META_HOST_KEY,
-    resource_name,
-)
 from infra.compute.providers.gcp.provider import GcpProvider
 from infra.compute.providers.hosts import HostUnreachableError
 from infra.lifecycle.sweep import sweep_clusters
@@ -75,7 +65,8 @@ from infra.lifecycle.sweep import sweep_clusters
 GCP_REGION = "us-central1"
 TTL_S = 10.0  # the shortest lease a job may have: the kill test waits for it to expire
 CLUSTER_TAGS = (TAG_CLUSTER, TAG_RUN, TAG_OWNER, TAG_CREATED, TAG_LEASE_TTL)
-CLUSTER_LABELS = (LABEL_CLUSTER, LABEL_RUN, LABEL_OWNER, LABEL_CREATED, LABEL_LEASE_TTL)
+CLUSTER_LABELS = (gcp_labels.LABEL_CLUSTER, gcp_labels.LABEL_RUN, gcp_labels.LABEL_OWNER, gcp_labels.LABEL_CREATED,
+                  gcp_labels.LABEL_LEASE_TTL)
 # The simulated clouds whose instances have loopback addresses (where the stand-ins answer), module-scoped here too.
 ec2, image, gce = teardown_tests.ec2, teardown_tests.image, teardown_tests.gce
 
@@ -239,14 +230,15 @@ def test_gcp_replaces_a_preempted_node_alone_under_the_compact_policy(gcp_setup:
     assert new["zone"] == survivor["zone"]
     assert new["resourcePolicies"] == survivor["resourcePolicies"]
     assert new["resourcePolicies"][0].endswith(f"/regions/{GCP_REGION}/resourcePolicies/"
-                                               f"{resource_name(name, 'compact')}")
+                                               f"{gcp_labels.resource_name(name, 'compact')}")
     assert new["machineType"] == survivor["machineType"]
     assert new["scheduling"]["provisioningModel"] == survivor["scheduling"]["provisioningModel"]
     assert new["serviceAccounts"] == survivor["serviceAccounts"]
     assert {k: new["labels"][k] for k in CLUSTER_LABELS} == {k: survivor["labels"][k] for k in CLUSTER_LABELS}
     assert {k: metadata(new)[k] for k in CLUSTER_LABELS} == {k: metadata(survivor)[k] for k in CLUSTER_LABELS}
-    assert new["labels"][LABEL_RANK] == str(lost.rank) and LABEL_HEARTBEAT in new["labels"]
-    assert metadata(new)[META_HOST_KEY] == replaced.owner[HOST_KEYS][lost.name] != cluster.owner[HOST_KEYS][lost.name]
+    assert new["labels"][gcp_labels.LABEL_RANK] == str(lost.rank) and gcp_labels.LABEL_HEARTBEAT in new["labels"]
+    assert (metadata(new)[gcp_labels.META_HOST_KEY] == replaced.owner[HOST_KEYS][lost.name]
+            != cluster.owner[HOST_KEYS][lost.name])
 
     sweeper = gcp_provider(gce)
     assert sweeper.describe(name).owner["instances"] == replaced.owner["instances"]
@@ -300,10 +292,11 @@ def test_gcp_without_capacity_in_the_zone_the_replacement_is_unavailable_and_lea
     with pytest.raises(ReplacementUnavailable) as raised:
         provider.replace_nodes(cluster, lost)
     said = str(raised.value)
-    for part in (*lost, f"compact policy {resource_name(name, 'compact')} in {zone}", "ZONE_RESOURCE_POOL_EXHAUSTED"):
+    policy = gcp_labels.resource_name(name, "compact")
+    for part in (*lost, f"compact policy {policy} in {zone}", "ZONE_RESOURCE_POOL_EXHAUSTED"):
         assert part in said, said
     assert (fault.passed, fault.fired) == (1, 1), "both replacements were tried"
-    assert [i["name"] for i in gce.instances() if i["labels"].get(LABEL_CLUSTER) == name] == \
+    assert [i["name"] for i in gce.instances() if i["labels"].get(gcp_labels.LABEL_CLUSTER) == name] == \
         [cluster.nodes[2].name], "only the survivor is left"
     provider.terminate(name)
     assert gcp_left(gce, name) == {}
@@ -381,8 +374,8 @@ def test_orchestrator_killed_while_a_replacement_boots_leaves_nothing_after_the_
             return any(i["name"] == lost and i["id"] != old_id for i in gce.instances())
 
         def heartbeat() -> float:
-            return max(float(i["labels"].get(LABEL_HEARTBEAT, 0)) for i in gce.instances()
-                       if i["labels"].get(LABEL_CLUSTER) == name)
+            return max(float(i["labels"].get(gcp_labels.LABEL_HEARTBEAT, 0)) for i in gce.instances()
+                       if i["labels"].get(gcp_labels.LABEL_CLUSTER) == name)
 
     record = tmp_path / "cluster.json"
     record.write_text(cluster.to_json())

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from cloud_env import wait_for
-from servers import LoopbackProxy
+from servers import BreakingProxy
 
 from infra.storage import open_store, s3, s3_control, s3_native
 from infra.storage.checksum import Checksum, checksum_bytes
@@ -29,9 +29,11 @@ CONFIG = TransferConfig(workers=4, part_size=MIN_PART_SIZE, multipart_threshold=
                         retry=RetryPolicy(attempts=4, base_s=0.01, max_s=0.05), stall_timeout_s=STALL_S)
 
 
-class StallingProxy(LoopbackProxy):
+class StallingProxy(BreakingProxy):
     """A TCP proxy whose first connection to carry STALL_AFTER_BYTES stops forwarding there, in both directions;
     the client's side is held open (no FIN, no reset) until the proxy closes: a stalled path, not a broken one."""
+
+    break_after = STALL_AFTER_BYTES
 
     def __init__(self, upstream_port: int) -> None:
         self.stalled_at: float | None = None  # time.monotonic() of the stall
@@ -39,42 +41,23 @@ class StallingProxy(LoopbackProxy):
         self._closed = threading.Event()
         super().__init__(upstream_port)
 
-    def connected(self, client: socket.socket, upstream: socket.socket) -> None:
-        carried = [0]
-        for src, dst in ((client, upstream), (upstream, client)):
-            threading.Thread(target=self._pump, args=(src, dst, carried, client, upstream), daemon=True).start()
+    def breaks(self, client: socket.socket) -> bool:
+        if self.stalled_at is not None:
+            return False
+        self.stalled_at = time.monotonic()
+        self._held.append(client)
+        return True
 
-    def _pump(self, src: socket.socket, dst: socket.socket, carried: list[int], *both: socket.socket) -> None:
-        try:
-            while chunk := src.recv(64 << 10):
-                with self._lock:
-                    room = STALL_AFTER_BYTES - carried[0]
-                    carried[0] += len(chunk)
-                    stall = self.stalled_at is None and 0 < room <= len(chunk)
-                    if stall:
-                        self.stalled_at = time.monotonic()
-                        self._held.append(both[0])
-                    stalled = both[0] in self._held
-                if stall:
-                    dst.sendall(chunk[:room])
-                    # The server's side goes: the emulator serves one request at a time, and one stuck on this
-                    # connection would stall every retry too. The client's side stays open and silent.
-                    with contextlib.suppress(OSError):
-                        both[1].shutdown(socket.SHUT_RDWR)
-                    both[1].close()
-                if stalled:
-                    self._closed.wait()  # the connection stays open, silent, until the test ends
-                    return
-                dst.sendall(chunk)
-        except OSError:
-            pass
-        with self._lock:
-            if both[0] in self._held:
-                return
-        for sock in both:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
+    def kept_open(self, client: socket.socket) -> bool:
+        return client in self._held
+
+    def break_off(self, client: socket.socket, upstream: socket.socket) -> None:
+        # The server's side goes: the emulator serves one request at a time, and one stuck on this connection would
+        # stall every retry too. The client's side stays open and silent until the test ends.
+        with contextlib.suppress(OSError):
+            upstream.shutdown(socket.SHUT_RDWR)
+        upstream.close()
+        self._closed.wait()
 
     def close(self) -> None:
         self._closed.set()

@@ -8,12 +8,11 @@ import os
 import shutil
 import socket
 import struct
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from servers import LoopbackProxy, S3Server
+from servers import BreakingProxy, S3Server
 from store_checks import FAST_RETRY
 from typer.testing import CliRunner
 
@@ -29,7 +28,7 @@ RETRY = RetryPolicy(attempts=8, base_s=0.01, max_s=0.05)
 CONFIG = TransferConfig(workers=4, part_size=MIN_PART_SIZE, multipart_threshold=MIN_PART_SIZE, retry=RETRY)
 
 
-class CuttingProxy(LoopbackProxy):
+class CuttingProxy(BreakingProxy):
     """A TCP proxy to the S3 server that resets the next `arm(n)` connections that carry CUT_AFTER_BYTES.
 
     A budget rather than every Nth connection: which connections carry a body depends on how the client pools
@@ -38,6 +37,8 @@ class CuttingProxy(LoopbackProxy):
     Connections are kept alive across requests, so the cut lands inside a response body (downloads) or a
     request body (uploads), wherever it happens to be, the way a flaky network breaks them.
     """
+
+    break_after = CUT_AFTER_BYTES
 
     def __init__(self, upstream_port: int) -> None:
         self.connections = 0
@@ -48,38 +49,27 @@ class CuttingProxy(LoopbackProxy):
     def connected(self, client: socket.socket, upstream: socket.socket) -> None:
         with self._lock:
             self.connections += 1
-        carried = [0]  # bytes both directions of this connection carried so far
-        for a, b in ((client, upstream), (upstream, client)):
-            threading.Thread(target=self._pump, args=(a, b, carried, client, upstream), daemon=True).start()
+        super().connected(client, upstream)
 
     def arm(self, cuts: int) -> None:
         with self._lock:
             self._cuts_left = cuts
 
-    def _pump(self, src: socket.socket, dst: socket.socket, carried: list[int], *both: socket.socket) -> None:
-        try:
-            while chunk := src.recv(64 << 10):
-                with self._lock:
-                    room = CUT_AFTER_BYTES - carried[0]
-                    carried[0] += len(chunk)
-                    doomed = self._cuts_left > 0 and 0 < room <= len(chunk)
-                    if doomed:
-                        self._cuts_left -= 1
-                        self.cuts += 1
-                if doomed:
-                    dst.sendall(chunk[:room])
-                    for sock in both:
-                        # shutdown wakes the other direction's thread blocked in recv (close alone would not,
-                        # and the socket would stay open until the client's read timeout).
-                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                        with contextlib.suppress(OSError):
-                            sock.shutdown(socket.SHUT_RDWR)
-                        sock.close()
-                    return
-                dst.sendall(chunk)
-        except OSError:
-            for sock in both:
-                sock.close()
+    def breaks(self, client: socket.socket) -> bool:
+        if self._cuts_left <= 0:
+            return False
+        self._cuts_left -= 1
+        self.cuts += 1
+        return True
+
+    def break_off(self, client: socket.socket, upstream: socket.socket) -> None:
+        for sock in (client, upstream):
+            # shutdown wakes the other direction's thread blocked in recv (close alone would not, and the socket
+            # would stay open until the client's read timeout).
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
 
 
 @pytest.fixture

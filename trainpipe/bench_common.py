@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 CkptEvery = Annotated[int, typer.Option(min=1, help="checkpoint every this many steps")]
 JsonFigures = Annotated[Path | None, typer.Option("--json", help="also write the figures as JSON here")]
 JsonTable = Annotated[Path | None, typer.Option("--json", help="also write the table as JSON here")]
+Workdir = Annotated[Path | None, typer.Option(help="scratch dir for the bench's data (default: the system temp)")]
 
 
 class Report(Protocol):

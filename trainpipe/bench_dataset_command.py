@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from trainpipe.bench_common import JsonFigures, write_out
+from trainpipe.bench_common import JsonFigures, Workdir, write_out
 
 
 def dataset(
@@ -16,7 +15,7 @@ def dataset(
     table_mb: Annotated[int, typer.Option(min=1, help="MB of Parquet + CSV + JSONL tables to validate")] = 128,
     sample_rows: Annotated[int, typer.Option(min=1, help="rows per file that sample validation reads")] = 1000,
     json_out: JsonFigures = None,
-    workdir: Annotated[Path | None, typer.Option(help="where the temp data goes (default: the system temp)")] = None,
+    workdir: Workdir = None,
 ) -> None:
     """Plan time for N objects, GX validation s/GB (full and sample) and staging MB/s with bytes reused."""
     from bench.dataset import DatasetBenchConfig, run_dataset_benchmark

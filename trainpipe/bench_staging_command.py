@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from trainpipe.bench_common import JsonTable, print_report, run_retrain
+from trainpipe.bench_common import JsonTable, Workdir, print_report, run_retrain
 from trainpipe.errors import exit_2_on
 
 
@@ -27,7 +27,7 @@ def staging(
     node_mbit: Annotated[float, typer.Option(min=1, help="every node's link, Mbit/s")] = 2000.0,
     workers: Annotated[int, typer.Option(min=1, help="each stager's parallel transfers")] = 4,
     json_out: JsonTable = None,
-    workdir: Annotated[Path | None, typer.Option(help="scratch dir (default: system temp)")] = None,
+    workdir: Workdir = None,
     staging_runs: Annotated[bool, typer.Option("--staging/--no-staging", help="stage with fan-out off and on")] = True,
     recovery: Annotated[bool, typer.Option("--recovery/--no-recovery",
                                            help="recover from one node's preemption by each path")] = True,

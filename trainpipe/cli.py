@@ -112,7 +112,7 @@ def run(config: ConfigArg, run_id: RunIdOpt = None) -> None:
     finally:
         summary_path = runs_dir() / run_id / "summary.json"
         if summary_path.is_file():
-            summary = RunSummary(**load_summary(summary_path))
+            summary = RunSummary.from_dict(load_summary(summary_path))
             typer.echo(summary.render())
             typer.echo(f"summary: {summary_path}")
     if failure is None:

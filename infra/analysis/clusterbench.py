@@ -448,6 +448,24 @@ class BenchResult:
 
 
 @dataclass(frozen=True)
+class VerifyBench:
+    """The verify stage's bench of a run's cluster: cluster.verify.bench, and what it measured unless that is off."""
+
+    mode: str
+    result: BenchResult | None = None
+
+    @property
+    def slowest_link_gbps(self) -> float | None:
+        """The slowest node-to-node TCP link measured; None when no link was (the bench off, or TCP not measured)."""
+        links = self.result.measurement.links if self.result is not None else ()
+        return min((link.gbps for link in links), default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The run summary's cluster_bench section."""
+        return {"mode": self.mode, **(self.result.to_dict() if self.result is not None else {})}
+
+
+@dataclass(frozen=True)
 class Figures:
     """Which figures a bench measures: those something holds the cluster to, or all of them when asked."""
 

@@ -16,7 +16,7 @@ from infra.compute.providers.gcp.config import GcpClusterSpec
 from infra.compute.providers.netns.config import NetnsClusterSpec
 from infra.compute.providers.ssh.config import SshClusterSpec
 from infra.compute.providers.table import PROVIDER_NAMES
-from infra.strict_model import StrictModel
+from infra.strict_model import StrictModel, one_of
 
 SpotPolicy = Literal["never", "prefer", "only"]
 
@@ -89,9 +89,7 @@ class ClusterSpec(StrictModel):
     @field_validator("provider")
     @classmethod
     def _known_provider(cls, value: str) -> str:
-        if value not in PROVIDER_NAMES:
-            raise ValueError(f"unknown provider '{value}': use one of {', '.join(PROVIDER_NAMES)}")
-        return value
+        return one_of(value, PROVIDER_NAMES, "unknown provider")
 
     @field_validator("spot", mode="before")
     @classmethod

@@ -7,9 +7,9 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 LAUNCHED_AT_VAR = "TRAINPIPE_LAUNCHED_AT"  # set by `trainpipe run`: when the command started, unix seconds
 PHASES = ("plan", "provision", "verify", "stage", "train", "sync", "evaluate", "promote", "teardown")
@@ -25,6 +25,31 @@ def timed_into(seconds: dict[str, float], name: str) -> Iterator[None]:
         yield
     finally:
         seconds[name] = round(seconds.get(name, 0.0) + time.perf_counter() - started, 3)
+
+
+class ClusterBenchRecord(Protocol):
+    """What the summary needs of the verify stage's bench (infra.analysis.clusterbench.VerifyBench, a room beside
+    this one): the flow reads it as a record while the run goes on; summary.json holds its to_dict()."""
+
+    @property
+    def slowest_link_gbps(self) -> float | None: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class WrittenClusterBench:
+    """A cluster_bench section read back from summary.json: the JSON the bench's record wrote, unchanged."""
+
+    section: dict[str, Any]
+
+    @property
+    def slowest_link_gbps(self) -> float | None:
+        links = self.section.get("measurement", {}).get("links", [])
+        return min((link["gbps"] for link in links), default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.section
 
 
 @dataclass
@@ -62,7 +87,7 @@ class RunSummary:
     attempts: list[dict[str, Any]] = field(default_factory=list)  # every launch attempt, in order
     node_reports: dict[str, dict[str, Any]] = field(default_factory=dict)  # per node: mount, GPUs, interfaces
     recoveries: list[dict[str, Any]] = field(default_factory=list)  # lifecycle.recovery.RecoveryRecord per preemption
-    cluster_bench: dict[str, Any] = field(default_factory=dict)  # the verify stage's figures and verdict
+    cluster_bench: ClusterBenchRecord | None = None  # the verify stage's figures and verdict (None: not benched)
     breakdown: dict[str, Any] = field(default_factory=dict)  # analysis.breakdown.StepBreakdown.summary(): where step
     # time went (T_compute / T_network / T_io)
     workload: dict[str, Any] = field(default_factory=dict)  # code, its sha256, command, config hash, setup_s
@@ -109,8 +134,15 @@ class RunSummary:
         start = f"from step {self.checkpoint_step}" if self.checkpoint_step is not None else "from the start"
         return f"trainpipe run {config} --run-id {self.run_id} (resumes {start})"
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunSummary:
+        """A summary as summary.json holds it (to_dict's output), read back."""
+        bench = data.get("cluster_bench")
+        return cls(**{**data, "cluster_bench": WrittenClusterBench(bench) if bench else None})
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        bench = self.cluster_bench.to_dict() if self.cluster_bench is not None else {}
+        return {**asdict(replace(self, cluster_bench=None)), "cluster_bench": bench}
 
     def write(self, directory: Path) -> Path:
         directory.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ from typing import ClassVar, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from infra.checkpoints.formats import FORMATS
+from infra.strict_model import one_of
 
 # The variable a node command finds its request in; removed from the environment once read, so nothing the command
 # starts (torchrun, the training script) inherits it.
@@ -164,9 +165,7 @@ class RestoreRequest(NodeRequest):
     @field_validator("format")
     @classmethod
     def _known_format(cls, value: str) -> str:
-        if value not in FORMATS:
-            raise ValueError(f"format {value!r}: one of {', '.join(FORMATS)}")
-        return value
+        return one_of(value, FORMATS, "format")
 
     @model_validator(mode="after")
     def _consistent(self) -> RestoreRequest:
