@@ -9,13 +9,17 @@ job's preemption raises the notice on every node. The spec checks (owned sbatch 
 from __future__ import annotations
 
 import json
+import os
+import re
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from cmdline_scan import CommandLineScan
+from conftest import REPO, run_trainpipe
 from pydantic import ValidationError
 from slurm_cluster import GPUS_PER_NODE, URGENT, SlurmCluster, slurm_cluster
 
@@ -172,6 +176,34 @@ def test_preemption_by_a_higher_tier_raises_the_notice_on_every_node(slurm: Slur
     finally:
         provider.terminate("tp-preempt")
     assert [line.split()[0] for line in slurm.run("squeue", "-h", "-o", "%P").stdout.splitlines()] in ([], [URGENT])
+
+
+def test_trainpipe_run_of_the_example_on_the_test_slurm(slurm: SlurmCluster, workspace: Path, tmp_path: Path) -> None:
+    """examples/slurm.yaml, shortened and pointed at local stores and this host's nodes: 3 nodes in one allocation,
+    the dataset staged to each node's own scratch, training under torchrun as job steps, the checkpoint committed,
+    squeue empty afterwards, and the summary naming the job, the partition and the nodes."""
+    env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": str(tmp_path / "prefect"),
+           "SLURM_CONF": str(slurm.conf)}
+    data = tmp_path / "data"
+    run_trainpipe("dataset", "synth", str(data), "--tokens", "200000", env=env)
+    job = yaml.safe_load((REPO / "examples" / "slurm.yaml").read_text())
+    job["dataset"]["url"] = str(data)
+    job["checkpoints"]["url"] = str(tmp_path / "checkpoints")
+    job["cluster"]["slurm"].update(scratch=f"{tmp_path}/scratch/{{node}}", python=sys.executable)
+    command = job["training"]["command"]
+    command[command.index("--steps") + 1] = "40"
+    command[command.index("--ckpt-every") + 1] = "20"
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    result = run_trainpipe("run", str(tmp_path / "job.yaml"), "--run-id", "slurm-e2e", env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    summary = json.loads((workspace / "runs" / "slurm-e2e" / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["checkpoint"].endswith("step-00000040")
+    assert re.search(r"3× slurm:batch \(on-demand\) in batch, job \d+ on gpu\[1-3\]", result.stdout)
+    for node in ("gpu1", "gpu2", "gpu3"):  # each node staged into its own scratch (one host holds all three)
+        staged = list((tmp_path / "scratch" / node).glob("*/data/**/*"))
+        assert any(path.is_file() for path in staged), f"nothing staged on {node}"
+    assert slurm.job_ids() == []
 
 
 # -- the spec, no Slurm needed --------------------------------------------------------------------------------------

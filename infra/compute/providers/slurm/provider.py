@@ -144,8 +144,10 @@ class SlurmProvider(Provider):
             nodes.append(Node(name=f"{pending.name}-{host}", rank=rank, address=addresses.get(host, host),
                               workdir=workdir, data_dir=f"{workdir}/data", ckpt_dir=f"{workdir}/ckpt",
                               python=config.python))
+        # The zone is what the run summary says the cluster ran "in": the partition, the job and its nodes.
         attempt = Attempt(candidate=self.name, instance_type=f"slurm:{state.partition}", region=state.partition,
-                          zone=None, market="on-demand", outcome="launched", error=None,
+                          zone=f"{state.partition}, job {state.job_id} on {state.nodes}", market="on-demand",
+                          outcome="launched", error=None,
                           seconds=round(time.monotonic() - started, 3))
         gpus = (config.gpus_per_node or 0) * count
         return Cluster(name=pending.name, provider=self.name, run_id=pending.run_id, nodes=tuple(nodes),
