@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -19,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 from cmdline_scan import CommandLineScan
-from conftest import REPO, run_trainpipe
+from conftest import REPO, TRAINPIPE, run_trainpipe
 from pydantic import ValidationError
 from slurm_cluster import GPUS_PER_NODE, URGENT, SlurmCluster, slurm_cluster
 
@@ -178,10 +180,10 @@ def test_preemption_by_a_higher_tier_raises_the_notice_on_every_node(slurm: Slur
     assert [line.split()[0] for line in slurm.run("squeue", "-h", "-o", "%P").stdout.splitlines()] in ([], [URGENT])
 
 
-def test_trainpipe_run_of_the_example_on_the_test_slurm(slurm: SlurmCluster, workspace: Path, tmp_path: Path) -> None:
-    """examples/slurm.yaml, shortened and pointed at local stores and this host's nodes: 3 nodes in one allocation,
-    the dataset staged to each node's own scratch, training under torchrun as job steps, the checkpoint committed,
-    squeue empty afterwards, and the summary naming the job, the partition and the nodes."""
+def example_job(slurm: SlurmCluster, workspace: Path, tmp_path: Path, steps: int,
+                lease_ttl_s: float = 120.0) -> dict[str, str]:
+    """examples/slurm.yaml as tmp_path/job.yaml, shortened to steps and pointed at local stores and this host's
+    nodes; the environment to run it in."""
     env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": str(tmp_path / "prefect"),
            "SLURM_CONF": str(slurm.conf)}
     data = tmp_path / "data"
@@ -189,11 +191,20 @@ def test_trainpipe_run_of_the_example_on_the_test_slurm(slurm: SlurmCluster, wor
     job = yaml.safe_load((REPO / "examples" / "slurm.yaml").read_text())
     job["dataset"]["url"] = str(data)
     job["checkpoints"]["url"] = str(tmp_path / "checkpoints")
+    job["cluster"]["lease_ttl_s"] = lease_ttl_s
     job["cluster"]["slurm"].update(scratch=f"{tmp_path}/scratch/{{node}}", python=sys.executable)
     command = job["training"]["command"]
-    command[command.index("--steps") + 1] = "40"
+    command[command.index("--steps") + 1] = str(steps)
     command[command.index("--ckpt-every") + 1] = "20"
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    return env
+
+
+def test_trainpipe_run_of_the_example_on_the_test_slurm(slurm: SlurmCluster, workspace: Path, tmp_path: Path) -> None:
+    """examples/slurm.yaml: 3 nodes in one allocation, the dataset staged to each node's own scratch, training under
+    torchrun as job steps, the checkpoint committed, squeue empty afterwards, and the summary naming the job, the
+    partition and the nodes."""
+    env = example_job(slurm, workspace, tmp_path, steps=40)
     result = run_trainpipe("run", str(tmp_path / "job.yaml"), "--run-id", "slurm-e2e", env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     summary = json.loads((workspace / "runs" / "slurm-e2e" / "summary.json").read_text())
@@ -204,6 +215,33 @@ def test_trainpipe_run_of_the_example_on_the_test_slurm(slurm: SlurmCluster, wor
         staged = list((tmp_path / "scratch" / node).glob("*/data/**/*"))
         assert any(path.is_file() for path in staged), f"nothing staged on {node}"
     assert slurm.job_ids() == []
+
+
+def test_allocation_of_a_killed_orchestrator_ends_within_the_lease(slurm: SlurmCluster, workspace: Path,
+                                                                   tmp_path: Path) -> None:
+    """trainpipe run SIGKILLed mid-training: nobody renews the lease, the holder ends the allocation, and squeue shows
+    nothing of the run within the lease TTL + 30 s."""
+    ttl = 15.0
+    env = example_job(slurm, workspace, tmp_path, steps=100_000, lease_ttl_s=ttl)
+    with (tmp_path / "run.log").open("w") as out:
+        run = subprocess.Popen([TRAINPIPE, "run", str(tmp_path / "job.yaml"), "--run-id", "slurm-kill"], env=env,
+                               cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        metrics = tmp_path / "scratch" / "gpu1"
+        wait_for(lambda: any(path.stat().st_size for path in metrics.glob("*/logs/metrics.jsonl")),
+                 "a training step on gpu1", timeout_s=400)
+        assert len(slurm.job_ids()) == 1
+        os.killpg(run.pid, signal.SIGKILL)  # the orchestrator and its Prefect server; the job steps are the nodes'
+        killed = time.monotonic()
+        run.wait(30)
+        wait_for(lambda: not slurm.job_ids(), "the allocation gone after the kill", timeout_s=ttl + 30)
+        print(f"orchestrator kill to squeue empty: {time.monotonic() - killed:.1f}s (lease ttl {ttl:g}s)")
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait(30)
+    holder = next((tmp_path / "scratch" / "gpu1").glob("*/logs/holder.log")).read_text()
+    assert "lease not renewed" in holder
 
 
 # -- the spec, no Slurm needed --------------------------------------------------------------------------------------
