@@ -244,6 +244,34 @@ def test_allocation_of_a_killed_orchestrator_ends_within_the_lease(slurm: SlurmC
     assert "lease not renewed" in holder
 
 
+@pytest.mark.parametrize(("nodes", "section", "said"), [
+    (4, {}, r"cluster.nodes is 4 but partition batch has 3 nodes \(3 nodes in all, features ib, nvme\)"),
+    (2, {"constraint": "ib&hdr200"}, r"partition batch has 0 nodes with features ib&hdr200 .*features ib, nvme"),
+    (1, {"gpus_per_node": GPUS_PER_NODE + 1}, r"has 0 nodes with 3 GPUs \(GRES gpu\)"),
+    (1, {"partition": "nosuch"}, r"partition 'nosuch': the site has no such partition: use one of batch, urgent"),
+])
+def test_plan_refuses_what_the_site_can_never_hold(slurm: SlurmCluster, tmp_path: Path, nodes: int,
+                                                   section: dict[str, object], said: str) -> None:
+    from infra.job.plan import PlanError, check_site
+
+    with pytest.raises(PlanError, match=said):
+        check_site(spec(tmp_path, nodes=nodes, **section))
+    check_site(spec(tmp_path, nodes=3, constraint="nvme,ib", gpus_per_node=GPUS_PER_NODE))  # what it has: fine
+    check_site(spec(tmp_path, nodes=3, partition=None))  # the site's default partition
+
+
+def test_trainpipe_plan_of_an_impossible_cluster_exits_2_naming_it(slurm: SlurmCluster, workspace: Path,
+                                                                   tmp_path: Path) -> None:
+    env = example_job(slurm, workspace, tmp_path, steps=40)
+    job = yaml.safe_load((tmp_path / "job.yaml").read_text())
+    job["cluster"]["nodes"] = 5
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    result = run_trainpipe("plan", str(tmp_path / "job.yaml"), env=env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "cluster.nodes is 5 but partition batch has 3 nodes with features ib&nvme" in result.stderr
+    assert slurm.job_ids() == []
+
+
 # -- the spec, no Slurm needed --------------------------------------------------------------------------------------
 
 

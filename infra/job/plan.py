@@ -16,7 +16,7 @@ from infra.dataset.manifest import DatasetError
 from infra.dataset.planning import CarriesValidation, DatasetPlan, ExpectationsFailed, plan_dataset, plan_input
 from infra.dataset.stagecache import CACHE_DIR, cached_bytes
 from infra.job.secrets import BlockReader, SecretMissing, resolve_secrets
-from infra.job.spec import InputSpec, JobSpec
+from infra.job.spec import ClusterSpec, InputSpec, JobSpec
 from infra.job.store_access import store_access_problem
 from infra.registry import CheckpointTarget, RegistryError, resolve_checkpoint
 from infra.storage import StorageError, open_store
@@ -86,6 +86,17 @@ def cluster_name_for(run_id: str) -> str:
 
 def checkpoint_url_for(job: JobSpec, run_id: str) -> str:
     return f"{job.checkpoints.url}/{run_id}"
+
+
+def check_site(cluster: ClusterSpec) -> None:
+    """A provider whose site can say what it has (slurm: sinfo) refuses a cluster it can never hold here, naming
+    what it has: its section's check_site(nodes), as a section's check_fits is asked at validation."""
+    check = getattr(getattr(cluster, cluster.provider, None), "check_site", None)
+    if check is not None:
+        try:
+            check(cluster.nodes)
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
 
 
 def cluster_candidates(job: JobSpec) -> tuple[Candidate, ...]:
@@ -209,6 +220,7 @@ def plan_job(job: JobSpec, run_id: str, secret_blocks: BlockReader | None = None
     if (problem := store_access_problem(job)) is not None:
         raise PlanError(problem)
     found = cluster_candidates(job)
+    check_site(job.cluster)
     try:
         workload = plan_workload(job.training.code, job.training.setup, job.training.command)
     except WorkloadError as exc:

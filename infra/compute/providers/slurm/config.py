@@ -123,3 +123,10 @@ class SlurmClusterSpec(StrictModel):
     def node_workdir(self, node: str, cluster_name: str) -> str:
         """Where a node of this cluster works: <scratch with {node}>/<cluster>."""
         return f"{self.scratch.replace(NODE_PLACEHOLDER, node).rstrip('/')}/{cluster_name}"
+
+    def check_site(self, nodes: int) -> None:
+        """Raise ValueError naming the partition and what it has unless the site (sinfo) can hold `nodes` nodes as
+        asked: asked at plan, on the login node, before anything is submitted."""
+        from infra.compute.providers.slurm.site import check_site  # the Slurm commands: only at plan, not at load
+
+        check_site(self, nodes)
