@@ -272,6 +272,44 @@ def test_trainpipe_plan_of_an_impossible_cluster_exits_2_naming_it(slurm: SlurmC
     assert slurm.job_ids() == []
 
 
+def last_step(metrics: Path) -> int:
+    steps = [json.loads(line).get("step", 0) for path in metrics.parent.glob(f"*/logs/{metrics.name}")
+             for line in path.read_text().splitlines() if line.startswith("{")]
+    return max(steps, default=0)
+
+
+def test_preemption_by_a_higher_tier_mid_training_resumes_on_a_new_allocation(slurm: SlurmCluster, workspace: Path,
+                                                                              tmp_path: Path) -> None:
+    """A job in the urgent partition preempts the run's allocation mid-training: the holder's notice reaches the
+    nodes, the run recovers on a new allocation (same partition and constraint) and completes from its commit."""
+    env = example_job(slurm, workspace, tmp_path, steps=300)
+    with (tmp_path / "run.log").open("w") as out:
+        run = subprocess.Popen([TRAINPIPE, "run", str(tmp_path / "job.yaml"), "--run-id", "slurm-preempt"], env=env,
+                               cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        metrics = tmp_path / "scratch" / "gpu1" / "metrics.jsonl"
+        wait_for(lambda: last_step(metrics) >= 60, "step 60 on gpu1", timeout_s=400)
+        first_job = slurm.job_ids()
+        preempted = time.monotonic()
+        slurm.run("sbatch", "-p", URGENT, "-N1", "-o", "/dev/null", "--wrap", "sleep 15")
+        run.wait(500)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait(30)
+    output = (tmp_path / "run.log").read_text()
+    assert run.returncode == 0, output[-6000:]
+    print(f"preemption to run end: {time.monotonic() - preempted:.1f}s")
+    summary = json.loads((workspace / "runs" / "slurm-preempt" / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["checkpoint"].endswith("step-00000300")
+    assert summary["recoveries"], output[-4000:]
+    assert len(summary["attempts"]) >= 2  # a new allocation after the preempted one
+    assert first_job[0] not in [attempt["zone"].split()[2] for attempt in summary["attempts"][1:]]
+    assert slurm.job_ids() == []
+    print(json.dumps(summary["recoveries"], indent=1)[:2000])
+
+
 # -- the spec, no Slurm needed --------------------------------------------------------------------------------------
 
 

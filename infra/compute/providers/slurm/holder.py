@@ -1,7 +1,8 @@
 """The batch script of a trainpipe allocation: it holds the nodes while the run's job steps use them.
 
 It runs on the allocation's first node and does three things:
-- makes every node's workdir (data, ckpt, logs) with one job step across the nodes, then writes READY_FILE in its own;
+- makes every node's workdir (data, ckpt, logs) with one job step across the nodes, removing the preemption notice
+  an earlier allocation of the same cluster left there (a recovery's relaunch), then writes READY_FILE in its own;
 - turns the allocation's end into a preemption notice on every node: USR1 (sbatch --signal=B:USR1@N: N s before the
   walltime, or when preemption starts where the site sets preempt_send_user_signal) and SIGTERM (preemption or
   cancel, KillWait before SIGKILL, where the site sends no early signal) each write infra.node.preemption's notice
@@ -41,7 +42,9 @@ say "job $SLURM_JOB_ID holds $SLURM_JOB_NODELIST (restart ${SLURM_RESTART_COUNT:
 # A step's own node dir, in $d (never an empty template: that would make dirs at /).
 node_dir_step='[ -n "$TP_WORKDIR_TEMPLATE" ] || exit 1; d="${TP_WORKDIR_TEMPLATE//@PLACEHOLDER@/$SLURMD_NODENAME}"'
 every_node() { srun --overlap --export=ALL --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 "$@"; }
-every_node --kill-on-bad-exit=1 bash -c "$node_dir_step"'; mkdir -p "$d/data" "$d/ckpt" "$d/logs"' \
+# A relaunch (a recovery) finds the same dirs with what the last allocation left: its notice must not end this one.
+every_node --kill-on-bad-exit=1 bash -c "$node_dir_step"'; mkdir -p "$d/data" "$d/ckpt" "$d/logs" &&
+  rm -f "$d/@NOTICE@" "$d/.@NOTICE@.tmp"' \
   || { say "cannot make the nodes' workdirs"; exit 1; }
 printf '%s\n' "$SLURM_JOB_ID" > "$own/@READY@"
 
