@@ -113,6 +113,7 @@ def test_one_allocation_holds_every_node_and_each_command_is_a_job_step(slurm: S
     finally:
         assert provider.terminate("tp-steps")
     assert slurm.job_ids() == []
+    assert [path.name for path in (tmp_path / "scratch").glob("*/*")] == []  # every node's workdir removed
     assert provider.describe("tp-steps") is None
     assert provider.list_clusters() == []
     assert provider.nodes_alive(cluster) == {node.name: False for node in cluster.nodes}
@@ -212,9 +213,9 @@ def test_trainpipe_run_of_the_example_on_the_test_slurm(slurm: SlurmCluster, wor
     assert summary["checkpoint"].endswith("step-00000040")
     assert re.search(r"3× slurm:batch \(on-demand\) in batch, job \d+ on gpu\[1-3\]", result.stdout)
     for node in ("gpu1", "gpu2", "gpu3"):  # each node staged into its own scratch (one host holds all three)
-        staged = list((tmp_path / "scratch" / node).glob("*/data/**/*"))
-        assert any(path.is_file() for path in staged), f"nothing staged on {node}"
+        assert re.search(rf'\[tp-slurm-e2e-{node}\] {{"event": "staged", "files": 2,', result.stdout + result.stderr)
     assert slurm.job_ids() == []
+    assert [path.name for path in (tmp_path / "scratch").glob("*/*")] == []  # teardown removed the node dirs
 
 
 def test_allocation_of_a_killed_orchestrator_ends_within_the_lease(slurm: SlurmCluster, workspace: Path,

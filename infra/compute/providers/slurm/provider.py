@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 JOB_PREFIX = "trainpipe-"
 POLL_S = 1.0
 READY_TIMEOUT_S = 120.0  # from RUNNING to every node's workdir made by the holder's first step
+REMOVE_TIMEOUT_S = 120.0  # a node's last step at teardown: its workdir removed
 GONE_TIMEOUT_S = 180.0  # scancel to squeue no longer showing the job (KillWait, 30 s by default, and epilogs)
 # Pending reasons that no wait can cure (the request exceeds what the partition, account or QOS allows, or asks for
 # features no node has): sbatch accepts such a job unless the site enforces partition limits at submit.
@@ -213,12 +215,37 @@ class SlurmProvider(Provider):
         return sorted(set(found))
 
     def terminate(self, cluster_name: str) -> bool:
+        """The nodes' workdirs removed (by a last step on each, while the allocation still runs), then the job."""
+        return self._terminate(cluster_name, keep_data=False)
+
+    def terminate_keeping_data(self, cluster_name: str) -> bool:
+        """The job ends, the nodes' workdirs stay: a relaunch that gets the same nodes finds its staged data there."""
+        return self._terminate(cluster_name, keep_data=True)
+
+    def _terminate(self, cluster_name: str, keep_data: bool) -> bool:
         jobs = self._jobs(cluster_name)
-        had_record = self._record(cluster_name).is_file()
+        recorded = self.describe(cluster_name)
+        if not keep_data and recorded is not None and recorded.owner["job_id"] in jobs:
+            self._remove_workdirs(recorded)
+        had_record = recorded is not None
         self._end(cluster_name, jobs)
         if jobs:
             log.info("slurm cluster %s: job %s cancelled and gone", cluster_name, ", ".join(jobs))
         return bool(jobs) or had_record
+
+    def _remove_workdirs(self, cluster: Cluster) -> None:
+        """Node-local scratch is gone for good once the allocation ends (no step can reach it): removed first. What a
+        node cannot remove is logged; the job is cancelled all the same."""
+        def remove(node: Node) -> None:
+            self.runner(cluster, node).run(["rm", "-rf", "--", node.workdir], timeout=REMOVE_TIMEOUT_S)
+
+        if not cluster.nodes:
+            return
+        with ThreadPoolExecutor(max_workers=min(16, len(cluster.nodes)), thread_name_prefix="slurm-node") as pool:
+            removals = [(node, pool.submit(remove, node)) for node in cluster.nodes]
+        for node, removal in removals:
+            if (error := removal.exception()) is not None:
+                log.warning("%s: its workdir %s was not removed: %s", node.name, node.workdir, error)
 
     def _end(self, cluster_name: str, jobs: list[str]) -> None:
         """scancel, then wait until squeue no longer shows any of the jobs; the record goes last."""
