@@ -25,9 +25,9 @@ from conftest import REPO, TRAINPIPE, run_trainpipe
 from pydantic import ValidationError
 from slurm_cluster import GPUS_PER_NODE, URGENT, SlurmCluster, slurm_cluster
 
-from infra.compute.providers import CapacityError, InvalidRequestError, get_provider
+from infra.compute.providers import InvalidRequestError, get_provider
 from infra.compute.providers.base import Cluster
-from infra.compute.providers.slurm.provider import JOB_PREFIX, SlurmProvider
+from infra.compute.providers.slurm.provider import JOB_PREFIX, QueueTimeout, SlurmProvider
 from infra.job.spec import ClusterSpec
 
 DEADLINE_S = 60.0
@@ -127,9 +127,10 @@ def test_pending_allocation_ends_at_queue_timeout_with_its_reason(slurm: SlurmCl
     wait_for(lambda: slurm.run("squeue", "-h", "-j", blocker_id, "-o", "%T").stdout.strip() == "RUNNING",
              "blocking job running")
     started = time.monotonic()
-    with pytest.raises(CapacityError, match=r"still pending after 3s \(reason: (Resources|Priority)\)"):
+    with pytest.raises(QueueTimeout, match=r"still pending after 3s \(reason: (Resources|Priority)\)"):
         get_provider("slurm").launch("tp-pending", spec(tmp_path, queue_timeout_s=3), "run-pending")
     assert time.monotonic() - started < 3 + 20
+    assert not QueueTimeout.transient  # the bound is the user's: provision does not retry it
     assert slurm.job_ids() == [blocker_id]  # the pending allocation was cancelled and is gone
     assert SlurmProvider().describe("tp-pending") is None
 

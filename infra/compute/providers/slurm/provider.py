@@ -25,7 +25,6 @@ from infra.cancel import CANCEL
 from infra.compute.access.remote import RemoteError, Runner
 from infra.compute.providers.base import (
     Attempt,
-    CapacityError,
     Cluster,
     ClusterRecord,
     InvalidRequestError,
@@ -55,6 +54,11 @@ GONE_TIMEOUT_S = 180.0  # scancel to squeue no longer showing the job (KillWait,
 # features no node has): sbatch accepts such a job unless the site enforces partition limits at submit.
 NEVER_RUNS = frozenset({"PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig", "BadConstraints",
                         "InvalidAccount", "InvalidQOS"})
+
+
+class QueueTimeout(cli.SlurmError):
+    """The allocation stayed pending for cluster.slurm.queue_timeout_s and was cancelled. Not transient: the bound is
+    the user's, and a retried launch would wait it out again."""
 
 
 def job_name(cluster_name: str) -> str:
@@ -129,7 +133,7 @@ class SlurmProvider(Provider):
                 reason = state.reason
                 log.info("slurm job %s %s: %s", job_id, state.state.lower(), reason)
             if time.monotonic() > deadline:
-                raise CapacityError(f"slurm job {job_id} still {state.state.lower()} after {queue_timeout_s:g}s "
+                raise QueueTimeout(f"slurm job {job_id} still {state.state.lower()} after {queue_timeout_s:g}s "
                                     f"(reason: {state.reason}): cancelled; wait for the partition to free up, ask "
                                     "for fewer nodes, or raise cluster.slurm.queue_timeout_s")
             CANCEL.wait(POLL_S)
