@@ -13,9 +13,10 @@ from infra.compute.access.agent import NodeAgent
 from infra.compute.providers import Cluster, Node, Provider, launch_cluster, provider_of, terminate_cluster
 from infra.compute.renewal import RENEWALS_PER_TTL
 from infra.job.spec import JobSpec
-from infra.lifecycle.lease import LEASE_FILE, LeaseKeeper
+from infra.lifecycle.lease import LeaseKeeper
 from infra.node.protocol import WatchRequest
 from infra.node.sync import STOP_FILE
+from infra.node.watchdog import LEASE_FILE
 from tasks.policy import TRANSIENT_RETRIES
 
 _lease_keepers: dict[str, LeaseKeeper] = {}

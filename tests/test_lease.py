@@ -19,9 +19,10 @@ from infra.compute.access.remote import LocalRunner, Process, RemoteError
 from infra.compute.providers.base import Cluster, Node
 from infra.compute.providers.local import LocalProvider
 from infra.compute.spec import ClusterSpec
-from infra.lifecycle.lease import LEASE_FILE, LeaseError, LeaseKeeper
+from infra.lifecycle.lease import LeaseError, LeaseKeeper
 from infra.node.events import Event, NodeEvent, parse
 from infra.node.protocol import WatchRequest
+from infra.node.watchdog import LEASE_FILE
 
 TTL_S = 2.0
 

@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from infra.compute.providers.aws.config import AwsClusterSpec
 from infra.compute.providers.gcp.config import GcpClusterSpec
 from infra.compute.providers.netns.config import NetnsClusterSpec
+from infra.compute.providers.slurm.config import SlurmClusterSpec
 from infra.compute.providers.ssh.config import SshClusterSpec
 from infra.compute.providers.table import PROVIDER_NAMES
 from infra.strict_model import StrictModel, one_of
@@ -85,6 +86,8 @@ class ClusterSpec(StrictModel):
                                 "the nodes reach their stores with.")
     gcp: GcpClusterSpec = Field(default_factory=GcpClusterSpec, description="provider gcp: the service account the "
                                 "nodes reach their stores with.")
+    slurm: SlurmClusterSpec = Field(default_factory=SlurmClusterSpec, description="provider slurm: the allocation "
+                                    "to ask the site's Slurm for, and where on a node to work.")
 
     @field_validator("provider")
     @classmethod

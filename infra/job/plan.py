@@ -12,6 +12,8 @@ from infra.checkpoints.layout import CheckpointError
 from infra.checkpoints.store import CheckpointStore
 from infra.compute.catalog import CatalogError, load_catalog
 from infra.compute.optimizer import Candidate, NoCandidateError, candidates, render_candidates
+from infra.compute.providers import check_site as site_can_hold
+from infra.compute.spec import ClusterSpec
 from infra.dataset.docs import write_data_docs
 from infra.dataset.manifest import DatasetError
 from infra.dataset.planning import CarriesValidation, DatasetPlan, ExpectationsFailed, plan_dataset, plan_input
@@ -88,6 +90,15 @@ def cluster_name_for(run_id: str) -> str:
 
 def checkpoint_url_for(job: JobSpec, run_id: str) -> str:
     return f"{job.checkpoints.url}/{run_id}"
+
+
+def check_site(cluster: ClusterSpec) -> None:
+    """A provider whose site can say what it has (slurm: sinfo) refuses a cluster it can never hold here, naming
+    what it has, before anything is submitted."""
+    try:
+        site_can_hold(cluster)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
 
 
 def cluster_candidates(job: JobSpec) -> tuple[Candidate, ...]:
@@ -217,6 +228,7 @@ def plan_job(job: JobSpec, run_id: str, secret_blocks: BlockReader | None = None
     if (problem := store_access_problem(job)) is not None:
         raise PlanError(problem)
     found = cluster_candidates(job)
+    check_site(job.cluster)
     try:
         workload = plan_workload(job.training.code, job.training.setup, job.training.command)
     except WorkloadError as exc:

@@ -14,10 +14,10 @@ from infra.compute.access.remote import Runner
 from infra.compute.providers.base import Cluster, Provider
 from infra.compute.renewal import Renewal
 from infra.errors import is_transient
+from infra.node.watchdog import LEASE_FILE
 
 log = logging.getLogger(__name__)
 
-LEASE_FILE = "lease"
 # The first leases, before any renewal thread runs: a fresh connection's first write may be slow on a loaded machine,
 # and a node that cannot get its lease at all fails the provision (retried when transient).
 START_WRITE_DEADLINE_S = 60.0

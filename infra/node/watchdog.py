@@ -38,6 +38,10 @@ from infra.node.preemption_notice import (
 from infra.node.processes import NODE_TAG, kill_processes, tagged_processes
 from infra.node.protocol import NodeCommand, NodeRequest, WatchRequest, as_request, runs_command
 
+# The lease file in a node's workdir: the orchestrator renews it (infra.lifecycle.lease), this watchdog reads its age,
+# and a Slurm allocation's holder ends the job when it goes stale.
+LEASE_FILE = "lease"
+
 
 def lease_age_s(lease: Path, now: float) -> float | None:
     """Seconds since the last renewal, or None before the first one."""

@@ -64,9 +64,19 @@ def agent_for(cluster: Cluster, node: Node, env: Mapping[str, str] | None = None
     return NodeAgent(runner_for(cluster, node), node.python, env)
 
 
+def provider_for(spec: ClusterSpec) -> Provider:
+    """The provider a cluster spec names: how a cluster is planned and launched, before there is one."""
+    return get_provider(spec.provider)
+
+
 def launch_cluster(spec: ClusterSpec, cluster_name: str, run_id: str) -> Cluster:
     """Launch a cluster on the provider its spec names (every node or none; LaunchError says why not)."""
-    return get_provider(spec.provider).launch(cluster_name, spec, run_id)
+    return provider_for(spec).launch(cluster_name, spec, run_id)
+
+
+def check_site(spec: ClusterSpec) -> None:
+    """ValueError naming what the provider's site has when it can never hold the cluster as asked (asked at plan)."""
+    provider_for(spec).check_site(spec)
 
 
 @dataclass(frozen=True)
@@ -91,6 +101,6 @@ def all_providers() -> list[Provider]:
 
 __all__ = [
     "CapacityError", "Cluster", "ClusterRecord", "InvalidRequestError", "LaunchError", "Node", "PriceError",
-    "Provider", "QuotaError", "ReplacementUnavailable", "TornDown", "agent_for", "all_providers", "get_provider",
-    "launch_cluster", "provider_of", "runner_for", "terminate_cluster",
+    "Provider", "QuotaError", "ReplacementUnavailable", "TornDown", "agent_for", "all_providers", "check_site",
+    "get_provider", "launch_cluster", "provider_for", "provider_of", "runner_for", "terminate_cluster",
 ]

@@ -178,6 +178,11 @@ class Provider(ABC):
     def launch(self, cluster_name: str, spec: ClusterSpec, run_id: str) -> Cluster:
         """Start every node or none: a partial launch is rolled back before raising LaunchError."""
 
+    def check_site(self, spec: ClusterSpec) -> None:  # noqa: B027 - most providers have nothing to ask
+        """Asked at plan, before anything is paid for: raise ValueError naming what the site has when it can never
+        hold the cluster as asked (a scheduler's partitions, nodes, features, GPUs). A provider that launches
+        machines on demand has nothing to ask: the catalog and the launch's failover judge those."""
+
     @abstractmethod
     def describe(self, cluster_name: str) -> Cluster | None: ...
 

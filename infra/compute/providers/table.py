@@ -26,6 +26,7 @@ PROVIDERS = (
     ProviderEntry("gcp", "infra.compute.providers.gcp.provider:GcpProvider", chaos=False),
     ProviderEntry("ssh", "infra.compute.providers.ssh.provider:SshProvider", chaos=True),
     ProviderEntry("netns", "infra.compute.providers.netns.provider:NetnsProvider", chaos=True),
+    ProviderEntry("slurm", "infra.compute.providers.slurm.provider:SlurmProvider", chaos=False),
 )
 PROVIDER_NAMES = tuple(entry.name for entry in PROVIDERS)
 CHAOS_PROVIDERS = tuple(entry.name for entry in PROVIDERS if entry.chaos)

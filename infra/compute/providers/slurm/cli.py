@@ -1,0 +1,178 @@
+"""The Slurm commands the provider runs on the login node (this machine), their answers parsed and failures typed.
+
+Only the documented, stable outputs are read: `sbatch --parsable`, `squeue -h -o` with an explicit format,
+`scontrol show hostnames` and the Key=Value lines of `scontrol show node -o`. A command that cannot reach slurmctld
+is SlurmUnreachable (transient: the controller may be restarting); an sbatch refusal is typed by what it says, so
+failover knows whether another try can help.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from infra.compute.providers.base import CapacityError, InvalidRequestError, LaunchError, QuotaError
+
+log = logging.getLogger(__name__)
+
+COMMAND_TIMEOUT_S = 60.0
+FIELD_SEP = "|"
+# squeue's states of a job that still holds, or may yet hold, nodes (everything but the ended ones).
+LIVE_STATES = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_FED",
+                         "REQUEUE_HOLD", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD"})
+
+# What sbatch says when the request can never run as written, and when a policy (quota) forbids it now.
+_INVALID = ("invalid partition", "invalid account", "invalid qos", "invalid feature", "invalid generic resource",
+            "requested node configuration is not available", "node count specification invalid",
+            "requested reservation is invalid", "invalid reservation", "access denied", "invalid gres",
+            "invalid time limit", "not available in partition", "invalid job credential")
+_QUOTA = ("violates accounting/qos policy", "qosmax", "assocmax", "job limit", "would exceed")
+_UNREACHABLE = ("unable to contact slurm controller", "socket timed out", "connection refused",
+                "slurm_load_jobs error: unable to contact", "zero bytes were transmitted")
+
+
+class SlurmError(LaunchError):
+    """A Slurm command failed; the message names it and what it said."""
+
+
+class SlurmUnreachable(SlurmError):
+    """slurmctld did not answer: it may be restarting."""
+
+    transient = True
+
+
+@dataclass(frozen=True)
+class JobState:
+    job_id: str
+    name: str
+    state: str  # PENDING, RUNNING, ... (squeue %T)
+    reason: str  # why pending (squeue %r): Resources, Priority, ReqNodeNotAvail, ...; None when running
+    nodes: str  # the node list, compressed (gpu[1-3]); empty while pending
+    node_count: int
+    comment: str
+    submitted: str  # squeue %V, the submit time (ISO, local time)
+    partition: str
+
+
+def slurm_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for a Slurm command, without the SLURM_* job variables a shell inside an
+    allocation carries (they would make srun and sbatch act on that job): SLURM_CONF stays."""
+    env = {name: value for name, value in os.environ.items()
+           if not name.startswith("SLURM_") or name == "SLURM_CONF"}
+    return {**env, **(extra or {})}
+
+
+# Where Slurm's commands find the site's configuration when SLURM_CONF does not say: the default path, and the copy
+# a configless site's slurmd or sackd keeps.
+CONFIG_PATHS = ("/etc/slurm/slurm.conf", "/run/slurm/conf/slurm.conf")
+
+
+def configured() -> bool:
+    """Whether the Slurm commands here have a configuration to read. Without one, each retries for a minute before
+    it fails: callers that only look (status, the sweeper) ask this first."""
+    if shutil.which("squeue") is None:
+        return False
+    named = os.environ.get("SLURM_CONF")
+    return os.path.isfile(named) if named else any(os.path.isfile(path) for path in CONFIG_PATHS)
+
+
+def run(argv: Sequence[str], *, timeout: float = COMMAND_TIMEOUT_S, env: Mapping[str, str] | None = None,
+        check: bool = True) -> subprocess.CompletedProcess[str]:
+    """A Slurm command, its stdout and stderr apart; SlurmUnreachable / SlurmError when it fails and check is set."""
+    try:
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, env=slurm_env(env),
+                              stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise InvalidRequestError(f"{argv[0]} is not installed here: provider slurm runs on a login node of the "
+                                  "site (with the Slurm client commands on PATH)") from None
+    except subprocess.TimeoutExpired:
+        raise SlurmUnreachable(f"{' '.join(argv[:2])} did not answer within {timeout:.0f}s: is slurmctld "
+                               "overloaded or down?") from None
+    if check and done.returncode != 0:
+        raise error_of(argv, done.stderr.strip() or done.stdout.strip())
+    return done
+
+
+def error_of(argv: Sequence[str], said: str) -> SlurmError | LaunchError:
+    what = f"{argv[0]}: {said or '(no output)'}"
+    lowered = said.lower()
+    if any(text in lowered for text in _UNREACHABLE):
+        return SlurmUnreachable(what)
+    if argv[0] == "sbatch":
+        if any(text in lowered for text in _INVALID):
+            return InvalidRequestError(f"{what}: fix cluster.slurm (partition, account, qos, reservation, "
+                                       "constraint, gpus_per_node, time_limit) or cluster.nodes")
+        if any(text in lowered for text in _QUOTA):
+            return QuotaError(f"{what}: ask the site for a larger limit or ask for fewer nodes or less time")
+        if "resources" in lowered or "busy" in lowered:
+            return CapacityError(what)
+    return SlurmError(what)
+
+
+def submit(options: Sequence[str], script_path: str) -> str:
+    """sbatch the script with these options; the job id."""
+    done = run(["sbatch", "--parsable", *options, script_path])
+    ids = [line.split(";")[0] for line in done.stdout.splitlines() if re.fullmatch(r"\d+(;\S+)?", line.strip())]
+    if not ids:
+        raise SlurmError(f"sbatch answered no job id: {done.stdout.strip()} {done.stderr.strip()}")
+    return ids[-1].strip()
+
+
+_FORMAT = FIELD_SEP.join(("%i", "%j", "%T", "%r", "%N", "%D", "%k", "%V", "%P"))
+
+
+def _parse(out: str) -> list[JobState]:
+    jobs = []
+    for line in out.splitlines():
+        fields = line.split(FIELD_SEP)
+        if len(fields) != 9:
+            continue
+        job_id, name, state, reason, nodes, count, comment, submitted, partition = fields
+        jobs.append(JobState(job_id=job_id, name=name, state=state, reason=reason, nodes=nodes,
+                             node_count=int(count) if count.isdigit() else 0, comment=comment,
+                             submitted=submitted, partition=partition))
+    return jobs
+
+
+def job(job_id: str) -> JobState | None:
+    """The job as squeue shows it, or None once it has ended (squeue forgets it MinJobAge after the end)."""
+    done = run(["squeue", "-h", "-j", job_id, "-o", _FORMAT], check=False)
+    if done.returncode != 0:
+        if "invalid job id" in done.stderr.lower():
+            return None
+        raise error_of(["squeue"], done.stderr.strip())
+    found = [state for state in _parse(done.stdout) if state.job_id == job_id]
+    return found[0] if found else None
+
+
+def jobs_named(prefix: str) -> list[JobState]:
+    """This user's jobs whose name starts with prefix, in every live state."""
+    done = run(["squeue", "-h", "--me", "-o", _FORMAT])
+    return [state for state in _parse(done.stdout) if state.name.startswith(prefix) and state.state in LIVE_STATES]
+
+
+def cancel(job_ids: Sequence[str]) -> None:
+    if job_ids:
+        run(["scancel", *job_ids])
+
+
+def hostnames(node_list: str) -> list[str]:
+    """A compressed node list (gpu[1-3]) expanded, in Slurm's order."""
+    done = run(["scontrol", "show", "hostnames", node_list])
+    return [line.strip() for line in done.stdout.splitlines() if line.strip()]
+
+
+def node_addresses(names: Sequence[str]) -> dict[str, str]:
+    """Each node's NodeAddr: where the other nodes reach it (the cluster address)."""
+    done = run(["scontrol", "show", "node", "-o", ",".join(names)])
+    addresses = {}
+    for line in done.stdout.splitlines():
+        fields = dict(re.findall(r"(\w+)=(\S*)", line))
+        if "NodeName" in fields:
+            addresses[fields["NodeName"]] = fields.get("NodeAddr") or fields["NodeName"]
+    return addresses

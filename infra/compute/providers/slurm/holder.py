@@ -1,0 +1,90 @@
+"""The batch script of a trainpipe allocation: it holds the nodes while the run's job steps use them.
+
+It runs on the allocation's first node and does three things:
+- makes every node's workdir (data, ckpt, logs) with one job step across the nodes, removing the preemption notice
+  an earlier allocation of the same cluster left there (a recovery's relaunch), then writes READY_FILE in its own;
+- turns the allocation's end into a preemption notice on every node: USR1 (sbatch --signal=B:USR1@N: N s before the
+  walltime, or when preemption starts where the site sets preempt_send_user_signal) and SIGTERM (preemption or
+  cancel, KillWait before SIGKILL, where the site sends no early signal) each write infra.node.preemption's notice
+  file into every node's workdir, which the nodes' watchers act on (emergency checkpoint, sync);
+- ends the allocation when the orchestrator has been silent for the lease TTL: the lease file in its node's workdir
+  (renewed by the orchestrator's LeaseKeeper with the unix time) not renewed for ttl seconds, counted from the
+  holder's start before the first renewal. The batch script's exit ends the job, and Slurm ends every step in it.
+
+Nothing secret is in the script: it is stored by slurmctld and shown by `scontrol write batch_script`.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from infra.compute.providers.slurm.config import NODE_PLACEHOLDER
+from infra.node.preemption_notice import NOTICE_FILE
+from infra.node.watchdog import LEASE_FILE
+
+READY_FILE = ".allocation-ready"
+HOLDER_LOG = "holder.log"  # in the first node's logs dir
+POLL_S = 2
+# A SIGTERM from Slurm is followed by SIGKILL after the site's KillWait (30 s by default): the notice's deadline.
+TERM_NOTICE_S = 30
+
+_SCRIPT = r"""#!/bin/bash
+# trainpipe allocation holder: cluster @CLUSTER@ (run @RUN@). Every node agent of the run is a job step in it.
+export TP_WORKDIR_TEMPLATE=@TEMPLATE@
+node_dir() { local d="${TP_WORKDIR_TEMPLATE//@PLACEHOLDER@/$1}"; printf '%s' "$d"; }
+own=$(node_dir "$SLURMD_NODENAME")
+mkdir -p "$own/logs"
+exec >>"$own/logs/@HOLDER_LOG@" 2>&1
+say() { echo "$(date -u +%FT%TZ) holder: $*"; }
+say "job $SLURM_JOB_ID holds $SLURM_JOB_NODELIST (restart ${SLURM_RESTART_COUNT:-0})"
+
+# One job step on every node: its workdir. The steps that follow (the run's) overlap with this holder.
+# A step's own node dir, in $d (never an empty template: that would make dirs at /).
+node_dir_step='[ -n "$TP_WORKDIR_TEMPLATE" ] || exit 1; d="${TP_WORKDIR_TEMPLATE//@PLACEHOLDER@/$SLURMD_NODENAME}"'
+every_node() { srun --overlap --export=ALL --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 "$@"; }
+# A relaunch (a recovery) finds the same dirs with what the last allocation left: its notice must not end this one.
+every_node --kill-on-bad-exit=1 bash -c "$node_dir_step"'; mkdir -p "$d/data" "$d/ckpt" "$d/logs" &&
+  rm -f "$d/@NOTICE@" "$d/.@NOTICE@.tmp"' \
+  || { say "cannot make the nodes' workdirs"; exit 1; }
+printf '%s\n' "$SLURM_JOB_ID" > "$own/@READY@"
+
+noticed=""
+notice() {  # reason, seconds left
+  [ -n "$noticed" ] && return
+  noticed=1
+  export TP_NOTICE="{\"reason\": \"slurm: $1\", \"deadline\": $(( $(date +%s) + $2 )), \"source\": \"slurm\"}"
+  say "notice: $1 ($2 s left)"
+  every_node bash -c "$node_dir_step"'; printf "%s" "$TP_NOTICE" > "$d/.@NOTICE@.tmp" && mv -f "$d/.@NOTICE@.tmp" \
+    "$d/@NOTICE@"' &
+  # Where the step cannot start any more (the allocation is ending), this node's notice is still written.
+  printf '%s' "$TP_NOTICE" > "$own/.@NOTICE@.tmp" && mv -f "$own/.@NOTICE@.tmp" "$own/@NOTICE@"
+}
+trap 'notice "USR1: the allocation ends (preemption or walltime)" @LEAD@' USR1
+trap 'notice "SIGTERM: the allocation is being ended" @TERM_S@' TERM
+
+started=$(date +%s)
+while true; do
+  sleep @POLL@ & wait $!
+  now=$(date +%s)
+  renewed=$(cut -d. -f1 "$own/@LEASE@" 2>/dev/null)
+  [[ "$renewed" =~ ^[0-9]+$ ]] || renewed=$started
+  if (( now - renewed > @TTL@ )); then
+    say "lease not renewed for $(( now - renewed )) s (ttl @TTL@ s): ending the allocation"
+    exit 0
+  fi
+done
+"""
+
+
+def holder_script(cluster_name: str, run_id: str, workdir_template: str, ttl_s: float, signal_lead_s: int) -> str:
+    """The batch script; workdir_template is a node's workdir with {node} where its Slurm name goes."""
+    values = {
+        "@CLUSTER@": cluster_name, "@RUN@": run_id, "@TEMPLATE@": shlex.quote(workdir_template),
+        "@PLACEHOLDER@": NODE_PLACEHOLDER.replace("{", r"\{").replace("}", r"\}"), "@HOLDER_LOG@": HOLDER_LOG,
+        "@READY@": READY_FILE, "@NOTICE@": NOTICE_FILE, "@LEASE@": LEASE_FILE, "@LEAD@": str(signal_lead_s),
+        "@TERM_S@": str(TERM_NOTICE_S), "@POLL@": str(POLL_S), "@TTL@": str(int(ttl_s)),
+    }
+    script = _SCRIPT
+    for key, value in values.items():
+        script = script.replace(key, value)
+    return script

@@ -1,0 +1,361 @@
+"""provider slurm: the allocation is the cluster.
+
+launch submits one batch job (holder.py's script) asking for cluster.nodes nodes with the section's partition,
+account, QOS, reservation, constraint, GRES, exclusivity and walltime; names it trainpipe-<cluster> and tags its
+comment with the run and the launcher, so `squeue` finds it from any process (the sweeper). It waits, until
+queue_timeout_s and cancellably, for the job to run, logging the pending reason as it changes; then reads the nodes
+(`scontrol show hostnames`, each one's NodeAddr as its cluster address) and waits for the holder to have made every
+node's workdir. Any failure on the way cancels the job and waits until squeue no longer shows it.
+
+Every node command is a job step (runner.SlurmRunner). terminate is scancel plus a wait until squeue no longer shows
+the job; the record (slurm-clusters/<name>.json in the workspace) only remembers the nodes' paths for describe.
+The holder raises the preemption notices (USR1 / SIGTERM) on every node and ends the allocation when the lease
+lapses; the nodes' own watchdogs (job steps) end the node's processes on the same lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from pathlib import Path
+
+from infra.cancel import CANCEL
+from infra.compute.access.remote import RemoteError, Runner
+from infra.compute.providers.base import (
+    Attempt,
+    Cluster,
+    ClusterRecord,
+    InvalidRequestError,
+    LaunchError,
+    Node,
+    PreemptionNotice,
+    Provider,
+)
+from infra.compute.providers.owner import launcher, launcher_alive, launcher_stamp
+from infra.compute.providers.slurm import cli, site
+from infra.compute.providers.slurm.config import NODE_PLACEHOLDER, SlurmClusterSpec
+from infra.compute.providers.slurm.holder import READY_FILE, holder_script
+from infra.compute.providers.slurm.runner import SlurmRunner
+from infra.compute.spec import ClusterSpec
+from infra.node.preemption_notice import NOTICE_FILE, parse_notice
+from infra.node.processes import CLUSTER_TAG, NODE_TAG
+from infra.workspace import workspace_dir
+
+log = logging.getLogger(__name__)
+
+JOB_PREFIX = "trainpipe-"
+POLL_S = 1.0
+READY_TIMEOUT_S = 120.0  # from RUNNING to every node's workdir made by the holder's first step
+REMOVE_TIMEOUT_S = 120.0  # a node's last step at teardown: its workdir removed
+GONE_TIMEOUT_S = 180.0  # scancel to squeue no longer showing the job (KillWait, 30 s by default, and epilogs)
+# Pending reasons that no wait can cure (the request exceeds what the partition, account or QOS allows, or asks for
+# features no node has): sbatch accepts such a job unless the site enforces partition limits at submit.
+NEVER_RUNS = frozenset({"PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig", "BadConstraints",
+                        "InvalidAccount", "InvalidQOS"})
+
+
+class QueueTimeout(cli.SlurmError):
+    """The allocation stayed pending for cluster.slurm.queue_timeout_s and was cancelled. Not transient: the bound is
+    the user's, and a retried launch would wait it out again."""
+
+
+def job_name(cluster_name: str) -> str:
+    return f"{JOB_PREFIX}{cluster_name}"
+
+
+def slurm_clusters_dir() -> Path:
+    return workspace_dir() / "slurm-clusters"
+
+
+class SlurmProvider(Provider):
+    name = "slurm"
+    notice_source = "file"  # the holder writes each node's notice file
+    lease_expiry = "kill-node"  # each node's watchdog ends the node's processes; the holder ends the allocation
+
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = root or slurm_clusters_dir()
+
+    def _record(self, cluster_name: str) -> Path:
+        return self.root / f"{cluster_name}.json"
+
+    def _script(self, cluster_name: str) -> Path:
+        return self.root / f"{cluster_name}.holder.sh"
+
+    # -- launching --------------------------------------------------------------------------------------------------
+
+    def launch(self, cluster_name: str, spec: ClusterSpec, run_id: str) -> Cluster:
+        config: SlurmClusterSpec = spec.slurm
+        started = time.monotonic()
+        self.root.mkdir(parents=True, exist_ok=True)
+        script = self._script(cluster_name)
+        script.write_text(holder_script(cluster_name, run_id, config.node_workdir(NODE_PLACEHOLDER, cluster_name),
+                                        spec.lease_ttl_s, config.signal_lead_s))
+        try:
+            job_id = cli.submit(sbatch_options(cluster_name, run_id, spec), str(script))
+        except BaseException:
+            script.unlink(missing_ok=True)
+            raise
+        log.info("slurm job %s submitted for cluster %s (%d nodes%s)", job_id, cluster_name, spec.nodes,
+                 f", partition {config.partition}" if config.partition else "")
+        # On record from here on: a launch killed while the job is pending leaves nothing teardown cannot find.
+        pending = Cluster(name=cluster_name, provider=self.name, run_id=run_id, nodes=(), created_at=time.time(),
+                          owner={**launcher(), "job_id": job_id, "hosts": {}})
+        self._write_record(pending)
+        try:
+            state = self._wait_running(job_id, config.queue_timeout_s)
+            cluster = self._cluster(pending, state, config, spec.nodes, started)
+            self._write_record(cluster)
+            self._wait_ready(cluster)
+        except BaseException:
+            with CANCEL.shield():
+                self._end(cluster_name, [job_id])
+            raise
+        log.info("slurm job %s running on %s", job_id, ", ".join(cluster.owner["hosts"].values()))
+        return cluster
+
+    def _wait_running(self, job_id: str, queue_timeout_s: float) -> cli.JobState:
+        deadline = time.monotonic() + queue_timeout_s
+        reason = None
+        while True:
+            state = cli.job(job_id)
+            if state is None or state.state not in cli.LIVE_STATES:
+                raise LaunchError(f"slurm job {job_id} ended before it ran ({state.state if state else 'gone'}"
+                                  f"{f', {state.reason}' if state else ''}): see `sacct -j {job_id}`")
+            if state.state == "RUNNING":
+                return state
+            if state.reason in NEVER_RUNS:
+                raise InvalidRequestError(f"slurm job {job_id} can never start as asked (pending reason "
+                                          f"{state.reason}): cancelled; fix cluster.nodes or cluster.slurm "
+                                          "(partition, time_limit, constraint, account, qos)")
+            if state.reason != reason:
+                reason = state.reason
+                log.info("slurm job %s %s: %s", job_id, state.state.lower(), reason)
+            if time.monotonic() > deadline:
+                raise QueueTimeout(f"slurm job {job_id} still {state.state.lower()} after {queue_timeout_s:g}s "
+                                    f"(reason: {state.reason}): cancelled; wait for the partition to free up, ask "
+                                    "for fewer nodes, or raise cluster.slurm.queue_timeout_s")
+            CANCEL.wait(POLL_S)
+
+    def _cluster(self, pending: Cluster, state: cli.JobState, config: SlurmClusterSpec, count: int,
+                 started: float) -> Cluster:
+        hosts = cli.hostnames(state.nodes)
+        if len(hosts) != count:
+            raise LaunchError(f"slurm job {state.job_id} runs on {len(hosts)} nodes ({state.nodes}), not {count}")
+        addresses = cli.node_addresses(hosts)
+        nodes = []
+        for rank, host in enumerate(hosts):
+            workdir = config.node_workdir(host, pending.name)
+            nodes.append(Node(name=f"{pending.name}-{host}", rank=rank, address=addresses.get(host, host),
+                              workdir=workdir, data_dir=f"{workdir}/data", ckpt_dir=f"{workdir}/ckpt",
+                              python=config.python))
+        # The zone is what the run summary says the cluster ran "in": the partition, the job and its nodes.
+        attempt = Attempt(candidate=self.name, instance_type=f"slurm:{state.partition}", region=state.partition,
+                          zone=f"{state.partition}, job {state.job_id} on {state.nodes}", market="on-demand",
+                          outcome="launched", error=None,
+                          seconds=round(time.monotonic() - started, 3))
+        gpus = (config.gpus_per_node or 0) * count
+        return Cluster(name=pending.name, provider=self.name, run_id=pending.run_id, nodes=tuple(nodes),
+                       created_at=pending.created_at,
+                       owner={**pending.owner, "hosts": {node.name: host for node, host in zip(nodes, hosts,
+                                                                                                strict=True)},
+                              "partition": state.partition, "node_list": state.nodes},
+                       instance_type=f"slurm:{state.partition}", price_per_hour=config.price_per_gpu_hour * gpus,
+                       attempts=(attempt.to_dict(),))
+
+    def _wait_ready(self, cluster: Cluster) -> None:
+        """The holder's first step made every node's workdir; its marker is the last thing it writes."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        runner = self.runner(cluster, cluster.head)
+        while (runner.read_text(cluster.head.path(READY_FILE)) or "").strip() != cluster.owner["job_id"]:
+            state = cli.job(cluster.owner["job_id"])
+            if state is None or state.state != "RUNNING":
+                raise LaunchError(f"slurm job {cluster.owner['job_id']} ended while making the nodes' workdirs "
+                                  f"({state.state if state else 'gone'}): see {cluster.head.path('logs')} on "
+                                  f"{cluster.owner['hosts'][cluster.head.name]}")
+            if time.monotonic() > deadline:
+                raise LaunchError(f"slurm job {cluster.owner['job_id']}: the nodes' workdirs were not made within "
+                                  f"{READY_TIMEOUT_S:g}s: see the holder's log in {cluster.head.path('logs')}")
+            CANCEL.wait(POLL_S)
+
+    # -- state ------------------------------------------------------------------------------------------------------
+
+    def _write_record(self, cluster: Cluster) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self._record(cluster.name)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(cluster.to_json())
+        tmp.replace(path)
+
+    def check_site(self, spec: ClusterSpec) -> None:
+        """The site (sinfo) must hold spec.nodes nodes as spec.slurm asks: SiteMismatch names the partition and what
+        it has."""
+        site.check_site(spec.slurm, spec.nodes)
+
+    def describe(self, cluster_name: str) -> Cluster | None:
+        path = self._record(cluster_name)
+        return Cluster.from_json(path.read_text()) if path.is_file() else None
+
+    def _site_jobs(self) -> list[cli.JobState]:
+        """trainpipe's live jobs as squeue shows them. Every `trainpipe status`, `down` and sweep asks every provider:
+        where this machine has no Slurm (no squeue, no configuration, or no controller to ask) and holds no record of
+        a slurm cluster, there is nothing of ours to find."""
+        if not cli.configured() and not self._has_records():
+            return []
+        try:
+            return cli.jobs_named(JOB_PREFIX)
+        except LaunchError as exc:
+            if self._has_records():
+                raise
+            log.debug("no Slurm to ask here (%s): no slurm clusters", exc)
+            return []
+
+    def _has_records(self) -> bool:
+        return self.root.is_dir() and any(self.root.glob("*.json"))
+
+    def _jobs(self, cluster_name: str) -> list[str]:
+        """The cluster's live jobs: squeue's by name (a launch from anywhere), and the record's."""
+        found = [state.job_id for state in self._site_jobs() if state.name == job_name(cluster_name)]
+        recorded = self.describe(cluster_name)
+        state = cli.job(recorded.owner["job_id"]) if recorded is not None else None
+        if state is not None and state.state in cli.LIVE_STATES:
+            found.append(state.job_id)
+        return sorted(set(found))
+
+    def terminate(self, cluster_name: str) -> bool:
+        """The nodes' workdirs removed (by a last step on each, while the allocation still runs), then the job."""
+        return self._terminate(cluster_name, keep_data=False)
+
+    def terminate_keeping_data(self, cluster_name: str) -> bool:
+        """The job ends, the nodes' workdirs stay: a relaunch that gets the same nodes finds its staged data there."""
+        return self._terminate(cluster_name, keep_data=True)
+
+    def _terminate(self, cluster_name: str, keep_data: bool) -> bool:
+        jobs = self._jobs(cluster_name)
+        recorded = self.describe(cluster_name)
+        if not keep_data and recorded is not None and recorded.owner["job_id"] in jobs:
+            self._remove_workdirs(recorded)
+        had_record = recorded is not None
+        self._end(cluster_name, jobs)
+        if jobs:
+            log.info("slurm cluster %s: job %s cancelled and gone", cluster_name, ", ".join(jobs))
+        return bool(jobs) or had_record
+
+    def _remove_workdirs(self, cluster: Cluster) -> None:
+        """Node-local scratch is gone for good once the allocation ends (no step can reach it): removed first. What a
+        node cannot remove is logged; the job is cancelled all the same."""
+        def remove(node: Node) -> None:
+            self.runner(cluster, node).run(["rm", "-rf", "--", node.workdir], timeout=REMOVE_TIMEOUT_S)
+
+        if not cluster.nodes:
+            return
+        with ThreadPoolExecutor(max_workers=min(16, len(cluster.nodes)), thread_name_prefix="slurm-node") as pool:
+            removals = [(node, pool.submit(remove, node)) for node in cluster.nodes]
+        for node, removal in removals:
+            if (error := removal.exception()) is not None:
+                log.warning("%s: its workdir %s was not removed: %s", node.name, node.workdir, error)
+
+    def _end(self, cluster_name: str, jobs: list[str]) -> None:
+        """scancel, then wait until squeue no longer shows any of the jobs; the record goes last."""
+        cli.cancel(jobs)
+        deadline = time.monotonic() + GONE_TIMEOUT_S
+        while left := [job for job in jobs if (state := cli.job(job)) is not None and state.state in cli.LIVE_STATES]:
+            if time.monotonic() > deadline:
+                raise cli.SlurmError(f"slurm job {', '.join(left)} of cluster {cluster_name} still shown by squeue "
+                                     f"{GONE_TIMEOUT_S:g}s after scancel: ask the site's admins (scontrol show job)")
+            time.sleep(POLL_S)  # teardown: a cancel must not cut this wait short
+        self._record(cluster_name).unlink(missing_ok=True)
+        self._script(cluster_name).unlink(missing_ok=True)
+
+    def list_clusters(self) -> list[ClusterRecord]:
+        records = {}
+        for state in self._site_jobs():
+            name = state.name[len(JOB_PREFIX):]
+            owner = _owner_of(state.comment)
+            records[name] = ClusterRecord(name=name, provider=self.name, run_id=_field(state.comment, "run") or "-",
+                                          created_at=_epoch(state.submitted), nodes=state.node_count,
+                                          owner_alive=launcher_alive(owner, elsewhere=True), processes=0)
+        # A record whose job is gone (a teardown that died half way) is listed too, so the sweeper removes it.
+        for path in sorted(self.root.glob("*.json")) if self.root.is_dir() else ():
+            cluster = Cluster.from_json(path.read_text())
+            if cluster.name not in records:
+                records[cluster.name] = ClusterRecord(
+                    name=cluster.name, provider=self.name, run_id=cluster.run_id, created_at=cluster.created_at,
+                    nodes=0, owner_alive=launcher_alive(cluster.owner, elsewhere=True), processes=0)
+        return list(records.values())
+
+    # -- running ----------------------------------------------------------------------------------------------------
+
+    def runner(self, cluster: Cluster, node: Node) -> Runner:
+        return SlurmRunner(node.name, cluster.owner["job_id"], cluster.owner["hosts"][node.name], node.workdir,
+                           {CLUSTER_TAG: node.workdir, NODE_TAG: node.name})
+
+    def preemption_notices(self, cluster: Cluster) -> list[PreemptionNotice]:
+        """The holder writes the same notice on every node (the allocation ends as a whole): the head's is read."""
+        if not cluster.nodes:
+            return []
+        try:
+            notice = parse_notice(self.runner(cluster, cluster.head).read_text(cluster.head.path(NOTICE_FILE)))
+        except RemoteError as exc:
+            log.warning("%s: cannot read its preemption notice: %s", cluster.head.name, exc)
+            return []
+        if notice is None:
+            return []
+        return [PreemptionNotice(node=node.name, deadline=notice.deadline, reason=notice.reason)
+                for node in cluster.nodes]
+
+    def nodes_alive(self, cluster: Cluster) -> dict[str, bool]:
+        """A node is alive while the job runs on it; when slurmctld does not answer, what runs is unknown: alive."""
+        try:
+            state = cli.job(cluster.owner["job_id"])
+        except cli.SlurmUnreachable as exc:
+            log.warning("cluster %s: cannot ask slurmctld about job %s: %s", cluster.name, cluster.owner["job_id"],
+                        exc)
+            return {node.name: True for node in cluster.nodes}
+        running = set(cli.hostnames(state.nodes)) if state is not None and state.state == "RUNNING" else set()
+        hosts = cluster.owner.get("hosts", {})
+        return {node.name: hosts.get(node.name) in running for node in cluster.nodes}
+
+
+def sbatch_options(cluster_name: str, run_id: str, spec: ClusterSpec) -> list[str]:
+    """What trainpipe asks sbatch for (config.OWNED_OPTIONS), then the section's extra options."""
+    config: SlurmClusterSpec = spec.slurm
+    options = [f"--job-name={job_name(cluster_name)}", f"--comment=trainpipe run={run_id} launcher={launcher_stamp()}",
+               f"--nodes={spec.nodes}", "--ntasks-per-node=1", f"--signal=B:USR1@{config.signal_lead_s}",
+               "--no-requeue", f"--time={config.time_limit}", "--output=/dev/null", "--export=PATH,HOME,USER"]
+    for flag, value in (("--partition", config.partition), ("--account", config.account), ("--qos", config.qos),
+                        ("--reservation", config.reservation), ("--constraint", config.constraint)):
+        if value:
+            options.append(f"{flag}={value}")
+    if config.gpus_per_node:
+        options.append(f"--gres=gpu:{config.gpus_per_node}")
+    if config.exclusive:
+        options.append("--exclusive")
+    return [*options, *config.sbatch_options]
+
+
+def _field(comment: str, key: str) -> str | None:
+    for part in comment.split():
+        name, _, value = part.partition("=")
+        if name == key:
+            return value
+    return None
+
+
+def _owner_of(comment: str) -> dict[str, object]:
+    """launcher_stamp's user@host:pid:start back into the launcher record launcher_alive reads."""
+    stamp = _field(comment, "launcher") or ""
+    try:
+        _, _, rest = stamp.partition("@")
+        host, pid, created = rest.rsplit(":", 2)
+        return {"host": host, "pid": int(pid), "create_time": float(created)}
+    except ValueError:
+        return {}
+
+
+def _epoch(submitted: str) -> float:
+    try:
+        return datetime.fromisoformat(submitted).timestamp()
+    except ValueError:
+        return 0.0

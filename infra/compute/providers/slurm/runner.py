@@ -1,0 +1,78 @@
+"""A node of a Slurm allocation, reached through job steps: every command is `srun --overlap` in the job, on that
+node, one task, so Slurm's accounting, limits and cleanup cover it and it ends with the allocation.
+
+The environment never goes on a command line: the step's values (the node's tags, the command's env) are in the srun
+process's own environment, which srun hands to the task (--export=ALL). The step's output comes back through srun;
+with a log_path it is also appended to that file on the node (the node's disk is not the login node's). Small files
+are read and written by steps too: what a step prints is framed and base64-encoded, so srun's own messages cannot
+be mistaken for a file's bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from infra.compute.access.remote import LineSink, LocalRunner, Process, RemoteError, Runner
+
+FILE_TIMEOUT_S = 60.0
+BEGIN, END, MISSING = "@@trainpipe-file-begin@@", "@@trainpipe-file-end@@", "@@trainpipe-file-missing@@"
+# The step's own wrapper: its output also appended to the log on the node, then the command exec'd (so srun's
+# signals reach it and its exit status is the step's).
+_STEP = ('log=$1; shift; if [ -n "$log" ]; then mkdir -p "$(dirname "$log")" && exec > >(tee -a "$log") 2>&1; fi; '
+         'exec "$@"')
+_READ = (f'if [ ! -e "$1" ]; then echo {MISSING}; exit 0; fi; echo {BEGIN}; tail -c +$(( $2 + 1 )) "$1" | base64 -w0; '
+         f'echo; echo {END}')
+_WRITE = ('mkdir -p "$(dirname "$1")" && printf "%s" "$TRAINPIPE_FILE_TEXT" > "$1.tmp.$$" && mv -f "$1.tmp.$$" "$1"')
+
+
+def step_argv(job_id: str, host: str, workdir: str, argv: Sequence[str], log_path: str | None = None) -> list[str]:
+    """srun of argv as one task on host in the job, overlapping the holder and the other steps."""
+    return ["srun", "--overlap", f"--jobid={job_id}", f"--nodelist={host}", "--nodes=1", "--ntasks=1",
+            "--export=ALL", f"--chdir={workdir}", "--quiet", "bash", "-c", _STEP, "trainpipe-step", log_path or "",
+            *argv]
+
+
+class SlurmRunner(Runner):
+    """One node of a running allocation (job_id), its Slurm name host; commands start on the login node (this
+    machine) as srun processes."""
+
+    def __init__(self, node_name: str, job_id: str, host: str, workdir: str, tags: Mapping[str, str]) -> None:
+        self.node_name = node_name
+        self.job_id = job_id
+        self.host = host
+        self.workdir = workdir
+        self.tags = dict(tags)
+        # srun itself runs here, in any dir: --chdir is where the task runs on the node.
+        self._login = LocalRunner(node_name, Path("/"), {})
+
+    def start(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, on_line: LineSink | None = None,
+              log_path: str | None = None, cwd: str | None = None) -> Process:
+        step = step_argv(self.job_id, self.host, cwd or self.workdir, argv, log_path)
+        return self._login.start(step, env={**self.tags, **(env or {})}, on_line=on_line)
+
+    def _file_step(self, script: str, args: Sequence[str], env: Mapping[str, str] | None = None) -> str:
+        result = self.run(["bash", "-c", script, "trainpipe-file", *args], env=env, timeout=FILE_TIMEOUT_S,
+                          check=False)
+        if result.returncode != 0:
+            raise RemoteError(f"{self.node_name}: file step '{args[0]}' exited {result.returncode}: "
+                              f"{result.output.strip()[-300:] or '(no output)'}")
+        return result.output
+
+    def write_text(self, path: str, text: str) -> None:
+        self._file_step(_WRITE, [path], env={"TRAINPIPE_FILE_TEXT": text})
+
+    def read_text(self, path: str) -> str | None:
+        data = self.read_from(path, 0)
+        return None if data is None else data.decode()
+
+    def read_from(self, path: str, offset: int) -> bytes | None:
+        lines = [line.strip() for line in self._file_step(_READ, [path, str(offset)]).splitlines()]
+        if MISSING in lines:
+            return None
+        if BEGIN not in lines or END not in lines:
+            raise RemoteError(f"{self.node_name}: reading {path} printed no framed contents: {' '.join(lines)[-300:]}")
+        body = lines[lines.index(BEGIN) + 1:lines.index(END)]
+        return base64.b64decode("".join(body))
+

@@ -1,0 +1,258 @@
+"""A real Slurm for tests: munged, slurmctld and three slurmd (gpu1..gpu3) on this one host, from Debian's packages.
+
+Nothing is mocked: the provider talks to slurmctld through the same sbatch, srun, squeue, scontrol and scancel a
+login node has. Each cluster writes its own slurm.conf (ports picked free at start, its own munge key and socket,
+its own state, spool and log dirs) in a fresh dir, so it never touches /etc/slurm or a Slurm the machine may run.
+Every node has NodeAddr=127.0.0.1 and its own Port; SlurmdSpoolDir and the pid and log files carry %n so the three
+slurmd do not share them. Two partitions cover one set of nodes: `batch` (the default) and `urgent`, a higher
+priority tier that preempts batch jobs (preempt/partition_prio, REQUEUE, a GraceTime, and the job's --signal sent
+when preemption starts: preempt_send_user_signal). Each node has the features ib,nvme and two GRES gpus whose
+device files are links to /dev/null (slurmd only checks that they are character devices; nothing opens them).
+
+The daemons run as root in the foreground of their own sessions, started and stopped by their pids. Under CI=true a
+Slurm that cannot start fails the test; elsewhere it skips with the reason (conftest.cannot_run_here).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from conftest import cannot_run_here
+
+DAEMONS = {"munged": "munge", "slurmctld": "slurmctld", "slurmd": "slurmd"}  # program: Debian package
+CLIENTS = ("sbatch", "srun", "squeue", "sinfo", "scontrol", "scancel")
+NODES = ("gpu1", "gpu2", "gpu3")
+FEATURES = "ib,nvme"
+GPUS_PER_NODE = 2
+CPUS_PER_NODE = 2
+PARTITION = "batch"
+URGENT = "urgent"
+GRACE_TIME_S = 10  # what a preempted batch job gets between the preemption's start and its SIGTERM
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 30.0
+POLL_S = 0.2
+COMMAND_TIMEOUT_S = 30.0
+
+
+def require_slurm() -> None:
+    """Skip (fail in CI) when a test Slurm cannot run here."""
+    for program, package in DAEMONS.items():
+        if shutil.which(program, path=f"/usr/sbin:{os.environ.get('PATH', '')}") is None:
+            cannot_run_here(f"{program} is missing: install {package} (scripts/install-system-packages)")
+    for program in CLIENTS:
+        if shutil.which(program) is None:
+            cannot_run_here(f"{program} is missing: install slurm-client (scripts/install-system-packages)")
+    if os.geteuid() != 0:
+        cannot_run_here("a test Slurm runs slurmd, which starts job steps as their user: that needs root")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class SlurmCluster:
+    root: Path
+    ports: dict[str, int]  # slurmctld and each node
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    started_in_s: float = 0.0  # from the first daemon's start to every node idle
+
+    @property
+    def conf(self) -> Path:
+        return self.root / "slurm.conf"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment every Slurm command of this cluster needs (SLURM_CONF names its configuration)."""
+        return {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(list(argv), env=self.env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+        if check and done.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}: {done.stderr.strip() or done.stdout}")
+        return done
+
+    def node_states(self) -> dict[str, str]:
+        out = self.run("sinfo", "-h", "-N", "-p", PARTITION, "-o", "%N %T", check=False).stdout
+        return dict(line.split(maxsplit=1) for line in out.splitlines() if line.strip())
+
+    def job_ids(self) -> list[str]:
+        """Every job slurmctld still shows (pending, running, completing)."""
+        return self.run("squeue", "-h", "-o", "%i").stdout.split()
+
+    def logs(self, lines: int = 30) -> str:
+        """The last lines of every daemon's log, for a failure's message."""
+        parts = []
+        for path in sorted((self.root / "log").glob("*.log")):
+            parts.append(f"== {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:]))
+        return "\n".join(parts)
+
+    # -- starting and stopping --------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        started = time.monotonic()
+        self._daemon("munged", ["munged", "-F", f"--key-file={self.root / 'munge' / 'munge.key'}",
+                                f"--socket={self._munge_socket}", f"--pid-file={self.root / 'munge' / 'munged.pid'}",
+                                f"--seed-file={self.root / 'munge' / 'munged.seed'}",
+                                f"--log-file={self.root / 'log' / 'munged.log'}"])
+        self._wait(lambda: self._munge_socket.exists(), "munged's socket")
+        self._daemon("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
+        self._wait(lambda: self.run("scontrol", "ping", check=False).returncode == 0, "slurmctld to answer")
+        for node in NODES:
+            self._daemon(node, ["slurmd", "-D", "-N", node, "-f", str(self.conf)])
+        self._wait(lambda: set(self.node_states().values()) == {"idle"} and len(self.node_states()) == len(NODES),
+                   "every node idle")
+        self.started_in_s = time.monotonic() - started
+
+    def stop(self) -> None:
+        """Every job cancelled (and gone from squeue), then the daemons: slurmd, slurmctld, munged."""
+        try:
+            if "slurmctld" in self.processes and self.processes["slurmctld"].poll() is None:
+                jobs = self.job_ids()
+                if jobs:
+                    self.run("scancel", *jobs, check=False)
+                    self._wait(lambda: not self.job_ids(), "every job gone at teardown", STOP_TIMEOUT_S)
+        finally:
+            for name in [*NODES, "slurmctld", "munged"]:
+                process = self.processes.pop(name, None)
+                if process is not None:
+                    _stop(process)
+
+    @property
+    def _munge_socket(self) -> Path:
+        return self.root / "munge" / "munge.socket"
+
+    def _daemon(self, name: str, argv: list[str]) -> None:
+        program = shutil.which(argv[0], path=f"/usr/sbin:{os.environ.get('PATH', '')}")
+        with (self.root / "log" / f"{name}.out").open("ab") as out:
+            self.processes[name] = subprocess.Popen([program or argv[0], *argv[1:]], env=self.env, stdout=out,
+                                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                    start_new_session=True)
+
+    def _wait(self, done: object, what: str, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not done():  # type: ignore[operator]
+            for name, process in self.processes.items():
+                if process.poll() is not None:
+                    out = (self.root / "log" / f"{name}.out").read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"test Slurm: {name} exited {process.returncode} while waiting for {what}:\n"
+                                       f"{out}\n{self.logs()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"test Slurm: no {what} within {timeout_s:.0f}s:\n{self.logs()}")
+            time.sleep(POLL_S)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(STOP_TIMEOUT_S)
+
+
+def slurm_conf(root: Path, ports: dict[str, int], munge_socket: Path) -> str:
+    nodes = "\n".join(
+        f"NodeName={node} NodeAddr=127.0.0.1 NodeHostname=localhost Port={ports[node]} CPUs={CPUS_PER_NODE} "
+        f"RealMemory=1000 Gres=gpu:{GPUS_PER_NODE} Feature={FEATURES} State=UNKNOWN" for node in NODES)
+    node_list = f"gpu[1-{len(NODES)}]"
+    return f"""\
+ClusterName=trainpipe-test
+SlurmctldHost=localhost
+SlurmctldPort={ports['slurmctld']}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={munge_socket}
+StateSaveLocation={root / 'state'}
+SlurmdSpoolDir={root / 'spool'}/%n
+SlurmctldPidFile={root / 'slurmctld.pid'}
+SlurmdPidFile={root / 'run'}/slurmd-%n.pid
+SlurmctldLogFile={root / 'log'}/slurmctld.log
+SlurmdLogFile={root / 'log'}/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+# The configured CPUs and memory, not what this machine has: three nodes share it.
+SlurmdParameters=config_overrides
+GresTypes=gpu
+MpiDefault=none
+ReturnToService=2
+SchedulerType=sched/backfill
+KillWait=5
+MinJobAge=5
+InactiveLimit=0
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+SlurmctldParameters=preempt_send_user_signal
+{nodes}
+PartitionName={PARTITION} Nodes={node_list} Default=YES PriorityTier=1 GraceTime={GRACE_TIME_S} State=UP
+PartitionName={URGENT} Nodes={node_list} PriorityTier=2 PreemptMode=OFF MaxTime=INFINITE State=UP
+"""
+
+
+def gres_conf(root: Path) -> str:
+    lines = []
+    for node in NODES:
+        for index in range(GPUS_PER_NODE):
+            device = root / "dev" / f"{node}-gpu{index}"
+            device.symlink_to("/dev/null")
+        lines.append(f"NodeName={node} Name=gpu File={root / 'dev'}/{node}-gpu[0-{GPUS_PER_NODE - 1}]")
+    return "\n".join(lines) + "\n"
+
+
+def _prepare(root: Path) -> dict[str, int]:
+    for sub in ("munge", "state", "spool", "log", "run", "dev"):
+        (root / sub).mkdir()
+    # munged wants its socket's dir (and every dir above it) searchable by all, and its key readable by itself only.
+    for directory in (root, root / "munge"):
+        directory.chmod(0o755)
+    subprocess.run(["mungekey", "-c", "-k", str(root / "munge" / "munge.key")], check=True, capture_output=True)
+    ports = {"slurmctld": free_port(), **{node: free_port() for node in NODES}}
+    (root / "slurm.conf").write_text(slurm_conf(root, ports, root / "munge" / "munge.socket"))
+    (root / "gres.conf").write_text(gres_conf(root))
+    return ports
+
+
+@contextmanager
+def slurm_cluster(attempts: int = 3) -> Iterator[SlurmCluster]:
+    """A running test Slurm; stopped (every job cancelled first) and its dir removed afterwards. A start that fails
+    (a port taken between probe and bind) is retried with new ports."""
+    require_slurm()
+    for attempt in range(1, attempts + 1):
+        # Not under pytest's tmp dir: munged refuses a socket below a dir others cannot search (pytest's is 0700), and
+        # unix socket paths are short.
+        root = Path(tempfile.mkdtemp(prefix="tp-slurm-", dir="/tmp"))
+        cluster = SlurmCluster(root=root, ports=_prepare(root))
+        try:
+            cluster.start()
+        except RuntimeError:
+            cluster.stop()
+            shutil.rmtree(root, ignore_errors=True)
+            if attempt == attempts:
+                raise
+            continue
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
+            shutil.rmtree(root, ignore_errors=True)
+        return

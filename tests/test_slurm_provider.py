@@ -1,0 +1,357 @@
+"""provider slurm against a real Slurm (tests/slurm_cluster.py: slurmctld and three slurmd on this host).
+
+One allocation holds the cluster's nodes; every command is a job step on its node; terminate leaves squeue empty;
+a pending allocation ends at queue_timeout_s with its reason and nothing queued; sbatch's refusal of an impossible
+request is an InvalidRequestError; the holder ends the allocation when the lease is not renewed; a higher-priority
+job's preemption raises the notice on every node. The spec checks (owned sbatch options, scratch) need no Slurm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from cmdline_scan import CommandLineScan
+from conftest import REPO, TRAINPIPE, run_trainpipe
+from pydantic import ValidationError
+from slurm_cluster import GPUS_PER_NODE, URGENT, SlurmCluster, slurm_cluster
+
+from infra.compute.providers import InvalidRequestError, get_provider
+from infra.compute.providers.base import Cluster
+from infra.compute.providers.slurm.provider import JOB_PREFIX, QueueTimeout, SlurmProvider
+from infra.compute.spec import ClusterSpec
+
+DEADLINE_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def slurm_site() -> Iterator[SlurmCluster]:
+    with slurm_cluster() as cluster:
+        print(f"test Slurm started in {cluster.started_in_s:.2f}s")
+        yield cluster
+
+
+@pytest.fixture
+def slurm(slurm_site: SlurmCluster, workspace: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SlurmCluster]:
+    """The module's Slurm as this test's site (SLURM_CONF); every job a test leaves is cancelled after it."""
+    monkeypatch.setenv("SLURM_CONF", str(slurm_site.conf))
+    yield slurm_site
+    left = slurm_site.job_ids()
+    if left:
+        slurm_site.run("scancel", *left)
+        wait_for(lambda: not slurm_site.job_ids(), "the test's jobs gone")
+
+
+def wait_for(done: object, what: str, timeout_s: float = DEADLINE_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout_s:.0f}s")
+        time.sleep(0.1)
+
+
+def spec(tmp_path: Path, nodes: int = 3, **slurm: object) -> ClusterSpec:
+    section = {"partition": "batch", "scratch": f"{tmp_path}/scratch/{{node}}", "queue_timeout_s": 30, **slurm}
+    return ClusterSpec(provider="slurm", nodes=nodes, slurm=section)
+
+
+def holder_log(cluster: Cluster) -> str:
+    path = Path(cluster.head.path("logs", "holder.log"))
+    return path.read_text() if path.exists() else "(no holder log)"
+
+
+def test_one_allocation_holds_every_node_and_each_command_is_a_job_step(slurm: SlurmCluster, tmp_path: Path) -> None:
+    provider = get_provider("slurm")
+    requested = time.monotonic()
+    cluster = provider.launch("tp-steps", spec(tmp_path, constraint="ib&nvme", gpus_per_node=GPUS_PER_NODE,
+                                               price_per_gpu_hour=1.5), "run-steps")
+    job_id = cluster.owner["job_id"]
+    try:
+        assert [json.loads(line) for line in slurm.run("squeue", "-h", "-o", '{"id": "%i", "nodes": "%N", '
+                                                       '"name": "%j"}').stdout.splitlines()] == [
+            {"id": job_id, "nodes": "gpu[1-3]", "name": f"{JOB_PREFIX}tp-steps"}]
+        assert [(node.rank, cluster.owner["hosts"][node.name], node.address) for node in cluster.nodes] == [
+            (0, "gpu1", "127.0.0.1"), (1, "gpu2", "127.0.0.1"), (2, "gpu3", "127.0.0.1")]
+        assert cluster.price_per_hour == pytest.approx(1.5 * GPUS_PER_NODE * 3)
+        secret = "s3cr3t-value-only-in-env-9f1c"
+        step = ("import os, sys, time; print('STEP', os.environ['SLURM_JOB_ID'], os.environ['SLURMD_NODENAME'], "
+                "os.environ['TP_TEST_SECRET'], os.getcwd(), os.environ['TRAINPIPE_NODE']); time.sleep(1)")
+        with CommandLineScan({"secret": secret}) as scan:
+            first = provider.runner(cluster, cluster.nodes[0]).run([sys.executable, "-c", step],
+                                                                   env={"TP_TEST_SECRET": secret})
+            first_step_s = time.monotonic() - requested
+            outputs = [first.output] + [provider.runner(cluster, node).run([sys.executable, "-c", step],
+                                                                           env={"TP_TEST_SECRET": secret}).output
+                                        for node in cluster.nodes[1:]]
+        print(f"allocation request to first step: {first_step_s:.2f}s")
+        for node, output in zip(cluster.nodes, outputs, strict=True):
+            line = next(line for line in output.splitlines() if line.startswith("STEP"))
+            assert line.split() == ["STEP", job_id, cluster.owner["hosts"][node.name], secret, node.workdir, node.name]
+        assert scan.saw(step[:40]), "the scan never saw a step running: it proves nothing"
+        assert scan.hits() == []
+
+        head = provider.runner(cluster, cluster.nodes[1])
+        path = cluster.nodes[1].path("logs", "metrics.jsonl")
+        assert head.read_text(path) is None
+        head.write_text(path, '{"step": 1}\n')
+        assert head.read_text(path) == '{"step": 1}\n'
+        assert head.read_from(path, 9) == b'1}\n'
+        assert Path(path).read_text() == '{"step": 1}\n'  # the node's scratch (this host's disk here)
+        assert provider.nodes_alive(cluster) == {node.name: True for node in cluster.nodes}
+        assert [(r.name, r.run_id, r.nodes) for r in provider.list_clusters()] == [("tp-steps", "run-steps", 3)]
+        assert provider.list_clusters()[0].owner_alive
+        assert provider.describe("tp-steps") == cluster
+    finally:
+        assert provider.terminate("tp-steps")
+    assert slurm.job_ids() == []
+    assert [path.name for path in (tmp_path / "scratch").glob("*/*")] == []  # every node's workdir removed
+    assert provider.describe("tp-steps") is None
+    assert provider.list_clusters() == []
+    assert provider.nodes_alive(cluster) == {node.name: False for node in cluster.nodes}
+    assert not provider.terminate("tp-steps")
+
+
+def test_pending_allocation_ends_at_queue_timeout_with_its_reason(slurm: SlurmCluster, tmp_path: Path) -> None:
+    blocker = slurm.run("sbatch", "--parsable", "-N3", "--exclusive", "-p", "batch", "-o", "/dev/null",
+                         "--wrap", "sleep 300").stdout
+    blocker_id = blocker.strip().split(";")[0]
+    wait_for(lambda: slurm.run("squeue", "-h", "-j", blocker_id, "-o", "%T").stdout.strip() == "RUNNING",
+             "blocking job running")
+    started = time.monotonic()
+    with pytest.raises(QueueTimeout, match=r"still pending after 3s \(reason: (Resources|Priority)\)"):
+        get_provider("slurm").launch("tp-pending", spec(tmp_path, queue_timeout_s=3), "run-pending")
+    assert time.monotonic() - started < 3 + 20
+    assert not QueueTimeout.transient  # the bound is the user's: provision does not retry it
+    assert slurm.job_ids() == [blocker_id]  # the pending allocation was cancelled and is gone
+    assert SlurmProvider().describe("tp-pending") is None
+
+
+@pytest.mark.parametrize(("section", "nodes", "said"), [
+    ({"constraint": "hdr200"}, 3, "Invalid feature specification"),
+    ({}, 4, r"pending reason Partition(NodeLimit|Config)"),
+    ({"partition": "nosuch"}, 1, "Invalid partition name specified"),
+])
+def test_impossible_request_is_invalid_and_leaves_nothing(slurm: SlurmCluster, tmp_path: Path,
+                                                          section: dict[str, object], nodes: int, said: str) -> None:
+    with pytest.raises(InvalidRequestError, match=said):
+        get_provider("slurm").launch("tp-invalid", spec(tmp_path, nodes=nodes, **section), "run-invalid")
+    assert slurm.job_ids() == []
+    assert SlurmProvider().list_clusters() == []
+
+
+def test_holder_ends_the_allocation_when_the_lease_is_not_renewed(slurm: SlurmCluster, tmp_path: Path) -> None:
+    provider = get_provider("slurm")
+    cluster_spec = spec(tmp_path, nodes=2).model_copy(update={"lease_ttl_s": 10.0})
+    cluster = provider.launch("tp-lease", cluster_spec, "run-lease")
+    launched = time.monotonic()
+    # Nobody renews the lease (no orchestrator): the holder ends the job ttl seconds after its start.
+    wait_for(lambda: not slurm.job_ids(), "allocation ended by its holder", timeout_s=10 + 30)
+    print(f"lease expiry to squeue empty: {time.monotonic() - launched:.1f}s after launch (ttl 10 s)")
+    assert "lease not renewed" in holder_log(cluster)
+    assert provider.nodes_alive(cluster) == {node.name: False for node in cluster.nodes}
+    assert provider.terminate("tp-lease")  # the record is still there until teardown
+    assert provider.describe("tp-lease") is None
+
+
+def test_preemption_by_a_higher_tier_raises_the_notice_on_every_node(slurm: SlurmCluster, tmp_path: Path) -> None:
+    provider = get_provider("slurm")
+    cluster = provider.launch("tp-preempt", spec(tmp_path, signal_lead_s=10), "run-preempt")
+    try:
+        assert provider.preemption_notices(cluster) == []
+        preempted = time.monotonic()
+        slurm.run("sbatch", "-p", URGENT, "-N1", "-o", "/dev/null", "--wrap", "sleep 2")
+        wait_for(lambda: all(Path(node.path("preemption-notice.json")).exists() for node in cluster.nodes),
+                 "a notice on every node")
+        print(f"preemption to notice on every node: {time.monotonic() - preempted:.2f}s")
+        notices = provider.preemption_notices(cluster)
+        assert [notice.node for notice in notices] == [node.name for node in cluster.nodes]
+        assert "slurm: USR1" in notices[0].reason
+        wait_for(lambda: not all(provider.nodes_alive(cluster).values()), "the preempted allocation gone",
+                 timeout_s=90)
+    finally:
+        provider.terminate("tp-preempt")
+    assert [line.split()[0] for line in slurm.run("squeue", "-h", "-o", "%P").stdout.splitlines()] in ([], [URGENT])
+
+
+def example_job(slurm: SlurmCluster, workspace: Path, tmp_path: Path, steps: int,
+                lease_ttl_s: float = 120.0) -> dict[str, str]:
+    """examples/slurm.yaml as tmp_path/job.yaml, shortened to steps and pointed at local stores and this host's
+    nodes; the environment to run it in."""
+    env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": str(tmp_path / "prefect"),
+           "SLURM_CONF": str(slurm.conf)}
+    data = tmp_path / "data"
+    run_trainpipe("dataset", "synth", str(data), "--tokens", "200000", env=env)
+    job = yaml.safe_load((REPO / "examples" / "slurm.yaml").read_text())
+    job["dataset"]["url"] = str(data)
+    job["checkpoints"]["url"] = str(tmp_path / "checkpoints")
+    job["cluster"]["lease_ttl_s"] = lease_ttl_s
+    job["cluster"]["slurm"].update(scratch=f"{tmp_path}/scratch/{{node}}", python=sys.executable)
+    command = job["training"]["command"]
+    command[command.index("--steps") + 1] = str(steps)
+    command[command.index("--ckpt-every") + 1] = "20"
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    return env
+
+
+def test_trainpipe_run_of_the_example_on_the_test_slurm(slurm: SlurmCluster, workspace: Path, tmp_path: Path) -> None:
+    """examples/slurm.yaml: 3 nodes in one allocation, the dataset staged to each node's own scratch, training under
+    torchrun as job steps, the checkpoint committed, squeue empty afterwards, and the summary naming the job, the
+    partition and the nodes."""
+    env = example_job(slurm, workspace, tmp_path, steps=40)
+    result = run_trainpipe("run", str(tmp_path / "job.yaml"), "--run-id", "slurm-e2e", env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    summary = json.loads((workspace / "runs" / "slurm-e2e" / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["checkpoint"].endswith("step-00000040")
+    assert re.search(r"3× slurm:batch \(on-demand\) in batch, job \d+ on gpu\[1-3\]", result.stdout)
+    for node in ("gpu1", "gpu2", "gpu3"):  # each node staged into its own scratch (one host holds all three)
+        assert re.search(rf'\[tp-slurm-e2e-{node}\] {{"event": "staged", "files": 2,', result.stdout + result.stderr)
+    assert slurm.job_ids() == []
+    assert [path.name for path in (tmp_path / "scratch").glob("*/*")] == []  # teardown removed the node dirs
+
+
+def test_allocation_of_a_killed_orchestrator_ends_within_the_lease(slurm: SlurmCluster, workspace: Path,
+                                                                   tmp_path: Path) -> None:
+    """trainpipe run SIGKILLed mid-training: nobody renews the lease, the holder ends the allocation, and squeue shows
+    nothing of the run within the lease TTL + 30 s."""
+    ttl = 15.0
+    env = example_job(slurm, workspace, tmp_path, steps=100_000, lease_ttl_s=ttl)
+    with (tmp_path / "run.log").open("w") as out:
+        run = subprocess.Popen([TRAINPIPE, "run", str(tmp_path / "job.yaml"), "--run-id", "slurm-kill"], env=env,
+                               cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        metrics = tmp_path / "scratch" / "gpu1"
+        wait_for(lambda: any(path.stat().st_size for path in metrics.glob("*/logs/metrics.jsonl")),
+                 "a training step on gpu1", timeout_s=400)
+        assert len(slurm.job_ids()) == 1
+        os.killpg(run.pid, signal.SIGKILL)  # the orchestrator and its Prefect server; the job steps are the nodes'
+        killed = time.monotonic()
+        run.wait(30)
+        wait_for(lambda: not slurm.job_ids(), "the allocation gone after the kill", timeout_s=ttl + 30)
+        print(f"orchestrator kill to squeue empty: {time.monotonic() - killed:.1f}s (lease ttl {ttl:g}s)")
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait(30)
+    holder = next((tmp_path / "scratch" / "gpu1").glob("*/logs/holder.log")).read_text()
+    assert "lease not renewed" in holder
+
+
+@pytest.mark.parametrize(("nodes", "section", "said"), [
+    (4, {}, r"cluster.nodes is 4 but partition batch has 3 nodes \(3 nodes in all, features ib, nvme\)"),
+    (2, {"constraint": "ib&hdr200"}, r"partition batch has 0 nodes with features ib&hdr200 .*features ib, nvme"),
+    (1, {"gpus_per_node": GPUS_PER_NODE + 1}, r"has 0 nodes with 3 GPUs \(GRES gpu\)"),
+    (1, {"partition": "nosuch"}, r"partition 'nosuch': the site has no such partition: use one of batch, urgent"),
+])
+def test_plan_refuses_what_the_site_can_never_hold(slurm: SlurmCluster, tmp_path: Path, nodes: int,
+                                                   section: dict[str, object], said: str) -> None:
+    from infra.job.plan import PlanError, check_site
+
+    with pytest.raises(PlanError, match=said):
+        check_site(spec(tmp_path, nodes=nodes, **section))
+    check_site(spec(tmp_path, nodes=3, constraint="nvme,ib", gpus_per_node=GPUS_PER_NODE))  # what it has: fine
+    check_site(spec(tmp_path, nodes=3, partition=None))  # the site's default partition
+
+
+def test_trainpipe_plan_of_an_impossible_cluster_exits_2_naming_it(slurm: SlurmCluster, workspace: Path,
+                                                                   tmp_path: Path) -> None:
+    env = example_job(slurm, workspace, tmp_path, steps=40)
+    job = yaml.safe_load((tmp_path / "job.yaml").read_text())
+    job["cluster"]["nodes"] = 5
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    result = run_trainpipe("plan", str(tmp_path / "job.yaml"), env=env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "cluster.nodes is 5 but partition batch has 3 nodes with features ib&nvme" in result.stderr
+    assert slurm.job_ids() == []
+
+
+def last_step(metrics: Path) -> int:
+    steps = [json.loads(line).get("step", 0) for path in metrics.parent.glob(f"*/logs/{metrics.name}")
+             for line in path.read_text().splitlines() if line.startswith("{")]
+    return max(steps, default=0)
+
+
+def test_preemption_by_a_higher_tier_mid_training_resumes_on_a_new_allocation(slurm: SlurmCluster, workspace: Path,
+                                                                              tmp_path: Path) -> None:
+    """A job in the urgent partition preempts the run's allocation mid-training: the holder's notice reaches the
+    nodes, the run recovers on a new allocation (same partition and constraint) and completes from its commit."""
+    env = example_job(slurm, workspace, tmp_path, steps=300)
+    with (tmp_path / "run.log").open("w") as out:
+        run = subprocess.Popen([TRAINPIPE, "run", str(tmp_path / "job.yaml"), "--run-id", "slurm-preempt"], env=env,
+                               cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        metrics = tmp_path / "scratch" / "gpu1" / "metrics.jsonl"
+        wait_for(lambda: last_step(metrics) >= 60, "step 60 on gpu1", timeout_s=400)
+        first_job = slurm.job_ids()
+        preempted = time.monotonic()
+        slurm.run("sbatch", "-p", URGENT, "-N1", "-o", "/dev/null", "--wrap", "sleep 15")
+        run.wait(500)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait(30)
+    output = (tmp_path / "run.log").read_text()
+    assert run.returncode == 0, output[-6000:]
+    print(f"preemption to run end: {time.monotonic() - preempted:.1f}s")
+    summary = json.loads((workspace / "runs" / "slurm-preempt" / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["checkpoint"].endswith("step-00000300")
+    assert summary["recoveries"], output[-4000:]
+    assert len(summary["attempts"]) >= 2  # a new allocation after the preempted one
+    assert first_job[0] not in [attempt["zone"].split()[2] for attempt in summary["attempts"][1:]]
+    assert slurm.job_ids() == []
+    print(json.dumps(summary["recoveries"], indent=1)[:2000])
+
+
+# -- the spec, no Slurm needed --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("option", "said"), [
+    ("--nodes=4", "--nodes"), ("--job-name=mine", "--job-name"), ("--part=debug", "--partition"),
+    ("--signal=B:USR2@60", "--signal"), ("--requeue", "--requeue"), ("-N3", "long form"),
+    ("--gres=gpu:8", "gpus_per_node"), ("--time=1:00:00", "time_limit"),
+])
+def test_sbatch_options_trainpipe_owns_are_refused_at_validation(tmp_path: Path, option: str, said: str) -> None:
+    with pytest.raises(ValidationError, match=said):
+        spec(tmp_path, sbatch_options=[option])
+
+
+def test_extra_sbatch_options_pass_through(tmp_path: Path) -> None:
+    from infra.compute.providers.slurm.provider import sbatch_options
+
+    cluster_spec = spec(tmp_path, sbatch_options=["--mail-type=END", "--begin=now"], account="lab", qos="high",
+                        exclusive=False)
+    options = sbatch_options("c", "r", cluster_spec)
+    assert options[-2:] == ["--mail-type=END", "--begin=now"]
+    assert {"--account=lab", "--qos=high", "--partition=batch", "--no-requeue", "--nodes=3"} <= set(options)
+    assert "--exclusive" not in options
+
+
+@pytest.mark.parametrize(("scratch", "said"), [("scratch/{node}", "not absolute"), ("/mnt/{host}", "placeholder")])
+def test_scratch_must_be_absolute_with_only_the_node_placeholder(tmp_path: Path, scratch: str, said: str) -> None:
+    with pytest.raises(ValidationError, match=said):
+        spec(tmp_path, scratch=scratch)
+
+
+def test_a_machine_without_slurm_has_no_slurm_clusters(workspace: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """status, down and the sweeper ask every provider: without Slurm here (no squeue, or no controller to ask) and no
+    record of a slurm cluster, the answer is 'none', not an error."""
+    provider = SlurmProvider()
+    monkeypatch.setenv("PATH", str(tmp_path))  # no squeue on it
+    assert provider.list_clusters() == []
+    assert not provider.terminate("tp-nothing")
+    monkeypatch.undo()
+    monkeypatch.setenv("TRAINPIPE_HOME", str(workspace))
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "no-such-slurm.conf"))  # squeue, but nothing to ask
+    assert provider.list_clusters() == []
+    assert not provider.terminate("tp-nothing")
