@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cloud_env import wait_for
 from cmdline_scan import CommandLineScan
 from conftest import REPO, TRAINPIPE, run_trainpipe
 from pydantic import ValidationError
@@ -48,15 +49,7 @@ def slurm(slurm_site: SlurmCluster, workspace: Path, monkeypatch: pytest.MonkeyP
     left = slurm_site.job_ids()
     if left:
         slurm_site.run("scancel", *left)
-        wait_for(lambda: not slurm_site.job_ids(), "the test's jobs gone")
-
-
-def wait_for(done: object, what: str, timeout_s: float = DEADLINE_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout_s:.0f}s")
-        time.sleep(0.1)
+        wait_for(lambda: not slurm_site.job_ids(), DEADLINE_S, "the test's jobs gone")
 
 
 def spec(tmp_path: Path, nodes: int = 3, **slurm: object) -> ClusterSpec:
@@ -125,7 +118,7 @@ def test_pending_allocation_ends_at_queue_timeout_with_its_reason(slurm: SlurmCl
                          "--wrap", "sleep 300").stdout
     blocker_id = blocker.strip().split(";")[0]
     wait_for(lambda: slurm.run("squeue", "-h", "-j", blocker_id, "-o", "%T").stdout.strip() == "RUNNING",
-             "blocking job running")
+             DEADLINE_S, "blocking job running")
     started = time.monotonic()
     with pytest.raises(QueueTimeout, match=r"still pending after 3s \(reason: (Resources|Priority)\)"):
         get_provider("slurm").launch("tp-pending", spec(tmp_path, queue_timeout_s=3), "run-pending")
@@ -154,7 +147,7 @@ def test_holder_ends_the_allocation_when_the_lease_is_not_renewed(slurm: SlurmCl
     cluster = provider.launch("tp-lease", cluster_spec, "run-lease")
     launched = time.monotonic()
     # Nobody renews the lease (no orchestrator): the holder ends the job ttl seconds after its start.
-    wait_for(lambda: not slurm.job_ids(), "allocation ended by its holder", timeout_s=10 + 30)
+    wait_for(lambda: not slurm.job_ids(), 10 + 30, "allocation ended by its holder")
     print(f"lease expiry to squeue empty: {time.monotonic() - launched:.1f}s after launch (ttl 10 s)")
     assert "lease not renewed" in holder_log(cluster)
     assert provider.nodes_alive(cluster) == {node.name: False for node in cluster.nodes}
@@ -170,13 +163,12 @@ def test_preemption_by_a_higher_tier_raises_the_notice_on_every_node(slurm: Slur
         preempted = time.monotonic()
         slurm.run("sbatch", "-p", URGENT, "-N1", "-o", "/dev/null", "--wrap", "sleep 2")
         wait_for(lambda: all(Path(node.path("preemption-notice.json")).exists() for node in cluster.nodes),
-                 "a notice on every node")
+                 DEADLINE_S, "a notice on every node")
         print(f"preemption to notice on every node: {time.monotonic() - preempted:.2f}s")
         notices = provider.preemption_notices(cluster)
         assert [notice.node for notice in notices] == [node.name for node in cluster.nodes]
         assert "slurm: USR1" in notices[0].reason
-        wait_for(lambda: not all(provider.nodes_alive(cluster).values()), "the preempted allocation gone",
-                 timeout_s=90)
+        wait_for(lambda: not all(provider.nodes_alive(cluster).values()), 90, "the preempted allocation gone")
     finally:
         provider.terminate("tp-preempt")
     assert [line.split()[0] for line in slurm.run("squeue", "-h", "-o", "%P").stdout.splitlines()] in ([], [URGENT])
@@ -231,12 +223,12 @@ def test_allocation_of_a_killed_orchestrator_ends_within_the_lease(slurm: SlurmC
     try:
         metrics = tmp_path / "scratch" / "gpu1"
         wait_for(lambda: any(path.stat().st_size for path in metrics.glob("*/logs/metrics.jsonl")),
-                 "a training step on gpu1", timeout_s=400)
+                 400, "a training step on gpu1")
         assert len(slurm.job_ids()) == 1
         os.killpg(run.pid, signal.SIGKILL)  # the orchestrator and its Prefect server; the job steps are the nodes'
         killed = time.monotonic()
         run.wait(30)
-        wait_for(lambda: not slurm.job_ids(), "the allocation gone after the kill", timeout_s=ttl + 30)
+        wait_for(lambda: not slurm.job_ids(), ttl + 30, "the allocation gone after the kill")
         print(f"orchestrator kill to squeue empty: {time.monotonic() - killed:.1f}s (lease ttl {ttl:g}s)")
     finally:
         if run.poll() is None:
@@ -290,7 +282,7 @@ def test_preemption_by_a_higher_tier_mid_training_resumes_on_a_new_allocation(sl
                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         metrics = tmp_path / "scratch" / "gpu1" / "metrics.jsonl"
-        wait_for(lambda: last_step(metrics) >= 60, "step 60 on gpu1", timeout_s=400)
+        wait_for(lambda: last_step(metrics) >= 60, 400, "step 60 on gpu1")
         first_job = slurm.job_ids()
         preempted = time.monotonic()
         slurm.run("sbatch", "-p", URGENT, "-N1", "-o", "/dev/null", "--wrap", "sleep 15")
