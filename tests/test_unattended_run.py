@@ -50,12 +50,15 @@ def kill_own_syncer():
     while not shipped(args.kill_syncer_at - 1):
         assert time.monotonic() < deadline, "the step before the kill never shipped"
         time.sleep(0.1)
+    from infra.node.protocol import REQUEST_ENV, NodeCommand, runs_command
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\\0")
+            environ = open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace").split("\\0")
         except OSError:
             continue
-        if b"sync" in argv and sync_dir.encode() in argv and b"--ckpt-dir" in argv:
+        request = next((json.loads(e.split("=", 1)[1]) for e in environ if e.startswith(REQUEST_ENV + "=")), {})
+        if runs_command(argv, NodeCommand.SYNC) and request.get("sync_dir") == sync_dir:
             os.kill(int(pid), 9)
             print(f"killed syncer {pid} at {time.time():.3f}", flush=True)
             return
