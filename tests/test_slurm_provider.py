@@ -30,6 +30,7 @@ from infra.compute.providers import InvalidRequestError, get_provider
 from infra.compute.providers.base import Cluster
 from infra.compute.providers.slurm.provider import JOB_PREFIX, QueueTimeout, SlurmProvider
 from infra.compute.spec import ClusterSpec
+from infra.node.events import NodeEvent
 
 DEADLINE_S = 60.0
 
@@ -206,7 +207,8 @@ def test_trainpipe_run_of_the_example_on_the_test_slurm(slurm: SlurmCluster, wor
     assert summary["checkpoint"].endswith("step-00000040")
     assert re.search(r"3× slurm:batch \(on-demand\) in batch, job \d+ on gpu\[1-3\]", result.stdout)
     for node in ("gpu1", "gpu2", "gpu3"):  # each node staged into its own scratch (one host holds all three)
-        assert re.search(rf'\[tp-slurm-e2e-{node}\] {{"event": "staged", "files": 2,', result.stdout + result.stderr)
+        assert re.search(rf'\[tp-slurm-e2e-{node}\] {{"event": "{NodeEvent.STAGED}", "files": 2,',
+                         result.stdout + result.stderr)
     assert slurm.job_ids() == []
     assert [path.name for path in (tmp_path / "scratch").glob("*/*")] == []  # teardown removed the node dirs
 
