@@ -1,7 +1,7 @@
 """`python -m infra.node COMMAND`: the agent the orchestrator runs on every node.
 
 A command's input is its request record (infra.node.protocol), read from the environment; each command module's
-`main(request)` takes that record. Commands not yet on the protocol still parse their own argv.
+`main(request)` takes that record.
 """
 
 from __future__ import annotations
@@ -10,23 +10,23 @@ import importlib
 import logging
 import sys
 
-from infra.node.protocol import REQUESTS, NodeCommand, ProtocolError, read_request
+from infra.node.protocol import NodeCommand, ProtocolError, read_request
 
-COMMANDS = {
-    "probe": "infra.node.probe",
-    "stage": "infra.node.stage",
-    "sync": "infra.node.sync",
-    "restore": "infra.node.restore",
-    "verify-ckpt": "infra.node.verify_ckpt",
-    "watch": "infra.node.watchdog",
-    "diskbench": "infra.node.diskbench",
-    "netbench": "infra.node.netbench",
-    "allreduce-bench": "infra.node.allreduce_bench",
-    "chaos": "infra.node.chaos",
-    "code": "infra.node.code",
-    "peer-serve": "infra.node.peerserve",
-    "rejoin": "infra.node.rejoin",
-    "torchrun": "infra.node.torchrun",
+COMMANDS: dict[NodeCommand, str] = {
+    NodeCommand.PROBE: "infra.node.probe",
+    NodeCommand.STAGE: "infra.node.stage",
+    NodeCommand.SYNC: "infra.node.sync",
+    NodeCommand.RESTORE: "infra.node.restore",
+    NodeCommand.VERIFY_CKPT: "infra.node.verify_ckpt",
+    NodeCommand.WATCH: "infra.node.watchdog",
+    NodeCommand.DISKBENCH: "infra.node.diskbench",
+    NodeCommand.NETBENCH: "infra.node.netbench",
+    NodeCommand.ALLREDUCE_BENCH: "infra.node.allreduce_bench",
+    NodeCommand.CHAOS: "infra.node.chaos",
+    NodeCommand.CODE: "infra.node.code",
+    NodeCommand.PEER_SERVE: "infra.node.peerserve",
+    NodeCommand.REJOIN: "infra.node.rejoin",
+    NodeCommand.TORCHRUN: "infra.node.torchrun",
 }
 
 
@@ -35,11 +35,10 @@ def main(argv: list[str]) -> int:
         print(f"usage: python -m infra.node {{{','.join(COMMANDS)}}}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
-    module = importlib.import_module(COMMANDS[argv[0]])
-    if argv[0] not in REQUESTS:
-        return int(module.main(argv[1:]))
+    command = NodeCommand(argv[0])
+    module = importlib.import_module(COMMANDS[command])
     try:
-        request = read_request(NodeCommand(argv[0]))
+        request = read_request(command)
     except ProtocolError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

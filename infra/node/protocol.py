@@ -14,7 +14,6 @@ source) is an enum or a constant of its command's module.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
@@ -414,7 +413,3 @@ def runs_command(cmdline: Sequence[str], command: NodeCommand) -> bool:
     wanted = ["-m", AGENT_MODULE, command.value]
     return any(list(cmdline[i:i + 3]) == wanted for i in range(len(cmdline) - 2))
 
-
-def describe(request: NodeRequest) -> str:
-    """The request in a line, for logs and errors (no secrets are ever in a request)."""
-    return f"{request.command} {json.dumps(request.model_dump(exclude_defaults=True), sort_keys=True)}"
