@@ -18,6 +18,7 @@ import psutil
 import pytest
 from conftest import REPO
 from pydantic import ValidationError
+from test_node_protocol_sidecars import wait_for_environ
 
 from infra.node.protocol import (
     AGENT_MODULE,
@@ -138,7 +139,9 @@ def test_neither_the_request_nor_the_environment_is_on_the_command_line(tmp_path
         assert serving.wait(60), "peer-serve named no address"
         after = psutil.Process(process.pid)
         seen.append(after.cmdline())  # the agent, or rclone once it exec'd
-        assert password in after.environ().values(), "the credentials travel in the environment"
+        # Read once the variable is there: a process read mid-exec shows a partial environment.
+        environ = wait_for_environ(process.pid, PASS_ENV)
+        assert environ[PASS_ENV] == password, "the credentials travel in the environment"
     finally:
         process.terminate()
         process.wait(30)
@@ -146,3 +149,11 @@ def test_neither_the_request_nor_the_environment_is_on_the_command_line(tmp_path
     for needle in (password, user, request.model_dump_json()):
         assert needle not in argv
     assert seen[0] == request.command_line(sys.executable)
+
+
+def test_every_command_has_its_record_and_its_module() -> None:
+    """The agent runs every command through its record: none left that parses argv of its own."""
+    from infra.node.__main__ import COMMANDS
+    from infra.node.protocol import REQUESTS, NodeCommand
+
+    assert set(COMMANDS) == set(NodeCommand) == set(REQUESTS)
