@@ -73,6 +73,15 @@ class Node:
     data_dir: str
     ckpt_dir: str
     python: str
+    # The node's address on the cluster's own network (the VPC/subnet private IP, the fabric's address, the netns
+    # address): what node-to-node traffic binds and dials (peer servers, replicas, torchrun's rendezvous). `address`
+    # is how trainpipe reaches the node (SSH, the orchestrator), possibly a public or NAT address that cannot be bound
+    # on the node. Empty means the same as address (a record written before the field, a host with one address).
+    cluster_address: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.cluster_address:
+            object.__setattr__(self, "cluster_address", self.address)
 
     def path(self, *parts: str) -> str:
         return "/".join([self.workdir.rstrip("/"), *parts])
