@@ -26,7 +26,7 @@ run: $(BIN)/trainpipe $(DATASET)/manifest.json
 test: $(BIN)/trainpipe
 	scripts/install-system-packages
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q --durations=60
 
 lint: $(BIN)/trainpipe
 	$(BIN)/ruff check .
