@@ -38,11 +38,12 @@ import random
 import re
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 from infra.checkpoints.protected import ProtectedSteps
 from infra.checkpoints.steps import PATTERN as STEP_PATTERN
@@ -60,6 +61,7 @@ from infra.storage import ObjectNotFound, as_url, open_store
 from infra.storage.retry import call_with_retries
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 REGISTRY_DIR = "_registry"
 RECENT_MOVES = 10  # retention keeps what an alias pointed at in its last this many moves (so rollback can land)
@@ -264,15 +266,15 @@ class Registry:
             self._create_move(move)
         else:
             self._claim_and_write(move)
-        self.store.put_bytes(f"{self._base(model, alias)}/current.json", _encoded(move))
+        current = f"{self._base(model, alias)}/current.json"
+        self._retried(lambda: self.store.put_bytes(current, _encoded(move)), f"writing {self.store.url_for(current)}")
         log.info("%s: move %d to %s (%s)", move.ref, seq, move.target, move.reason)
         return move
 
     def _create_move(self, move: AliasMove) -> None:
         """Move N written create-only: the store refuses it once any move N exists, however long this took."""
         key = self._move_key(move.model, move.alias, move.seq)
-        if call_with_retries(lambda: self.store.put_if_absent(key, _encoded(move)),
-                             f"writing {self.store.url_for(key)}"):
+        if self._retried(lambda: self.store.put_if_absent(key, _encoded(move)), f"writing {self.store.url_for(key)}"):
             return
         winner = self._read(key)
         if winner != move:  # equal: a retried put whose first try had landed, so it is this move
@@ -281,6 +283,7 @@ class Registry:
     def _claim_and_write(self, move: AliasMove) -> None:
         """Move N written under a claim, for a store that ignores create-only puts: see the module's docstring."""
         claims = f"{self._base(move.model, move.alias)}/claims/{move.seq:08d}/"
+        key = self._move_key(move.model, move.alias, move.seq)
         deadline = time.monotonic() + CONTENTION_DEADLINE_S
         backoff = 0.05
         while True:
@@ -289,7 +292,8 @@ class Registry:
                 rivals = self._rival_claims(claims, mine)
                 self._refuse_if_taken(move)
                 if not rivals and time.monotonic() - started < CLAIM_TTL_S / 2:
-                    self.store.put_bytes(self._move_key(move.model, move.alias, move.seq), _encoded(move))
+                    self._retried(partial(self.store.put_bytes, key, _encoded(move)),
+                                  f"writing {self.store.url_for(key)}")
                     self._refuse_if_overwritten(move)
                     return  # move N exists now: a later claim on N sees it and loses, whether this claim is there
             if time.monotonic() > deadline:
@@ -309,21 +313,29 @@ class Registry:
         mine = f"{claims}{uuid.uuid4().hex}"
         try:
             started = time.monotonic()
-            self.store.put_bytes(mine, json.dumps({"who": move.who, "at": move.at}).encode())
+            claim = json.dumps({"who": move.who, "at": move.at}).encode()
+            self._retried(lambda: self.store.put_bytes(mine, claim), f"claiming {self.store.url_for(mine)}")
             yield mine, started
         except BaseException:
             self._withdraw_while_failing(mine)
             raise
-        self.store.delete(mine)
+        self._retried(lambda: self.store.delete(mine), f"withdrawing {self.store.url_for(mine)}")
 
     def _withdraw_while_failing(self, claim: str) -> None:
         """Remove a claim while another failure is on its way out: that one is what the caller must see, so a
         failure to remove the claim too is logged, not raised in its place."""
         try:
-            self.store.delete(claim)
+            self._retried(lambda: self.store.delete(claim), f"withdrawing {self.store.url_for(claim)}")
         except Exception as exc:
             log.warning("%s: could not withdraw this claim (%s): it lapses %.0f s after it was written",
                         self.store.url_for(claim), exc, CLAIM_TTL_S)
+
+    @staticmethod
+    def _retried(call: Callable[[], _T], what: str) -> _T:
+        """A registry write, retried with backoff while it fails transiently (a server's 500 under a burst of
+        claims): each is idempotent (a claim or move under a key of its own, a delete), and a create-only put that
+        landed before its reply was lost is recognised by the caller."""
+        return call_with_retries(call, what)
 
     def _rival_claims(self, claims: str, mine: str) -> list[str]:
         listed = list(self.store.list(claims))
