@@ -347,9 +347,14 @@ class S3Store(ObjectStore):
             try:
                 self.client.put_object(Bucket=self.bucket, Key=self.keys.name(key), Body=data, IfNoneMatch="*")
             except botocore.exceptions.ClientError as exc:
-                if _code(exc)[0] == "PreconditionFailed":  # 412: the key exists
+                code, status = _code(exc)
+                if code == "PreconditionFailed":  # 412: the key exists
                     return False
-                raise
+                if code != "NotImplemented" and status != 501:
+                    raise
+                # A server without conditional writes (some S3-compatible ones): a plain put, as the interface says
+                # for a store that has none; honours_create_only then finds it out.
+                self.put_bytes(key, data)
         return True
 
     def put_file(self, path: Path, key: str) -> ObjectInfo:
