@@ -30,7 +30,8 @@ def public_addresses(address: str) -> list[str]:
         try:
             found = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in socket.getaddrinfo(address, None)]
         except OSError as exc:
-            raise ValueError(f"cluster address '{address}' does not resolve here ({exc}): give its IP address") from exc
+            raise ValueError(f"cluster address {address} does not resolve here ({exc.strerror or exc}): set its "
+                             "cluster_address to its IP address") from exc
     return sorted({str(ip) for ip in found if not any(ip in net for net in CLUSTER_NETWORKS)})
 
 
@@ -143,7 +144,10 @@ class SshClusterSpec(StrictModel):
                              "or lower cluster.nodes")
         if nodes > 1 and not self.allow_public_cluster_address:
             for index, host in enumerate(self.hosts[:nodes]):
-                public = public_addresses(host.peer_address)
+                try:
+                    public = public_addresses(host.peer_address)
+                except ValueError as exc:
+                    raise ValueError(f"cluster.ssh.hosts[{index}] ({host.host}): {exc}") from exc
                 if public:
                     resolved = "" if public == [host.peer_address] else f" (resolves to {', '.join(public)})"
                     raise ValueError(
