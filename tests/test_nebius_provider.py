@@ -8,6 +8,7 @@ Nebius uses, so failover, rollback, replacement and teardown run through the rea
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -270,3 +271,49 @@ def test_config_names_fabrics_and_ids_and_the_boot_script_is_valid_bash(tmp_path
     script.write_text(user_data(key, "ubuntu", "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAITEST me", filesystem=True))
     checked = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert checked.returncode == 0, checked.stderr
+
+
+def test_nodes_reach_nebius_object_storage_with_the_s3_settings_the_job_forwards() -> None:
+    from infra.job.spec import parse_job
+    from infra.job.store_access import store_access_problem
+
+    def job(secrets: dict[str, Any], dataset: str = "s3://bucket/data") -> Any:
+        return parse_job({"cluster": {"provider": "nebius", "nodes": 2}, "dataset": {"url": dataset},
+                          "checkpoints": {"url": "s3://bucket/ckpt"},
+                          "training": {"command": ["train.py"], "secrets": secrets}})
+
+    forwarded = {name: {"env": name} for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL",
+                                                  "AWS_REGION")}
+    assert store_access_problem(job(forwarded)) is None
+    problem = store_access_problem(job({k: v for k, v in forwarded.items() if k != "AWS_ENDPOINT_URL"})) or ""
+    assert problem.startswith("dataset.url s3://bucket/data: the nebius nodes reach Nebius Object Storage") and \
+        "add AWS_ENDPOINT_URL to training.secrets" in problem and "storage.eu-north1.nebius.cloud" in problem
+    assert "nebius nodes have no credentials for gs:// stores" in (store_access_problem(job(forwarded, "gs://b/d"))
+                                                                   or "")
+
+
+def test_the_example_plans_with_its_candidates_cost_and_fabric(workspace: Path, request: pytest.FixtureRequest,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """examples/nebius.yaml, its bucket in the session's S3 server standing in for Nebius Object Storage (the same
+    variables point the S3 engine at either); plan asks no cloud API."""
+    from conftest import REPO, run_trainpipe
+
+    from infra.dataset.synth import synthesize
+    from infra.job.spec import load_job
+    from infra.storage import open_store
+
+    example = REPO / "examples" / "nebius.yaml"
+    job = load_job(example)
+    s3 = request.getfixturevalue("s3_server")
+    for name, value in s3.env().items():
+        monkeypatch.setenv(name, value)
+    bucket = job.dataset.url.split("://", 1)[1].split("/", 1)[0]
+    if not (s3.root / bucket).is_dir():
+        s3.make_bucket(bucket)
+    synthesize(open_store(job.dataset.url), 200_000, vocab_size=256, shard_tokens=100_000, seed=5)
+    result = run_trainpipe("plan", str(example), env=dict(os.environ), timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "on nebius: 2 nodes × 8 processes" in result.stdout
+    assert f"cheapest {H200}" in result.stdout and "eu-north1" in result.stdout, result.stdout
+    assert "3200 Gbps infiniband" in result.stdout and "spot" in result.stdout, result.stdout
+    print("\n" + result.stdout)
