@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import itertools
 import re
+import shlex
+import sys
 import threading
 from collections.abc import Callable
 from concurrent import futures
@@ -178,6 +180,14 @@ class FakeNebius:
             gpu_cluster.status.instances = [i for i in gpu_cluster.status.instances if i != request.id]
         return self._operation(request.id, Status(code=OK), f"delete {instance.metadata.name}")
 
+    def instance_stop(self, request: Any, context: grpc.ServicerContext) -> Any:
+        """What a guest powering itself off amounts to (Nebius stops the VM; trainpipe itself never calls it)."""
+        instance = self.instances.get(request.id)
+        if instance is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"instance {request.id} not found")
+        instance.status.state = compute.InstanceStatus.InstanceState.STOPPED
+        return self._operation(request.id, Status(code=OK), f"stop {instance.metadata.name}")
+
     # -- GPU clusters -------------------------------------------------------------------------------------------
 
     def gpu_cluster_create(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -287,7 +297,8 @@ class NebiusServer:
         self._server.add_generic_rpc_handlers([
             self._handler(InstanceServiceClient, {"Create": fake.instance_create, "Get": fake.instance_get,
                                                   "GetByName": fake.instance_get_by_name,
-                                                  "List": fake.instance_list, "Delete": fake.instance_delete}),
+                                                  "List": fake.instance_list, "Delete": fake.instance_delete,
+                                                  "Stop": fake.instance_stop}),
             self._handler(GpuClusterServiceClient, {"Create": fake.gpu_cluster_create,
                                                     "GetByName": fake.gpu_cluster_get_by_name,
                                                     "List": fake.gpu_cluster_list, "Update": fake.gpu_cluster_update,
@@ -347,3 +358,45 @@ class NebiusServer:
 
     def __exit__(self, *exc: object) -> None:
         self._server.stop(grace=None)
+
+
+# -- the machines behind the instances (tests/cloud_nodes.py) ---------------------------------------------------------
+
+NOTICE_PROGRAM = re.compile(r"<<'TRAINPIPE_NOTICE'\n(.*?)TRAINPIPE_NOTICE\n", re.DOTALL)
+
+
+def nebius_instances(server: NebiusServer) -> Callable[[], list[Any]]:
+    """The running instances as the stand-ins boot them: public address, name, region, cloud-init user data."""
+    from cloud_nodes import Instance
+
+    region_of = {project: region for region, project in PROJECTS.items()}
+
+    def found() -> list[Instance]:
+        return [Instance(i.status.network_interfaces[0].public_ip_address.address.split("/")[0], i.metadata.name,
+                         region_of[i.metadata.parent_id], i.spec.cloud_init_user_data) for i in server.fake.running()]
+
+    return found
+
+
+def nebius_power_off(server: NebiusServer) -> Callable[[Any], str]:
+    """Nebius: a guest that powers off is stopped (the instance, and its bill for disks, stays until deleted)."""
+
+    def body(node: Any) -> str:
+        stop = f"""
+from nebius.api.nebius.common.v1 import GetByNameRequest
+from nebius.api.nebius.compute.v1 import InstanceServiceClient, StopInstanceRequest
+from nebius.base.options import INSECURE
+from nebius.base.resolver import Constant
+from nebius.sdk import SDK
+address = {server.endpoint.split("://", 1)[1]!r}
+sdk = SDK(resolver=Constant(address), address_options={{address: [(INSECURE, True)]}}, credentials={TOKEN!r},
+          user_agent_prefix="stand-in/1")
+client = InstanceServiceClient(sdk)
+found = client.get_by_name(GetByNameRequest(parent_id={PROJECTS[node.instance.zone]!r},
+                                            name={node.instance.cloud_id!r})).wait()
+client.stop(StopInstanceRequest(id=found.metadata.id)).wait().sync_wait(interval=0.1, timeout=30)
+sdk.sync_close()
+"""
+        return f"{shlex.quote(sys.executable)} -c {shlex.quote(stop)} >> {node.root}/poweroff.log 2>&1\n"
+
+    return body

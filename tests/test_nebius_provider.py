@@ -8,7 +8,10 @@ Nebius uses, so failover, rollback, replacement and teardown run through the rea
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -317,3 +320,110 @@ def test_the_example_plans_with_its_candidates_cost_and_fabric(workspace: Path, 
     assert f"cheapest {H200}" in result.stdout and "eu-north1" in result.stdout, result.stdout
     assert "3200 Gbps infiniband" in result.stdout and "spot" in result.stdout, result.stdout
     print("\n" + result.stdout)
+
+
+def stop_notice(stand_ins: Any, instance: Any, notice_s: float) -> None:
+    """The guest of a preempted instance shutting down: the stop unit's program (taken verbatim from the boot
+    script) runs in the node, writes its notice and holds the shutdown while the node's watcher stops the trainer and
+    the syncer ships the last save; then the power goes."""
+    from cloud_env import wait_for
+    from nebius_server import NOTICE_PROGRAM
+
+    from infra.node.events import NodeEvent, parse
+
+    address = instance.status.network_interfaces[0].public_ip_address.address.split("/")[0]
+    node = stand_ins.nodes[address]
+    [program] = NOTICE_PROGRAM.findall(instance.spec.cloud_init_user_data)
+    (node.root / "stop-notice.py").write_text(program)
+    holding = subprocess.Popen(["nsenter", "--target", str(node.process.pid), "--mount", "python3",
+                                str(node.root / "stop-notice.py")], start_new_session=True)
+    watch_log = node.root / "mnt/trainpipe/trainpipe/logs/watch.log"
+
+    def trainer_stopped() -> bool:
+        lines = watch_log.read_text().splitlines() if watch_log.exists() else []
+        return any((e := parse(line)) is not None and e.kind is NodeEvent.TRAINER_STOPPED for line in lines)
+
+    try:
+        wait_for(trainer_stopped, notice_s, "the node's watcher stopping the trainer on the stop notice")
+    finally:
+        holding.kill()
+        holding.wait()
+        for pid in stand_ins.processes_of(address):  # the power goes
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_run_on_nebius_is_preempted_once_resumes_commits_and_leaves_nothing(
+        server: NebiusServer, prefect_server: None, workspace: Path, tmp_path: Path) -> None:
+    """`trainpipe run`, unmodified, against the stand-in API, its nodes' machines stand-ins too (tests/cloud_nodes.py:
+    an sshd per instance at its public address, serving the host key of its cloud-init script). Node 1, preemptible,
+    is preempted after the first commit: the API shows it STOPPING, its guest's stop unit writes the notice, the
+    watcher stops the trainer and the last save is committed; the run replaces node 1 inside the same GPU cluster,
+    resumes from the commit on both nodes, finishes and leaves no instance and no GPU cluster."""
+    import threading
+
+    from cloud_env import wait_for
+    from cloud_nodes import machines
+    from conftest import REPO, TRAINPIPE
+    from jobs import job_config, make_dataset, write_config
+    from nebius_server import nebius_instances, nebius_power_off
+    from sshd import require_sshd
+    from test_kill_matrix import prefect_env
+
+    from infra.checkpoints.store import CheckpointStore
+    from infra.compute.providers.nebius.boot import NOTICE_S
+    from infra.storage import open_store
+
+    require_sshd()
+    fake = server.fake
+    fake.reset()
+    run_id = "nebius-e2e"
+    config = job_config(tmp_path, make_dataset(tmp_path / "dataset", tokens=200_000), steps=300, ckpt_every=20,
+                        step_delay_s=0.05)
+    config["cluster"] = {"provider": "nebius", "nodes": 2, "procs_per_node": 1, "regions": ["eu-north1"],
+                         "spot": "only", "lease_ttl_s": 60, "verify": {"bench": "off"}}
+    config["recovery"] = {"max_recoveries": 2, "confirm_s": 2}
+    config_path = write_config(tmp_path / "job.yaml", config)
+    checkpoints = CheckpointStore(open_store(f"{config['checkpoints']['url']}/{run_id}"))
+    log = tmp_path / "orchestrator.log"
+    with machines(tmp_path / "machines", "127.77.3.", nebius_instances(server), nebius_power_off(server)) as stand_ins:
+        fake.on_stop = lambda instance: stop_notice(stand_ins, instance, NOTICE_S)
+        env = {**os.environ, **prefect_env(), **server.env(), "TRAINPIPE_HOME": str(workspace),
+               "TRAINPIPE_SSH_KEY_FILE": str(stand_ins.client_key), "TRAINPIPE_SSH_USER": "root"}
+        orchestrator = subprocess.Popen([TRAINPIPE, "run", str(config_path), "--run-id", run_id], cwd=REPO, env=env,
+                                        stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        preempted: list[str] = []
+
+        def preempt_after_the_first_commit() -> None:
+            wait_for(lambda: orchestrator.poll() is not None or checkpoints.latest() is not None, 400,
+                     "the first commit")
+            if orchestrator.poll() is None:
+                [lost] = [i.metadata.name for i in fake.running() if i.metadata.labels[LABEL_RANK] == "1"]
+                preempted.append(lost)
+                fake.preempt(lost)
+
+        injector = threading.Thread(target=preempt_after_the_first_commit, daemon=True)
+        injector.start()
+        try:
+            orchestrator.wait(timeout=540)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(orchestrator.pid, signal.SIGKILL)
+            injector.join(timeout=30)
+        output = log.read_text()
+        assert orchestrator.returncode == 0 and not stand_ins.errors, output[-6000:] + str(stand_ins.errors)
+
+    summary = json.loads((workspace / "runs" / run_id / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["nodes_left"] == 0, summary
+    assert preempted, "the run ended before its first commit was preempted"
+    [recovery] = summary["recoveries"]
+    assert recovery["with_notice"] and "nebius" in recovery["reason"], recovery
+    assert (recovery["path"], recovery["replaced"]) == ("replaced-nodes", preempted), recovery
+    assert recovery["resumed_from_step"] and summary["checkpoint_step"] > recovery["resumed_from_step"]
+    # The replacement went into the GPU cluster of the launch, and nothing of the cluster is left.
+    creates = [c.request for c in fake.calls if c.method == "Create" and c.service.endswith("InstanceService")]
+    assert len(creates) == 3 and len({r.spec.gpu_cluster.id for r in creates}) == 1
+    assert fake.instances == {} and fake.gpu_clusters == {}
+    print(f"\nnebius fake: launch to first step {summary['time_to_first_step_s']:.1f}s; preempted {preempted[0]} at "
+          f"step {recovery['step_reached']}, resumed from {recovery['resumed_from_step']} "
+          f"({recovery['time_to_first_step_s']:.1f}s to the first step after it)")
