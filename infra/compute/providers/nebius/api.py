@@ -49,7 +49,10 @@ API_ATTEMPTS = 5
 RETRY_FIRST_S = 1.0
 CALL_TIMEOUT_S = 60.0
 WAIT_S = 900.0  # for an operation to finish: an 8-GPU VM can take minutes to be created
-POLL_S = 1.0  # between polls of an operation (tests shorten it)
+# Between polls of an operation or of instances starting: from POLL_FIRST_S, doubling up to POLL_MAX_S (a GPU
+# cluster or a label update is done in well under a second; an 8-GPU VM takes minutes). Tests shorten both.
+POLL_FIRST_S = 0.2
+POLL_MAX_S = 3.0
 PAGE_SIZE = 100
 
 
@@ -188,13 +191,15 @@ class NebiusApi:
     def _finish(self, operation: Any, doing: str) -> str:
         """Wait for an operation to end; its resource id. Failed: the launch error it means."""
         deadline = time.monotonic() + WAIT_S
+        delay = POLL_FIRST_S
         while not operation.done():
             if time.monotonic() > deadline:
                 error = LaunchError(f"nebius: {doing}: operation {operation.id} not done after {WAIT_S:.0f}s: "
                                     "retry later")
                 error.transient = True
                 raise error
-            CANCEL.wait(POLL_S)
+            CANCEL.wait(delay)
+            delay = min(delay * 2, POLL_MAX_S)
             self._refresh(operation, doing)
         if not operation.successful():
             from nebius.aio.operation import OperationError

@@ -290,6 +290,7 @@ class NebiusProvider(NebiusApi, CloudProvider):
         """Poll until every node is RUNNING; one that stopped or vanished (preempted while starting) fails the
         candidate."""
         deadline = time.monotonic() + api.WAIT_S
+        delay = api.POLL_FIRST_S  # read from api at each call: one place to tune (tests shorten it)
         while True:
             found = {str(i.metadata.name): i for i in self._instances(project, cluster_name, doing)}
             gone = sorted(n for n in names if n not in found or _state(found[n]) not in ALIVE)
@@ -300,7 +301,8 @@ class NebiusProvider(NebiusApi, CloudProvider):
             if time.monotonic() > deadline:
                 raise CapacityError(f"nebius: {', '.join(names)} not RUNNING after {api.WAIT_S:.0f}s: trying "
                                     "elsewhere")
-            CANCEL.wait(api.POLL_S)
+            CANCEL.wait(delay)
+            delay = min(delay * 2, api.POLL_MAX_S)
 
     def _cluster(self, cluster_name: str, region: str, project: str, instances: list[Any]) -> Cluster:
         instances = sorted(instances, key=rank_of)
