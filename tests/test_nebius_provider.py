@@ -167,6 +167,14 @@ def test_capacity_fails_over_to_the_next_region_after_rolling_back_a_partial_lau
     assert north == [], "the partial launch in eu-north1 is rolled back: its node and its GPU cluster"
     assert nebius.terminate("tp-neb-failover") and left(server, "tp-neb-failover") == []
 
+    # A region this machine has no project in is passed over, not the end of the failover.
+    west_only = NebiusProvider(catalog=nebius_catalog(), projects={"eu-west1": WEST}, bootstrap=False)
+    west_only.launch("tp-neb-noproject", spec(nodes=1), "run-noproject")
+    assert [(a.region, a.outcome) for a in west_only.last_attempts] == [("eu-north1", "error"),
+                                                                       ("eu-west1", "launched")]
+    assert "names no project in eu-north1" in (west_only.last_attempts[0].error or "")
+    assert west_only.terminate("tp-neb-noproject")
+
 
 def test_preemptible_first_then_regular_and_quota_everywhere_is_one_line(nebius: NebiusProvider,
                                                                          server: NebiusServer) -> None:

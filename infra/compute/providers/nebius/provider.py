@@ -130,12 +130,19 @@ class NebiusProvider(NebiusApi, CloudProvider):
         """Every node on this candidate or none: on any failure what this call made is deleted again."""
         platform, preset = split_type(candidate.instance_type)
         region = candidate.region
-        project = self.project(region)
         section = spec.nebius
         fabric = section.fabric(region, platform)
+        if not self.projects():
+            raise InvalidRequestError(f"nebius: no projects: set {api.PROJECTS_ENV} to region=project-id,... (the "
+                                      "project of each region clusters may be launched in)")
+        # A region this machine has no project in, or no fabric for the platform: the next candidate may launch.
+        if region not in self.projects():
+            raise LaunchError(f"nebius: {api.PROJECTS_ENV} names no project in {region}: skipped (add "
+                              f"{region}=project-id to launch there)")
         if fabric is None:
-            raise InvalidRequestError(f"nebius: no InfiniBand fabric known for {platform} in {region}: name one in "
-                                      f"cluster.nebius.fabrics ({region}: fabric-N)")
+            raise LaunchError(f"nebius: no InfiniBand fabric known for {platform} in {region}: skipped (name one "
+                              f"in cluster.nebius.fabrics: {{{region}: fabric-N}})")
+        project = self.project(region)
         doing = f"launch {cluster_name} on {candidate.label()}"
         stamp = Stamp(cluster_name, run_id, launcher_stamp(), f"{time.time():.0f}", f"{spec.lease_ttl_s:g}")
         operations: list[Any] = []
