@@ -438,3 +438,16 @@ def test_a_run_on_nebius_is_preempted_once_resumes_commits_and_leaves_nothing(
     print(f"nebius fake: launch to first step {summary['time_to_first_step_s']:.1f}s; preempted {preempted[0]} at "
           f"step {recovery['step_reached']}, resumed from {recovery['resumed_from_step']} "
           f"({recovery['time_to_first_step_s']:.1f}s to the first step after it)")
+
+
+def test_refused_credentials_stop_the_launch_at_once_in_one_line(nebius: NebiusProvider, server: NebiusServer,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from infra.compute.providers.nebius.errors import AuthError
+
+    monkeypatch.setenv("NEBIUS_IAM_TOKEN", "a-revoked-token")
+    refused = NebiusProvider(catalog=nebius_catalog(), bootstrap=False)
+    with pytest.raises(AuthError) as caught:
+        refused.launch("tp-neb-auth", spec(nodes=1), "run-auth")
+    assert "UNAUTHENTICATED" in str(caught.value) and "\n" not in str(caught.value)
+    assert [a.outcome for a in refused.last_attempts] == ["invalid"], "nowhere else would take these credentials"
+    assert server.fake.instances == {} and server.fake.gpu_clusters == {}
