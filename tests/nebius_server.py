@@ -32,6 +32,8 @@ from nebius.api.nebius.common import v1 as common
 from nebius.api.nebius.common.v1 import OperationServiceClient
 from nebius.api.nebius.compute import v1 as compute
 from nebius.api.nebius.compute.v1 import GpuClusterServiceClient, InstanceServiceClient
+from nebius.api.nebius.iam import v1 as iam
+from nebius.api.nebius.iam.v1 import TokenExchangeServiceClient
 from nebius.api.nebius.vpc import v1 as vpc
 from nebius.api.nebius.vpc.v1 import SubnetServiceClient
 
@@ -79,6 +81,8 @@ class FakeNebius:
     refusals: list[Refusal] = field(default_factory=list)
     unavailable: int = 0  # the next calls answered UNAVAILABLE
     calls: list[Call] = field(default_factory=list)
+    # Service account keys the token exchange accepts: key id → (service account id, public key PEM).
+    service_accounts: dict[str, tuple[str, bytes]] = field(default_factory=dict)
     # Told when a preempted machine stops (tests/cloud_nodes.py powers its stand-in off).
     on_stop: Callable[[Any], None] | None = None
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
@@ -254,6 +258,42 @@ class FakeNebius:
             id=f"vpcsubnet-{request.parent_id.removeprefix('project-')}", parent_id=request.parent_id,
             name="default-subnet"))])
 
+    def token_exchange(self, request: Any, context: grpc.ServicerContext) -> Any:
+        """IAM's token exchange: a JWT the service account signed with its key (what the SDK makes from a credentials
+        file) for an access token. The signature is checked with the key registered for its key id."""
+        import jwt
+
+        try:
+            kid = jwt.get_unverified_header(request.subject_token).get("kid", "")
+            account, public_key = self.service_accounts[kid]
+            claims = jwt.decode(request.subject_token, public_key, algorithms=["RS256"],
+                                options={"verify_aud": False})
+        except (KeyError, jwt.PyJWTError) as exc:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"subject token refused: {exc!r}")
+        if claims.get("sub") != account:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"subject token names {claims.get('sub')}, not {account}")
+        return iam.CreateTokenResponse(access_token=TOKEN, issued_token_type="urn:ietf:params:oauth:token-type:"
+                                       "access_token", token_type="Bearer", expires_in=3600)
+
+    def credentials_file(self, path: Any, account: str = "serviceaccount-e00trainpipe") -> Any:
+        """A service account's credentials.json (what `nebius iam auth-public-key generate` writes), its key
+        registered here so that the exchange accepts what the SDK signs with it."""
+        import json
+
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric import rsa
+
+        key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        kid = f"publickey-e00{len(self.service_accounts):06d}"
+        self.service_accounts[kid] = (account, key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+        pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption()).decode()
+        path.write_text(json.dumps({"subject-credentials": {"type": "JWT", "alg": "RS256", "private-key": pem,
+                                                            "kid": kid, "iss": account, "sub": account}}))
+        path.chmod(0o600)
+        return path
+
     # -- what tests do ------------------------------------------------------------------------------------------
 
     def preempt(self, instance_name: str) -> None:
@@ -305,6 +345,7 @@ class NebiusServer:
                                                     "Delete": fake.gpu_cluster_delete}),
             self._handler(OperationServiceClient, {"Get": fake.operation_get}),
             self._handler(SubnetServiceClient, {"List": fake.subnet_list}),
+            self._handler(TokenExchangeServiceClient, {"Exchange": fake.token_exchange}),
         ])
         self.port = self._server.add_insecure_port("127.0.0.1:0")
 
@@ -334,7 +375,8 @@ class NebiusServer:
             with fake._lock:
                 fake.calls.append(Call(service, method, request, authorization,
                                        metadata.get("x-idempotency-key", "")))
-                if authorization != f"Bearer {TOKEN}":
+                # The exchange is how a token is got: the only call made without one.
+                if authorization != f"Bearer {TOKEN}" and method != "Exchange":
                     context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or missing bearer token")
                 if fake.unavailable > 0:
                     fake.unavailable -= 1

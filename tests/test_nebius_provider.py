@@ -451,3 +451,16 @@ def test_refused_credentials_stop_the_launch_at_once_in_one_line(nebius: NebiusP
     assert "UNAUTHENTICATED" in str(caught.value) and "\n" not in str(caught.value)
     assert [a.outcome for a in refused.last_attempts] == ["invalid"], "nowhere else would take these credentials"
     assert server.fake.instances == {} and server.fake.gpu_clusters == {}
+
+
+def test_a_service_account_credentials_file_is_exchanged_for_a_token_by_the_sdk(
+        nebius: NebiusProvider, server: NebiusServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("NEBIUS_IAM_TOKEN")
+    credentials = server.fake.credentials_file(tmp_path / "credentials.json")
+    monkeypatch.setenv("TRAINPIPE_NEBIUS_CREDENTIALS_FILE", str(credentials))
+    provider = NebiusProvider(catalog=nebius_catalog(), bootstrap=False)
+    provider.launch("tp-neb-sa", spec(nodes=1), "run-sa")
+    calls = server.fake.calls
+    assert calls[0].method == "Exchange" and calls[0].authorization == "", "the SDK got its token first"
+    assert {c.authorization for c in calls[1:]} == {f"Bearer {TOKEN}"}
+    assert provider.terminate("tp-neb-sa") and left(server, "tp-neb-sa") == []
