@@ -14,8 +14,8 @@ aimed at.
 Local and netns nodes: every phase, one run each, in order; where a commit exists the next run is the rerun (train
 → sync → teardown → a last run that completes), so every resume is checked without a run of its own. AWS and GCP (the
 simulated control planes; nobody answers at the instances' addresses, so provisioning waits for the nodes to boot):
-killed while provisioning, and while tearing down after a cancel (SIGTERM) reached it. The phase × outcome table is
-printed at the end of the module.
+killed while provisioning, and while tearing down after a cancel (SIGTERM) reached it. Nebius (its gRPC stand-in):
+killed while provisioning. The phase × outcome table is printed at the end of the module.
 """
 
 from __future__ import annotations
