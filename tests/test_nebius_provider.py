@@ -430,6 +430,9 @@ def test_a_run_on_nebius_is_preempted_once_resumes_commits_and_leaves_nothing(
     assert recovery["with_notice"] and "nebius" in recovery["reason"], recovery
     assert (recovery["path"], recovery["replaced"]) == ("replaced-nodes", preempted), recovery
     assert recovery["resumed_from_step"] and summary["checkpoint_step"] > recovery["resumed_from_step"]
+    # Nothing trained before the notice is lost: the save the watcher's SIGTERM asked for was committed (periodic
+    # commits come every 20 steps, the preemption at a step the head reported before it).
+    assert recovery["resumed_from_step"] >= recovery["step_reached"], recovery
     # The replacement went into the GPU cluster of the launch, and nothing of the cluster is left.
     creates = [c.request for c in fake.calls if c.method == "Create" and c.service.endswith("InstanceService")]
     assert len(creates) == 3 and len({r.spec.gpu_cluster.id for r in creates}) == 1

@@ -26,12 +26,12 @@ RESOURCE_ID = re.compile(r"^[a-z][a-z0-9]*-[a-z0-9]{4,}$")
 DISK_TYPES = ("network_ssd", "network_ssd_non_replicated", "network_ssd_io_m3", "network_hdd")
 
 
-def _resource_ids(values: dict[str, str] | str | None, what: str) -> None:
+def _resource_ids(values: dict[str, str] | str | None, field: str, kind: str) -> None:
     items = values.values() if isinstance(values, dict) else [values] if values else []
     for value in items:
         if not RESOURCE_ID.match(value):
-            raise ValueError(f"{what} {value!r} is not a Nebius resource id (like {what}-e00abc123): copy it from "
-                             f"`nebius {what} list` or the console")
+            raise ValueError(f"{field} {value!r} is not a Nebius resource id (like {kind}-e00abc123): copy it from "
+                             "the console or the nebius CLI")
 
 
 class NebiusClusterSpec(StrictModel):
@@ -65,13 +65,19 @@ class NebiusClusterSpec(StrictModel):
     @field_validator("subnets")
     @classmethod
     def _subnet_ids(cls, value: dict[str, str]) -> dict[str, str]:
-        _resource_ids(value, "vpcsubnet")
+        _resource_ids(value, "subnets", "vpcsubnet")
         return value
 
-    @field_validator("filesystem_id", "service_account_id")
+    @field_validator("filesystem_id")
     @classmethod
-    def _ids(cls, value: str | None) -> str | None:
-        _resource_ids(value, "resource")
+    def _filesystem_id(cls, value: str | None) -> str | None:
+        _resource_ids(value, "filesystem_id", "computefilesystem")
+        return value
+
+    @field_validator("service_account_id")
+    @classmethod
+    def _service_account_id(cls, value: str | None) -> str | None:
+        _resource_ids(value, "service_account_id", "serviceaccount")
         return value
 
     def fabric(self, region: str, platform: str) -> str | None:
