@@ -416,7 +416,7 @@ def test_a_peer_server_that_cannot_start_turns_the_exchange_off_and_says_why(
     from tasks.fanout import peer_servers
 
     with local_cluster("tp-peer-nostart", 2) as cluster:
-        unassignable = dataclasses.replace(cluster.nodes[1], cluster_address="192.0.2.1")  # TEST-NET-1: no local address
+        unassignable = dataclasses.replace(cluster.nodes[1], cluster_address="192.0.2.1")  # TEST-NET-1
         broken = dataclasses.replace(cluster, nodes=(cluster.nodes[0], unassignable))
         with caplog.at_level(logging.WARNING, logger="tasks.fanout"), peer_servers(broken) as (urls, env):
             assert (urls, env) == ([], None)

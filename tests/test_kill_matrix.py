@@ -14,8 +14,8 @@ aimed at.
 Local and netns nodes: every phase, one run each, in order; where a commit exists the next run is the rerun (train
 → sync → teardown → a last run that completes), so every resume is checked without a run of its own. AWS and GCP (the
 simulated control planes; nobody answers at the instances' addresses, so provisioning waits for the nodes to boot):
-killed while provisioning, and while tearing down after a cancel (SIGTERM) reached it. The phase × outcome table is
-printed at the end of the module.
+killed while provisioning, and while tearing down after a cancel (SIGTERM) reached it. Nebius (its gRPC stand-in):
+killed while provisioning. The phase × outcome table is printed at the end of the module.
 """
 
 from __future__ import annotations
@@ -374,3 +374,59 @@ def test_sigkill_while_provisioning_and_while_tearing_down_on_the_clouds(
         assert after == {}, f"left after the sweep: {after}"
     assert not [p for p in psutil.process_iter(["environ"]) if (p.info["environ"] or {}).get("TRAINPIPE_HOME")
                 == str(workspace)], "an orchestrator of this test outlived its kill"
+
+
+def test_sigkill_while_provisioning_on_nebius(prefect_server: None, workspace: Path, tmp_path: Path,
+                                              dataset_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Nebius row (tests/nebius_server.py, nobody answering at its instances' addresses): the installed
+    `trainpipe run` killed while it waits for its nodes to boot; the sweep takes the GPU cluster and its instances once
+    the heartbeat on the GPU cluster is older than the lease."""
+    from nebius_server import NebiusServer
+
+    from infra.compute.providers.nebius.labels import LABEL_CLUSTER as NEBIUS_CLUSTER
+    from infra.compute.providers.nebius.labels import LABEL_HEARTBEAT as NEBIUS_HEARTBEAT
+    from infra.compute.providers.nebius.provider import NebiusProvider
+
+    key = tmp_path / "id_ed25519"
+    key.write_text("read at launch; no node ever answers here\n")
+    key.with_name("id_ed25519.pub").write_text("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKILL kill-matrix\n")
+    with NebiusServer() as server:
+        for name, value in server.env().items():
+            monkeypatch.setenv(name, value)
+        env = {**os.environ, **prefect_env(), "TRAINPIPE_HOME": str(workspace), "TRAINPIPE_SSH_KEY_FILE": str(key)}
+        fake = server.fake
+
+        def left(cluster: str) -> dict[str, list[str]]:
+            found = {"instances": [i.metadata.name for i in fake.instances.values()
+                                   if i.metadata.labels.get(NEBIUS_CLUSTER) == cluster],
+                     "GPU clusters": [g.metadata.name for g in fake.gpu_clusters.values()
+                                      if g.metadata.labels.get(NEBIUS_CLUSTER) == cluster]}
+            return {k: v for k, v in found.items() if v}
+
+        def heartbeat(cluster: str) -> float:
+            return max((float(g.metadata.labels[NEBIUS_HEARTBEAT]) for g in fake.gpu_clusters.values()
+                        if g.metadata.labels.get(NEBIUS_CLUSTER) == cluster), default=0.0)
+
+        config = job_config(tmp_path, dataset_url, steps=STEPS, ckpt_every=EVERY)
+        config["cluster"] = {"provider": "nebius", "nodes": 2, "procs_per_node": 1, "regions": ["eu-north1"],
+                             "lease_ttl_s": CLOUD_TTL_S, "verify": {"bench": "off"}}
+        config_path = write_config(tmp_path / "job.yaml", config)
+        run_id = "kill-nebius-provision"
+        cluster = cluster_name_for(run_id)
+        orchestrator = Orchestrator.command(trainpipe_run(config_path, run_id), env, tmp_path / "provision.log")
+        try:
+            orchestrator.wait_for(lambda: bool(left(cluster).get("instances")), "instances launching")
+        finally:
+            orchestrator.kill()
+        killed_in, left_by_kill = phase_at(orchestrator.output()), left(cluster)
+        wait_for(lambda: time.time() - heartbeat(cluster) > CLOUD_TTL_S, CLOUD_TTL_S + 30, "the heartbeat expiring",
+                 interval=0.5)
+        swept = sweep_clusters(providers=[NebiusProvider(bootstrap=False)])
+        after = left(cluster)
+    ROWS.append({"provider": "nebius", "phase": "provision", "killed in": killed_in,
+                 "left by the kill": shown(left_by_kill),
+                 "left after": f"{shown(after)} (sweep: {len(swept)} clusters)", "last commit": "none",
+                 "rerun resumed at": "-"})
+    assert killed_in == "provision", orchestrator.output()[-3000:]
+    assert left_by_kill.get("GPU clusters") and left_by_kill.get("instances"), "the kill should leave the cluster"
+    assert after == {}, f"left after the sweep: {after}"

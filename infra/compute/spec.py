@@ -13,6 +13,7 @@ from pydantic import Field, field_validator, model_validator
 
 from infra.compute.providers.aws.config import AwsClusterSpec
 from infra.compute.providers.gcp.config import GcpClusterSpec
+from infra.compute.providers.nebius.config import NebiusClusterSpec
 from infra.compute.providers.netns.config import NetnsClusterSpec
 from infra.compute.providers.slurm.config import SlurmClusterSpec
 from infra.compute.providers.ssh.config import SshClusterSpec
@@ -88,6 +89,8 @@ class ClusterSpec(StrictModel):
                                 "nodes reach their stores with.")
     slurm: SlurmClusterSpec = Field(default_factory=SlurmClusterSpec, description="provider slurm: the allocation "
                                     "to ask the site's Slurm for, and where on a node to work.")
+    nebius: NebiusClusterSpec = Field(default_factory=NebiusClusterSpec, description="provider nebius: the "
+                                      "InfiniBand fabric, subnet, disks and filesystem of the nodes.")
 
     @field_validator("provider")
     @classmethod

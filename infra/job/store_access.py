@@ -8,7 +8,11 @@ from __future__ import annotations
 from infra.job.spec import JobSpec
 
 # The store each cloud's nodes get credentials for, and the section field that gives them.
-NATIVE_STORE = {"aws": "s3", "gcp": "gs"}
+NATIVE_STORE = {"aws": "s3", "gcp": "gs", "nebius": "s3"}
+# Nebius Object Storage is S3 with keys of a service account: its nodes have no instance credentials for it, so the
+# job forwards what the S3 engine reads (the keys, and the endpoint and region it is reached at) as secrets.
+NEBIUS_STORE_SECRETS = (("AWS_ACCESS_KEY_ID",), ("AWS_SECRET_ACCESS_KEY",), ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"),
+                        ("AWS_REGION", "AWS_DEFAULT_REGION"))
 
 
 def job_stores(job: JobSpec) -> list[tuple[str, str]]:
@@ -25,6 +29,13 @@ def _credentials_problem(job: JobSpec) -> str | None:
     if job.cluster.provider == "aws" and job.cluster.aws.instance_profile is None:
         return ("the aws nodes have no AWS credentials: set cluster.aws.instance_profile to an instance profile "
                 "whose role may read and write it")
+    if job.cluster.provider == "nebius":
+        missing = [names[0] for names in NEBIUS_STORE_SECRETS if not set(names) & set(job.training.secrets)]
+        if missing:
+            return (f"the nebius nodes reach Nebius Object Storage with the S3 keys and endpoint the job forwards: add "
+                    f"{', '.join(missing)} to training.secrets (e.g. AWS_ENDPOINT_URL: {{env: AWS_ENDPOINT_URL}} with "
+                    "AWS_ENDPOINT_URL=https://storage.eu-north1.nebius.cloud and AWS_REGION=eu-north1)")
+        return None
     account = job.cluster.gcp.service_account
     if job.cluster.provider == "gcp" and not account.reaches_storage():
         return ("the gcp nodes' service account has no storage scope: add cloud-platform or devstorage.read_write "
