@@ -1,13 +1,12 @@
 """Plan: validate everything that can be checked before a node is launched, and freeze the run's dataset and input
-snapshots."""
+snapshots and its parent (training.init_from as resolved at its first attempt)."""
 
 from __future__ import annotations
 
 from prefect import get_run_logger, task
 
-from infra.dataset.planning import freeze
 from infra.job.handoff import take_handed
-from infra.job.plan import Plan, check_secrets, plan_job
+from infra.job.plan import Plan, check_secrets, keep_with_run, plan_job
 from infra.job.spec import JobSpec
 from tasks.policy import TRANSIENT_RETRIES
 from tasks.secrets import read_secret_block
@@ -20,8 +19,6 @@ def plan_run(job: JobSpec, run_id: str) -> Plan:
         plan = plan_job(job, run_id, secret_blocks=read_secret_block)
     else:
         check_secrets(job, read_secret_block)  # the command planned before Prefect's blocks could be read
-    # From here on every node, recovery and rerun of this run id stages exactly these objects.
-    for prefix in (plan.dataset, *plan.inputs.values()):
-        freeze(prefix, plan.checkpoint_url)
+    keep_with_run(plan)
     get_run_logger().info("plan:\n%s", plan.render())
     return plan

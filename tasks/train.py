@@ -255,7 +255,10 @@ def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOu
         # SIGTERM first, to every node at once: each script finishes its save in flight (and a last one if the
         # deadline allows; a collective one needs every rank signalled) ...
         deadline_s = job.checkpoints.flush_deadline_s
-        stop_all(trainers, deadline_s + TRAINER_EXIT_GRACE_S)
+        stopping = time.monotonic()
+        codes = stop_all(trainers, deadline_s + TRAINER_EXIT_GRACE_S)
+        logger.info("trainers stopped: %d in %.1fs (their one bound: %gs), exit codes %s", len(codes),
+                    time.monotonic() - stopping, deadline_s + TRAINER_EXIT_GRACE_S, codes)
         # ... then the syncers upload and commit what completed (final_upload_timeout_s, however long the save
         # deadline): committed checkpoints are what the next attempt resumes from. A lost node's part never comes:
         # then only the save deadline, and the others are told not to wait for its part at all.

@@ -28,10 +28,11 @@ from test_dataset_stage import freeze, put_dataset, tree
 
 from infra.analysis.clusterbench import BenchResult, ClusterMeasurement, LinkFigure, Verdict, VerifyBench
 from infra.dataset.snapshot import read_snapshot
+from infra.node import fanout
 from infra.node.events import Event, NodeEvent, parse
-from infra.node.fanout import SHARE_DIR, Exchange, File, Piece, shares
+from infra.node.fanout import SHARE_DIR, Exchange, File, Piece, heartbeat, shares
 from infra.node.processes import NODE_TAG, tagged_processes
-from infra.node.protocol import CodeRequest, NodeRequest, PeerExchange, PeerServeRequest, StageRequest
+from infra.node.protocol import CodeRequest, NodeCommand, NodeRequest, PeerExchange, PeerServeRequest, StageRequest
 from infra.storage import open_store
 from infra.storage.base import ObjectStore
 from infra.storage.http import PASS_ENV, USER_ENV
@@ -306,6 +307,54 @@ def test_the_code_archive_comes_from_the_store_when_its_owner_is_gone(
         assert [e["peer"] for e in staging.events if e.kind is NodeEvent.FANOUT_FALLBACK] == [0]
 
 
+def test_the_code_fetch_and_the_stage_on_one_node_beat_their_own_heartbeats(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The code fetch and the stage run side by side on a node and beat in the same share dir. They wrote one temp
+    file and one heartbeat: the stage held between writing its temp and moving it into place while the code fetch
+    beat (the interleaving forced by a hook) lost its temp to the code fetch's move, stopped beating for good, and its
+    peers then took the code fetch's beats for the stage's life. Now each command beats its own, and both go on."""
+    monkeypatch.setattr(fanout, "BEAT_S", 0.05)
+    share = tmp_path / "share"
+    beaters = {command: Exchange(0, ["http://127.0.0.1:1"], share, lambda p: share / p.key, command=command)
+               for command in (NodeCommand.STAGE, NodeCommand.CODE)}
+    stage_held, code_beat = threading.Event(), threading.Event()
+    moved: dict[str, int] = {}
+    moves = threading.Condition()
+    replace = Path.replace
+
+    def hooked(self: Path, target: Path) -> Path:
+        name = threading.current_thread().name
+        if name == NodeCommand.STAGE and not stage_held.is_set():
+            stage_held.set()  # the stage's temp is written: the code fetch beats now, before this move
+            code_beat.wait(30)
+        done = replace(self, target)
+        if name == NodeCommand.CODE:
+            code_beat.set()
+        with moves:
+            moved[name] = moved.get(name, 0) + 1
+            moves.notify_all()
+        return done
+
+    monkeypatch.setattr(Path, "replace", hooked)
+    threads = {command: threading.Thread(target=beater._beat, name=command, daemon=True)
+               for command, beater in beaters.items()}
+    threads[NodeCommand.STAGE].start()
+    assert stage_held.wait(30), "the stage never wrote its heartbeat"
+    threads[NodeCommand.CODE].start()
+    with moves:
+        both = moves.wait_for(lambda: all(moved.get(c, 0) >= 3 for c in beaters), timeout=30)
+    for beater in beaters.values():
+        beater._ended.set()
+    for thread in threads.values():
+        thread.join(timeout=30)
+    assert both, f"a beater stopped: heartbeats moved into place {moved}"
+    assert "heartbeat not written" not in caplog.text
+    for command, beater in beaters.items():
+        rank, started, _ = (share / heartbeat(command)).read_text().split()
+        assert (int(rank), float(started)) == (0, beater._started), f"{command}'s heartbeat holds another's beat"
+    assert not list(share.glob(".*.tmp")), "a temp file left behind"
+
+
 def test_an_owner_slower_than_the_wait_bound_but_alive_is_waited_for(
         tmp_path: Path, cluster: list[Node], credentials: dict[str, str]) -> None:
     """The wait for a peer's piece counted from the first ask: an owner whose share took the store longer than the
@@ -325,7 +374,7 @@ def test_an_owner_slower_than_the_wait_bound_but_alive_is_waited_for(
 
     def exchange(rank: int) -> Exchange:
         return Exchange(rank, urls, cluster[rank].workdir / "share", lambda p: landed[rank] / p.key, wait_s=2.0,
-                        connect_grace_s=5.0)
+                        connect_grace_s=5.0, command=NodeCommand.STAGE)
 
     def fetch_one(rank: int) -> Callable[[ObjectStore, Piece, str], None]:
         def fetch(source: ObjectStore, wanted: Piece, key: str) -> None:

@@ -10,7 +10,7 @@ from jobs import job_config, make_dataset
 from test_spec import base, error_for
 
 from infra.checkpoints.store import CheckpointStore
-from infra.job.plan import PlanError, plan_job
+from infra.job.plan import PlanError, keep_with_run, plan_job
 from infra.job.spec import JobSpec, PromoteSpec, parse_job
 from infra.registry import Registry
 from infra.storage import open_store
@@ -50,6 +50,46 @@ def test_init_from_that_names_nothing_committed_fails_plan(tmp_path: Path, works
             plan_job(parse_job(config), "r1")
         assert str(caught.value).startswith("training.init_from: ") and expected in str(caught.value)
         assert "\n" not in str(caught.value)
+
+
+def test_a_run_keeps_the_parent_its_first_attempt_resolved(tmp_path: Path, workspace: Path) -> None:
+    """The alias moves and the first parent is deleted between attempts: a rerun of the run id starts from (and its
+    lineage names) what the first attempt resolved, and once it has a commit of its own needs that parent no more."""
+    from flows.retrain import lineage_of
+    from infra.compute.providers import Cluster
+    from infra.job.summary import RunSummary
+
+    dataset = make_dataset(tmp_path / "data", tokens=20_000, shard_tokens=10_000)
+    config = job_config(tmp_path, dataset)
+    config["training"]["init_from"] = "gpt@production"
+    job = parse_job(config)
+    root = job.checkpoints.url
+    first, later = _committed(root, "night-1", 10), _committed(root, "night-2", 20)
+    registry = Registry(root)
+    registry.promote("gpt", "production", first, metrics={}, reason="first", who="t")
+
+    plan = plan_job(job, "r1")
+    assert plan.init_from is not None and plan.init_from.url == first and not plan.parent_fixed
+    keep_with_run(plan)  # what the flow's plan task does at the first attempt
+    registry.promote("gpt", "production", later, metrics={}, reason="moved", who="t")
+
+    again = plan_job(job, "r1")  # killed before any commit: the warm start restores the same parent
+    assert again.parent_fixed and again.init_from == plan.init_from
+    assert f"warm start: {first} (gpt@production at the run's first attempt)" in again.render()
+
+    open_store(f"{root}/night-1").delete_prefix("")
+    with pytest.raises(PlanError, match=f"began from {first} .*no longer committed"):
+        plan_job(job, "r1")  # a warm start that cannot have its parent fails at plan, naming it
+    _committed(root, "r1", 5)
+    resumed = plan_job(job, "r1")  # a resume from its own commit does not need the deleted parent
+    assert resumed.resume_step == 5 and resumed.init_from == plan.init_from
+    lineage = lineage_of(resumed, Cluster("c", "local", "r1", (), 0.0),
+                         RunSummary(run_id="r1", job=job.name, provider="local", nodes=2, started_at=0.0), "1-a")
+    assert lineage["parent"] == first
+
+    changed = job.model_copy(update={"training": job.training.model_copy(update={"init_from": later})})
+    with pytest.raises(PlanError, match=f"training.init_from is '{later}' but run r1 began from {first}"):
+        plan_job(changed, "r1")
 
 
 @pytest.mark.parametrize(("text", "expected"), [

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -227,6 +228,43 @@ def test_the_same_rank_of_two_clusters_on_one_host_serves_its_part_on_a_port_of_
     finally:
         for replicator in replicators:
             replicator.close()
+
+
+def test_the_replica_server_is_checked_while_a_pull_is_held(
+        tmp_path: Path, peer_credentials: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pull waits up to COMMIT_WAIT_S (900 s) for its buddy's record, then downloads a whole part. The checks of the
+    node's own peer server ran on the same thread, between pulls: a server that died during a pull went unrestarted
+    (its part unserved to its replica holder) for as long. Now a pull held open by the hook does not keep a dead
+    server from being restarted within the check interval."""
+    from infra.node import replica
+
+    monkeypatch.setattr(replica, "SERVER_CHECK_S", 0.1)
+    checkpoints = CheckpointStore(open_store(f"file://{tmp_path / 'store' / 'run-1'}"))
+    replicator = Replicator(1, 2, checkpoints, ReplicaConfig(tmp_path / "share", tmp_path / "replica", "127.0.0.1"),
+                            "a1")
+    pulling, release = threading.Event(), threading.Event()
+
+    def held(step: int) -> int | None:
+        pulling.set()
+        assert release.wait(60), "the test never released the pull"
+        return None
+
+    replicator.pull = held  # type: ignore[method-assign]
+    try:
+        first = replicator.server
+        assert first is not None
+        replicator.shipped(STEP)
+        assert pulling.wait(30), "the pull never started"
+        first.kill()
+        first.wait()
+        seconds = wait_for(lambda: replicator.server is not first and replicator.server is not None, 10,
+                           "the dead peer server restarted during the pull")
+        assert replicator.server is not None and replicator.server.poll() is None
+        print(f"figures: peer server restarted {seconds:.2f} s after it died, a pull held open meanwhile")
+    finally:
+        release.set()
+        assert replicator.wait_idle(30)
+        replicator.close()
 
 
 def test_a_part_is_served_before_its_record_names_it(tmp_path: Path) -> None:

@@ -16,8 +16,10 @@ from pathlib import Path
 from conftest import run_trainpipe
 from jobs import GPT_DEFAULTS, job_config, make_dataset
 
+from infra.job.parent import load_parent
 from infra.job.spec import parse_job
 from infra.registry import Registry
+from infra.storage import open_store
 
 MODEL = ("--vocab-size", "256", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "32")
 STEPS = 80
@@ -69,6 +71,12 @@ def test_three_nights_warm_start_evaluate_promote_reject_rollback_lineage(prefec
     assert three["promotion"]["champion"] == two["checkpoint"]
     registry = Registry(root)
     assert registry.resolve("gpt", "production").target == two["checkpoint"]
+    # Each warm start kept the parent its plan resolved with the run: a rerun of night 3 starts from night 2's
+    # checkpoint, not from wherever production points by then.
+    parents = {name: load_parent(open_store(f"{root}/{name}")) for name in states}
+    assert parents["night-1"] is None
+    assert [(p.url, p.init_from) for p in (parents["night-2"], parents["night-3"]) if p is not None] == [
+        (one["checkpoint"], "gpt@production"), (two["checkpoint"], "gpt@production")]
     for summary in (one, two, three):
         assert summary["phases"].keys() >= {"evaluate", "promote"} and summary["nodes_left"] == 0
         assert summary["promotion"]["decided_after_training_s"] > 0

@@ -16,14 +16,15 @@ from infra.compute.providers import check_site as site_can_hold
 from infra.compute.spec import ClusterSpec
 from infra.dataset.docs import write_data_docs
 from infra.dataset.manifest import DatasetError
-from infra.dataset.planning import CarriesValidation, DatasetPlan, ExpectationsFailed, plan_dataset, plan_input
+from infra.dataset.planning import CarriesValidation, DatasetPlan, ExpectationsFailed, freeze, plan_dataset, plan_input
 from infra.dataset.spec import InputSpec
 from infra.dataset.stagecache import CACHE_DIR, cached_bytes
+from infra.job.parent import ParentError, RunParent, fix_parent, kept_parent, load_parent, resolve_parent
 from infra.job.secrets import BlockReader, SecretMissing, resolve_secrets
 from infra.job.spec import JobSpec
 from infra.job.store_access import store_access_problem
 from infra.registry import CheckpointTarget, RegistryError, resolve_checkpoint
-from infra.storage import StorageError, open_store
+from infra.storage import ObjectStore, StorageError, open_store
 from infra.workload.plan import WorkloadError, WorkloadPlan, plan_workload
 from infra.workspace import local_clusters_dir, run_dir
 
@@ -51,8 +52,14 @@ class Plan:
     resume_step: int | None
     workload: WorkloadPlan
     candidates: tuple[Candidate, ...] = ()  # cloud providers: where to launch, in the order failover tries
-    init_from: CheckpointTarget | None = None  # training.init_from resolved: the weights a fresh start begins from
+    # training.init_from resolved at the run's first attempt: the weights a fresh start begins from
+    parent: RunParent | None = None
+    parent_fixed: bool = False  # the run already kept its parent (a rerun of the run id): not resolved again
     inputs: dict[str, DatasetPlan] = field(default_factory=dict)  # name -> its plan (snapshot, files, bytes)
+
+    @property
+    def init_from(self) -> CheckpointTarget | None:
+        return self.parent.target if self.parent is not None else None
 
     @property
     def inputs_bytes(self) -> int:
@@ -67,13 +74,16 @@ class Plan:
             *self.dataset.render_lines(),
             *(line for plan in self.inputs.values() for line in plan.render_lines()),
             f"  checkpoints: {self.checkpoint_url} — {resume}",
-            *([f"  warm start: {self.init_from.url}" + (" (not restored: the run resumes its own checkpoint)"
-                                                       if self.resume_step is not None else "")]
-              if self.init_from is not None else []),
+            *([f"  warm start: {self.parent.url}" + self._parent_note()] if self.parent is not None else []),
             self.workload.render(),
             *(f"  warning: {warning}" for warning in self.workload.warnings),
             *self._render_candidates(),
         ])
+
+    def _parent_note(self) -> str:
+        notes = ([f"{self.parent.init_from} at the run's first attempt"] if self.parent_fixed else []) + (
+            ["not restored: the run resumes its own checkpoint"] if self.resume_step is not None else [])
+        return f" ({'; '.join(notes)})" if notes else ""
 
     def _render_candidates(self) -> list[str]:
         if not self.candidates:
@@ -200,14 +210,19 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
-def _init_from(job: JobSpec) -> CheckpointTarget | None:
-    """The committed checkpoint training.init_from names, checked now: a missing one costs no cluster."""
-    if job.training.init_from is None:
-        return None
+def _parent(job: JobSpec, run_store: ObjectStore, run_id: str, resumes: bool) -> tuple[RunParent | None, bool]:
+    """The committed checkpoint the run begins from, and whether the run had already fixed it: the one kept with the
+    run when an earlier attempt fixed it (init_from is not resolved again), else training.init_from resolved now,
+    checked now: a missing one costs no cluster."""
     try:
-        return resolve_checkpoint(job.training.init_from, job.checkpoints.url)
-    except (RegistryError, CheckpointError, StorageError) as exc:
-        raise PlanError(f"training.init_from: {exc}") from None
+        kept = load_parent(run_store)
+        if kept is not None:
+            return kept_parent(kept, job.training.init_from, run_id, warm_start=not resumes), True
+        if job.training.init_from is None:
+            return None, False
+        return resolve_parent(job.training.init_from, job.checkpoints.url), False
+    except (ParentError, StorageError) as exc:
+        raise PlanError(str(exc)) from None
 
 
 def check_secrets(job: JobSpec, secret_blocks: BlockReader | None) -> None:
@@ -245,11 +260,21 @@ def plan_job(job: JobSpec, run_id: str, secret_blocks: BlockReader | None = None
     if dataset.validation is not None:
         write_data_docs(dataset.validation, run_dir(run_id), run_id)
     latest = CheckpointStore(checkpoints).latest()
-    init_from = _init_from(job)
+    parent, parent_fixed = _parent(job, checkpoints, run_id, resumes=latest is not None)
     return Plan(
         run_id=run_id, cluster_name=cluster_name_for(run_id), provider=job.cluster.provider,
         nodes=job.cluster.nodes, world_size=job.cluster.nodes * job.cluster.procs_per_node,
         dataset_url=job.dataset.url, dataset=dataset,
         checkpoint_url=checkpoint_url, resume_step=latest.step if latest else None, workload=workload,
-        candidates=found, init_from=init_from, inputs=inputs,
+        candidates=found, parent=parent, parent_fixed=parent_fixed, inputs=inputs,
     )
+
+
+def keep_with_run(plan: Plan) -> None:
+    """Store beside the run's checkpoints what its first attempt fixed: the dataset and input snapshots and the parent.
+    From here on every node, recovery and rerun of this run id stages exactly these objects and starts from (and
+    names in its lineage) exactly this parent."""
+    for prefix in (plan.dataset, *plan.inputs.values()):
+        freeze(prefix, plan.checkpoint_url)
+    if plan.parent is not None and not plan.parent_fixed:
+        fix_parent(open_store(plan.checkpoint_url), plan.parent)

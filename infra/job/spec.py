@@ -106,7 +106,9 @@ class TrainingSpec(StrictModel):
         None, description="Warm start: a committed checkpoint to start a new schedule from — the step URL `trainpipe "
         "run` prints, a run's checkpoint root (its latest commit) or MODEL@ALIAS (e.g. mymodel@production). Checked "
         "at plan, restored onto every node before training as TRAINPIPE_INIT_FROM / {init_from}; not restored again "
-        "when the run resumes its own checkpoint after a preemption.")
+        "when the run resumes its own checkpoint after a preemption. Resolved once, at the run's first attempt, and "
+        "kept with the run: a recovery or a rerun of the run id starts from that same checkpoint even if the alias "
+        "moved since.")
 
     @field_validator("code")
     @classmethod

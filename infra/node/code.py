@@ -15,7 +15,7 @@ from pathlib import Path
 
 from infra.node.events import NodeEvent, emit, fail
 from infra.node.fanout import Counts, Exchange, File, Piece, shares
-from infra.node.protocol import CodeRequest, NodeRequest, PeerExchange, as_request
+from infra.node.protocol import CodeRequest, NodeCommand, NodeRequest, PeerExchange, as_request
 from infra.storage import StorageError, open_store
 from infra.storage.base import ObjectStore
 from infra.storage.transfer import FileSpec, download, sha256_file
@@ -41,8 +41,8 @@ def _through_peers(request: CodeRequest, peers: PeerExchange, store: ObjectStore
         return None
     share_dir = Path(peers.share_dir)
     share_dir.mkdir(parents=True, exist_ok=True)
-    exchange = Exchange(request.rank, peers.urls, share_dir, lambda _: fetched / name, wait_s=peers.wait_s,
-                        connect_grace_s=peers.connect_grace_s)
+    exchange = Exchange(request.rank, peers.urls, share_dir, lambda _: fetched / name, command=NodeCommand.CODE,
+                        wait_s=peers.wait_s, connect_grace_s=peers.connect_grace_s)
 
     def fetch_one(source: ObjectStore, wanted: Piece, key: str) -> None:
         # A peer serves it under its share name: verified there, then given its own name.

@@ -14,12 +14,15 @@ second of landing there. A peer that cannot be reached, refuses, sends bad bytes
 bound is done with: what it owed comes from the store, with a `fanout-fallback` event naming it and why. The bound
 counts from the peer's last sign of life, not from the first ask: every node's exchange beats (rewrites HEARTBEAT in
 its share dir) while it runs, so an owner whose share takes the store minutes to send is waited for, and one whose
-node or stager is gone is given up on within the bound.
+node or stager is gone is given up on within the bound. Each command's exchange beats a heartbeat of its own
+(heartbeat()), read by the same command's exchange on its peers: the code fetch and the stage run side by side on one
+node, and one's beats must neither clobber the other's file nor stand for the other's life.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -32,7 +35,7 @@ from infra.dataset.assign import assign
 from infra.dataset.errors import DatasetError
 from infra.dataset.stagecache import link_into
 from infra.node.events import NodeEvent, emit
-from infra.node.protocol import PEER_CONNECT_GRACE_S, PEER_WAIT_S
+from infra.node.protocol import PEER_CONNECT_GRACE_S, PEER_WAIT_S, NodeCommand
 from infra.storage.base import ObjectStore, StorageError
 from infra.storage.cloud import TransientStorageError
 from infra.storage.http import HttpStore
@@ -40,7 +43,9 @@ from infra.storage.http import HttpStore
 log = logging.getLogger(__name__)
 
 SHARE_DIR = "fanout"  # under the node's workdir: what its peer server serves, each file under its checksum's name
-HEARTBEAT = "_alive"  # in the share dir (share names are "<algorithm>-<value>"): rewritten every BEAT_S while running
+# In the share dir (share names are "<algorithm>-<value>"), one per command (heartbeat()): rewritten every BEAT_S while
+# that command's exchange runs.
+HEARTBEAT = "_alive"
 BEAT_S = 2.0
 # A piece published is fetched within _POLL_MAX_S: the exchange's tail (each owner's last piece) waits no longer for
 # it. At 8 pieces awaited per node that is ≤ 80 HEADs a second a node sends, each answered from the owner's dir.
@@ -49,6 +54,11 @@ _POLL_FIRST_S, _POLL_MAX_S = 0.02, 0.1
 # each part's body in one thread, so a fast node link needs many in flight (on loopback, 4 × 8 MiB moved ~90 MB/s, 16
 # matched curl's ~380 MB/s), above all for each owner's last piece, the exchange's tail, pulled alone.
 PEER_WORKERS = 16
+
+
+def heartbeat(command: NodeCommand) -> str:
+    """The name of the heartbeat one command's exchange beats in the share dir and its peers' same command reads."""
+    return f"{HEARTBEAT}-{command.value}"
 
 
 class Piece(Protocol):
@@ -99,7 +109,7 @@ class _Peer:
     store: HttpStore
     gone: str | None = None  # why this node stopped asking it
     starting: bool = False  # refused a connection within the grace: its server is still starting
-    beat: bytes | None = None  # its HEARTBEAT as last read
+    beat: bytes | None = None  # its heartbeat (this command's) as last read
     alive_at: float = field(default_factory=time.monotonic)  # when it last showed life (a beat changed, a piece came)
 
 
@@ -114,12 +124,14 @@ class Counts:
 
 class Exchange:
     """One stage's exchange on node `rank` among the peers (their URLs by rank, this node's own included); `local`
-    says where a verified piece lies on this node (what gets published)."""
+    says where a verified piece lies on this node (what gets published); `command` the node command it runs in,
+    whose heartbeat it beats and reads."""
 
     def __init__(self, rank: int, peer_urls: Sequence[str], share_dir: Path, local: Callable[[Piece], Path], *,
-                 wait_s: float = PEER_WAIT_S, connect_grace_s: float = PEER_CONNECT_GRACE_S,
+                 command: NodeCommand, wait_s: float = PEER_WAIT_S, connect_grace_s: float = PEER_CONNECT_GRACE_S,
                  holders: Sequence[int] = ()) -> None:
         self.rank = rank
+        self.heartbeat = heartbeat(command)
         self.holders = tuple(holders)  # the ranks that own the shares (shares()); empty: every rank
         self.peers = [_Peer(r, HttpStore(url)) for r, url in enumerate(peer_urls)]
         self.share_dir = share_dir
@@ -190,9 +202,10 @@ class Exchange:
             beats += 1
             try:
                 self.share_dir.mkdir(parents=True, exist_ok=True)
-                temp = self.share_dir / f".{HEARTBEAT}.tmp"
+                # A temp file of this beater's own: two beating at once never write, or move away, each other's.
+                temp = self.share_dir / f".{self.heartbeat}.{os.getpid()}.{threading.get_ident()}.tmp"
                 temp.write_text(f"{self.rank} {self._started} {beats}\n")
-                temp.replace(self.share_dir / HEARTBEAT)
+                temp.replace(self.share_dir / self.heartbeat)
             except OSError as exc:
                 log.warning("fan-out heartbeat not written (%s): peers wait for this node only %gs", exc, self.wait_s)
                 return
@@ -202,7 +215,7 @@ class Exchange:
     def _shows_life(self, peer: _Peer) -> bool:
         """Whether the peer showed life within the bound: its heartbeat changed since last read (read now)."""
         try:
-            beat = peer.store.get_bytes(HEARTBEAT)
+            beat = peer.store.get_bytes(self.heartbeat)
         except StorageError:
             beat = None  # no exchange running there (yet): only the time since it last showed life counts
         with self._lock:

@@ -24,6 +24,7 @@ from infra.checkpoints.layout import CheckpointManifest, FileEntry
 from infra.checkpoints.store import CheckpointStore
 from infra.node.events import NodeEvent, emit
 from infra.node.fanout import Counts, Exchange, File, Piece, share_name, shares
+from infra.node.protocol import NodeCommand
 from infra.node.replica import REPLICA_DIR, replica_holder, replica_path
 from infra.storage.base import ObjectStore
 from infra.storage.checksum import checksum_file
@@ -92,7 +93,7 @@ class PeerFill:
         owner = self._owners(checkpoints, manifest, pieces)
         self.share_dir.mkdir(parents=True, exist_ok=True)
         exchange = Exchange(self.rank, self.peers, self.share_dir, lambda piece: folder / piece.key,
-                            wait_s=self.wait_s, connect_grace_s=self.connect_grace_s)
+                            command=NodeCommand.RESTORE, wait_s=self.wait_s, connect_grace_s=self.connect_grace_s)
 
         def fetch_one(store: ObjectStore, piece: Piece, key: str) -> None:
             entry = entries[piece.key]

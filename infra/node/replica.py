@@ -18,8 +18,11 @@ credentials), which every upload record of the node names (`replica_url`). It is
 (restarted, on the same port, when it dies) and killed with the syncer (a parent-death signal), so the syncer, itself
 watched by the orchestrator, is the one sidecar to watch.
 
-This is background work on one thread: a failure is logged and emitted (`replica-failed`), never fatal to training
-(the store still has every byte; a restore without the replica reads the lost part from there).
+This is background work on two threads: the pulls on one (a pull may wait up to COMMIT_WAIT_S for the buddy's record,
+then download a whole part), and the checks of the peer server and of the pull thread on the other, every
+SERVER_CHECK_S whatever a pull is doing. A failure is logged and emitted (`replica-failed`), never fatal to training
+(the store still has every byte; a restore without the replica reads the lost part from there); close() cancels a
+pull at its next file or record poll.
 """
 
 from __future__ import annotations
@@ -106,7 +109,7 @@ class Replicator:
         self.server: subprocess.Popen[bytes] | None = None
         self._server_restarts = 0
         self.commit_wait_s = commit_wait_s
-        # One daemon thread: bounded background work that never holds up the syncer's exit (a pull cut short leaves
+        # Daemon threads: bounded background work that never holds up the syncer's exit (a pull cut short leaves
         # only a .partial dir, replaced by the next one).
         self._steps: queue.Queue[int] = queue.Queue()
         self._idle = threading.Condition()
@@ -118,7 +121,9 @@ class Replicator:
         if self.serve_addr is not None:
             self._serve()
             emit(NodeEvent.REPLICA_SERVING, url=self.url)
-        threading.Thread(target=self._work, name=f"replica-{rank}", daemon=True).start()
+        self._puller = self._start_puller()
+        self._puller_restarts = 0
+        threading.Thread(target=self._watch, name=f"replica-watch-{rank}", daemon=True).start()
 
     @property
     def url(self) -> str | None:
@@ -181,13 +186,31 @@ class Replicator:
         with self._idle:
             return self._idle.wait_for(lambda: self._pending == 0, timeout=timeout_s)
 
-    def _work(self) -> None:
+    def _start_puller(self) -> threading.Thread:
+        puller = threading.Thread(target=self._pull_queued, name=f"replica-{self.rank}", daemon=True)
+        puller.start()
+        return puller
+
+    def _watch(self) -> None:
+        """The checks, on a thread of their own: a pull holds its thread for up to commit_wait_s and longer."""
         while True:
             self._check_server()
-            try:
-                step = self._steps.get(timeout=SERVER_CHECK_S)
-            except queue.Empty:
-                continue
+            self._check_puller()
+            if self._closed.wait(SERVER_CHECK_S):
+                return
+
+    def _check_puller(self) -> None:
+        """A pull thread that ended (_pull_logged keeps every error of a pull from ending it: only something that
+        ends a thread itself does) is said and started again; the steps queued meanwhile wait for it."""
+        if self._closed.is_set() or self._puller.is_alive():
+            return
+        self._puller_restarts += 1
+        self._failed(self._newest, f"the replica pull thread ended: started again ({self._puller_restarts})")
+        self._puller = self._start_puller()
+
+    def _pull_queued(self) -> None:
+        while True:
+            step = self._steps.get()
             try:
                 self._pull_logged(step)
             finally:
@@ -243,7 +266,8 @@ class Replicator:
         return None
 
     def pull(self, step: int) -> int | None:
-        """Replicate the buddy's uploaded files of `step`; returns their bytes (None: superseded or never uploaded)."""
+        """Replicate the buddy's uploaded files of `step`; returns their bytes (None: superseded, never uploaded, or
+        cancelled by close())."""
         record = self._buddy_part(step)
         if record is None:
             return None
@@ -256,6 +280,8 @@ class Replicator:
         shutil.rmtree(partial, ignore_errors=True)
         incoming = partial / _INCOMING
         for entry in files:
+            if self._closed.is_set():
+                return None  # the syncer is ending: the .partial dir is replaced by the next pull
             name = share_name(str(entry.checksum))
             # Verified against the record's checksum by the transfer engine, as a store's byte is.
             key = f"{REPLICA_DIR}/{name}"

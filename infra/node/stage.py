@@ -27,7 +27,7 @@ from infra.dataset.snapshot import DATASET, DatasetSnapshot, SnapshotFile, check
 from infra.dataset.stagecache import CacheBusy, ObjectCache, link_into
 from infra.node.events import NodeEvent, Throttle, emit, fail
 from infra.node.fanout import Counts, Exchange, Piece
-from infra.node.protocol import NodeRequest, StageRequest, as_request
+from infra.node.protocol import NodeCommand, NodeRequest, StageRequest, as_request
 from infra.storage import StorageError, open_store
 from infra.storage.base import ChecksumMismatch, ObjectStore
 from infra.storage.records import DEFAULT_CONFIG
@@ -273,7 +273,7 @@ def _exchange(request: StageRequest, cache: ObjectCache) -> Exchange | None:
     share_dir.mkdir(parents=True, exist_ok=True)
     return Exchange(request.rank, request.peers.urls, share_dir, lambda file: cache.path(file.checksum),
                     wait_s=request.peers.wait_s, connect_grace_s=request.peers.connect_grace_s,
-                    holders=request.holders)
+                    holders=request.holders, command=NodeCommand.STAGE)
 
 
 def _reporter(throttle: Throttle, what: str) -> Callable[[Progress], None]:
