@@ -20,8 +20,9 @@ from __future__ import annotations
 import base64
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +39,14 @@ from azure.storage.blob import BlobBlock, BlobClient, BlobProperties, ContainerC
 
 from infra.storage.azure_account import NO_ACCOUNT, service_client
 from infra.storage.base import ChecksumMismatch, ObjectInfo, ObjectNotFound, ObjectStore, StorageError
-from infra.storage.checksum import CRC64NVME, Checksum, PartCrcs, check, checksum_bytes, checksum_file
+from infra.storage.checksum import CRC64NVME, Checksum, Crc, PartCrcs, check, checksum_bytes, checksum_file
 from infra.storage.cloud import BucketKeys, TransientStorageError, nothing_to_read, split_bucket_url, translating
 from infra.storage.files import os_errors_named, write_all, write_atomically
 from infra.storage.stall import StalledRequest
 
 READ_TIMEOUT_S = 60.0  # control calls; a transfer's requests get its stall bound (with_stall_timeout)
 CHECKSUM_METADATA = "trainpipe_crc64nvme"  # blob metadata: the object's CRC64NVME, base64 as S3 reports it
+_META_HEADER = "x-ms-meta-"
 _TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 _CLIENT_ERRORS = (AzureError, ValueError, ConnectionError, TimeoutError)
 
@@ -52,8 +54,10 @@ _CLIENT_ERRORS = (AzureError, ValueError, ConnectionError, TimeoutError)
 def translate(exc: BaseException, url: str, container: str, action: str) -> StorageError:
     """The one-line StorageError for an azure-storage-blob failure; transient ones are marked for retries."""
     detail = " ".join(str(exc).split("\n")[0].split())
-    code = str(getattr(exc, "error_code", "") or "")
-    status = int(getattr(getattr(exc, "response", None), "status_code", 0) or getattr(exc, "status_code", 0) or 0)
+    response = getattr(exc, "response", None)
+    # The SDK's own calls parse the service's error code; a generated operation's leave it in the header.
+    code = str(getattr(exc, "error_code", "") or (response.headers.get("x-ms-error-code") if response else "") or "")
+    status = int(getattr(response, "status_code", 0) or getattr(exc, "status_code", 0) or 0)
     if code == "ContainerNotFound":
         return StorageError(f"{url}: container '{container}' does not exist: create it or fix the URL")
     if isinstance(exc, ResourceNotFoundError) or code == "BlobNotFound":
@@ -81,6 +85,12 @@ def translate(exc: BaseException, url: str, container: str, action: str) -> Stor
 def _block_id(upload_id: str, number: int) -> str:
     # Every block id of one blob must have the same length: the upload's id and a fixed-width part number.
     return base64.b64encode(f"{upload_id}-{number:06d}".encode()).decode()
+
+
+def _metadata_of(headers: Mapping[str, str]) -> dict[str, str]:
+    """The blob's metadata in a response's headers (x-ms-meta-<name>)."""
+    return {name[len(_META_HEADER):]: value for name, value in headers.items()
+            if name.lower().startswith(_META_HEADER)}
 
 
 def _stored_checksum(metadata: dict[str, str] | None) -> Checksum | None:
@@ -172,50 +182,69 @@ class AzureBlobStore(ObjectStore):
         except ObjectNotFound:
             return None
 
+    def _download(self, key: str, byte_range: str | None) -> tuple[Iterator[bytes], Mapping[str, str]]:
+        """One GET of the blob (or a range of it): its body, streamed, and the response's headers.
+
+        The service's Get Blob itself, not download_blob: the SDK's downloader retries a body that fails mid-read
+        (three times, a second apart, unlogged), where the engine must see the failure to retry it with its backoff,
+        its log line and its stall bound."""
+        blob = self._blob(key)
+        body, headers = blob._client.blob.download(  # the one operation under download_blob
+            range=byte_range, cls=lambda response, body, _headers: (body, response.http_response.headers))
+        return body, headers
+
     def get_range(self, key: str, start: int, length: int) -> bytes:
         if nothing_to_read(self.url_for(key), start, length):
             return b""
         with self._calling(key, f"read bytes {start}-{start + length - 1}"):
             try:
                 # A range has no checksum of its own: the engine verifies the whole file as it is written.
-                data: bytes = self._blob(key).download_blob(offset=start, length=length, max_concurrency=1).readall()
+                body, _ = self._download(key, f"bytes={start}-{start + length - 1}")
+                return b"".join(body)
             except HttpResponseError as exc:
                 if exc.status_code == 416:  # start at or past the end: no bytes there
                     return b""
                 raise
-        return data
 
     def get_bytes(self, key: str) -> bytes:
         with self._calling(key, "read"):
-            download = self._blob(key).download_blob(max_concurrency=1)
-            data: bytes = download.readall()
-        self._check_whole(key, download.properties, checksum_bytes(data), len(data))
+            body, headers = self._download(key, None)
+            data = b"".join(body)
+        self._check_whole(key, headers, checksum_bytes(data), len(data))
         return data
 
-    def _check_whole(self, key: str, properties: BlobProperties, actual: Checksum | None, size: int) -> None:
-        """A whole object read: held to its size and to the CRC it was stored with, where it has one."""
-        if size != properties.size:
-            raise TransientStorageError(f"{self.url_for(key)}: got {size} of {properties.size} bytes: the connection "
-                                        "was cut")
-        stored = _stored_checksum(properties.metadata)
-        if stored is not None and actual is not None:
+    def _check_whole(self, key: str, headers: Mapping[str, str], actual: Checksum, size: int) -> None:
+        """A whole object read: held to its length and to the CRC it was stored with, where it has one."""
+        expected = int(headers.get("Content-Length") or 0)
+        if size != expected:
+            raise TransientStorageError(f"{self.url_for(key)}: got {size} of {expected} bytes: the connection was "
+                                        "cut")
+        stored = _stored_checksum(_metadata_of(headers))
+        if stored is not None:
             check(actual, stored, self.url_for(key))
 
     def get_file(self, key: str, path: Path) -> ObjectInfo:
         path = Path(path)
+        crc = Crc(CRC64NVME)
         with self._calling(key, "read"):
-            download = self._blob(key).download_blob(max_concurrency=1)
+            body, headers = self._download(key, None)
 
             def fill(fd: int) -> None:
-                for chunk in download.chunks():
+                for chunk in body:
+                    crc.update(chunk)
                     write_all(fd, chunk)
 
             with os_errors_named(str(path), "write"):
                 written = write_atomically(path, fill)
-        stored = _stored_checksum(download.properties.metadata)
-        actual = checksum_file(path) if stored is not None else None
-        self._check_whole(key, download.properties, actual, written.st_size)
-        return self._info(key, download.properties)
+        try:
+            self._check_whole(key, headers, crc.checksum(), written.st_size)
+        except StorageError:
+            path.unlink(missing_ok=True)
+            raise
+        modified = headers.get("Last-Modified")
+        return ObjectInfo(key, written.st_size, (headers.get("ETag") or "").strip('"') or None,
+                          parsedate_to_datetime(modified).timestamp() if modified else None,
+                          str(crc.checksum()))
 
     # -- writes ------------------------------------------------------------------------------------
 
