@@ -1,4 +1,4 @@
-"""`trainpipe cp` between local paths, s3:// (rclone) and gs:// (emulator), in process through the Typer app."""
+"""`trainpipe cp` between local paths, s3:// (rclone), gs:// (emulator) and az:// (Azurite), through the Typer app."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import TRAINPIPE
 from store_checks import engine_files, tree, write_tree
+from test_storage_file import ODD_KEYS
 from typer.testing import CliRunner
 
 from bench.transfer import ONE_OBJECT_NOTE, ONE_OBJECT_RUNS
@@ -45,6 +46,22 @@ def test_recursive_copy_through_s3_and_gcs(s3_url: str, gs_url: str, tmp_path: P
         match = FINAL_LINE.match(out.strip())
         assert code == 0 and match and int(match[2]) == len(sizes) and match[3] == "0", out
     assert tree(tmp_path / "from-s3") == tree(tmp_path / "src")
+
+
+def test_recursive_copy_to_azure_and_back_is_exact(az_url: str, tmp_path: Path) -> None:
+    """Awkward keys (spaces, non-ASCII, '+', '='), an empty file and one of several blocks: up to az:// and back,
+    exactly; a second copy down moves nothing."""
+    sizes = {**{key: 100 + len(key) for key in ODD_KEYS}, "empty.bin": 0, "big/blocks+tail.bin": 2 * (5 << 20) + 1234}
+    write_tree(tmp_path / "src", sizes)
+    for src, dst in [(str(tmp_path / "src"), f"{az_url}/up/"), (f"{az_url}/up", str(tmp_path / "back"))]:
+        code, out, err = cp(src, dst, "--recursive")
+        assert code == 0, err
+        match = FINAL_LINE.match(out.strip().splitlines()[-1])
+        assert match and int(match[1]) == len(sizes) and int(match[3].replace(",", "")) == sum(sizes.values()), out
+    assert tree(tmp_path / "back") == tree(tmp_path / "src")
+    code, out, _ = cp(f"{az_url}/up/", str(tmp_path / "back"), "-r")
+    match = FINAL_LINE.match(out.strip())
+    assert code == 0 and match and int(match[2]) == len(sizes) and match[3] == "0", out
 
 
 def test_python_engine_and_an_empty_prefix(s3_url: str, tmp_path: Path) -> None:
