@@ -25,7 +25,7 @@ run: $(BIN)/trainpipe $(DATASET)/manifest.json
 
 test: $(BIN)/trainpipe
 	scripts/install-system-packages
-	scripts/install-azurite
+	scripts/install-azure-tools
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q --durations=25
 
