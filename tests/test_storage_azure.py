@@ -98,3 +98,13 @@ def test_failures_are_transient_only_where_a_retry_can_help() -> None:
     assert "access denied" in str(translate(answer(403), url, "c", "read"))
     assert isinstance(translate(ServiceResponseError("Read timed out"), url, "c", "read"), StalledRequest)
     assert is_transient(translate(ServiceResponseError("Connection reset by peer"), url, "c", "read"))
+
+
+def test_blocks_that_do_not_tile_the_object_are_not_committed(az_url: str) -> None:
+    store = open_store(az_url)
+    assert isinstance(store, AzureBlobStore)
+    upload_id = store.start_multipart("gap")
+    tags = [store.put_part("gap", upload_id, 1, 0, b"a" * 10), store.put_part("gap", upload_id, 2, 12, b"b" * 10)]
+    with pytest.raises(StorageError, match="do not tile the object"):
+        store.finish_multipart("gap", upload_id, tags)
+    assert store.head("gap") is None

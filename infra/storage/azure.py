@@ -114,10 +114,19 @@ class _Blocks:
         with self._lock:
             self._ends[offset] = offset + len(data)
 
-    def checksum(self) -> Checksum:
+    def checksum(self, url: str, blocks: int) -> Checksum:
+        """The CRC of the object these blocks make, once they tile it: each starting where the one before ended."""
         with self._lock:
-            size = max(self._ends.values(), default=0)
-        return self.crcs.total(size)
+            ends = sorted(self._ends.items())
+        position = 0
+        for offset, end in ends:
+            if offset != position:
+                raise StorageError(f"{url}: the staged blocks do not tile the object (one starts at {offset}, the one "
+                                   f"before ends at {position}): upload it again")
+            position = end
+        if len(ends) != blocks:
+            raise StorageError(f"{url}: {blocks} blocks to commit but {len(ends)} were staged: upload it again")
+        return self.crcs.total(position)
 
 
 class AzureBlobStore(ObjectStore):
@@ -323,7 +332,7 @@ class AzureBlobStore(ObjectStore):
         return blocks
 
     def finish_multipart(self, key: str, upload_id: str, tags: list[str]) -> ObjectInfo:
-        checksum = self._blocks(key, upload_id).checksum()
+        checksum = self._blocks(key, upload_id).checksum(self.url_for(key), len(tags))
         with self._calling(key, "commit the block list"):
             blob = self._blob(key)
             # The CRC goes with the commit: the object is never visible without it.
