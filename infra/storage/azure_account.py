@@ -9,25 +9,29 @@
                                                          https://<account>.blob.core.windows.net (a sovereign cloud)
 
 One client per environment and read timeout is shared by every store in the process; its connection pool is as wide
-as the engine's widest pool.
+as the engine's widest pool. The SDK is imported when the first client is made: plan reads CREDENTIAL_SETS from here
+without paying for it.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from typing import Any
-
-import requests
-import requests.adapters
-from azure.storage.blob import BlobServiceClient
+from typing import TYPE_CHECKING, Any
 
 from infra.storage.base import StorageError
+
+if TYPE_CHECKING:
+    import requests
+    from azure.storage.blob import BlobServiceClient
 
 ENVIRONMENT = ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT", "AZURE_STORAGE_KEY",
                "AZURE_STORAGE_BLOB_ENDPOINT")
 NO_ACCOUNT = ("set AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT with AZURE_STORAGE_KEY or an identity "
               "(a managed identity, AZURE_CLIENT_ID/AZURE_TENANT_ID/AZURE_CLIENT_SECRET, or `az login`)")
+# The variables that reach an account without an identity of the machine's own: any one set is enough.
+CREDENTIAL_SETS = (("AZURE_STORAGE_CONNECTION_STRING",), ("AZURE_STORAGE_ACCOUNT", "AZURE_STORAGE_KEY"),
+                   ("AZURE_STORAGE_ACCOUNT", "AZURE_CLIENT_ID", "AZURE_TENANT_ID", "AZURE_CLIENT_SECRET"))
 MAX_POOL_CONNECTIONS = 128  # connections are opened only when used, so a large pool costs nothing
 CONNECT_TIMEOUT_S = 10.0
 
@@ -36,6 +40,8 @@ _clients_lock = threading.Lock()
 
 
 def _session() -> requests.Session:
+    import requests.adapters
+
     session = requests.Session()
     adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=MAX_POOL_CONNECTIONS)
     for scheme in ("http://", "https://"):
@@ -50,6 +56,8 @@ def _options(read_timeout_s: float) -> dict[str, Any]:
 
 
 def _new_client(read_timeout_s: float) -> BlobServiceClient:
+    from azure.storage.blob import BlobServiceClient
+
     options = _options(read_timeout_s)
     connection_string = os.environ.get("AZURE_STORAGE_CONNECTION_STRING")
     if connection_string:
