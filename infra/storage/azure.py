@@ -93,11 +93,15 @@ def _metadata_of(headers: Mapping[str, str]) -> dict[str, str]:
             if name.lower().startswith(_META_HEADER)}
 
 
-def _stored_checksum(metadata: dict[str, str] | None) -> Checksum | None:
+def _stored_checksum(metadata: dict[str, str] | None, url: str) -> Checksum | None:
     # Metadata names are case-insensitive to the service, which may return them in another case.
     for name, value in (metadata or {}).items():
         if name.lower() == CHECKSUM_METADATA:
-            return Checksum.parse(f"{CRC64NVME}:{value}")
+            try:
+                return Checksum.parse(f"{CRC64NVME}:{value}")
+            except ValueError:
+                raise StorageError(f"{url}: its {CHECKSUM_METADATA} metadata {value!r} is no CRC64NVME: remove the "
+                                   "metadata, or upload the object again") from None
     return None
 
 
@@ -163,7 +167,7 @@ class AzureBlobStore(ObjectStore):
         return self.container.get_blob_client(self.keys.name(key))
 
     def _info(self, key: str, properties: BlobProperties) -> ObjectInfo:
-        checksum = _stored_checksum(properties.metadata)
+        checksum = _stored_checksum(properties.metadata, self.url_for(key))
         modified = properties.last_modified.timestamp() if properties.last_modified is not None else None
         etag = properties.etag.strip('"') if properties.etag else None
         return ObjectInfo(key, int(properties.size or 0), etag, modified, str(checksum) if checksum else None)
@@ -228,7 +232,7 @@ class AzureBlobStore(ObjectStore):
         if size != expected:
             raise TransientStorageError(f"{self.url_for(key)}: got {size} of {expected} bytes: the connection was "
                                         "cut")
-        stored = _stored_checksum(_metadata_of(headers))
+        stored = _stored_checksum(_metadata_of(headers), self.url_for(key))
         if stored is not None:
             check(actual, stored, self.url_for(key))
 
