@@ -27,7 +27,8 @@ def test_a_run_on_azure_blob_stages_commits_promotes_and_verifies(prefect_server
     dataset_url = f"{az_url}/datasets/tokens"
     rels = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
     upload(local, rels, open_store(dataset_url))
-    config = job_config(tmp_path, dataset_url, steps=30, ckpt_every=15)
+    config = job_config(tmp_path, dataset_url, steps=20, ckpt_every=10)
+    del config["dataset"]["expectations"]  # Great Expectations at plan is another test's subject, and seconds here
     config["checkpoints"]["url"] = f"{az_url}/ckpt"
     config["evaluate"] = {"command": ["-m", "trainer.evaluate", "--checkpoint", "{checkpoint}",
                                       "--seed", str(GPT_DEFAULTS["seed"]), *MODEL], "timeout_s": 300}
@@ -46,4 +47,4 @@ def test_a_run_on_azure_blob_stages_commits_promotes_and_verifies(prefect_server
     verify = invoke("ckpt", "verify", checkpoint.rsplit("/", 1)[0])
     assert verify.exit_code == 0, verify.output
     report = json.loads(verify.stdout)
-    assert report["step"] == 30 and report["loaded"]["format"] == "dcp"
+    assert report["step"] == 20 and report["loaded"]["format"] == "dcp"
