@@ -27,7 +27,7 @@ test: $(BIN)/trainpipe
 	scripts/install-system-packages
 	scripts/install-azure-tools
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q --durations=60
 
 lint: $(BIN)/trainpipe
 	$(BIN)/ruff check .

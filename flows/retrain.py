@@ -280,6 +280,8 @@ def stage_nodes(job: JobSpec, plan: Plan, cluster: Cluster, code_url: str | None
                                            secrets=unmapped(job.training.secrets)).result()
                             if staging or inputs else [])
         restored, warm = restore_nodes(job, plan, cluster, survivors, resume_step, peers, phase)
+        summary.fanout = fanout.outcome(fan, why, exchanging, peers[0], nodes_staged, restored)
+        get_run_logger().info("fanout: %s", summary.fanout)
         return NodesReady(nodes_staged, restored, warm, preparing.result())
 
 

@@ -20,6 +20,7 @@ from infra.node.fanout import SHARE_DIR
 from infra.node.protocol import PeerServeRequest
 from infra.node.replica import REPLICA_DIR
 from infra.storage.http import PASS_ENV, USER_ENV
+from tasks.results import Restored, StagedNode
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,27 @@ def decide(mode: str, nodes: int, bench: ClusterBenchRecord | None, store_urls: 
     return True, f"dataset.fanout auto: the slowest node-to-node link is {slowest:g} Gbit/s: fan-out is on"
 
 
+def outcome(fan: bool, why: str, exchanging: bool, peers: Sequence[str], staged: Sequence[StagedNode],
+            restored: Sequence[Restored]) -> str:
+    """What the run summary says of the exchange, from what the nodes reported rather than from the setting: `ran`
+    when some node took bytes from its peers, else `off: <why>`. fan, why: decide's; exchanging: there was something
+    to exchange; peers: the URLs peer_servers handed out (none: a server did not start); staged, restored: the nodes'
+    staging and restore events."""
+    if not fan:
+        return f"off: {why}"
+    if not exchanging:
+        return "off: nothing to exchange (no staged dataset, input, resume or code archive)"
+    if not peers:
+        return "off: a peer server did not start (the run's log says why): every node read the store"
+    stages = [s for node in staged for s in (node.dataset, *node.inputs.values()) if s is not None]
+    if sum(s.peer_bytes for s in stages) + sum(r.sources.get("peer", 0) for r in restored) > 0:
+        return "ran"
+    fallbacks = sum(s.fallback_files for s in stages)
+    if fallbacks:
+        return f"off: the peers served nothing: the {fallbacks} files they owed came from the store"
+    return "off: nothing to exchange: every node already held its files"
+
+
 def peer_credentials() -> dict[str, str]:
     """A pair of peer-server credentials made for one use (a stage, a training launch), for the environment."""
     return {USER_ENV: f"run-{secrets.token_hex(4)}", PASS_ENV: secrets.token_urlsafe(24)}
@@ -60,7 +82,7 @@ def replica_fields(node: Node) -> dict[str, str]:
     free port its upload records name) while it runs and keeps its ring buddy's part under <workdir>/replica
     (credentials: peer_credentials in its environment)."""
     return {"replica_dir": node.path(REPLICA_DIR), "replica_share_dir": node.path(SHARE_DIR),
-            "replica_serve": node.address}
+            "replica_serve": node.cluster_address}
 
 
 @contextmanager
@@ -78,7 +100,7 @@ def peer_servers(cluster: Cluster) -> Iterator[tuple[list[str], dict[str, str] |
     def start(node: Node) -> tuple[Node, Process, EventTap]:
         tap = EventTap(markers=SERVER_ERRORS)
         agent = NodeAgent(provider.runner(cluster, node), node.python, env)
-        process = agent.start(PeerServeRequest(dir=node.path(SHARE_DIR), addr=f"{node.address}:0"),
+        process = agent.start(PeerServeRequest(dir=node.path(SHARE_DIR), addr=f"{node.cluster_address}:0"),
                               log_path=node.path("logs", "peer-serve.log"), on_line=tap)
         return node, process, tap
 

@@ -333,6 +333,8 @@ def _markdown(summary: RunSummary, curve: list[tuple[int, float]]) -> str:
     if summary.stage:
         facts.append(f"staged {summary.stage['bytes'] / 1e6:,.1f} MB per node at {summary.stage['mb_per_s']} MB/s "
                      f"(slowest node), {summary.stage['skipped_bytes'] / 1e6:,.1f} MB already there")
+    if summary.fanout is not None:
+        facts.append(f"fanout: {summary.fanout}")
     if summary.final_loss is not None and summary.initial_loss is not None:
         floor = f" (floor {summary.loss_floor:.3f})" if summary.loss_floor is not None else ""
         facts.append(f"loss {summary.initial_loss:.3f} → **{summary.final_loss:.3f}**{floor}, "

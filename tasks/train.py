@@ -74,7 +74,7 @@ def node_context(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch
         checkpoint_dir=node.ckpt_dir, resume_from=launch.resume_from.get(node.name, ""),
         init_from=launch.init_from.get(node.name, ""),
         metrics_file=node.metrics_file, run_id=cluster.run_id, attempt=launch.attempt, node_rank=node.rank,
-        num_nodes=len(cluster.nodes), node_ips=tuple(n.address for n in cluster.nodes), sync_dir=node.sync_dir,
+        num_nodes=len(cluster.nodes), node_ips=tuple(n.cluster_address for n in cluster.nodes), sync_dir=node.sync_dir,
         inputs={name: input_dir(node.workdir, name) for name in job.inputs})
 
 
@@ -89,7 +89,7 @@ def torchrun_request(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLa
     """torchrun on this node, plus an event once every rank of the node exited 0 (see infra.node.torchrun)."""
     return TorchrunRequest(
         nnodes=len(cluster.nodes), nproc_per_node=job.cluster.procs_per_node, node_rank=node.rank,
-        master_addr=cluster.head.address, master_port=launch.rendezvous_port, max_restarts=0,
+        master_addr=cluster.head.cluster_address, master_port=launch.rendezvous_port, max_restarts=0,
         script=tuple(render_command(job.training.command, node_context(job, cluster, node, launch))))
 
 

@@ -5,7 +5,8 @@ DeletePlacementGroup to moto's EC2 backend (in memory, with tags, EC2's error co
 instance in the group its Placement names (refused, as by EC2, when there is no such group), which DescribeInstances
 then shows. Two more of EC2's ways are
 added on request (moto_ec2's arguments): public addresses from a given prefix (where tests run a stand-in for the
-instances' machines, tests/cloud_nodes.py), and instances that stay `shutting-down` for a while after
+instances' machines, tests/cloud_nodes.py) and private (subnet) addresses from another, so that a node-to-node
+service bound to the wrong one is seen (tests/cloud_nodes.py), and instances that stay `shutting-down` for a while after
 TerminateInstances, as EC2's do, before `terminated`. Everything else is moto's.
 Run as a script it is the server itself: `python tests/aws_server.py PORT`.
 """
@@ -41,18 +42,23 @@ class Ec2Server:
 
 
 PUBLIC_IP_PREFIX_ENV = "TRAINPIPE_TEST_EC2_PUBLIC_IP_PREFIX"
+PRIVATE_IP_PREFIX_ENV = "TRAINPIPE_TEST_EC2_PRIVATE_IP_PREFIX"
 SHUTTING_DOWN_ENV = "TRAINPIPE_TEST_EC2_SHUTTING_DOWN_S"
 
 
 @contextmanager
-def moto_ec2(log_dir: Path, public_ip_prefix: str | None = None, shutting_down_s: float = 0.0) -> Iterator[Ec2Server]:
-    """public_ip_prefix: instances get public addresses prefix+1, prefix+2, ... (e.g. "127.77.1."); shutting_down_s:
-    how long a terminated instance stays shutting-down."""
+def moto_ec2(log_dir: Path, public_ip_prefix: str | None = None, shutting_down_s: float = 0.0,
+             private_ip_prefix: str | None = None) -> Iterator[Ec2Server]:
+    """public_ip_prefix: instances get public addresses prefix+1, prefix+2, ... (e.g. "127.77.1."); private_ip_prefix:
+    their subnet addresses the same way (e.g. "127.79.1."); shutting_down_s: how long a terminated instance stays
+    shutting-down."""
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, SHUTTING_DOWN_ENV: str(shutting_down_s)}
     if public_ip_prefix:
         env[PUBLIC_IP_PREFIX_ENV] = public_ip_prefix
+    if private_ip_prefix:
+        env[PRIVATE_IP_PREFIX_ENV] = private_ip_prefix
     with _serving([sys.executable, str(Path(__file__).resolve()), str(port)], port, log_dir / f"moto-{port}.log",
                   env=env):
         yield Ec2Server(f"http://127.0.0.1:{port}")
@@ -63,6 +69,21 @@ def _public_ips_from(prefix: str) -> None:
 
     numbers = itertools.count(1)
     elastic_network_interfaces.random_public_ip = lambda: f"{prefix}{next(numbers)}"
+
+
+def _private_ips_from(prefix: str) -> None:
+    """Every subnet hands out prefix+1, prefix+2, ...: one sequence for the whole server, so addresses never repeat
+    (EC2's come from the subnet's CIDR; a prefix on loopback is where the stand-ins can listen)."""
+    from moto.ec2.models.subnets import Subnet
+
+    numbers = itertools.count(1)
+
+    def available(self: Any, instance: Any) -> str:
+        address = f"{prefix}{next(numbers)}"
+        self._subnet_ips[address] = instance
+        return address
+
+    Subnet.get_available_subnet_ip = available
 
 
 def _slow_shutdown(seconds: float) -> None:
@@ -151,6 +172,8 @@ if __name__ == "__main__":
     _add_placement_groups()
     if os.environ.get(PUBLIC_IP_PREFIX_ENV):
         _public_ips_from(os.environ[PUBLIC_IP_PREFIX_ENV])
+    if os.environ.get(PRIVATE_IP_PREFIX_ENV):
+        _private_ips_from(os.environ[PRIVATE_IP_PREFIX_ENV])
     if float(os.environ.get(SHUTTING_DOWN_ENV) or 0) > 0:
         _slow_shutdown(float(os.environ[SHUTTING_DOWN_ENV]))
     from moto.server import main

@@ -2,9 +2,15 @@
 unmodified orchestrator (`trainpipe run`) reaches its cloud nodes over SSH and starts its lease watchdogs on them.
 
 What is real: an OpenSSH sshd per node, listening on the instance's public address (the simulated clouds hand out
-127.77.x.y addresses) at port 22, serving the host key the orchestrator generated and put in the instance's boot
-script; the node's own /mnt (its "local NVMe") and /run (where the boot script leaves its status), private to it in a
-mount namespace, so two nodes on this one machine never share a workdir; every trainpipe process on it.
+127.77.x.y public addresses and 127.79.x.y private ones, when the test asks for them) at port 22, serving the host
+key the orchestrator generated and put in the instance's boot script; the node's own /mnt (its "local NVMe") and /run
+(where the boot script leaves its status), private to it in a mount namespace, so two nodes on this one machine never
+share a workdir; every trainpipe process on it.
+
+Addresses: on a real cloud the public (NAT) address is not on any interface of the instance, so a peer server bound to
+it fails and the exchange turns itself off; on loopback every 127/8 address binds. So the stand-in checks instead: the
+node's peer servers (the peer-serve log, its `peer-serving` events) must name the instance's private address
+(`wrong_binds`). A session's PYTHONPATH is this test's, so the node runs the code under test.
 
 The node's user has a home of its own (this machine's root has a ~/.bashrc that puts another Python first on the
 PATH), whose PATH leads to this test's interpreter as the image's python3.
@@ -40,6 +46,8 @@ from pathlib import Path
 
 from sshd import PRIVSEP_DIR, answers_at, keygen, sshd_config
 
+from infra.node.events import NodeEvent, parse
+
 PRIVATE_KEY = re.compile(r"-----BEGIN OPENSSH PRIVATE KEY-----\n.*?-----END OPENSSH PRIVATE KEY-----\n", re.DOTALL)
 PUBLIC_KEY = re.compile(r"'(ssh-ed25519 [A-Za-z0-9+/=]+ trainpipe-node)'")
 SELF_DELETE = re.compile(r"<<'TRAINPIPE_SELF_DELETE'\n(.*?)TRAINPIPE_SELF_DELETE\n", re.DOTALL)
@@ -52,10 +60,11 @@ SSH_USER = "root"  # sshd logs users in as themselves, and this test machine's u
 class Instance:
     """What the stand-in needs to know of one instance: where it is and what it boots."""
 
-    address: str
+    address: str  # public: where the orchestrator reaches it (its sshd listens here)
     cloud_id: str  # EC2 instance id, or GCE instance name
     zone: str
     boot_script: str
+    private_address: str = ""  # in the VPC subnet: what its peers must reach it by
 
 
 @dataclass
@@ -120,7 +129,7 @@ class Machines:
                          "/usr/sbin", "/usr/bin", "/sbin", "/bin"])
         (node.root / "sshd_config").write_text(sshd_config(
             22, host_key, self.client_key.with_suffix(".pub"), node.pid_file, listen=instance.address,
-            more=f"SetEnv PATH={path} HOME={node.root / 'home'}\n"))
+            more=f"SetEnv PATH={path} HOME={node.root / 'home'}{_python_path()}\n"))
         (node.root / "run" / BOOT_STATUS).write_text("0\n")
         PRIVSEP_DIR.mkdir(parents=True, exist_ok=True)
         mount = (f"mount --bind {shlex.quote(str(node.root / 'mnt'))} /mnt && "
@@ -148,6 +157,21 @@ class Machines:
             return []
         return [pid for pid in _pids() if _namespace(pid) == namespace]
 
+    def served_at(self, address: str) -> list[str]:
+        """Every address a node's peer servers said they serve on (HOST:PORT, from the peer-serve log)."""
+        log = self.nodes[address].root / "mnt/trainpipe/trainpipe/logs/peer-serve.log"
+        lines = log.read_text().splitlines() if log.is_file() else []
+        return [event["addr"] for event in map(parse, lines) if event is not None and event.kind is
+                NodeEvent.PEER_SERVING]
+
+    def wrong_binds(self) -> dict[str, list[str]]:
+        """Per node (public address), the peer servers it started on anything but its private address: on a real
+        cloud, none of these could have served a peer."""
+        wrong = {address: [served for served in self.served_at(address)
+                           if served.rpartition(":")[0] != node.instance.private_address]
+                 for address, node in self.nodes.items()}
+        return {address: served for address, served in wrong.items() if served}
+
     def stop(self) -> None:
         """Power every stand-in off (what is left of a test that failed half way)."""
         self._stop.set()
@@ -157,6 +181,12 @@ class Machines:
                 _kill(pid)
             if node.process is not None:
                 node.process.wait(timeout=10)
+
+
+def _python_path() -> str:
+    # The worktree under test first, as for the tests' own processes (sshd passes none of its environment on).
+    found = os.environ.get("PYTHONPATH")
+    return f" PYTHONPATH={found}" if found else ""
 
 
 # After the cloud was told: the power goes, for everything on the node (this script included).
@@ -232,7 +262,8 @@ def ec2_instances(endpoint: str, region: str, key: str, secret: str) -> Callable
                     data = ec2.describe_instance_attribute(InstanceId=item["InstanceId"], Attribute="userData")
                     script = base64.b64decode(data.get("UserData", {}).get("Value", "")).decode()
                     instances.append(Instance(item.get("PublicIpAddress", ""), item["InstanceId"],
-                                              item["Placement"]["AvailabilityZone"], script))
+                                              item["Placement"]["AvailabilityZone"], script,
+                                              item.get("PrivateIpAddress", "")))
         return instances
 
     return found
@@ -302,9 +333,10 @@ def gce_instances(gce: object) -> Callable[[], list[Instance]]:
             if item["status"] != "RUNNING":
                 continue
             meta = {entry["key"]: entry["value"] for entry in item["metadata"].get("items", [])}
-            address = item["networkInterfaces"][0]["accessConfigs"][0]["natIP"]
-            instances.append(Instance(address, item["name"], item["zone"].rsplit("/", 1)[-1],
-                                      meta.get("startup-script", "")))
+            interface = item["networkInterfaces"][0]
+            instances.append(Instance(interface["accessConfigs"][0]["natIP"], item["name"],
+                                      item["zone"].rsplit("/", 1)[-1], meta.get("startup-script", ""),
+                                      interface["networkIP"]))
         return instances
 
     return found

@@ -15,7 +15,8 @@ resource policy an instance still uses (400 resourceInUseByAnotherResource), so 
 
 It also answers OAuth's token endpoint (POST /token), so a service-account key file whose token_uri points here gives
 a process of its own (an orchestrator started as a command) credentials the way Google's would. Instances' external
-addresses come from `nat_prefix` when one is given (where tests run a stand-in for their machines).
+addresses come from `nat_prefix` when one is given (where tests run a stand-in for their machines), their first
+interface's VPC addresses from `network_prefix`.
 
 Faults are injected with `fail()` and arrive as they do from GCE: a stockout or a quota refusal is an HTTP 200 insert
 whose operation ends DONE with `error.errors[0].code` (ZONE_RESOURCE_POOL_EXHAUSTED, QUOTA_EXCEEDED) and
@@ -129,9 +130,14 @@ class _State:
 
 
 class GceServer:
-    def __init__(self, project: str = PROJECT, nat_prefix: str | None = None) -> None:
+    def __init__(self, project: str = PROJECT, nat_prefix: str | None = None,
+                 network_prefix: str | None = None) -> None:
         self.project = project
         self.nat_prefix = nat_prefix
+        # The first interface's VPC address (networkIP) from this prefix, where tests run stand-ins: distinct from the
+        # NAT address, so that a node-to-node service bound to the wrong one is seen (tests/cloud_nodes.py).
+        self.network_prefix = network_prefix
+        self._network_numbers = itertools.count(1)
         self.tokens: list[str] = []  # access tokens handed out by /token
         self._nat_numbers = itertools.count(1)
         self._state = _State()
@@ -348,7 +354,9 @@ class GceServer:
         instance["scheduling"] = {"provisioningModel": "STANDARD", "automaticRestart": True,
                                   "onHostMaintenance": "MIGRATE", **body.get("scheduling", {})}
         for index, nic in enumerate(instance["networkInterfaces"]):
-            nic.update(kind="compute#networkInterface", name=f"nic{index}", networkIP=f"10.128.{index}.{number % 250}")
+            private = (f"{self.network_prefix}{next(self._network_numbers)}" if self.network_prefix and index == 0
+                       else f"10.128.{index}.{number % 250}")
+            nic.update(kind="compute#networkInterface", name=f"nic{index}", networkIP=private)
             nat = (f"{self.nat_prefix}{next(self._nat_numbers)}" if self.nat_prefix
                    else f"34.1.{number // 250 % 250}.{number % 250}")
             for access in nic.get("accessConfigs", []):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, cast
 
@@ -26,8 +27,9 @@ def commit_step(root_url: str, run_id: str, step: int, scratch: Path, lineage: L
 
 
 class _ClaimAtOnce:
-    """A racer's store whose first claim waits until every racer is about to write its own: the race at its worst,
-    every time (without the claims protocol, every racer would then write the move)."""
+    """A racer's store whose first claim, or create-only move where the store honours those (no claims then), waits
+    until every racer is about to write its own: the race at its worst, every time (without the claims protocol or
+    the create-only write, every racer would then write the move)."""
 
     def __init__(self, store: ObjectStore, barrier: threading.Barrier) -> None:
         self._store = store
@@ -37,11 +39,20 @@ class _ClaimAtOnce:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
 
-    def put_bytes(self, key: str, data: bytes) -> ObjectInfo:
-        if "/claims/" in key and not self._waited:
+    def _all_at_once(self) -> None:
+        if not self._waited:
             self._waited = True
             self._barrier.wait(timeout=30)
+
+    def put_bytes(self, key: str, data: bytes) -> ObjectInfo:
+        if "/claims/" in key:
+            self._all_at_once()
         return self._store.put_bytes(key, data)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        if "/history/" in key:
+            self._all_at_once()
+        return self._store.put_if_absent(key, data)
 
 
 def race_promoters(root_url: str, targets: list[str], model: str = "m", alias: str = "production"
@@ -91,3 +102,21 @@ def check_race(root_url: str, scratch: Path, racers: int = 2) -> None:
     assert registry.resolve("m", "production") == won[0]
     leftovers = [info.key for info in registry.store.list("_registry/") if "/claims/" in info.key]
     assert leftovers == []
+
+
+def check_rounds(root_url: str, scratch: Path, rounds: int, racers: int = 2) -> list[tuple[int, int]]:
+    """rounds races in a row on one alias, each from where the last left it: every round has exactly one winner and
+    the history has no gap (each move leaves from the one before). Returns (won, refused) per round."""
+    first = commit_step(root_url, "run-0", 1, scratch)
+    Registry(root_url).promote("m", "production", first, metrics={}, reason="first", who="t")
+    outcomes: list[tuple[int, int]] = []
+    for round_number in range(1, rounds + 1):
+        targets = [commit_step(root_url, f"run-{round_number}-{i}", 1, scratch) for i in range(racers)]
+        won, refused = race_promoters(root_url, targets)
+        outcomes.append((len(won), len(refused)))
+        assert len(won) == 1 and len(refused) == racers - 1, (round_number, won, refused)
+    history = Registry(root_url).history("m", "production")
+    assert [move.seq for move in history] == list(range(1, rounds + 2))
+    assert all(move.previous == before.target for before, move in pairwise(history))
+    assert not [info.key for info in Registry(root_url).store.list("_registry/") if "/claims/" in info.key]
+    return outcomes

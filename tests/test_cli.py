@@ -161,6 +161,17 @@ def test_plan_bad_config_is_one_line_exit_2(workspace: Path, tmp_path: Path, dat
     assert result.stdout == ""
     assert not (workspace / "clusters").exists()
 
+    # ssh hosts whose cluster address is public: the peer servers would listen on the internet.
+    key = tmp_path / "id_ed25519"
+    key.write_text("a key\n")
+    host = {"user": "ubuntu", "key_file": str(key), "workdir": "/nvme", "host_key": "SHA256:" + "a" * 43}
+    config["cluster"] = {"provider": "ssh", "nodes": 2, "ssh": {"hosts": [{**host, "host": "10.0.0.1"},
+                                                                          {**host, "host": "198.51.100.7"}]}}
+    public = invoke("plan", str(write_config(tmp_path / "public.yaml", config)))
+    assert public.exit_code == 2, public.output
+    assert "cluster.ssh.hosts[1] (198.51.100.7): cluster address 198.51.100.7 is public" in error_line(public.stderr)
+    assert "allow_public_cluster_address: true" in error_line(public.stderr) and public.stdout == ""
+
 
 # ---- checkpoints: ls and verify -------------------------------------------------------------------------------
 

@@ -50,7 +50,10 @@ from infra.job.plan import cluster_name_for
 from infra.node.events import NodeEvent, parse
 from infra.node.protocol import NodeCommand, WatchRequest, runs_command
 
-AWS_PREFIX, GCP_PREFIX = "127.77.1.", "127.77.2."
+AWS_PREFIX, GCP_PREFIX = "127.77.1.", "127.77.2."  # public: where the stand-ins' sshd listen
+# Private (VPC subnet) addresses, distinct from the public ones (127.78.x: other tests' public ones): node-to-node
+# traffic must use these.
+AWS_PRIVATE_PREFIX, GCP_PRIVATE_PREFIX = "127.79.1.", "127.79.2."
 REGION, ZONE = "us-east-1", "us-central1-a"
 TTL_S = 10.0  # the shortest lease a job may have
 # The watchdog polls once a second; the stand-in's power-off starts an interpreter that calls the API; the test
@@ -61,7 +64,8 @@ EXPIRY_SLACK_S = TTL_S
 
 @pytest.fixture(scope="module")
 def ec2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ec2Server]:
-    with moto_ec2(tmp_path_factory.mktemp("moto"), public_ip_prefix=AWS_PREFIX) as server:
+    with moto_ec2(tmp_path_factory.mktemp("moto"), public_ip_prefix=AWS_PREFIX,
+                  private_ip_prefix=AWS_PRIVATE_PREFIX) as server:
         yield server
 
 
@@ -72,7 +76,7 @@ def image(ec2: Ec2Server) -> str:
 
 @pytest.fixture(scope="module")
 def gce() -> Iterator[GceServer]:
-    with GceServer(nat_prefix=GCP_PREFIX) as server:
+    with GceServer(nat_prefix=GCP_PREFIX, network_prefix=GCP_PRIVATE_PREFIX) as server:
         yield server
 
 

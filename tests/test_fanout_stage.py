@@ -36,7 +36,8 @@ from infra.storage import open_store
 from infra.storage.base import ObjectStore
 from infra.storage.http import PASS_ENV, USER_ENV
 from infra.workload.code import PackedCode, pack
-from tasks.fanout import decide
+from tasks.fanout import decide, outcome
+from tasks.results import Restored, Staged, StagedNode
 
 MB = 1 << 20
 NODES = 3
@@ -453,3 +454,32 @@ def test_a_peer_server_that_died_during_the_exchange_is_said(
         wait_for(lambda: os.waitid(os.P_PID, server.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None, 30,
                  "the peer server gone")
     assert f"{cluster.head.name}: peer server exited -9" in caplog.text
+
+
+def _staged(store_bytes: int, peer_bytes: int, fallback_files: int = 0) -> StagedNode:
+    return StagedNode(Staged(files=1, bytes=store_bytes + peer_bytes, skipped_files=0, skipped_bytes=0,
+                             node_bytes=store_bytes + peer_bytes, seconds=1.0, mb_per_s=1.0, store_bytes=store_bytes,
+                             peer_bytes=peer_bytes, fallback_files=fallback_files), {})
+
+
+PEERS = ["http://10.0.0.1:1", "http://10.0.0.2:1"]
+
+
+@pytest.mark.parametrize(("fan", "exchanging", "peers", "nodes", "restores", "said"), [
+    (True, True, PEERS, [_staged(5, 5), _staged(5, 5)], [], "ran"),
+    # A resume's files from the peers count too.
+    (True, True, PEERS, [], [Restored(step=1, path="p", sources={"store": 5, "peer": 5})], "ran"),
+    (False, True, PEERS, [_staged(10, 0)], [], "off: dataset.fanout is off"),
+    (True, False, [], [], [], "off: nothing to exchange (no staged dataset, input, resume or code archive)"),
+    (True, True, [], [_staged(10, 0), _staged(10, 0)], [],
+     "off: a peer server did not start (the run's log says why): every node read the store"),
+    (True, True, PEERS, [_staged(10, 0, 2), _staged(10, 0, 3)], [],
+     "off: the peers served nothing: the 5 files they owed came from the store"),
+    (True, True, PEERS, [_staged(0, 0), _staged(0, 0)], [],
+     "off: nothing to exchange: every node already held its files"),
+])
+def test_the_summary_says_whether_the_exchange_ran_from_what_the_nodes_reported(
+        fan: bool, exchanging: bool, peers: list[str], nodes: list[StagedNode], restores: list[Restored],
+        said: str) -> None:
+    why = "dataset.fanout is on" if fan else "dataset.fanout is off"
+    assert outcome(fan, why, exchanging, peers, nodes, restores) == said

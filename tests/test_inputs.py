@@ -115,8 +115,11 @@ def test_an_input_is_staged_verified_to_every_node_and_reused_from_the_cache(wor
             assert summary["dataset"]["fanout"] == {"on": True, "why": "dataset.fanout is on"}
             assert stage["fallback_files"] == 0 and all(n > 0 for n in stage["peer_bytes"]), stage
             assert sum(stage["store_bytes"]) == sum(stage["peer_bytes"]) == stage["bytes"], "the store read once"
+            # Said from what the nodes reported, not from the setting.
+            assert summary["fanout"] == "ran" and "  fanout: ran\n" in result.stdout, summary["fanout"]
         else:
             assert (base["fetched_bytes"], base["reused_bytes"]) == (0, size), "the second night reuses the cache"
+            assert summary["fanout"] == "off: nothing to exchange: every node already held its files"
         assert f"input base: {size / 1e6:,.1f} MB" in result.stdout
     assert digests[0] == digests[1] and len(digests[0]) == 64, "the same bytes, the same snapshot digest"
 

@@ -99,6 +99,7 @@ def test_launch_run_in_each_namespace_and_teardown_leaves_nothing(provider: Netn
     head, other = cluster.nodes
     assert head.address != other.address and "127.0.0.1" not in (head.address, other.address)
     assert head.address.rsplit(".", 1)[0] == other.address.rsplit(".", 1)[0], "one /24 per cluster"
+    assert [n.cluster_address for n in cluster.nodes] == [head.address, other.address], "the namespace's one address"
     assert sorted(leftovers(gid)) == sorted([f"tpn-{gid}-0", f"tpn-{gid}-1", f"tpb-{gid}", f"tpv-{gid}-0",
                                              f"tpv-{gid}-1"])
 

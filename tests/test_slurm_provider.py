@@ -75,6 +75,7 @@ def test_one_allocation_holds_every_node_and_each_command_is_a_job_step(slurm: S
             {"id": job_id, "nodes": "gpu[1-3]", "name": f"{JOB_PREFIX}tp-steps"}]
         assert [(node.rank, cluster.owner["hosts"][node.name], node.address) for node in cluster.nodes] == [
             (0, "gpu1", "127.0.0.1"), (1, "gpu2", "127.0.0.1"), (2, "gpu3", "127.0.0.1")]
+        assert all(node.cluster_address == node.address for node in cluster.nodes), "NodeAddr, on the cluster network"
         assert cluster.price_per_hour == pytest.approx(1.5 * GPUS_PER_NODE * 3)
         secret = "s3cr3t-value-only-in-env-9f1c"
         step = ("import os, sys, time; print('STEP', os.environ['SLURM_JOB_ID'], os.environ['SLURMD_NODENAME'], "

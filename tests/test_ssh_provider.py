@@ -130,6 +130,43 @@ def test_config_errors_name_the_field_and_the_fix(tmp_path: Path) -> None:
         {"provider": "ssh", "nodes": 1, "ssh": {"hosts": [{**host, "workdir": "nvme"}]}})
 
 
+def test_a_public_cluster_address_is_refused_at_plan_unless_allowed(tmp_path: Path) -> None:
+    """The peer servers and the rendezvous listen on a node's cluster address: a public one is refused (one line naming
+    the host and the fix) unless the config allows it; a private one, or a public host with a private cluster address,
+    is taken, and becomes the nodes' cluster_address."""
+    key = tmp_path / "id_ed25519"
+    key.write_text("not really a key, but readable\n")
+    pinned = {"user": "ubuntu", "key_file": str(key), "workdir": "/nvme", "host_key": "SHA256:" + "a" * 43}
+
+    def cluster(*hosts: dict[str, Any], nodes: int = 2, **ssh: Any) -> dict[str, Any]:
+        return {"provider": "ssh", "nodes": nodes, "ssh": {"hosts": [{**pinned, **h} for h in hosts], **ssh}}
+
+    private = {"host": "10.0.0.1"}
+    message = _error(cluster(private, {"host": "198.51.100.7"}))
+    assert ("cluster.ssh.hosts[1] (198.51.100.7): cluster address 198.51.100.7 is public, and the peer "
+                            "servers and torchrun's rendezvous would listen on it: set its cluster_address to its "
+                            "private address, or cluster.ssh.allow_public_cluster_address: true") in message, message
+    assert "cluster address 2001:db8::7 is public" in _error(
+        cluster(private, {"host": "10.0.0.2", "cluster_address": "2001:db8::7"}))
+    assert "cluster.ssh.hosts[0] (h): cluster address h.invalid does not resolve" in _error(
+        cluster({"host": "h", "cluster_address": "h.invalid"}, private))
+
+    taken = [
+        cluster({"host": "198.51.100.7", "cluster_address": "10.0.0.7"}, {"host": "198.51.100.8",
+                                                                          "cluster_address": "192.168.1.8"}),
+        cluster({"host": "100.64.0.1"}, {"host": "169.254.0.2"}, {"host": "fd00::3"}, {"host": "localhost"},
+                nodes=4),
+        cluster({"host": "198.51.100.7"}, {"host": "198.51.100.8"}, allow_public_cluster_address=True),
+        cluster({"host": "198.51.100.7"}, nodes=1),  # no peers: nothing listens for them
+    ]
+    specs = [ClusterSpec.model_validate(config) for config in taken]
+    nodes = SshProvider()._new_cluster("tp-addr", specs[0], "r1").nodes
+    assert [(n.address, n.cluster_address) for n in nodes] == [("198.51.100.7", "10.0.0.7"),
+                                                              ("198.51.100.8", "192.168.1.8")]
+    nodes = SshProvider()._new_cluster("tp-addr", specs[1], "r1").nodes
+    assert all(n.cluster_address == n.address for n in nodes), "default: the address trainpipe reaches it by"
+
+
 def test_example_config_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import yaml
 

@@ -315,7 +315,7 @@ def link_batches(nodes: int) -> list[list[tuple[int, int]]]:
 def _client(provider: Provider, cluster: Cluster, src: Node, dst: Node, port: int, spec: ClusterSpec,
             sink_for: SinkFactory) -> Event:
     verify = spec.verify
-    request = NetbenchRequest(mode="client", host=dst.address, port=port, streams=verify.tcp_streams,
+    request = NetbenchRequest(mode="client", host=dst.cluster_address, port=port, streams=verify.tcp_streams,
                               seconds=verify.tcp_seconds, timeout_s=TCP_GRACE_S)
     tap = _run(provider, cluster, src, request, verify.tcp_seconds + TCP_GRACE_S, f"netbench → {dst.name}", sink_for)
     return tap.last(NodeEvent.NETBENCH, f"{src.name}: netbench client")
@@ -364,7 +364,7 @@ def torchrun_request(cluster: Cluster, node: Node, procs_per_node: int, port: in
                      worker: AllreduceBenchRequest) -> TorchrunRequest:
     """torchrun with a static rendezvous on the head node: every node knows its rank, nobody waits for a store."""
     return TorchrunRequest(nnodes=len(cluster.nodes), nproc_per_node=procs_per_node, node_rank=node.rank,
-                           master_addr=cluster.head.address, master_port=port, max_restarts=0, worker=worker)
+                           master_addr=cluster.head.cluster_address, master_port=port, max_restarts=0, worker=worker)
 
 
 def free_port(cluster: Cluster, node: Node, sink_for: SinkFactory = _log_sink) -> int:

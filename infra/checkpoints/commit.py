@@ -47,6 +47,7 @@ from infra.checkpoints.layout import (
     node_record_key,
 )
 from infra.checkpoints.lineage import Lineage
+from infra.checkpoints.protected import ProtectedSteps
 from infra.checkpoints.reading import CheckpointReader, StepObjects
 from infra.checkpoints.steps import step_name
 from infra.storage.base import ObjectNotFound
@@ -276,10 +277,13 @@ def apply_retention(checkpoints: CheckpointReader, keep: int, protected: Collect
     keep_steps = set(sorted(committed, reverse=True)[:keep])
     doomed = sorted(step for step in steps if step < newest and step not in keep_steps and step not in protected)
     kept_keys = {key for note in checkpoints.set_aside_notes() for key in note.keys} if doomed else set()
+    deleted: list[int] = []
     for step in doomed:
         # The manifest goes first, so a crash mid-delete leaves an uncommitted (ignored) step, never a
         # "committed" one with files missing.
-        checkpoints.store.delete(manifest_key(step))
+        if not _uncommit_unless_protected(checkpoints, step, protected):
+            log.info("retention: kept %s: an alias moved to it meanwhile", checkpoints.store.url_for(step_name(step)))
+            continue
         under = f"{step_name(step)}/"
         if any(key.startswith(under) for key in kept_keys):
             for info in checkpoints.store.list(under):
@@ -289,7 +293,34 @@ def apply_retention(checkpoints: CheckpointReader, keep: int, protected: Collect
             checkpoints.store.delete_prefix(under)
         checkpoints.store.delete(announcement_key(step))
         log.info("retention: deleted %s", checkpoints.store.url_for(step_name(step)))
-    return doomed
+        deleted.append(step)
+    return deleted
+
+
+def _uncommit_unless_protected(checkpoints: CheckpointReader, step: int, protected: Collection[int]) -> bool:
+    """Delete the step's manifest, then, when the protected steps can be read again (ProtectedSteps), read them and
+    put the manifest back if an alias reached the step meanwhile. With the promotion's own check after its move is
+    written (Registry), one of the two always sees the other: a promotion whose move is in this second reading
+    keeps the step; one whose move comes later finds the manifest gone and undoes its move. Whether the step is
+    uncommitted now (its files may go)."""
+    key = manifest_key(step)
+    if not isinstance(protected, ProtectedSteps):
+        checkpoints.store.delete(key)
+        return True
+    try:
+        manifest = checkpoints.store.get_bytes(key)
+    except ObjectNotFound:
+        return True  # never committed (or already uncommitted): no alias can point at it
+    checkpoints.store.delete(key)
+    try:
+        protected_now = step in protected.reread()
+    except BaseException:
+        # Unknown whether an alias reaches it now: it stays committed, and the failure is the caller's to see.
+        checkpoints.store.put_bytes(key, manifest)
+        raise
+    if protected_now:
+        checkpoints.store.put_bytes(key, manifest)
+    return not protected_now
 
 
 def _good_or_set_aside(checkpoints: CheckpointReader, step: int, objects: StepObjects) -> bool:

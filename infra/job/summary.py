@@ -72,6 +72,9 @@ class RunSummary:
     nodes_left: int | None = None
     teardown_error: str | None = None  # the run's own teardown failed: what it left needs `trainpipe down`
     stage: dict[str, Any] = field(default_factory=dict)
+    # Whether the nodes filled each other at staging: `ran`, or `off: <why>` (tasks.fanout.outcome, from the nodes'
+    # events); None: the run did not reach staging.
+    fanout: str | None = None
     dataset: dict[str, Any] = field(default_factory=dict)  # infra.dataset.planning.DatasetPlan.summary()
     # per input: its DatasetPlan.summary() and its staging: fetched_bytes, reused_bytes (from the node's cache),
     # seconds (the most on any node) and mb_per_s (the slowest node's)
@@ -161,6 +164,8 @@ class RunSummary:
             lines.append(f"  staged: {self.stage.get('bytes', 0) / 1e6:.1f} MB per node at "
                          f"{self.stage.get('mb_per_s', 0):.0f} MB/s (slowest node), "
                          f"{self.stage.get('skipped_bytes', 0) / 1e6:.1f} MB already there")
+        if self.fanout is not None:
+            lines.append(f"  fanout: {self.fanout}")
         lines.extend(f"  input {name}: {fact}" for name, fact in input_facts(self.inputs).items())
         if self.workload:
             code = self.workload.get("code_sha256")

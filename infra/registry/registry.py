@@ -9,15 +9,25 @@ Layout under the store root that holds the runs (job.checkpoints.url):
     _registry/<model>/<alias>/current.json            the newest move again, for outside readers (a hint, like a
                                                       run's `latest`; trainpipe reads the history)
 
-Compare-and-swap without conditional writes: the test servers (rclone serve s3, gcp-storage-emulator) ignore
-If-None-Match / If-Match / ifGenerationMatch, so the protocol needs only what every store gives: atomic puts and a
-listing that shows every put completed before it (S3, GCS and file:// are strongly consistent). A promoter that read
-move N-1 writes a claim on move N under its own unique key, then lists the claims on N. It writes move N only when
-its claim is the only live one and move N does not exist yet; otherwise it withdraws its claim and retries with
-backoff, and once move N exists (someone else won) it raises AliasConflict. Two promoters can never both win: the
-later claim's listing sees the earlier one (it was written first and is not withdrawn by a winner until move N
-exists). A claim left by a promoter that died is ignored once it is CLAIM_TTL_S older (by the store's clock) than a
-newer claim; a winner writes its move within CLAIM_TTL_S / 2 of its claim, or gives up.
+Compare-and-swap: move N is written create-only (ObjectStore.put_if_absent: S3 If-None-Match, GCS
+ifGenerationMatch=0, an exclusive create on file://), so of two promoters that read move N-1 exactly one writes move
+N, however long either was suspended between its decision and its write; the other is refused by the store and
+raises AliasConflict naming the winner.
+
+Some servers accept the precondition and overwrite anyway (rclone serve s3, gcp-storage-emulator: test servers);
+honours_create_only finds that out once per store by writing a probe twice, and there the claim protocol stands in,
+needing only atomic puts and a listing that shows every put completed before it. A promoter that read move N-1
+writes a claim on move N under its own unique key, then lists the claims on N. It writes move N only when its claim
+is the only live one and move N does not exist yet, then reads move N back and loses if it is not its own; otherwise
+it withdraws its claim and retries with backoff, and once move N exists (someone else won) it raises AliasConflict.
+A claim is withdrawn however the attempt ends (a store error, Ctrl-C). A claim left by a promoter that died is
+ignored once it is CLAIM_TTL_S older (by the store's clock) than a newer claim; a winner writes its move within
+CLAIM_TTL_S / 2 of its claim, or gives up. What no claim can prevent there: a promoter suspended between that check
+and its write for longer than CLAIM_TTL_S / 2 writes over a rival's move.
+
+After a move is written, its target is checked again (retention may have deleted it meanwhile: it reads the
+protected steps again once a manifest is gone, see infra.checkpoints.commit); a move to a deleted target is undone
+by a new move.
 """
 
 from __future__ import annotations
@@ -28,10 +38,14 @@ import random
 import re
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
+from infra.checkpoints.protected import ProtectedSteps
 from infra.checkpoints.steps import PATTERN as STEP_PATTERN
 from infra.checkpoints.store import CheckpointStore
 from infra.registry.refs import (
@@ -44,8 +58,10 @@ from infra.registry.refs import (
     step_url,
 )
 from infra.storage import ObjectNotFound, as_url, open_store
+from infra.storage.retry import call_with_retries
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 REGISTRY_DIR = "_registry"
 RECENT_MOVES = 10  # retention keeps what an alias pointed at in its last this many moves (so rollback can land)
@@ -153,9 +169,13 @@ class Registry:
                     result.setdefault(model, {})[alias] = move
         return result
 
-    def protected(self, run_url: str, recent_moves: int = RECENT_MOVES) -> set[int]:
+    def protected(self, run_url: str, recent_moves: int = RECENT_MOVES) -> ProtectedSteps:
         """Steps of run_url an alias points at now or pointed at in its last recent_moves moves (the targets of
-        those moves and where each moved from): retention must never delete them."""
+        those moves and where each moved from): retention must never delete them. Retention reads them again
+        (ProtectedSteps.reread) before a step's files go."""
+        return ProtectedSteps(self._protected(run_url, recent_moves), lambda: self._protected(run_url, recent_moves))
+
+    def _protected(self, run_url: str, recent_moves: int) -> set[int]:
         prefix = f"{run_url.rstrip('/')}/step-"
         steps: set[int] = set()
         for model, aliases in self._aliases().items():
@@ -179,8 +199,10 @@ class Registry:
         self._refuse_if_unkept(target)
         head = self._head(model, alias)
         self._expect(model, alias, head, expected_previous)
-        return self._append(model, alias, head, target=target.url, metrics=metrics, reason=reason, who=who,
+        move = self._append(model, alias, head, target=target.url, metrics=metrics, reason=reason, who=who,
                             run_id=run_id)
+        self._undo_if_gone(move)
+        return move
 
     def _refuse_if_unkept(self, target: CheckpointTarget) -> None:
         """A run's retention spares only what the registry at the run's parent protects (registry_root_of; its
@@ -200,8 +222,33 @@ class Registry:
                                 "model ls)")
         if head.previous is not None:
             resolve_checkpoint(head.previous, self.root_url)  # still committed: never point at what is gone
-        return self._append(model, alias, head, target=head.previous, metrics={}, who=who, run_id=None,
+        move = self._append(model, alias, head, target=head.previous, metrics={}, who=who, run_id=None,
                             reason=f"rollback of move {head.seq} ({head.reason})", rollback_of=head.seq)
+        self._undo_if_gone(move)
+        return move
+
+    def _undo_if_gone(self, move: AliasMove) -> None:
+        """After a move is written, its target must still be committed: a retention that read the protected steps
+        before the move and deleted the target after the check that preceded the move (apply_retention reads them
+        again only once the manifest is gone) would leave the alias naming nothing. Then the move is undone, by a
+        new move back to where it came from, and RegistryError says so."""
+        if move.target is None:
+            return
+        try:
+            resolve_checkpoint(move.target, self.root_url)
+            return
+        except RegistryError as gone:
+            reason = f"undo of move {move.seq}: its target {move.target} was deleted as it was written ({gone})"
+        try:
+            self._append(move.model, move.alias, move, target=move.previous, metrics={}, who=move.who,
+                         run_id=move.run_id, reason=reason, rollback_of=move.seq)
+        except AliasConflict as moved:
+            raise RegistryError(f"{move.ref}: {move.target} was deleted (by retention) as move {move.seq} pointed "
+                                f"the alias at it, and the alias moved again before that move could be undone "
+                                f"({moved}): check it (trainpipe model show {move.ref})") from None
+        raise RegistryError(f"{move.ref}: {move.target} was deleted (by retention) as move {move.seq} pointed the "
+                            f"alias at it: the alias is back at {move.previous or 'nothing'} (move {move.seq + 1}); "
+                            "promote a checkpoint that is still committed (trainpipe ckpt ls)")
 
     def _expect(self, model: str, alias: str, head: AliasMove | None, expected: str | Any | None) -> None:
         current = head.target if head else None
@@ -215,32 +262,80 @@ class Registry:
         seq = (head.seq if head else 0) + 1
         move = AliasMove(model=model, alias=alias, previous=head.target if head else None, at=_now(), seq=seq,
                          **fields)
-        claims = f"{self._base(model, alias)}/claims/{seq:08d}/"
-        mine = f"{claims}{uuid.uuid4().hex}"
+        if self.store.honours_create_only(REGISTRY_DIR):
+            self._create_move(move)
+        else:
+            self._claim_and_write(move)
+        current = f"{self._base(model, alias)}/current.json"
+        self._retried(lambda: self.store.put_bytes(current, _encoded(move)), f"writing {self.store.url_for(current)}")
+        log.info("%s: move %d to %s (%s)", move.ref, seq, move.target, move.reason)
+        return move
+
+    def _create_move(self, move: AliasMove) -> None:
+        """Move N written create-only: the store refuses it once any move N exists, however long this took."""
+        key = self._move_key(move.model, move.alias, move.seq)
+        if self._retried(lambda: self.store.put_if_absent(key, _encoded(move)), f"writing {self.store.url_for(key)}"):
+            return
+        winner = self._read(key)
+        if winner != move:  # equal: a retried put whose first try had landed, so it is this move
+            raise self._lost(move, winner)
+
+    def _claim_and_write(self, move: AliasMove) -> None:
+        """Move N written under a claim, for a store that ignores create-only puts: see the module's docstring."""
+        claims = f"{self._base(move.model, move.alias)}/claims/{move.seq:08d}/"
+        key = self._move_key(move.model, move.alias, move.seq)
         deadline = time.monotonic() + CONTENTION_DEADLINE_S
         backoff = 0.05
         while True:
             self._refuse_if_taken(move)
-            started = time.monotonic()
-            self.store.put_bytes(mine, json.dumps({"who": move.who, "at": move.at}).encode())
-            rivals = self._rival_claims(claims, mine)
-            self._refuse_if_taken(move, withdraw=mine)
-            if not rivals and time.monotonic() - started < CLAIM_TTL_S / 2:
-                self.store.put_bytes(self._move_key(model, alias, seq), json.dumps(asdict(move), indent=1).encode())
-                self.store.put_bytes(f"{self._base(model, alias)}/current.json",
-                                     json.dumps(asdict(move), indent=1).encode())
-                self.store.delete(mine)  # move N exists now: a later claim on N sees it and loses
-                log.info("%s: move %d to %s (%s)", move.ref, seq, move.target, move.reason)
-                return move
-            self.store.delete(mine)
+            with self._claim(claims, move) as (mine, started):
+                rivals = self._rival_claims(claims, mine)
+                self._refuse_if_taken(move)
+                if not rivals and time.monotonic() - started < CLAIM_TTL_S / 2:
+                    self._retried(partial(self.store.put_bytes, key, _encoded(move)),
+                                  f"writing {self.store.url_for(key)}")
+                    self._refuse_if_overwritten(move)
+                    return  # move N exists now: a later claim on N sees it and loses, whether this claim is there
             if time.monotonic() > deadline:
-                raise AliasConflict(f"{move.ref}: another promotion holds move {seq} ({', '.join(rivals)}) and did "
-                                    f"not finish within {CONTENTION_DEADLINE_S:.0f} s: retry; if that promotion "
+                raise AliasConflict(f"{move.ref}: another promotion holds move {move.seq} ({', '.join(rivals)}) and "
+                                    f"did not finish within {CONTENTION_DEADLINE_S:.0f} s: retry; if that promotion "
                                     f"died, its claim lapses {CLAIM_TTL_S:.0f} s after it was written")
-            log.warning("%s: move %d contended by %d other claim(s): retrying in %.2f s", move.ref, seq,
+            log.warning("%s: move %d contended by %d other claim(s): retrying in %.2f s", move.ref, move.seq,
                         len(rivals), backoff)
             time.sleep(random.uniform(0.0, backoff))
             backoff = min(backoff * 2, 1.0)
+
+    @contextmanager
+    def _claim(self, claims: str, move: AliasMove) -> Iterator[tuple[str, float]]:
+        """A claim on move N under a key of its own, held for the block and removed when it ends, however it ends
+        (a store error, Ctrl-C, a cancelled flow): a claim left behind would refuse every promotion of the alias for
+        CLAIM_TTL_S. Yields its key and when it was written (monotonic)."""
+        mine = f"{claims}{uuid.uuid4().hex}"
+        try:
+            started = time.monotonic()
+            claim = json.dumps({"who": move.who, "at": move.at}).encode()
+            self._retried(lambda: self.store.put_bytes(mine, claim), f"claiming {self.store.url_for(mine)}")
+            yield mine, started
+        except BaseException:
+            self._withdraw_while_failing(mine)
+            raise
+        self._retried(lambda: self.store.delete(mine), f"withdrawing {self.store.url_for(mine)}")
+
+    def _withdraw_while_failing(self, claim: str) -> None:
+        """Remove a claim while another failure is on its way out: that one is what the caller must see, so a
+        failure to remove the claim too is logged, not raised in its place."""
+        try:
+            self._retried(lambda: self.store.delete(claim), f"withdrawing {self.store.url_for(claim)}")
+        except Exception as exc:
+            log.warning("%s: could not withdraw this claim (%s): it lapses %.0f s after it was written",
+                        self.store.url_for(claim), exc, CLAIM_TTL_S)
+
+    @staticmethod
+    def _retried(call: Callable[[], _T], what: str) -> _T:
+        """A registry write, retried with backoff while it fails transiently (a server's 500 under a burst of
+        claims): each is idempotent (a claim or move under a key of its own, a delete), and a create-only put that
+        landed before its reply was lost is recognised by the caller."""
+        return call_with_retries(call, what)
 
     def _rival_claims(self, claims: str, mine: str) -> list[str]:
         listed = list(self.store.list(claims))
@@ -254,15 +349,30 @@ class Registry:
                   and (lapsed is None or info.mtime is None or info.mtime >= lapsed)]
         return rivals
 
-    def _refuse_if_taken(self, move: AliasMove, withdraw: str | None = None) -> None:
+    def _refuse_if_taken(self, move: AliasMove) -> None:
         winner = self._read(self._move_key(move.model, move.alias, move.seq))
+        if winner is not None:
+            raise self._lost(move, winner)
+
+    def _refuse_if_overwritten(self, move: AliasMove) -> None:
+        """On a store that ignores create-only puts, a rival that outlived its claim may write move N over this one:
+        read it back, and lose if it is not this move any more."""
+        written = self._read(self._move_key(move.model, move.alias, move.seq))
+        if written != move:
+            raise self._lost(move, written)
+
+    def _lost(self, move: AliasMove, winner: AliasMove | None) -> AliasConflict:
         if winner is None:
-            return
-        if withdraw is not None:
-            self.store.delete(withdraw)
-        raise AliasConflict(f"{move.ref}: moved to {winner.target} by {winner.who} at {winner.at} ({winner.reason}) "
-                            f"while this move to {move.target} was deciding: nothing was written; read it again "
-                            "(trainpipe model show) and retry")
+            return AliasConflict(f"{move.ref}: move {move.seq} vanished while this move to {move.target} was being "
+                                 "written (moves are never deleted: check who edits the registry by hand); read it "
+                                 "again (trainpipe model show) and retry")
+        return AliasConflict(f"{move.ref}: moved to {winner.target} by {winner.who} at {winner.at} ({winner.reason}) "
+                             f"while this move to {move.target} was deciding: this move was not recorded; read it "
+                             "again (trainpipe model show) and retry")
+
+
+def _encoded(move: AliasMove) -> bytes:
+    return json.dumps(asdict(move), indent=1).encode()
 
 
 def resolve_checkpoint(ref: str, root_url: str) -> CheckpointTarget:

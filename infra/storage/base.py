@@ -6,6 +6,7 @@ that root, so callers never branch on the backend.
 
 from __future__ import annotations
 
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ class ObjectInfo:
 
 class ObjectStore(ABC):
     scheme: str
+    _create_only_honoured: bool | None = None  # honours_create_only's answer, once probed
 
     def __init__(self, url: str) -> None:
         self.url = url.rstrip("/")
@@ -69,6 +71,33 @@ class ObjectStore(ABC):
     @abstractmethod
     def put_bytes(self, key: str, data: bytes) -> ObjectInfo:
         """Atomic: a reader sees the old object or the whole new one, never a part."""
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create-only put: write data at key only if no object is there; as atomic as put_bytes. True when this
+        call wrote it; False when an object was already there (a failed precondition), which is left untouched.
+
+        A store implements it with its conditional write: S3 `If-None-Match: *` (412 PreconditionFailed), GCS
+        `ifGenerationMatch=0` (412), Azure Blob `if_none_match='*'` (409 BlobAlreadyExists / 412), a file system's
+        exclusive create. Some servers (rclone serve s3, the GCS emulator) accept the precondition and overwrite
+        anyway: then this returns True although it replaced an object. This default, for a store without a
+        conditional write, is that case too: a plain put. Whoever needs exclusivity asks honours_create_only()."""
+        self.put_bytes(key, data)
+        return True
+
+    def honours_create_only(self, probe_prefix: str) -> bool:
+        """Whether put_if_absent really refuses to replace an object here, found once per store object by writing:
+        a fresh probe key under probe_prefix put create-only twice must have its second put refused. The probe is
+        deleted again."""
+        if self._create_only_honoured is None:
+            probe = f"{probe_prefix.rstrip('/')}/.create-only-probe-{uuid.uuid4().hex}"
+            try:
+                if not self.put_if_absent(probe, b"first"):
+                    raise StorageError(f"{self.url_for(probe)}: a create-only put of a fresh key was refused: the "
+                                       "store's conditional writes are broken; use another store")
+                self._create_only_honoured = not self.put_if_absent(probe, b"second")
+            finally:
+                self.delete(probe)
+        return self._create_only_honoured
 
     @abstractmethod
     def get_file(self, key: str, path: Path) -> ObjectInfo:

@@ -92,11 +92,9 @@ def _open_temp_beside(target: Path) -> tuple[Path, int]:
             attempt += 1
 
 
-def write_atomically(target: Path, fill: Callable[[int], None]) -> os.stat_result:
-    """Write through fill(fd) into a temp file beside target, fsync, and rename it over target.
-
-    A reader sees the old file or the whole new one. Returns the stat of the new file.
-    """
+def _write_beside(target: Path, fill: Callable[[int], None], publish: Callable[[Path, Path], None]
+                  ) -> os.stat_result:
+    """fill(fd) into a temp file beside target, fsynced, then publish(temp, target); the temp never outlives it."""
     temp, fd = _open_temp_beside(target)
     try:
         try:
@@ -105,12 +103,37 @@ def write_atomically(target: Path, fill: Callable[[int], None]) -> os.stat_resul
             written = os.fstat(fd)
         finally:
             os.close(fd)
-        os.replace(temp, target)
+        publish(temp, target)
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
     _fsync_dir(target.parent)
     return written
+
+
+def write_atomically(target: Path, fill: Callable[[int], None]) -> os.stat_result:
+    """Write through fill(fd) into a temp file beside target, fsync, and rename it over target.
+
+    A reader sees the old file or the whole new one. Returns the stat of the new file.
+    """
+    return _write_beside(target, fill, os.replace)
+
+
+def create_atomically(target: Path, fill: Callable[[int], None]) -> os.stat_result | None:
+    """Like write_atomically, but only when target does not exist: the whole file is hard-linked to target, which
+    fails rather than replace one. The new file's stat, or None when target already existed (left untouched)."""
+    existed = False
+
+    def link_then_drop(temp: Path, target: Path) -> None:
+        nonlocal existed
+        try:
+            os.link(temp, target)  # link(2) never replaces an existing name
+        except FileExistsError:
+            existed = True
+        temp.unlink()
+
+    written = _write_beside(target, fill, link_then_drop)
+    return None if existed else written
 
 
 def write_all(fd: int, data: bytes | memoryview, offset: int | None = None) -> None:

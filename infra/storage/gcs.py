@@ -248,6 +248,16 @@ class GcsStore(ObjectStore):
             blob.upload_from_string(data, content_type="application/octet-stream", checksum="crc32c", **self._one_try)
         return self._info(key, blob)
 
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        blob = self._blob(key)
+        with self._calling(key, "create"):
+            try:
+                blob.upload_from_string(data, content_type="application/octet-stream", checksum="crc32c",
+                                        if_generation_match=0, **self._one_try)
+            except api_exceptions.PreconditionFailed:  # 412: a generation exists, i.e. the object does
+                return False
+        return True
+
     def put_file(self, path: Path, key: str) -> ObjectInfo:
         path = Path(path)
         # A chunk size makes the upload resumable, in chunks: a large file is never sent in one request.

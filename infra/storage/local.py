@@ -15,7 +15,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from infra.storage.base import ObjectInfo, ObjectNotFound, ObjectStore, StorageError
-from infra.storage.files import TEMP_SUFFIX, is_safe_key, os_errors_named, write_all, write_atomically
+from infra.storage.files import (
+    TEMP_SUFFIX,
+    create_atomically,
+    is_safe_key,
+    os_errors_named,
+    write_all,
+    write_atomically,
+)
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +170,11 @@ class FileStore(ObjectStore):
         target = self._path(key)
         with os_errors_named(self.url_for(key), "write"):
             return _info(key, write_atomically(target, lambda fd: write_all(fd, data)))
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        target = self._path(key)
+        with os_errors_named(self.url_for(key), "create"):
+            return create_atomically(target, lambda fd: write_all(fd, data)) is not None
 
     def put_file(self, path: Path, key: str) -> ObjectInfo:
         target = self._path(key)

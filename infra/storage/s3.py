@@ -200,7 +200,8 @@ def _from_code(code: str, status: int, message: str, url: str, bucket: str, acti
         )
     if code in ("NoSuchKey", "404") or status == 404:
         return ObjectNotFound(f"{url}: no such object: check the key, or upload it first")
-    if code in _THROTTLED or status == 429 or status >= 500:
+    # ConditionalRequestConflict (409): a concurrent conditional write of the key was in flight; S3 asks for a retry.
+    if code in _THROTTLED or code == "ConditionalRequestConflict" or status == 429 or status >= 500:
         return TransientStorageError(f"{url}: cannot {action}: {code} (HTTP {status}): {message or code}")
     return StorageError(f"{url}: cannot {action}: {code}: {message or code}")
 
@@ -338,6 +339,23 @@ class S3Store(ObjectStore):
         with self._calling(key, "write"):
             reply = self.client.put_object(Bucket=self.bucket, Key=self.keys.name(key), Body=data)
         return self._info(key, len(data), reply.get("ETag"))
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        import botocore.exceptions  # loaded with the client the call below makes
+
+        with self._calling(key, "create"):
+            try:
+                self.client.put_object(Bucket=self.bucket, Key=self.keys.name(key), Body=data, IfNoneMatch="*")
+            except botocore.exceptions.ClientError as exc:
+                code, status = _code(exc)
+                if code == "PreconditionFailed":  # 412: the key exists
+                    return False
+                if code != "NotImplemented" and status != 501:
+                    raise
+                # A server without conditional writes (some S3-compatible ones): a plain put, as the interface says
+                # for a store that has none; honours_create_only then finds it out.
+                self.put_bytes(key, data)
+        return True
 
     def put_file(self, path: Path, key: str) -> ObjectInfo:
         path = Path(path)

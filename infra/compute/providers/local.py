@@ -74,11 +74,13 @@ class LocalProvider(Provider):
                                       "remove cluster.accelerator or use a cloud provider")
         started = time.monotonic()
         base = self._dir(cluster_name)
+        # One address per node, on this machine's loopback or the netns bridge: trainpipe and the peers both use it.
+        addresses = [self._node_address(cluster_name, rank) for rank in range(spec.nodes)]
         nodes = tuple(Node(name=f"{cluster_name}-node-{rank}", rank=rank,
-                           address=self._node_address(cluster_name, rank), workdir=str(base / f"node-{rank}"),
+                           address=address, cluster_address=address, workdir=str(base / f"node-{rank}"),
                            data_dir=str(base / f"node-{rank}" / "data"), ckpt_dir=str(base / f"node-{rank}" / "ckpt"),
                            python=sys.executable)
-                      for rank in range(spec.nodes))
+                      for rank, address in enumerate(addresses))
         # This machine is the only candidate and costs nothing extra; the record keeps the summary's shape.
         attempt = Attempt(candidate=self.name, instance_type=self.instance_type, region=socket.gethostname(), zone=None,
                           market="on-demand", outcome="launched", error=None,

@@ -343,6 +343,7 @@ class AwsProvider(CloudProvider):
         nodes = tuple(Node(
             name=_tags(i)["Name"], rank=int(_tags(i)[TAG_RANK]),
             address=i.get("PublicIpAddress") or i.get("PrivateIpAddress", ""),
+            cluster_address=i.get("PrivateIpAddress", ""),
             workdir=f"{MOUNT}/trainpipe", data_dir=f"{MOUNT}/trainpipe/data", ckpt_dir=f"{MOUNT}/trainpipe/ckpt",
             python="python3",
         ) for i in instances)

@@ -81,6 +81,12 @@ def address_of(instance: compute_v1.Instance) -> str:
         for access in interface.access_configs:
             if access.nat_i_p:
                 return str(access.nat_i_p)
+    return cluster_address_of(instance)
+
+
+def cluster_address_of(instance: compute_v1.Instance) -> str:
+    """The first interface's address in its VPC subnet: what the nodes reach each other by (the NAT address is not
+    bound on the instance)."""
     return str(instance.network_interfaces[0].network_i_p) if instance.network_interfaces else ""
 
 

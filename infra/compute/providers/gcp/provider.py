@@ -74,6 +74,7 @@ from infra.compute.providers.gcp.labels import (
     POLICY_MARK,
     Stamp,
     address_of,
+    cluster_address_of,
     created_time,
     label_value,
     policy_stamp,
@@ -292,7 +293,8 @@ class GcpProvider(ComputeApi, CloudProvider):
         instances = sorted(instances, key=rank_of)
         stamp = stamp_of(instances[0])
         nodes = tuple(Node(
-            name=i.name, rank=rank_of(i), address=address_of(i), workdir=f"{MOUNT}/trainpipe",
+            name=i.name, rank=rank_of(i), address=address_of(i), cluster_address=cluster_address_of(i),
+            workdir=f"{MOUNT}/trainpipe",
             data_dir=f"{MOUNT}/trainpipe/data", ckpt_dir=f"{MOUNT}/trainpipe/ckpt", python="python3",
         ) for i in instances)
         machine_type = short_name(instances[0].machine_type)

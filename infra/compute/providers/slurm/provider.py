@@ -147,7 +147,9 @@ class SlurmProvider(Provider):
         nodes = []
         for rank, host in enumerate(hosts):
             workdir = config.node_workdir(host, pending.name)
-            nodes.append(Node(name=f"{pending.name}-{host}", rank=rank, address=addresses.get(host, host),
+            # NodeAddr is both: the address slurmctld and the job steps reach the node by, on the cluster network.
+            address = addresses.get(host, host)
+            nodes.append(Node(name=f"{pending.name}-{host}", rank=rank, address=address, cluster_address=address,
                               workdir=workdir, data_dir=f"{workdir}/data", ckpt_dir=f"{workdir}/ckpt",
                               python=config.python))
         # The zone is what the run summary says the cluster ran "in": the partition, the job and its nodes.

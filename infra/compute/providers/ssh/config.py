@@ -6,13 +6,33 @@ every host key verifiable (pinned or in known_hosts), and at least as many hosts
 
 from __future__ import annotations
 
+import ipaddress
 import re
+import socket
 
 from pydantic import Field, field_validator, model_validator
 
 from infra.strict_model import StrictModel, readable_file
 
 SSH_FINGERPRINT = r"^SHA256:[A-Za-z0-9+/]{43}$"
+# Networks a cluster's own traffic may bind without the user saying so: RFC 1918, loopback, link-local, CGNAT
+# (RFC 6598) and IPv6 unique-local. Anything else may face the internet.
+CLUSTER_NETWORKS = tuple(ipaddress.ip_network(net) for net in (
+    "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "127.0.0.0/8", "169.254.0.0/16", "100.64.0.0/10",
+    "::1/128", "fe80::/10", "fc00::/7"))
+
+
+def public_addresses(address: str) -> list[str]:
+    """The addresses `address` stands for (itself, or what the name resolves to here) outside CLUSTER_NETWORKS."""
+    try:
+        found = [ipaddress.ip_address(address)]
+    except ValueError:
+        try:
+            found = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in socket.getaddrinfo(address, None)]
+        except OSError as exc:
+            raise ValueError(f"cluster address {address} does not resolve here ({exc.strerror or exc}): set its "
+                             "cluster_address to its IP address") from exc
+    return sorted({str(ip) for ip in found if not any(ip in net for net in CLUSTER_NETWORKS)})
 
 
 def _known_hosts_names(host: str, port: int) -> list[str]:
@@ -33,6 +53,16 @@ class SshHostSpec(StrictModel):
     host_key: str | None = Field(None, description="Pinned SHA256 fingerprint of the machine's host key "
                                  "(ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub on it); without it the key must "
                                  "be in cluster.ssh.known_hosts.")
+    cluster_address: str | None = Field(None, min_length=1, description="The machine's address on the network its "
+                                        "peers share (e.g. its private or InfiniBand interface): node-to-node traffic "
+                                        "(fan-out staging, peer replicas, torchrun's rendezvous) binds and dials it; "
+                                        "default: host. A public one is refused unless "
+                                        "cluster.ssh.allow_public_cluster_address is true.")
+
+    @property
+    def peer_address(self) -> str:
+        """What the other nodes reach this one by."""
+        return self.cluster_address or self.host
 
     @field_validator("key_file")
     @classmethod
@@ -61,6 +91,10 @@ class SshClusterSpec(StrictModel):
                                            "the first N.")
     known_hosts: str | None = Field(None, description="known_hosts file with the hosts' keys (for hosts without "
                                     "host_key); unknown or changed keys are refused, never added.")
+    allow_public_cluster_address: bool = Field(False, description="Let node-to-node traffic (the peer servers, "
+                                               "torchrun's rendezvous) bind a public cluster address (one outside "
+                                               "RFC 1918, loopback, link-local, CGNAT and IPv6 unique-local): only "
+                                               "for hosts that share no private network, behind a firewall of yours.")
 
     @model_validator(mode="before")
     @classmethod
@@ -108,3 +142,15 @@ class SshClusterSpec(StrictModel):
         if len(self.hosts) < nodes:
             raise ValueError(f"cluster.nodes is {nodes} but cluster.ssh.hosts lists {len(self.hosts)}: add hosts "
                              "or lower cluster.nodes")
+        if nodes > 1 and not self.allow_public_cluster_address:
+            for index, host in enumerate(self.hosts[:nodes]):
+                try:
+                    public = public_addresses(host.peer_address)
+                except ValueError as exc:
+                    raise ValueError(f"cluster.ssh.hosts[{index}] ({host.host}): {exc}") from exc
+                if public:
+                    resolved = "" if public == [host.peer_address] else f" (resolves to {', '.join(public)})"
+                    raise ValueError(
+                        f"cluster.ssh.hosts[{index}] ({host.host}): cluster address {host.peer_address} is public"
+                        f"{resolved}, and the peer servers and torchrun's rendezvous would listen on it: set its "
+                        "cluster_address to its private address, or cluster.ssh.allow_public_cluster_address: true")

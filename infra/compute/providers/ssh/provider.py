@@ -217,8 +217,9 @@ class SshProvider(Provider):
         nodes = []
         for rank, host in enumerate(chosen):
             workdir = f"{host.workdir.rstrip('/')}/{cluster_name}"
-            nodes.append(Node(name=f"{cluster_name}-node-{rank}", rank=rank, address=host.host, workdir=workdir,
-                              data_dir=f"{workdir}/data", ckpt_dir=f"{workdir}/ckpt", python=host.python))
+            nodes.append(Node(name=f"{cluster_name}-node-{rank}", rank=rank, address=host.host,
+                              cluster_address=host.peer_address, workdir=workdir, data_dir=f"{workdir}/data",
+                              ckpt_dir=f"{workdir}/ckpt", python=host.python))
         ssh = {"hosts": {node.name: host.model_dump() for node, host in zip(nodes, chosen, strict=True)},
                "known_hosts": spec.ssh.known_hosts}
         # User machines are already paid for: the cluster costs nothing extra while it runs.
