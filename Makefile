@@ -25,6 +25,7 @@ run: $(BIN)/trainpipe $(DATASET)/manifest.json
 
 test: $(BIN)/trainpipe
 	scripts/install-system-packages
+	scripts/install-azure-tools
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q --durations=60
 

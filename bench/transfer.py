@@ -1,5 +1,6 @@
 """The transfer benchmark: trainpipe (each engine: native, python) against s5cmd, aws s3 cp and boto3 on a local
-S3 server, and against google-cloud-storage's transfer_manager on the GCS emulator, in one run on this machine.
+S3 server, against google-cloud-storage's transfer_manager on the GCS emulator, and against AzCopy on Azurite (the
+Azure Storage emulator), in one run on this machine.
 
 Every client runs as its own process, timed from start to exit, the way a user runs it (startup included),
 over the same dataset: a few large files and many 8 MB ones. trainpipe verifies every byte it moves (the CRC the
@@ -47,12 +48,20 @@ TRAINPIPE_CP = [sys.executable, "-m", "trainpipe.cp_command"]
 
 def _test_servers() -> ModuleType:
     """tests/servers.py of this checkout: the very servers the test suite runs against."""
-    path = Path(__file__).resolve().parent.parent / "tests" / "servers.py"
+    return _test_module("servers")
+
+
+def _test_module(name: str) -> ModuleType:
+    """tests/<name>.py of this checkout, importable by the others under its own name (azurite imports servers)."""
+    if name in sys.modules and getattr(sys.modules[name], "TRAINPIPE_TEST_MODULE", False):
+        return sys.modules[name]
+    path = Path(__file__).resolve().parent.parent / "tests" / f"{name}.py"
     if not path.is_file():
         raise RuntimeError(f"{path} is missing: run the benchmark from a trainpipe checkout")
-    spec = importlib.util.spec_from_file_location("trainpipe_test_servers", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    module.TRAINPIPE_TEST_MODULE = True  # type: ignore[attr-defined]
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is created
     spec.loader.exec_module(module)
     return module
@@ -66,6 +75,7 @@ class BenchConfig:
     clients: list[str] | None = None  # S3 clients to run (default: all); trainpipe always runs
     workdir: Path | None = None
     engines: tuple[str, ...] = ENGINES
+    azure_size_gb: float = 0.5
 
 
 @dataclass
@@ -119,6 +129,7 @@ class Report:
                 **asdict(row), "median": round(row.median, 1), "best": round(row.best, 1),
                 "vs_s5cmd": _round(self.ratio(row, "s5cmd")),
                 "vs_transfer_manager": _round(self.ratio(row, "transfer_manager")),
+                "vs_azcopy": _round(self.ratio(row, "azcopy")),
                 "of_ceiling": _round(row.best / ceiling if ceiling and row.mb_per_s else None),
                 "client_cpu_s_per_gb": _round(_median(row.client_cpu_s_per_gb)),
                 "server_cpu_s_per_gb": _round(_median(row.server_cpu_s_per_gb)),
@@ -128,7 +139,7 @@ class Report:
     def table(self) -> str:
         lines = [f"dataset: {self.dataset}",
                  f"{'store':<5} {'dir':<9} {'client':<17} {'engine':<7} {'median MB/s':>11} {'best':>8} "
-                 f"{'vs s5cmd':>8} {'vs tm':>6} {'of ceil':>7} {'cpu-s/GB':>8} {'server':>6}  runs / note"]
+                 f"{'vs s5cmd':>8} {'vs tm':>6} {'vs az':>6} {'of ceil':>7} {'cpu-s/GB':>8} {'server':>6}  runs / note"]
         for item in self.summary():
             def show(value: object) -> str:
                 return "-" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value)
@@ -139,7 +150,7 @@ class Report:
             runs = ", ".join(f"{v:.0f}" for v in values) if len(values) <= 8 else f"{len(values)} runs"
             lines.append(f"{item['store']:<5} {item['direction']:<9} {item['client']:<17} {item['engine'] or '-':<7} "
                          f"{item['median']:>11.1f} {item['best']:>8.1f} {show(item['vs_s5cmd']):>8} "
-                         f"{show(item['vs_transfer_manager']):>6} "
+                         f"{show(item['vs_transfer_manager']):>6} {show(item['vs_azcopy']):>6} "
                          f"{show(item['of_ceiling']):>7} {show(item['client_cpu_s_per_gb']):>8} "
                          f"{show(item['server_cpu_s_per_gb']):>6}  {runs}{note}")
         return "\n".join(lines)
@@ -291,10 +302,11 @@ class Meter:
         times = self.server.cpu_times()
         return times.user + times.system
 
-    def run(self, argv: list[str]) -> Timing:
+    def run(self, argv: list[str], env: dict[str, str] | None = None) -> Timing:
+        """env: variables of this run's own, beside the meter's."""
         client_before, server_before = resource.getrusage(resource.RUSAGE_CHILDREN), self._server_cpu()
         started = time.perf_counter()
-        done = subprocess.run(argv, env=self.env, capture_output=True, text=True)
+        done = subprocess.run(argv, env={**self.env, **(env or {})}, capture_output=True, text=True)
         seconds = time.perf_counter() - started
         client_after, server_after = resource.getrusage(resource.RUSAGE_CHILDREN), self._server_cpu()
         if done.returncode != 0:
@@ -539,6 +551,55 @@ def bench_gcs(config: BenchConfig, scratch: Path, servers: ModuleType, echo: Cal
     return list(rows.values())
 
 
+# The az:// store has one engine: the python engine's parts (blocks staged in parallel, ranged GETs).
+AZURE_ENGINE = "python"
+
+
+def _azurite() -> ModuleType:
+    """tests/azurite.py of this checkout (which imports tests/servers.py, loaded first)."""
+    _test_servers()
+    return _test_module("azurite")
+
+
+def _azcopy(meter: Meter, scratch: Path, *args: str) -> Timing:
+    azurite = _azurite()
+    # AzCopy writes its logs and job plans under the user's home unless told otherwise.
+    env = {"AZCOPY_LOG_LOCATION": str(scratch / "azcopy-logs"),
+           "AZCOPY_JOB_PLAN_LOCATION": str(scratch / "azcopy-plans")}
+    return meter.run([str(azurite.AZCOPY), "copy", *args, "--recursive", "--log-level", "ERROR"], env)
+
+
+def bench_azure(config: BenchConfig, scratch: Path, echo: Callable[[str], None]) -> list[Row]:
+    azurite = _azurite()
+    sizes = dataset_sizes(int(config.azure_size_gb * 1e9))
+    nbytes = sum(sizes.values())
+    src = scratch / "azure-src"
+    write_dataset(src, sizes)
+    echo(f"Azurite: {nbytes / 1e9:.2f} GB in {len(sizes)} files")
+    rows: dict[tuple[str, str], Row] = {}
+    with azurite.azurite(scratch / "azurite" / "data") as server:
+        meter = Meter({**os.environ, **server.env()}, server.endpoint.rsplit("/", 1)[0])
+        container = server.make_container("bench").removeprefix("az://")
+        rows[("upload", "trainpipe")] = row = Row("azure", "upload", "trainpipe", AZURE_ENGINE)
+        uploads: list[tuple[Row, Callable[[int], Timing]]] = [
+            (row, lambda i: meter.run(trainpipe_cp(AZURE_ENGINE, str(src), f"az://{container}/tp-{i}/")))]
+        rows[("upload", "azcopy")] = row = Row("azure", "upload", "azcopy")
+        uploads.append((row, lambda i: _azcopy(meter, scratch, f"{src}/*", server.container_sas_url(
+            container, f"azcopy-{i}/"), "--from-to", "LocalBlob")))
+        _alternating(uploads, config.repeats, nbytes, echo)
+        dest = scratch / "azure-download"
+        argv = trainpipe_cp(AZURE_ENGINE, f"az://{container}/tp-0/", str(dest))
+        rows[("download", "trainpipe")] = row = Row("azure", "download", "trainpipe", AZURE_ENGINE)
+        downloads: list[tuple[Row, Callable[[int], Timing]]] = [
+            (row, lambda _i: _checked_download(dest, nbytes, lambda: meter.run(argv)))]
+        rows[("download", "azcopy")] = row = Row("azure", "download", "azcopy")
+        source = server.container_sas_url(container, "tp-0/*")
+        downloads.append((row, lambda _i: _checked_download(dest, nbytes, lambda: _azcopy(
+            meter, scratch, source, str(dest), "--from-to", "BlobLocal"))))
+        _alternating(downloads, config.repeats, nbytes, echo)
+    return list(rows.values())
+
+
 def _compile_checkout() -> None:
     """Bytecode for the checkout's packages, as an install writes it: a checkout run with PYTHONDONTWRITEBYTECODE
     (or from a read-only tree) compiles every module of `trainpipe cp` again on each start (~25 ms of CPU), which
@@ -559,4 +620,7 @@ def run_benchmark(config: BenchConfig, echo: Callable[[str], None] = print) -> R
         if config.gcs_size_gb > 0:
             report.rows.extend(bench_gcs(config, scratch, servers, echo))
             report.dataset["gcs_bytes"] = sum(dataset_sizes(int(config.gcs_size_gb * 1e9)).values())
+        if config.azure_size_gb > 0:
+            report.rows.extend(bench_azure(config, scratch, echo))
+            report.dataset["azure_bytes"] = sum(dataset_sizes(int(config.azure_size_gb * 1e9)).values())
     return report

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import pytest
+from azurite import AzuriteServer, azurite
 from servers import GcsServer, S3Server, create_gcs_bucket, gcs_emulator, rclone_s3
 
 # No telemetry from tests: the machines have no network and the tests must not try.
@@ -98,3 +99,17 @@ def gs_url(gcs_server: GcsServer, monkeypatch: pytest.MonkeyPatch) -> str:
     for name, value in gcs_server.env().items():
         monkeypatch.setenv(name, value)
     return create_gcs_bucket(gcs_server, f"bucket-{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture(scope="session")
+def azurite_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AzuriteServer]:
+    with azurite(tmp_path_factory.mktemp("azurite") / "data") as server:
+        yield server
+
+
+@pytest.fixture
+def az_url(azurite_server: AzuriteServer, monkeypatch: pytest.MonkeyPatch) -> str:
+    """az:// of a new, empty container, with AZURE_STORAGE_CONNECTION_STRING pointing the SDK at Azurite."""
+    for name, value in azurite_server.env().items():
+        monkeypatch.setenv(name, value)
+    return azurite_server.make_container(f"container-{uuid.uuid4().hex[:12]}")

@@ -1,4 +1,4 @@
-"""`trainpipe cp` between local paths, s3:// (rclone) and gs:// (emulator), in process through the Typer app."""
+"""`trainpipe cp` between local paths, s3:// (rclone), gs:// (emulator) and az:// (Azurite), through the Typer app."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import TRAINPIPE
 from store_checks import engine_files, tree, write_tree
+from test_storage_file import ODD_KEYS
 from typer.testing import CliRunner
 
 from bench.transfer import ONE_OBJECT_NOTE, ONE_OBJECT_RUNS
@@ -45,6 +46,22 @@ def test_recursive_copy_through_s3_and_gcs(s3_url: str, gs_url: str, tmp_path: P
         match = FINAL_LINE.match(out.strip())
         assert code == 0 and match and int(match[2]) == len(sizes) and match[3] == "0", out
     assert tree(tmp_path / "from-s3") == tree(tmp_path / "src")
+
+
+def test_recursive_copy_to_azure_and_back_is_exact(az_url: str, tmp_path: Path) -> None:
+    """Awkward keys (spaces, non-ASCII, '+', '='), an empty file and one of several blocks: up to az:// and back,
+    exactly; a second copy down moves nothing."""
+    sizes = {**{key: 100 + len(key) for key in ODD_KEYS}, "empty.bin": 0, "big/blocks+tail.bin": 2 * (5 << 20) + 1234}
+    write_tree(tmp_path / "src", sizes)
+    for src, dst in [(str(tmp_path / "src"), f"{az_url}/up/"), (f"{az_url}/up", str(tmp_path / "back"))]:
+        code, out, err = cp(src, dst, "--recursive")
+        assert code == 0, err
+        match = FINAL_LINE.match(out.strip().splitlines()[-1])
+        assert match and int(match[1]) == len(sizes) and int(match[3].replace(",", "")) == sum(sizes.values()), out
+    assert tree(tmp_path / "back") == tree(tmp_path / "src")
+    code, out, _ = cp(f"{az_url}/up/", str(tmp_path / "back"), "-r")
+    match = FINAL_LINE.match(out.strip())
+    assert code == 0 and match and int(match[2]) == len(sizes) and match[3] == "0", out
 
 
 def test_python_engine_and_an_empty_prefix(s3_url: str, tmp_path: Path) -> None:
@@ -102,11 +119,11 @@ def _kind(note: str) -> str:
 
 def test_bench_transfer_smoke(tmp_path: Path) -> None:
     """The benchmark end to end at a tiny size: both engines and s5cmd on S3, both engines and transfer_manager on
-    GCS (where the emulator's missing XML multipart is said in the row)."""
+    GCS (where the emulator's missing XML multipart is said in the row), the python engine and AzCopy on Azurite."""
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(app, ["bench", "transfer", "--size-gb", "0.02", "--repeats", "1", "--gcs-size-gb",
-                                      "0.005", "--clients", "trainpipe,s5cmd", "--json", str(out), "--workdir",
-                                      str(tmp_path)])
+                                      "0.005", "--azure-size-gb", "0.005", "--clients", "trainpipe,s5cmd", "--json",
+                                      str(out), "--workdir", str(tmp_path)])
     assert result.exit_code == 0, result.output
     rows = {(r["store"], r["direction"], r["client"], r["engine"], _kind(r["note"])): r
             for r in json.loads(out.read_text())["rows"]}
@@ -116,7 +133,9 @@ def test_bench_transfer_smoke(tmp_path: Path) -> None:
                          for c, e in {*trainpipe, ("s5cmd", "")} for kind in ("tree", "one object")} | {
         ("s3", "download", "local cp", "", "tree"), ("s3", "download", "trainpipe", "native", "crc"),
         ("s3", "download", "s5cmd", "", "crc")} | {
-        ("gcs", d, c, e, "tree") for d in ("download", "upload") for c, e in {*trainpipe, ("transfer_manager", "")}}
+        ("gcs", d, c, e, "tree") for d in ("download", "upload") for c, e in {*trainpipe, ("transfer_manager", "")}} | {
+        ("azure", d, c, e, "tree") for d in ("download", "upload")
+        for c, e in (("trainpipe", "python"), ("azcopy", ""))}
     for key, row in rows.items():
         runs = ONE_OBJECT_RUNS if key[-1] == "one object" else 1
         assert len(row["mb_per_s"]) == runs and min(row["mb_per_s"]) > 0 and not row["note"].startswith("failed"), row
@@ -135,6 +154,11 @@ def test_bench_transfer_smoke(tmp_path: Path) -> None:
         small_copies = [row for key, row in rows.items() if key[1] == direction and key[-1] == "one object"]
         assert max(row["of_ceiling"] for row in small_copies) == 1.0, small_copies
     assert "no XML multipart" in rows[("gcs", "upload", "trainpipe", "native", "tree")]["note"]
+    for direction in ("download", "upload"):  # Azure's row against AzCopy's, side by side
+        azure, azcopy = (rows[("azure", direction, client, engine, "tree")]
+                         for client, engine in (("trainpipe", "python"), ("azcopy", "")))
+        # (one run each: the median is that run, unrounded in mb_per_s)
+        assert azure["vs_azcopy"] == pytest.approx(azure["mb_per_s"][0] / azcopy["mb_per_s"][0], abs=0.002)
     assert "trainpipe" in result.output and "engine" in result.output and "of ceil" in result.output
 
 

@@ -1,6 +1,6 @@
-"""The dataset's part of a plan on real stores: snapshots of file:// and gs:// prefixes (checksums computed once or
-kept by the store), a gs:// snapshot staged by the node agent, per-node disk against the catalog's NVMe, and the
-dataset config's own errors."""
+"""The dataset's part of a plan on real stores: snapshots of file://, gs:// and az:// prefixes (checksums computed
+once or kept by the store), gs:// and az:// snapshots staged by the node agent, per-node disk against the catalog's
+NVMe, and the dataset config's own errors."""
 
 from __future__ import annotations
 
@@ -46,6 +46,29 @@ def test_gcs_keeps_checksums_and_a_gcs_snapshot_stages_exactly(gs_url: str, tmp_
 
     assert all(not f.computed and f.checksum.split(":")[0] in ("md5", "crc32c") for f in snapshot.files), snapshot
     url = freeze(store, f"{gs_url}/ckpt/run-1", snapshot)
+    staged_event(stage(url, tmp_path / "node", tmp_path / "cache"))
+    assert tree(tmp_path / "node" / "data") == files
+
+
+def test_azure_keeps_md5s_and_an_azure_snapshot_stages_exactly(az_url: str, tmp_path: Path) -> None:
+    """Objects written in one request keep the service's Content-MD5, which the snapshot takes; one written in blocks
+    keeps none, so its sha256 is computed once. Either way the node stages exactly the bytes."""
+    files = {"tables/a.csv": b"x,y\n1,2\n", "images/cat.jpg": bytes(range(256)) * 40}
+    store = open_store(f"{az_url}/dataset")
+    for key, data in files.items():
+        store.put_bytes(key, data)
+    blocks = bytes(range(251)) * 9000
+    upload_id = store.start_multipart("big.bin")  # type: ignore[attr-defined]
+    tags = [store.put_part("big.bin", upload_id, n + 1, offset, blocks[offset:offset + (1 << 20)])  # type: ignore
+            for n, offset in enumerate(range(0, len(blocks), 1 << 20))]
+    store.finish_multipart("big.bin", upload_id, tags)  # type: ignore[attr-defined]
+    files["big.bin"] = blocks
+
+    snapshot = take_snapshot(store)
+
+    kept = {f.key: (f.checksum.split(":")[0], f.computed) for f in snapshot.files}
+    assert kept == {"tables/a.csv": ("md5", False), "images/cat.jpg": ("md5", False), "big.bin": ("sha256", True)}
+    url = freeze(store, f"{az_url}/ckpt/run-1", snapshot)
     staged_event(stage(url, tmp_path / "node", tmp_path / "cache"))
     assert tree(tmp_path / "node" / "data") == files
 

@@ -141,6 +141,10 @@ def test_two_promoters_race_gcs(gs_url: str, tmp_path: Path) -> None:
     check_race(f"{gs_url}/ckpts", tmp_path)
 
 
+def test_two_promoters_race_azure(az_url: str, tmp_path: Path) -> None:
+    check_race(f"{az_url}/ckpts", tmp_path)
+
+
 def test_the_syncer_records_lineage_and_retention_spares_what_an_alias_holds(tmp_path: Path) -> None:
     """Through the real syncer process: every manifest carries its lineage; keep=1 deletes old steps but not the one
     production points at (the registry is found at the parent of the run's URL)."""

@@ -55,7 +55,7 @@ def file_url(tmp_path: Path) -> str:
 
 def _url(request: pytest.FixtureRequest, store: str) -> str:
     return str(request.getfixturevalue({"file": "file_url", "rclone": "s3_url", "gcs": "gs_url",
-                                        "moto": "moto_url"}[store]))
+                                        "moto": "moto_url", "azure": "az_url"}[store]))
 
 
 class _PlainPuts(FileStore):
@@ -66,7 +66,8 @@ class _PlainPuts(FileStore):
 
 # ---- the create-only put and the probe --------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("store", "honoured"), [("file", True), ("moto", True), ("rclone", False), ("gcs", False)])
+@pytest.mark.parametrize(("store", "honoured"), [("file", True), ("moto", True), ("rclone", False), ("gcs", False),
+                                               ("azure", True)])
 def test_put_if_absent_and_the_probe_that_finds_whether_a_store_honours_it(
         request: pytest.FixtureRequest, store: str, honoured: bool) -> None:
     objects = open_store(f"{_url(request, store)}/root")
@@ -170,8 +171,9 @@ def test_a_promoter_stopped_before_its_write_loses_when_resumed(
 
 # ---- many rounds of racing promoters ---------------------------------------------------------------------------
 
-# moto: the create-only path on S3 (as file://'s), in fewer rounds: each costs it ~0.4 s.
-@pytest.mark.parametrize(("store", "rounds"), [("file", ROUNDS), ("rclone", ROUNDS), ("gcs", ROUNDS), ("moto", 5)])
+# moto and Azurite: the create-only path on S3 and Azure Blob (as file://'s), in fewer rounds: each costs moto ~0.4 s.
+@pytest.mark.parametrize(("store", "rounds"), [("file", ROUNDS), ("rclone", ROUNDS), ("gcs", ROUNDS), ("moto", 5),
+                                               ("azure", 5)])
 def test_rounds_of_racing_promoters_have_one_winner_each(
         request: pytest.FixtureRequest, store: str, rounds: int, tmp_path: Path) -> None:
     """Two promoters from one position, released together at their claim (or create-only move), round after round:

@@ -14,10 +14,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from azurite import AzuriteServer
 from cloud_env import wait_for
 from servers import BreakingProxy
 
-from infra.storage import open_store, s3, s3_control, s3_native
+from infra.storage import azure_account, open_store, s3, s3_control, s3_native
 from infra.storage.checksum import Checksum, checksum_bytes
 from infra.storage.s3 import MIN_PART_SIZE
 from infra.storage.transfer import FileSpec, RetryPolicy, TransferConfig, download, upload
@@ -85,10 +86,17 @@ def _proxied(scheme: str, kind: type[StallingProxy], request: pytest.FixtureRequ
     if scheme == "s3":
         url, server = request.getfixturevalue("s3_url"), request.getfixturevalue("s3_server")
         proxy, variable, clients = kind(_port(server.endpoint)), "AWS_ENDPOINT_URL", s3._connections.clear
+        value = f"http://127.0.0.1:{proxy.port}"
+    elif scheme == "az":
+        url, server = request.getfixturevalue("az_url"), request.getfixturevalue("azurite_server")
+        host, account = server.endpoint.rsplit("/", 1)
+        proxy, variable, clients = kind(_port(host)), "AZURE_STORAGE_CONNECTION_STRING", azure_account._clients.clear
+        value = AzuriteServer(f"http://127.0.0.1:{proxy.port}/{account}").connection_string
     else:
         url, server = request.getfixturevalue("gs_url"), request.getfixturevalue("gcs_server")
         proxy, variable, clients = kind(_port(server.host)), "STORAGE_EMULATOR_HOST", gcs._clients.clear
-    monkeypatch.setenv(variable, f"http://127.0.0.1:{proxy.port}")
+        value = f"http://127.0.0.1:{proxy.port}"
+    monkeypatch.setenv(variable, value)
     clients()  # fresh clients: their first connections go through the proxy
     request.addfinalizer(clients)
     request.addfinalizer(proxy.close)
@@ -144,8 +152,8 @@ def _copy_through(url: str, proxy: StallingProxy, tmp_path: Path, config: Transf
 
 
 @pytest.mark.parametrize("direction", ["download", "upload"])
-@pytest.mark.parametrize("engine", ["native", "python"])
-@pytest.mark.parametrize("scheme", ["s3", "gs"])
+@pytest.mark.parametrize(("scheme", "engine"), [("s3", "native"), ("s3", "python"), ("gs", "native"),
+                                                ("gs", "python"), ("az", "python")])  # az: the python engine only
 def test_stalled_request_is_retried_within_the_bound(
     scheme: str, engine: str, direction: str, tmp_path: Path, caplog: pytest.LogCaptureFixture,
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,

@@ -11,6 +11,7 @@ import pytest
 import yaml
 from conftest import REPO, run_trainpipe
 
+from infra.job.secrets import SecretRef
 from infra.job.spec import parse_job
 from infra.job.store_access import store_access_problem
 
@@ -24,6 +25,12 @@ def cloud_job(provider: str, dataset: str, checkpoints: str, code: str | None = 
 
 
 PROFILE = {"aws": {"instance_profile": "trainpipe-node"}}
+
+
+def azure_secrets(job: Any, *names: str) -> Any:
+    """The job with the Azure variables handed to its nodes as secrets (from the orchestrator's environment)."""
+    training = job.training.model_copy(update={"secrets": {name: SecretRef(env=name) for name in names}})
+    return job.model_copy(update={"training": training})
 STORAGE_LESS = {"gcp": {"service_account": {"scopes": ["compute"]}}}
 
 
@@ -44,8 +51,14 @@ STORAGE_LESS = {"gcp": {"service_account": {"scopes": ["compute"]}}}
      "dataset.url s3://b/data: gcp nodes have no credentials for s3:// stores: use a gs:// store (or run the job on "
      "aws)"),
     (cloud_job("local", "s3://b/data", "gs://b/ckpt"), None),  # a machine of one's own has its own credentials
+    (cloud_job("aws", "s3://b/data", "az://c/ckpt", **PROFILE),
+     "checkpoints.url az://c/ckpt: aws nodes have no Azure credentials: hand them over as training.secrets"),
+    (azure_secrets(cloud_job("gcp", "az://c/data", "gs://b/ckpt"), "AZURE_STORAGE_ACCOUNT", "AZURE_STORAGE_KEY"),
+     None),
+    (azure_secrets(cloud_job("aws", "s3://b/data", "az://c/ckpt", **PROFILE), "AZURE_STORAGE_ACCOUNT"),
+     "checkpoints.url az://c/ckpt: aws nodes have no Azure credentials"),  # an account alone reaches nothing
 ], ids=["aws-profile", "aws-none", "aws-gs", "aws-gs-code", "gcp-default", "gcp-no-storage-scope", "gcp-s3",
-        "local"])
+        "local", "aws-az", "gcp-az-key", "aws-az-account-only"])
 def test_which_stores_the_nodes_can_reach(job: Any, problem: str | None) -> None:
     found = store_access_problem(job)
     assert found == problem if problem is None else (found or "").startswith(problem), found

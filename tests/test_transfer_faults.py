@@ -8,15 +8,16 @@ import os
 import shutil
 import socket
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from azurite import AzuriteServer
 from servers import BreakingProxy, S3Server
 from store_checks import FAST_RETRY
 from typer.testing import CliRunner
 
-from infra.storage import ChecksumMismatch, open_store, s3
+from infra.storage import ChecksumMismatch, azure_account, open_store, s3
 from infra.storage.checksum import checksum_bytes
 from infra.storage.s3 import MIN_PART_SIZE
 from infra.storage.transfer import FileSpec, RetryPolicy, TransferConfig, download, upload
@@ -80,12 +81,36 @@ def cut_url(s3_url: str, s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -
     proxy.close()
 
 
+@pytest.fixture
+def az_cut_url(az_url: str, azurite_server: AzuriteServer, monkeypatch: pytest.MonkeyPatch
+               ) -> Iterator[tuple[str, CuttingProxy]]:
+    host, account = azurite_server.endpoint.rsplit("/", 1)
+    proxy = CuttingProxy(int(host.rsplit(":", 1)[1]))
+    through = AzuriteServer(f"http://127.0.0.1:{proxy.port}/{account}")
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", through.connection_string)
+    azure_account._clients.clear()
+    yield az_url, proxy
+    azure_account._clients.clear()
+    proxy.close()
+
+
 @pytest.mark.parametrize("engine", ["native", "python"])
 def test_cut_connections_still_yield_verified_copies(
     cut_url: tuple[str, CuttingProxy], tmp_path: Path, engine: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     url, proxy = cut_url
-    config = CONFIG.but(engine=engine)
+    _copy_while_cutting(url, proxy, tmp_path, CONFIG.but(engine=engine), caplog, s3._connections.clear)
+
+
+def test_cut_connections_to_azure_still_yield_verified_copies(
+    az_cut_url: tuple[str, CuttingProxy], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    url, proxy = az_cut_url
+    _copy_while_cutting(url, proxy, tmp_path, CONFIG.but(engine="python"), caplog, azure_account._clients.clear)
+
+
+def _copy_while_cutting(url: str, proxy: CuttingProxy, tmp_path: Path, config: TransferConfig,
+                        caplog: pytest.LogCaptureFixture, drop_clients: Callable[[], None]) -> None:
     store = open_store(url)
     sizes = {"big.bin": 4 * MIN_PART_SIZE + 777, "mid.bin": MIN_PART_SIZE + 1, **{f"s/{i}": 300_000 for i in range(8)}}
     src = tmp_path / "src"
@@ -101,7 +126,7 @@ def test_cut_connections_still_yield_verified_copies(
         assert {f.key: f.crc for f in sent.files} == crcs
         cuts_up = proxy.cuts
         # Fresh clients, so the download opens fresh connections: the next ones that carry a body are cut.
-        s3._connections.clear()
+        drop_clients()
         store = open_store(url)
         specs = [FileSpec(rel, size, crc=crcs[rel]) for rel, size in sizes.items()]
         proxy.arm(CUTS_PER_PHASE)

@@ -29,6 +29,7 @@ def transfer(
     size_gb: Annotated[float, typer.Option(min=0.001, help="dataset size for the S3 runs, in GB")] = 2.0,
     repeats: Annotated[int, typer.Option(min=1, help="runs of each client; the best and median are reported")] = 3,
     gcs_size_gb: Annotated[float, typer.Option(min=0.0, help="dataset size for the GCS emulator runs (0: skip)")] = 0.5,
+    azure_size_gb: Annotated[float, typer.Option(min=0.0, help="dataset size for the Azurite runs (0: skip)")] = 0.5,
     clients: Annotated[
         str | None, typer.Option(help="comma-separated subset of: trainpipe,s5cmd,aws,boto3 (default: all)")
     ] = None,
@@ -39,14 +40,15 @@ def transfer(
     workdir: Annotated[Path | None, typer.Option(help="where the temp dataset goes (default: the system temp)")] = None,
 ) -> None:
     """Download and upload MB/s and client/server CPU per GB of trainpipe's engines vs s5cmd, aws s3 cp, boto3 and
-    the disk on a local S3 server, and vs transfer_manager on the GCS emulator."""
+    the disk on a local S3 server, vs transfer_manager on the GCS emulator and vs AzCopy on Azurite."""
     from bench.transfer import ENGINES, BenchConfig, run_benchmark
 
     chosen = [name.strip() for name in clients.split(",")] if clients else None
     engine_list = tuple(name.strip() for name in engines.split(","))
     if not engine_list or any(name not in ENGINES for name in engine_list):
         raise typer.BadParameter(f"{engines!r}: use one or more of {','.join(ENGINES)}", param_hint="--engines")
-    report = run_benchmark(BenchConfig(size_gb, repeats, gcs_size_gb, chosen, workdir, engine_list), echo=typer.echo)
+    report = run_benchmark(BenchConfig(size_gb, repeats, gcs_size_gb, chosen, workdir, engine_list, azure_size_gb),
+                           echo=typer.echo)
     print_report(report, json_out)
 
 

@@ -1,4 +1,4 @@
-"""`trainpipe cp SRC DST [--recursive]`: copy between local paths, file://, s3:// and gs:// with the transfer engine.
+"""`trainpipe cp SRC DST [--recursive]`: copy between local paths, file://, s3://, gs:// and az:// with the engine.
 
 Like `aws s3 cp`: a DST ending in '/' (or an existing local directory) receives SRC under its own name;
 with --recursive every object under SRC lands under DST at the same relative key, and DST then holds exactly
@@ -62,7 +62,7 @@ class Location:
         """(parent URL, last name) of a single object or file."""
         parent, _, name = self.url().rpartition("/")
         if not name or parent.endswith(":/"):
-            raise StorageError(f"{self.text}: names no object: give s3://bucket/key or gs://bucket/key")
+            raise StorageError(f"{self.text}: names no object: give s3://bucket/key, gs://bucket/key or az://container/key")
         return parent, name
 
 
@@ -77,7 +77,7 @@ class Files:
 
 # What each option means, for argparse here and typer in trainpipe.cli.
 HELP = {
-    "src": "local path, file://, s3://bucket/key or gs://bucket/key",
+    "src": "local path, file://, s3://bucket/key, gs://bucket/key or az://container/key",
     "dst": "where to copy to; ending in '/' means 'into this directory/prefix'",
     "recursive": "copy every object under SRC",
     "workers": "parts in flight (python engine)",

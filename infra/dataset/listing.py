@@ -2,7 +2,8 @@
 
 The store's own checksum is what staging verifies against, so the orchestrator never has to read the bytes itself:
 S3's ETag is the MD5 of a single-part upload (a multipart ETag, '<md5>-<parts>', is not a checksum of the bytes),
-and GCS keeps an MD5 (not for composite objects) and a CRC32C of every object. A file:// store keeps none.
+and GCS keeps an MD5 (not for composite objects) and a CRC32C of every object. Azure keeps the Content-MD5 of an
+object written in one request (and of one whose writer set it). A file:// store keeps none.
 """
 
 from __future__ import annotations
@@ -54,6 +55,27 @@ def _gcs_listing(store: Any) -> list[Listed]:
     return sorted(found, key=lambda listed: listed.key)
 
 
+def _azure_listing(store: Any) -> list[Listed]:
+    """An AzureBlobStore's objects with their Content-MD5s: its ObjectInfo carries the CRC64NVME trainpipe records,
+    which a snapshot does not take; the listing's blobs carry the MD5 too."""
+    from azure.core.exceptions import AzureError
+
+    from infra.storage.azure import translate
+
+    found = []
+    try:
+        for blob in store.container.list_blobs(name_starts_with=store.keys.search_prefix("") or None):
+            key = store.keys.key(blob.name)
+            if not key or key.endswith("/"):  # "folder" placeholders are not objects
+                continue
+            md5 = blob.content_settings.content_md5
+            found.append(Listed(key, int(blob.size or 0), (blob.etag or "").strip('"') or None,
+                                f"md5:{bytes(md5).hex()}" if md5 else None))
+    except (AzureError, ConnectionError, TimeoutError) as exc:
+        raise translate(exc, store.url, store.container_name, "list") from exc
+    return sorted(found, key=lambda listed: listed.key)
+
+
 def list_prefix(store: ObjectStore) -> list[Listed]:
     """Every object under the store's root, in key order (the listing retried when it fails transiently)."""
     return call_with_retries(lambda: _listing(store), f"LIST {store.url}")
@@ -62,6 +84,8 @@ def list_prefix(store: ObjectStore) -> list[Listed]:
 def _listing(store: ObjectStore) -> list[Listed]:
     if store.scheme == "gs":
         return _gcs_listing(store)
+    if store.scheme == "az":
+        return _azure_listing(store)
     listed = []
     for info in store.list():
         etag = (info.etag or "").lower()

@@ -17,8 +17,8 @@ from infra.strict_model import StrictModel, readable_file
 class PrefixSpec(StrictModel):
     """A prefix of objects in any format, frozen at plan as the run's snapshot: the dataset, and each input."""
 
-    url: str = Field(description="Any prefix of objects in any format (file://, s3://, gs:// or a path). At plan its "
-                     "listing is frozen as the run's snapshot; every node stages exactly those objects.")
+    url: str = Field(description="Any prefix of objects in any format (file://, s3://, gs://, az:// or a path). At "
+                     "plan its listing is frozen as the run's snapshot; every node stages exactly those objects.")
     include: tuple[str, ...] = Field((), description="Globs (relative to url; * also matches '/') selecting the files "
                                      "to use; empty = every object under url.")
     exclude: tuple[str, ...] = Field((), description="Globs of files to leave out, applied after include.")
@@ -59,8 +59,9 @@ class PrefixSpec(StrictModel):
 
 
 class DatasetSpec(PrefixSpec):
-    url: str = Field(description="The dataset: any prefix of objects in any format (file://, s3://, gs:// or a path). "
-                     "At plan its listing is frozen as the run's snapshot; every node stages exactly those objects.")
+    url: str = Field(description="The dataset: any prefix of objects in any format (file://, s3://, gs://, az:// or a "
+                     "path). At plan its listing is frozen as the run's snapshot; every node stages exactly those "
+                     "objects.")
     shard: Literal["replicate", "split"] = Field(
         "replicate", description="replicate: every node stages every file; split: each node stages a disjoint set of "
         "files, balanced by bytes (listed in TRAINPIPE_DATA_SHARDS), as WebDataset and MDS readers expect per rank.")
@@ -82,6 +83,6 @@ class InputSpec(PrefixSpec):
     """One more prefix besides the dataset (base model weights, a tokenizer, an eval set), staged whole to every node:
     TRAINPIPE_INPUT_<NAME> and {input_<name>} name its folder there."""
 
-    url: str = Field(description="The input: any prefix of objects in any format (file://, s3://, gs:// or a path), "
-                     "frozen at plan as the run's snapshot of it and staged whole to every node's local disk, "
+    url: str = Field(description="The input: any prefix of objects in any format (file://, s3://, gs://, az:// or a "
+                     "path), frozen at plan as the run's snapshot of it and staged whole to every node's local disk, "
                      "through the same cache as the dataset.")

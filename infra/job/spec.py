@@ -80,7 +80,7 @@ class CheckpointSpec(StrictModel):
 
 class TrainingSpec(StrictModel):
     code: str | None = Field(None, description="The training code, shipped to every node: a local dir, or an "
-                             "s3://, gs:// or file:// URL of a .tar.gz. None: the command runs from the nodes' "
+                             "s3://, gs://, az:// or file:// URL of a .tar.gz. None: the command runs from the nodes' "
                              "environment (a module installed there, like the bundled trainer.train).")
     setup: tuple[str, ...] = Field((), description="Shell commands run once per node in the code dir before "
                                    "training, e.g. 'pip install -r requirements.txt'.")

@@ -1,11 +1,15 @@
 """Can a cloud job's nodes reach its stores? They read the dataset, fetch the code and write checkpoints with their
 own credentials, never the orchestrator's: plan checks those with the orchestrator's keys, so a job whose nodes have
 none would pass plan and fail at staging, after launch and bootstrap were paid for. Refused here instead.
+
+An az:// store is no cloud's own here: nodes reach it with the Azure variables the job hands them as secrets
+(training.secrets, which every node command that reads or writes a store gets in its environment).
 """
 
 from __future__ import annotations
 
 from infra.job.spec import JobSpec
+from infra.storage.azure_account import CREDENTIAL_SETS
 
 # The store each cloud's nodes get credentials for, and the section field that gives them.
 NATIVE_STORE = {"aws": "s3", "gcp": "gs", "nebius": "s3"}
@@ -54,10 +58,19 @@ def store_access_problem(job: JobSpec) -> str | None:
             problem = _credentials_problem(job)
             if problem is not None:
                 return f"{field} {url}: {problem}"
+        elif scheme == "az" and not _azure_credentials_given(job):
+            return (f"{field} {url}: {job.cluster.provider} nodes have no Azure credentials: hand them over as "
+                    "training.secrets (AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT with "
+                    "AZURE_STORAGE_KEY)")
         elif scheme in NATIVE_STORE.values():
             return (f"{field} {url}: {job.cluster.provider} nodes have no credentials for {scheme}:// stores: use "
                     f"a {native}:// store (or run the job on {_cloud_of(scheme)})")
     return None
+
+
+def _azure_credentials_given(job: JobSpec) -> bool:
+    given = job.training.secrets.keys()
+    return any(all(name in given for name in names) for names in CREDENTIAL_SETS)
 
 
 def _cloud_of(scheme: str) -> str:

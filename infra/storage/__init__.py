@@ -30,6 +30,7 @@ BACKENDS: dict[str, str] = {
     "file": "infra.storage.local:FileStore",
     "s3": "infra.storage.s3:S3Store",
     "gs": "infra.storage.gcs:GcsStore",
+    "az": "infra.storage.azure:AzureBlobStore",
     "http": "infra.storage.http:HttpStore",
 }
 
