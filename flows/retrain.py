@@ -264,7 +264,9 @@ def stage_nodes(job: JobSpec, plan: Plan, cluster: Cluster, code_url: str | None
     # checkpoint's files a resume restores; they stay up until every node holds its code.
     sharing_code = code_url is not None and plan.workload.code_sha256 is not None
     exchanging = fan and (staging or bool(inputs) or resume_step is not None or sharing_code)
-    with (fanout.peer_servers(cluster) if exchanging else nullcontext(([], None))) as peers:
+    # Pruned after the stage, the share dirs keep the code archive: a later replacement takes it from the survivors.
+    keep = [fanout.code_share(plan.workload.code_sha256)] if sharing_code else []
+    with (fanout.peer_servers(cluster, keep=keep) if exchanging else nullcontext(([], None))) as peers:
         # The code and the setup go their own way beside the dataset: neither waits for the other. Survivors
         # have theirs (and serve the archive from their share dirs still).
         preparing = prepare_node.map(unmapped(job), unmapped(cluster), new, unmapped(code_url),

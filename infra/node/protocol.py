@@ -38,6 +38,7 @@ class NodeCommand(StrEnum):
     RESTORE = "restore"
     CODE = "code"
     PEER_SERVE = "peer-serve"
+    UNSHARE = "unshare"
     VERIFY_CKPT = "verify-ckpt"
     REJOIN = "rejoin"
     SYNC = "sync"
@@ -200,6 +201,16 @@ class PeerServeRequest(NodeRequest):
     command: ClassVar[NodeCommand] = NodeCommand.PEER_SERVE
     dir: str  # the share dir to serve
     addr: str  # HOST:PORT on the cluster network; PORT 0: a free one
+
+
+class UnshareRequest(NodeRequest):
+    """Unlink what the node's fan-out share dir holds for the exchanges that ended (infra/node/unshare.py): each
+    published piece is a hard link, which keeps the bytes on the disk after the stage cache evicts the object or the
+    script deletes its checkpoint."""
+
+    command: ClassVar[NodeCommand] = NodeCommand.UNSHARE
+    dir: str  # the share dir
+    keep: tuple[str, ...] = ()  # share names left in place (the code archive a replacement takes from the survivors)
 
 
 class VerifyCkptRequest(NodeRequest):
