@@ -222,9 +222,13 @@ def verify_nodes(job: JobSpec, plan: Plan, cluster: Cluster, new: list[Node], su
     node's trainer listens on, by node name."""
     # Remote access reads every batch from the store: nothing is staged, so nodes need no room for the dataset.
     staging = job.dataset.access == "staged"
-    # Each node needs room for what it will hold (split: its share), not the whole dataset.
+    # Each node needs room for what it will hold (split: its share, not the whole dataset): its disk budget (the
+    # checkpoints and replicas beside the data), which plan could hold only against the disks it knows.
     need_bytes = [(plan.dataset.node_bytes[node.rank] if staging else 0) + plan.inputs_bytes for node in new]
-    probing = verify_node.map(unmapped(cluster), new, need_bytes)
+    budgets = [plan.disk[node.rank] if plan.disk else None for node in new]
+    probing = verify_node.map(unmapped(cluster), new, [budget.total if budget else need
+                                                       for budget, need in zip(budgets, need_bytes, strict=True)],
+                              [budget.render() if budget else None for budget in budgets])
     rejoined = (rejoin_node.map(unmapped(cluster), survivors, unmapped(attempt),
                                 unmapped(resume_step is None)).result() if survivors else [])
     ports = {node.name: port for node, port in zip(survivors, rejoined, strict=True)}

@@ -26,7 +26,7 @@ from infra.job.spec import parse_job
 from infra.node.diskfull import DISK_FULL_BYTES
 from infra.node.events import Event, NodeEvent, parse
 from infra.node.fanout import HEARTBEAT
-from infra.node.protocol import AGENT_MODULE, UnshareRequest
+from infra.node.protocol import AGENT_MODULE, ProbeRequest, UnshareRequest
 from infra.node.replica import REPLICA_DIR
 from infra.storage import open_store
 from infra.workspace import run_dir
@@ -46,6 +46,21 @@ def test_the_budget_counts_a_warm_start_keep_local_checkpoints_and_the_replicas_
                           keep_local=2, warm_start=False, peer_replica=True)
     assert [term.name for term in unknown.terms] == ["dataset", "inputs", "share dir"]
     assert unknown.render().endswith("; checkpoints not counted: no size known: set checkpoints.size_bytes")
+
+
+def test_the_verify_probe_holds_a_node_to_its_budget_naming_the_terms(tmp_path: Path) -> None:
+    """Disks plan cannot see (ssh hosts, Slurm nodes) are held to the budget when the node is probed."""
+    budget = node_budget(0, 10**17, 0, CheckpointSize(10**17, "checkpoints.size_bytes"), nodes=2, keep_local=2,
+                         warm_start=False, peer_replica=False)
+    request = ProbeRequest(dirs=(str(tmp_path),), need_bytes=budget.total, budget=budget.render())
+    probe = subprocess.run(request.command_line(sys.executable), cwd=REPO, capture_output=True, text=True,
+                           timeout=60, env=request.environment(os.environ))
+    assert probe.returncode == 1, probe.stderr
+    [problem] = next(e for e in map(parse, probe.stdout.splitlines()) if e is not None and e.kind is NodeEvent.PROBE)[
+        "problems"]
+    assert ("GB free, this node's disk budget (dataset 100,000,000.00 GB + inputs 0.0 MB + local checkpoints "
+            "200,000,000.00 GB (checkpoints.keep_local 2 × 100,000,000.00 GB) + share dir 0.0 MB") in problem, problem
+    assert f") needs {budget.total / 1e9:.2f} GB: free space" in problem, problem
 
 
 def test_unshare_unlinks_the_exchanged_pieces_and_keeps_the_replicas_and_the_code(tmp_path: Path) -> None:
@@ -114,6 +129,7 @@ def test_a_node_whose_disk_fills_mid_training_is_named_and_the_run_fails_with_it
     dataset = make_dataset(tmp_path / "dataset")
     # Long enough to be cut short: the fill comes at the first commit (step 40).
     config = job_config(tmp_path, dataset, steps=100_000, timeout_s=600)
+    config["cluster"]["nodes"] = 1  # one node's syncer is the path under test: a second adds only seconds
     run_id = "disk-full"
     cluster = cluster_name_for(run_id)
     # The nodes' disk: a 64 MiB tmpfs under the local clusters (the stage cache stays beside it, on this disk).
@@ -121,7 +137,7 @@ def test_a_node_whose_disk_fills_mid_training_is_named_and_the_run_fails_with_it
     disk.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], check=True)
     try:
-        nodes = [disk / cluster / f"node-{rank}" for rank in range(2)]
+        nodes = [disk / cluster / "node-0"]
         filler = FillOnFirstCommit(f"{config['checkpoints']['url']}/{run_id}", disk, nodes, left=512 * 1024)
         started = time.monotonic()
         with filler, pytest.raises(Exception) as raised:

@@ -77,6 +77,7 @@ class ProbeRequest(NodeRequest):
     dirs: tuple[str, ...] = ()  # dirs the job writes to
     need_bytes: int = 0  # free bytes needed on the first dir
     cache: str | None = None  # the node's dataset object cache: its bytes count as free
+    budget: str | None = None  # the plan's disk budget of this node, term by term (need_bytes is its total)
 
 
 # Fan-out's defaults (infra/node/fanout.py's Exchange): here, so a request needs nothing of the exchange's imports.
