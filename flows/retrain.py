@@ -222,9 +222,13 @@ def verify_nodes(job: JobSpec, plan: Plan, cluster: Cluster, new: list[Node], su
     node's trainer listens on, by node name."""
     # Remote access reads every batch from the store: nothing is staged, so nodes need no room for the dataset.
     staging = job.dataset.access == "staged"
-    # Each node needs room for what it will hold (split: its share), not the whole dataset.
+    # Each node needs room for what it will hold (split: its share, not the whole dataset): its disk budget (the
+    # checkpoints and replicas beside the data), which plan could hold only against the disks it knows.
     need_bytes = [(plan.dataset.node_bytes[node.rank] if staging else 0) + plan.inputs_bytes for node in new]
-    probing = verify_node.map(unmapped(cluster), new, need_bytes)
+    budgets = [plan.disk[node.rank] if plan.disk else None for node in new]
+    probing = verify_node.map(unmapped(cluster), new, [budget.total if budget else need
+                                                       for budget, need in zip(budgets, need_bytes, strict=True)],
+                              [budget.render() if budget else None for budget in budgets])
     rejoined = (rejoin_node.map(unmapped(cluster), survivors, unmapped(attempt),
                                 unmapped(resume_step is None)).result() if survivors else [])
     ports = {node.name: port for node, port in zip(survivors, rejoined, strict=True)}
@@ -264,7 +268,9 @@ def stage_nodes(job: JobSpec, plan: Plan, cluster: Cluster, code_url: str | None
     # checkpoint's files a resume restores; they stay up until every node holds its code.
     sharing_code = code_url is not None and plan.workload.code_sha256 is not None
     exchanging = fan and (staging or bool(inputs) or resume_step is not None or sharing_code)
-    with (fanout.peer_servers(cluster) if exchanging else nullcontext(([], None))) as peers:
+    # Pruned after the stage, the share dirs keep the code archive: a later replacement takes it from the survivors.
+    keep = [fanout.code_share(plan.workload.code_sha256)] if sharing_code else []
+    with (fanout.peer_servers(cluster, keep=keep) if exchanging else nullcontext(([], None))) as peers:
         # The code and the setup go their own way beside the dataset: neither waits for the other. Survivors
         # have theirs (and serve the archive from their share dirs still).
         preparing = prepare_node.map(unmapped(job), unmapped(cluster), new, unmapped(code_url),

@@ -16,10 +16,11 @@ from infra.compute.access.remote import Process, RemoteError, last_error
 from infra.compute.providers import Cluster, Node, provider_of
 from infra.job.summary import ClusterBenchRecord
 from infra.node.events import NodeEvent
-from infra.node.fanout import SHARE_DIR
-from infra.node.protocol import PeerServeRequest
+from infra.node.fanout import SHARE_DIR, share_name
+from infra.node.protocol import PeerServeRequest, UnshareRequest
 from infra.node.replica import REPLICA_DIR
 from infra.storage.http import PASS_ENV, USER_ENV
+from tasks.node_output import last_event
 from tasks.results import Restored, StagedNode
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 AUTO_MIN_LINK_GBPS = 1.0
 # A peer server names its port within this: a start over SSH, Python's start and its imports, on a loaded node.
 PEER_START_S = 60.0
+UNSHARE_S = 60.0  # a node's unshare: a start over SSH and one dir's links unlinked
 SERVER_ERRORS = ("peer-serve:", "CRITICAL")  # a peer server's own error lines (its own, then rclone's)
 
 
@@ -85,14 +87,21 @@ def replica_fields(node: Node) -> dict[str, str]:
             "replica_serve": node.cluster_address}
 
 
+def code_share(code_sha256: str) -> str:
+    """The code archive's name in the share dirs (infra/node/code.py publishes it under its sha256)."""
+    return share_name(f"sha256:{code_sha256}")
+
+
 @contextmanager
-def peer_servers(cluster: Cluster) -> Iterator[tuple[list[str], dict[str, str] | None]]:
+def peer_servers(cluster: Cluster, keep: Sequence[str] = ()) -> Iterator[tuple[list[str], dict[str, str] | None]]:
     """Every node serving its share dir on its cluster address, on a port it picks free when it starts (a fixed one
     would collide with another cluster's servers on the same host), with a pair of credentials made for this stage and
     passed in the environment, never on a command line; yields the peers' URLs by rank and that environment (the
     stagers need it too). A server that exits before naming its port (or names none within PEER_START_S) turns the
     exchange off for this stage, said in a warning: every node then reads the store, as without fan-out ([] and None
-    are yielded). Stopped on exit; teardown kills them anyway (they carry the cluster's process tags)."""
+    are yielded). Stopped on exit; teardown kills them anyway (they carry the cluster's process tags). Then every
+    node's share dir is pruned (unshare): what it held for this stage's exchanges would keep their bytes on the disk;
+    keep: the share names left (the code archive, which a later replacement takes from the survivors)."""
     env = peer_credentials()
     provider = provider_of(cluster)
     servers: list[tuple[Node, Process, EventTap]] = []
@@ -135,3 +144,25 @@ def peer_servers(cluster: Cluster) -> Iterator[tuple[list[str], dict[str, str] |
         with ThreadPoolExecutor(max_workers=max(1, len(servers))) as pool:
             for stopping in [pool.submit(stop, node, process) for node, process, _ in servers]:
                 stopping.result()
+        unshare_all(cluster, keep)
+
+
+def unshare_all(cluster: Cluster, keep: Sequence[str]) -> None:
+    """Every node's share dir pruned (infra/node/unshare.py), all at once. A node that cannot be reached keeps its
+    links (said in a warning): its disk holds more than its budget until the next stage prunes it or teardown."""
+    provider = provider_of(cluster)
+
+    def one(node: Node) -> None:
+        request = UnshareRequest(dir=node.path(SHARE_DIR), keep=tuple(keep))
+        try:
+            result = NodeAgent(provider.runner(cluster, node), node.python).run(request, timeout=UNSHARE_S)
+        except RemoteError as exc:
+            log.warning("%s: share dir not pruned, its links keep their bytes on the disk: %s", node.name, exc)
+            return
+        unshared = last_event(result.output, NodeEvent.UNSHARED)
+        log.info("%s: share dir pruned: %d links removed, %d bytes freed", node.name, unshared["removed"],
+                 unshared["freed_bytes"])
+
+    with ThreadPoolExecutor(max_workers=max(1, len(cluster.nodes))) as pool:
+        for pruning in [pool.submit(one, node) for node in cluster.nodes]:
+            pruning.result()

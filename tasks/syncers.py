@@ -4,7 +4,8 @@ wait loop, stopped together.
 A syncer that dies during training is restarted with the same request (the same attempt id: it resumes from its
 state file and ships nothing twice), up to MAX_RESTARTS times per node; one that gave up on the store (it already
 rode out checkpoints.store_outage_s) or keeps dying stops training with the reason, so the run never trains on
-what can no longer be committed.
+what can no longer be committed. A node's disk that fills (its syncer's `disk-full` event, infra/node/diskfull.py)
+stops training too, the reason naming the node, the path and the bytes free.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from infra.cancel import CANCEL
 from infra.compute.access.agent import NodeAgent
 from infra.compute.access.remote import LineSink, Process, RemoteError, Runner, last_error
 from infra.compute.providers import Node
 from infra.lifecycle.preemption_watch import TrainingError
+from infra.node.diskfull import EXIT_DISK_FULL
 from infra.node.events import Event, NodeEvent
 from infra.node.protocol import NodeRequest
 from infra.node.sync import EXIT_STORE_FAILED, STOP_FILE, stop_request
@@ -27,6 +30,9 @@ MAX_RESTARTS = 3
 # Beyond the syncer's own commit_timeout_s: time for it to say which node's part is missing, and to exit.
 STOP_GRACE_S = 10.0
 POLL_S = 0.5
+DISK_FULL_FIX = ("training stopped: free space on the node, lower checkpoints.keep_local (and the script's own), or "
+                 "use nodes with larger disks (`trainpipe plan` shows each node's disk budget), then run again (it "
+                 "resumes)")
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
 
@@ -73,14 +79,33 @@ class Syncers:
             self.request(node), on_line=self.sink(node, self.events.append),
             log_path=node.path("logs", "sync.log"))
 
+    def disk_full(self, wait_s: float = 0.0) -> TrainingError | None:
+        """The first node whose syncer said its disk is full, as the reason training stops; waits up to wait_s for
+        one (a trainer that failed on a full disk may be reported before its syncer's next round)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            full = next((event for event in list(self.events) if event.kind is NodeEvent.DISK_FULL), None)
+            if full is not None:
+                node = next(node for node in self.nodes if node.rank == full["node_rank"])
+                return TrainingError(f"{node.name}: disk full: {full['path']} has {full['free_bytes']:,} bytes free; "
+                                     f"{DISK_FULL_FIX}")
+            if time.monotonic() >= deadline:
+                return None
+            CANCEL.wait(min(POLL_S, deadline - time.monotonic()))
+
     def poll(self) -> None:
         """One round of the train wait: a syncer that died is restarted, or TrainingError says why training stops.
         One that exited 0 was asked to stop (the node's preemption watcher flushes it on a notice): left alone."""
+        if (full := self.disk_full()) is not None:
+            raise full
         for node in self.nodes:
             process = self.processes.get(node.name)
             code = None if process is None else _exit_code(process)
             if process is None or code is None or code == 0:
                 continue
+            if code == EXIT_DISK_FULL:
+                raise self.disk_full(POLL_S) or TrainingError(
+                    f"{node.name}: checkpoint syncer: {syncer_error(process)}; {DISK_FULL_FIX}")
             if code == EXIT_STORE_FAILED:
                 raise TrainingError(
                     f"{node.name}: checkpoint syncer gave up on the store: {syncer_error(process)}; training stopped "

@@ -3,6 +3,8 @@ or one fails."""
 
 from __future__ import annotations
 
+import errno
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +36,7 @@ from tasks.syncers import STOP_GRACE_S, Syncers
 TRAINER_EXIT_GRACE_S = 10.0
 STRAGGLER_GRACE_S = 10.0  # a rank hung at exit after its node's work is saved: SIGKILL after this
 METRICS_POLL_S = 1.0
+DISK_FULL_REPORT_S = 5.0  # a syncer's round (checkpoints.sync_poll_s) and its event's way here
 FAILURE_LINES = 12  # of the failed command's output, in the error that ends the run
 # torchrun's own report of a failed worker follows the worker's traceback: the script's lines are the ones above it.
 _TORCHRUN_REPORT = ("] failed (exitcode:", "torch.distributed.elastic.multiprocessing.errors.ChildFailedError",
@@ -181,10 +184,18 @@ def _wait_all(trainers: dict[str, Process], deadline: float, watch: PreemptionWa
         except TrainingError as error:
             raise watch.explain(error) from None  # a syncer on a preempted node dies with it
 
+    def failed(name: str, code: int, process: Process) -> TrainingError:
+        tail = failure_tail(process)
+        failure = watch.explain(TrainingError(f"{name}: training exited {code}; its last output:\n{tail}"))
+        if isinstance(failure, Preempted):
+            return failure
+        # A script that failed on a full disk: the node, the path and the bytes free say more than its traceback.
+        # Its syncer says so within a round of its own; waited for only when the script says it ran out of space.
+        full = syncers.disk_full(wait_s=DISK_FULL_REPORT_S if os.strerror(errno.ENOSPC) in tail else 0.0)
+        return failure if full is None else TrainingError(f"{full}; {name}'s last output:\n{tail}")
+
     return wait_all(
-        trainers, deadline, poll=each_round, stragglers=exit_grace,
-        failed=lambda name, code, process: watch.explain(
-            TrainingError(f"{name}: training exited {code}; its last output:\n{failure_tail(process)}")),
+        trainers, deadline, poll=each_round, stragglers=exit_grace, failed=failed,
         overdue=lambda pending: TrainingError(
             f"training still running after training.timeout_s on {', '.join(pending)}: "
             "raise training.timeout_s or check the nodes' logs"))

@@ -25,10 +25,11 @@ class NodeCheckError(RuntimeError):
 
 
 @task(name="verify-node", **TRANSIENT_RETRIES)
-def verify_node(cluster: Cluster, node: Node, need_bytes: int) -> Probe:
-    """need_bytes: what the node will hold of the dataset; its cached objects count as free (reused or evicted)."""
+def verify_node(cluster: Cluster, node: Node, need_bytes: int, budget: str | None = None) -> Probe:
+    """need_bytes: what the node will hold (its disk budget's total; budget: its terms, named if it does not fit);
+    its cached objects count as free (reused or evicted)."""
     request = ProbeRequest(dirs=(node.data_dir, node.ckpt_dir), need_bytes=need_bytes,
-                           cache=node_cache_dir(cluster.provider, node.workdir))
+                           cache=node_cache_dir(cluster.provider, node.workdir), budget=budget)
     result = agent_for(cluster, node).run(request, timeout=120, check=False)
     probe = Probe.from_event(last_event(result.output, NodeEvent.PROBE))
     if probe.problems:

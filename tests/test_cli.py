@@ -149,7 +149,32 @@ def test_plan_prints_the_plan_and_launches_nothing(workspace: Path, tmp_path: Pa
     assert f"snapshot: file://{tmp_path}/store/ckpt/plan-run/_dataset/snapshot.json (taken now)" in out
     assert "expectations: 1 on 2 tabular files (every row; 200,000 rows, 0.4 of 0.4 MB read in" in out
     assert f"checkpoints: file://{tmp_path}/store/ckpt/plan-run — start at step 0" in out
+    assert ("disk per node (largest): dataset 0.4 MB + inputs 0.0 MB + local checkpoints 0.0 MB (checkpoints."
+            "keep_local 2 × 0.0 MB) + peer replicas 0.0 MB (2 × a node's part 0.0 MB) + share dir 0.0 MB (links to "
+            "the above, unlinked after each exchange) = 0.4 MB") not in out, "no checkpoint size is known"
+    assert "; checkpoints not counted: no size known: set checkpoints.size_bytes" in out
     assert not (workspace / "clusters").exists() or not any((workspace / "clusters").iterdir()), "plan launched"
+
+
+def test_plan_refuses_a_job_the_nodes_disks_cannot_hold_naming_each_term(workspace: Path, tmp_path: Path,
+                                                                         dataset_url: str) -> None:
+    config = job_config(tmp_path, dataset_url)
+    config["checkpoints"]["keep_local"] = 3
+    config["checkpoints"]["size_bytes"] = 10**9
+    fits = invoke("plan", str(write_config(tmp_path / "fits.yaml", config)), "--run-id", "fits")
+    assert fits.exit_code == 0, fits.output
+    assert ("disk per node (largest): dataset 0.4 MB + inputs 0.0 MB + local checkpoints 3.00 GB (checkpoints."
+            "keep_local 3 × 1.00 GB) + peer replicas 1.00 GB (2 × a node's part 500.0 MB) + share dir 0.0 MB (links "
+            "to the above, unlinked after each exchange) = 4.00 GB") in fits.stdout
+
+    config["checkpoints"]["size_bytes"] = 10**17  # 100 PB: no disk here holds it
+    refused = invoke("plan", str(write_config(tmp_path / "huge.yaml", config)), "--run-id", "huge")
+    assert refused.exit_code == 2, refused.output
+    line = refused.output.strip().splitlines()[-1]
+    assert "dataset, local checkpoints and peer replicas: the 2 local nodes would hold" in line, line
+    for term in ("dataset 0.4 MB", "inputs 0.0 MB", "local checkpoints 300,000,000.00 GB (checkpoints.keep_local 3",
+                 "peer replicas 100,000,000.00 GB", "share dir 0.0 MB"):
+        assert term in line, (term, line)
 
 
 def test_plan_bad_config_is_one_line_exit_2(workspace: Path, tmp_path: Path, dataset_url: str) -> None:

@@ -1,4 +1,4 @@
-"""The data commands' request records (stage, restore, code, peer-serve, verify-ckpt, rejoin): each round-trips
+"""The data commands' request records (stage, restore, code, peer-serve, unshare, verify-ckpt, rejoin): each round-trips
 through the environment into the same record, a missing or mismatched request is one line naming the command and the
 fix (exit 2), what the parsers checked the records check, and neither a request nor the command's environment is
 ever on its command line."""
@@ -33,6 +33,7 @@ from infra.node.protocol import (
     RejoinRequest,
     RestoreRequest,
     StageRequest,
+    UnshareRequest,
     VerifyCkptRequest,
     read_request,
 )
@@ -52,6 +53,7 @@ EXAMPLES: list[NodeRequest] = [
     VerifyCkptRequest(url="s3://b/ckpt/run", step=40),
     RejoinRequest(clear=("/w/sync", "/w/ckpt"), remove=("/w/notice",), set_aside=("/w/metrics.jsonl",),
                   suffix="attempt-1"),
+    UnshareRequest(dir="/w/fanout", keep=("sha256-ab",)),
 ]
 DATA_COMMANDS = [request.command for request in EXAMPLES]
 

@@ -1,6 +1,6 @@
 """Replace only what was lost: the provider's replace_nodes on the local provider (netns and ssh have theirs in
 test_netns.py and test_ssh_provider.py, through the same shared check), and the retrain flow's replace-one recovery
-end to end on 3 local nodes."""
+end to end on 4 local nodes, three times in one run, with each node's disk measured at its end."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from prefect import flow
 from provider_checks import assert_replaces_only_the_lost
 from test_pipeline_e2e import tagged_processes
 
+from infra.checkpoints.store import CheckpointStore
 from infra.compute.providers.base import Cluster, ReplacementUnavailable
 from infra.compute.providers.local import LocalProvider
 from infra.compute.spec import ClusterSpec
@@ -29,6 +30,7 @@ from infra.node.events import NodeEvent, parse
 from infra.node.processes import NODE_TAG
 from infra.node.protocol import NodeCommand, RejoinRequest, runs_command
 from infra.node.restore import prune_all_but
+from infra.storage import open_store
 from infra.workload.progress import StepClock
 from tasks.replace import Replaced, replace_or_relaunch
 
@@ -81,53 +83,95 @@ class NodeWatch(Polling):
 MARKER = "marker-from-the-test"
 
 
+def held_bytes(node_dir: Path) -> dict[str, int]:
+    """What a node's dir holds on the disk, by its top-level entry: each file's bytes once, however many links it has
+    (a link into the share dir of a file elsewhere in the node adds nothing; one whose file is gone elsewhere does)."""
+    seen: set[int] = set()
+    held: dict[str, int] = {}
+    for top in sorted(node_dir.iterdir()):
+        paths = [top, *top.rglob("*")] if top.is_dir() else [top]
+        for path in paths:
+            status = path.lstat()
+            if path.is_file() and not path.is_symlink() and status.st_ino not in seen:
+                seen.add(status.st_ino)
+                held[top.name] = held.get(top.name, 0) + status.st_size
+    return held
+
+
 def test_a_preempted_node_is_replaced_alone_filled_from_its_peers_and_training_resumes(
-        prefect_server: None, workspace: Path, tmp_path: Path) -> None:
+        prefect_server: None, workspace: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from flows.retrain import retrain
 
     dataset = make_dataset(tmp_path / "dataset")
-    # ~50 ms steps (batch 256), a commit every 40: the preemption at step 60 resumes from step 40.
+    # ~50 ms steps (batch 256), a commit every 40: the preemption at step 60 resumes from step 40, the one of the
+    # next attempt at 100 from 80, the third's at 140 from 120.
     config = job_config(tmp_path, dataset, steps=160, batch_size=256)
-    config["cluster"]["nodes"] = 3
+    config["cluster"]["nodes"] = 4
     config["dataset"]["fanout"] = "on"  # a file:// store is auto's "off": fan-out on, so the peers fill the new node
     config["recovery"] = {"confirm_s": 2}
     # The head vanishes without notice: the hardest node to lose (the rendezvous and the run's metrics are its); the
-    # workers' loss is each framework's example's (tests/test_examples.py).
-    config["chaos"] = {"preempt": [{"node": 0, "attempt": 0, "at_step": 60}]}
+    # workers' loss is each framework's example's (tests/test_examples.py). Then a worker in each of the next two
+    # attempts: each recovery restores a whole checkpoint onto every node through the share dirs.
+    config["chaos"] = {"preempt": [{"node": rank, "attempt": rank, "at_step": 60 + 40 * rank} for rank in range(3)]}
     run_id = "replace-one"
     cluster_name = cluster_name_for(run_id)
+    # Each node's disk at the run's end: measured when teardown starts, before it removes the nodes' dirs.
+    held_at_end: list[dict[str, int]] = []
+    terminate = LocalProvider.terminate
+
+    def measured(provider: LocalProvider, name: str) -> bool:
+        nodes = [workspace / "clusters" / name / f"node-{rank}" for rank in range(4)]
+        if name == cluster_name and not held_at_end and all(node.is_dir() for node in nodes):
+            held_at_end.extend(map(held_bytes, nodes))
+        return terminate(provider, name)
+
+    monkeypatch.setattr(LocalProvider, "terminate", measured)
 
     started = time.monotonic()
-    with NodeWatch(workspace, cluster_name, 3) as seen:
+    with NodeWatch(workspace, cluster_name, 4) as seen:
         summary = retrain(parse_job(config), run_id)
     elapsed = time.monotonic() - started
 
     assert summary["status"] == "completed" and summary["steps"] == 160, summary.get("error")
-    [recovery] = summary["recoveries"]
-    lost = f"{cluster_name}-node-0"
-    assert (recovery["path"], recovery["replaced"], recovery["fallback"]) == ("replaced-nodes", [lost], None)
-    assert recovery["nodes"] == [lost] and recovery["reason"] == "vanished without notice"
-    assert 40 <= recovery["resumed_from_step"] <= recovery["step_reached"] < 160, recovery
-    assert {"provision", "verify", "stage", "restore"} <= set(recovery["seconds"]) and "teardown" not in (
-        recovery["seconds"]), "nothing is torn down on the replace path"
+    recoveries = summary["recoveries"]
+    assert len(recoveries) == 3, recoveries
+    for rank, recovery in enumerate(recoveries):
+        lost = f"{cluster_name}-node-{rank}"
+        assert (recovery["path"], recovery["replaced"], recovery["fallback"]) == ("replaced-nodes", [lost], None)
+        assert recovery["nodes"] == [lost] and recovery["reason"] == "vanished without notice"
+        assert 40 * (rank + 1) <= recovery["resumed_from_step"] <= recovery["step_reached"] < 160, recovery
+        assert {"provision", "verify", "stage", "restore"} <= set(recovery["seconds"]) and "teardown" not in (
+            recovery["seconds"]), "nothing is torn down on the replace path"
+        assert recovery["reused_bytes"] == 3 * summary["dataset"]["bytes"], "each survivor's staging was a no-op"
+        # The commit came back from the nodes: the survivors' own parts and the lost node's from its peer replica.
+        restore = recovery["restore_bytes"]
+        assert restore["store"] == 0 and restore["peer"] > 0 and restore["local"] > 0, restore
     assert [a["outcome"] for a in summary["attempts"]] == ["launched"], "the cluster was launched once"
     # Survivors not relaunched: the same watchdog process all along, and the test's marker still in their dirs when
-    # the replacement's watchdog came up; the replacement started empty (the lost node's marker is gone).
+    # the first replacement's watchdog came up; the replacement started empty (the lost node's marker is gone).
     assert seen.marked, "the nodes never all had their watchdogs"
-    assert [len(seen.watchers[name]) for name in seen.names] == [2, 1, 1], seen.watchers
-    assert seen.markers_at_replacement == [False, True, True]
-    # The attempt after the replacement staged the dataset: the survivors from their caches, the new node from them.
+    assert [len(seen.watchers[name]) for name in seen.names] == [2, 2, 2, 1], seen.watchers
+    assert seen.markers_at_replacement == [False, True, True, True]
+    # The attempt after the last replacement staged the dataset: the survivors from their caches, the new node (2)
+    # from them.
     dataset_bytes = summary["dataset"]["bytes"]
-    assert summary["stage"]["store_bytes"] == [0, 0, 0], summary["stage"]
-    assert summary["stage"]["peer_bytes"] == [dataset_bytes, 0, 0], summary["stage"]
-    assert recovery["reused_bytes"] == 2 * dataset_bytes, "each survivor's staging was a no-op"
-    # The commit came back from the nodes: the survivors' own parts and the lost head's from its peer replica.
-    restore = recovery["restore_bytes"]
-    assert restore["store"] == 0 and restore["peer"] > 0 and restore["local"] > 0, restore
+    assert summary["stage"]["store_bytes"] == [0, 0, 0, 0], summary["stage"]
+    assert summary["stage"]["peer_bytes"] == [0, 0, dataset_bytes, 0], summary["stage"]
     assert summary["nodes_left"] == 0
     assert not tagged_processes(workspace), "node processes outlived the run"
-    print(f"replace-one run: {elapsed:.1f}s; detection to resumed {recovery['notice_to_resume_s']}s, phases "
-          f"{recovery['seconds']}")
+    # Each node's disk at the end: the dataset, keep_local (2) checkpoints and the replicas kept (2 of the buddy's
+    # part), beside a few small files of its own (logs, metrics, the syncer's state): the share dir adds nothing.
+    checkpoint = CheckpointStore(open_store(f"{config['checkpoints']['url']}/{run_id}")).latest()
+    assert checkpoint is not None
+    budget = dataset_bytes + 2 * checkpoint.total_bytes + 2 * -(-checkpoint.total_bytes // 4)
+    small = {name: size for held in held_at_end for name, size in held.items() if name in ("logs", "sync")}
+    print(f"replace-one run: {elapsed:.1f}s; detection to resumed {[r['notice_to_resume_s'] for r in recoveries]}s; "
+          f"budget {budget} bytes (dataset {dataset_bytes}, checkpoint {checkpoint.total_bytes}); held at the end "
+          f"{[sum(held.values()) for held in held_at_end]}: {held_at_end}")
+    assert len(held_at_end) == 4, "teardown never measured the nodes"
+    for rank, held in enumerate(held_at_end):
+        data = sum(size for name, size in held.items() if name not in ("logs", "sync"))
+        assert data <= budget, (rank, data, budget, held, small)
 
 
 @dataclass

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.checkpoints.layout import CheckpointError
+from infra.checkpoints.layout import CheckpointError, CheckpointManifest
 from infra.checkpoints.store import CheckpointStore
 from infra.compute.catalog import CatalogError, load_catalog
 from infra.compute.optimizer import Candidate, NoCandidateError, candidates, render_candidates
@@ -19,6 +19,7 @@ from infra.dataset.manifest import DatasetError
 from infra.dataset.planning import CarriesValidation, DatasetPlan, ExpectationsFailed, freeze, plan_dataset, plan_input
 from infra.dataset.spec import InputSpec
 from infra.dataset.stagecache import CACHE_DIR, cached_bytes
+from infra.job.disk_budget import CheckpointSize, DiskBudget, node_budget, size
 from infra.job.parent import ParentError, RunParent, fix_parent, kept_parent, load_parent, resolve_parent
 from infra.job.secrets import BlockReader, SecretMissing, resolve_secrets
 from infra.job.spec import JobSpec
@@ -56,6 +57,7 @@ class Plan:
     parent: RunParent | None = None
     parent_fixed: bool = False  # the run already kept its parent (a rerun of the run id): not resolved again
     inputs: dict[str, DatasetPlan] = field(default_factory=dict)  # name -> its plan (snapshot, files, bytes)
+    disk: tuple[DiskBudget, ...] = ()  # what each node will hold on its scratch disk, by rank
 
     @property
     def init_from(self) -> CheckpointTarget | None:
@@ -75,6 +77,7 @@ class Plan:
             *(line for plan in self.inputs.values() for line in plan.render_lines()),
             f"  checkpoints: {self.checkpoint_url} — {resume}",
             *([f"  warm start: {self.parent.url}" + self._parent_note()] if self.parent is not None else []),
+            *([f"  disk per node (largest): {max(self.disk, key=lambda b: b.total).render()}"] if self.disk else []),
             self.workload.render(),
             *(f"  warning: {warning}" for warning in self.workload.warnings),
             *self._render_candidates(),
@@ -123,45 +126,70 @@ def cluster_candidates(job: JobSpec) -> tuple[Candidate, ...]:
         raise PlanError(str(exc)) from None
 
 
-def _size(count: int) -> str:
-    return f"{count / 1e9:,.2f} GB" if count >= 1e9 else f"{count / 1e6:,.1f} MB"
-
-
-def _local_disk(held: tuple[int, ...], what: str) -> None:
+def _local_disk(budgets: tuple[DiskBudget, ...], what: str) -> None:
     """Local nodes share this machine's disk: together they must fit in what is free (cached objects count as
     free: they are reused or evicted)."""
     root = local_clusters_dir()
     existing = next(p for p in (root, *root.parents) if p.exists())
     free = shutil.disk_usage(existing).free + cached_bytes(root.parent / CACHE_DIR)
-    if sum(held) > free:
-        raise PlanError(f"{what}: the {len(held)} local nodes would hold {_size(sum(held))} ({_size(max(held))} on "
-                        f"the largest) but {existing} has {_size(free)} free: free space, use dataset.shard: split, "
-                        "or a smaller selection (dataset.include/exclude)")
+    need = sum(budget.total for budget in budgets)
+    if need > free:
+        largest = max(budgets, key=lambda budget: budget.total)
+        raise PlanError(f"{what}: the {len(budgets)} local nodes would hold {size(need)} ({size(largest.total)} on "
+                        f"the largest) but {existing} has {size(free)} free: free space, use dataset.shard: split, "
+                        f"or a smaller selection (dataset.include/exclude) (node {largest.rank}: {largest.render()})")
 
 
-def fit_on_disks(job: JobSpec, held: tuple[int, ...], found: tuple[Candidate, ...],
-                 inputs_bytes: int = 0) -> tuple[Candidate, ...]:
-    """The candidates whose local disk holds a node's share of the dataset and every input (inputs_bytes); an error
-    naming both numbers when the disk is known (catalog NVMe, this machine) and none does. Other disks are measured
-    at verify."""
+def disk_budgets(job: JobSpec, held: tuple[int, ...], inputs_bytes: int = 0,
+                 checkpoint: CheckpointSize | None = None, warm_start: bool = False) -> tuple[DiskBudget, ...]:
+    """Every node's disk budget by rank; held: each node's share of the dataset as staged."""
     if job.dataset.access != "staged":
         held = tuple(0 for _ in held)  # the trainer reads the dataset from the store: only the inputs are staged
-    held = tuple(share + inputs_bytes for share in held)
-    if not any(held):
+    checkpoint = checkpoint or CheckpointSize(None, "no size known: set checkpoints.size_bytes")
+    return tuple(node_budget(rank, share, inputs_bytes, checkpoint, nodes=len(held),
+                             keep_local=job.checkpoints.keep_local, warm_start=warm_start,
+                             peer_replica=job.peer_replica) for rank, share in enumerate(held))
+
+
+def fit_on_disks(job: JobSpec, held: tuple[int, ...], found: tuple[Candidate, ...], inputs_bytes: int = 0,
+                 checkpoint: CheckpointSize | None = None, warm_start: bool = False) -> tuple[Candidate, ...]:
+    """The candidates whose local disk holds a node's whole disk budget (its share of the dataset, every input
+    (inputs_bytes), its checkpoints and replicas: infra/job/disk_budget.py); an error naming each term when the disk
+    is known (catalog NVMe, this machine) and none does. Other disks are measured at verify (the probe)."""
+    budgets = disk_budgets(job, held, inputs_bytes, checkpoint, warm_start)
+    if not any(budget.total for budget in budgets):
         return found
-    what = "dataset and inputs" if inputs_bytes else "dataset"
-    need = max(held)
+    largest = max(budgets, key=lambda budget: budget.total)
+    what = largest.held
     if found:
-        fitting = tuple(c for c in found if not c.local_nvme_bytes or c.local_nvme_bytes >= need)
+        fitting = tuple(c for c in found if not c.local_nvme_bytes or c.local_nvme_bytes >= largest.total)
         if not fitting:
-            largest = max(found, key=lambda c: c.local_nvme_bytes)
-            raise PlanError(f"{what}: a node would hold {_size(need)} but the largest local NVMe among the "
-                            f"{len(found)} candidates ({largest.instance_type}) is {_size(largest.local_nvme_bytes)}: "
-                            "use dataset.shard: split, more nodes, or instance types with more NVMe")
+            disk = max(found, key=lambda c: c.local_nvme_bytes)
+            raise PlanError(f"{what}: a node would hold {size(largest.total)} but the largest local NVMe among the "
+                            f"{len(found)} candidates ({disk.instance_type}) is {size(disk.local_nvme_bytes)}: "
+                            "use dataset.shard: split, more nodes, fewer checkpoints.keep_local, or instance types "
+                            f"with more NVMe (node {largest.rank}: {largest.render()})")
         return fitting
     if job.cluster.provider in ("local", "netns"):
-        _local_disk(held, what)
+        _local_disk(budgets, what)
     return found
+
+
+def checkpoint_size(job: JobSpec, latest: CheckpointManifest | None, init_from: CheckpointTarget | None
+                    ) -> CheckpointSize:
+    """One whole checkpoint's size for the disk budget: the run's own latest commit (a resume), else the warm start's,
+    else the user's estimate."""
+    if latest is not None:
+        return CheckpointSize(latest.total_bytes, f"the run's committed step {latest.step}")
+    if init_from is not None:
+        try:
+            manifest = CheckpointStore(open_store(init_from.run_url)).manifest(init_from.step)
+        except (CheckpointError, StorageError) as exc:
+            raise PlanError(f"training.init_from: {exc}") from None
+        return CheckpointSize(manifest.total_bytes, "training.init_from's manifest")
+    if job.checkpoints.size_bytes is not None:
+        return CheckpointSize(job.checkpoints.size_bytes, "checkpoints.size_bytes")
+    return CheckpointSize(None, "no size known: set checkpoints.size_bytes")
 
 
 def resolve_input_url(ref: str, root_url: str) -> str:
@@ -256,17 +284,22 @@ def plan_job(job: JobSpec, run_id: str, secret_blocks: BlockReader | None = None
         raise PlanError(f"checkpoints.url: {exc}") from None
     dataset = _dataset(job, checkpoint_url, run_id)
     inputs = _inputs(job, checkpoint_url, run_id)
-    found = fit_on_disks(job, dataset.node_bytes, found, sum(plan.bytes for plan in inputs.values()))
-    if dataset.validation is not None:
-        write_data_docs(dataset.validation, run_dir(run_id), run_id)
     latest = CheckpointStore(checkpoints).latest()
     parent, parent_fixed = _parent(job, checkpoints, run_id, resumes=latest is not None)
+    init_from = parent.target if parent is not None else None
+    inputs_bytes = sum(plan.bytes for plan in inputs.values())
+    checkpoint = checkpoint_size(job, latest, init_from)
+    warm_start = init_from is not None and latest is None
+    found = fit_on_disks(job, dataset.node_bytes, found, inputs_bytes, checkpoint, warm_start)
+    if dataset.validation is not None:
+        write_data_docs(dataset.validation, run_dir(run_id), run_id)
     return Plan(
         run_id=run_id, cluster_name=cluster_name_for(run_id), provider=job.cluster.provider,
         nodes=job.cluster.nodes, world_size=job.cluster.nodes * job.cluster.procs_per_node,
         dataset_url=job.dataset.url, dataset=dataset,
         checkpoint_url=checkpoint_url, resume_step=latest.step if latest else None, workload=workload,
         candidates=found, parent=parent, parent_fixed=parent_fixed, inputs=inputs,
+        disk=disk_budgets(job, dataset.node_bytes, inputs_bytes, checkpoint, warm_start),
     )
 
 

@@ -71,6 +71,13 @@ class CheckpointSpec(StrictModel):
         "pulled over the cluster network from the buddy (never from the store) and verified against the manifest, "
         "so a preempted node's replacement is restored from its peers alone. Default (null): on with 2+ nodes; "
         "false turns it off (it costs each node the disk of one more node's part).")
+    keep_local: int = Field(
+        2, ge=1, description="How many complete checkpoints the script keeps on a node's disk (the bundled "
+        "trainer's --keep-local): the node's disk budget at plan counts that many whole checkpoints.")
+    size_bytes: int | None = Field(
+        None, ge=1, description="An estimate of one whole checkpoint's size, for the disk budget at plan when the "
+        "run neither resumes its own commit nor warm-starts from training.init_from (whose manifests say it). "
+        "null: the budget leaves the checkpoints out and says so.")
 
     @field_validator("url")
     @classmethod

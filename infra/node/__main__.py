@@ -25,6 +25,7 @@ COMMANDS: dict[NodeCommand, str] = {
     NodeCommand.CHAOS: "infra.node.chaos",
     NodeCommand.CODE: "infra.node.code",
     NodeCommand.PEER_SERVE: "infra.node.peerserve",
+    NodeCommand.UNSHARE: "infra.node.unshare",
     NodeCommand.REJOIN: "infra.node.rejoin",
     NodeCommand.TORCHRUN: "infra.node.torchrun",
 }

@@ -32,8 +32,9 @@ class NodeEvent(StrEnum):
     INPUT_STAGED = "input-staged"
     FANOUT = "fanout"
     FANOUT_FALLBACK = "fanout-fallback"
-    # peerserve (infra/node/peerserve.py)
+    # peerserve, unshare (infra/node/peerserve.py, unshare.py)
     PEER_SERVING = "peer-serving"
+    UNSHARED = "unshared"
     # restore, verify (infra/node/restore.py, peerrestore.py, verify_ckpt.py)
     RESTORED = "restored"
     RESTORE_FANOUT = "restore-fanout"
@@ -49,6 +50,7 @@ class NodeEvent(StrEnum):
     RETENTION = "retention"
     RETENTION_SKIPPED = "retention-skipped"
     STOPPED = "stopped"
+    DISK_FULL = "disk-full"  # the node's disk is full (infra/node/diskfull.py): node, path, bytes free
     # the syncer's peer replica (infra/node/replica.py)
     REPLICA_SERVING = "replica-serving"
     REPLICA_SERVER_RESTARTED = "replica-server-restarted"

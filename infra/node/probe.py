@@ -42,9 +42,10 @@ def main(request: NodeRequest) -> int:
         first = str(Path(probe.dirs[0]))
         available = free[first] + cached_bytes(Path(probe.cache) if probe.cache else None)
         if available < probe.need_bytes:
-            problems.append(f"{first}: {available / 1e9:.2f} GB free, this node's share of the dataset needs "
-                            f"{probe.need_bytes / 1e9:.2f} GB: free space, use dataset.shard: split, or nodes with "
-                            "larger local disks")
+            held = ("this node's share of the dataset needs" if probe.budget is None
+                    else f"this node's disk budget ({probe.budget}) needs")
+            problems.append(f"{first}: {available / 1e9:.2f} GB free, {held} {probe.need_bytes / 1e9:.2f} GB: free "
+                            "space, use dataset.shard: split, or nodes with larger local disks")
     emit(NodeEvent.PROBE, host=socket.gethostname(), python=sys.version.split()[0], platform=platform.platform(),
          cpus=os.cpu_count(), free_bytes=free, free_port=free_port(), problems=problems)
     return 1 if problems else 0

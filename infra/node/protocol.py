@@ -38,6 +38,7 @@ class NodeCommand(StrEnum):
     RESTORE = "restore"
     CODE = "code"
     PEER_SERVE = "peer-serve"
+    UNSHARE = "unshare"
     VERIFY_CKPT = "verify-ckpt"
     REJOIN = "rejoin"
     SYNC = "sync"
@@ -76,6 +77,7 @@ class ProbeRequest(NodeRequest):
     dirs: tuple[str, ...] = ()  # dirs the job writes to
     need_bytes: int = 0  # free bytes needed on the first dir
     cache: str | None = None  # the node's dataset object cache: its bytes count as free
+    budget: str | None = None  # the plan's disk budget of this node, term by term (need_bytes is its total)
 
 
 # Fan-out's defaults (infra/node/fanout.py's Exchange): here, so a request needs nothing of the exchange's imports.
@@ -200,6 +202,16 @@ class PeerServeRequest(NodeRequest):
     command: ClassVar[NodeCommand] = NodeCommand.PEER_SERVE
     dir: str  # the share dir to serve
     addr: str  # HOST:PORT on the cluster network; PORT 0: a free one
+
+
+class UnshareRequest(NodeRequest):
+    """Unlink what the node's fan-out share dir holds for the exchanges that ended (infra/node/unshare.py): each
+    published piece is a hard link, which keeps the bytes on the disk after the stage cache evicts the object or the
+    script deletes its checkpoint."""
+
+    command: ClassVar[NodeCommand] = NodeCommand.UNSHARE
+    dir: str  # the share dir
+    keep: tuple[str, ...] = ()  # share names left in place (the code archive a replacement takes from the survivors)
 
 
 class VerifyCkptRequest(NodeRequest):

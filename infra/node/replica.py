@@ -61,6 +61,7 @@ RECORD_POLL_S = 0.25  # how often the buddy's upload record is looked for: one s
 _INCOMING = ".incoming"
 SERVER_CHECK_S = 5.0  # how often the replica thread checks its peer server
 SERVER_RESTARTS = 5  # then replicas of this node's part are given up (said), training goes on
+REPLICAS_KEPT = 2  # steps of the buddy's part kept, and of this node's own part served (the newest may be abandoned)
 
 
 def buddy(rank: int, nodes: int) -> int:
@@ -228,7 +229,7 @@ class Replicator:
         self._published[step] = names
         # The previous step stays served: a replica holder may still be pulling it while this one commits. Links
         # of older steps (of an earlier syncer too) go: they would keep files the script deleted on the disk.
-        for old in sorted(self._published)[:-2]:
+        for old in sorted(self._published)[:-REPLICAS_KEPT]:
             del self._published[old]
         keep = {name for names in self._published.values() for name in names}
         for path in self.published_dir.iterdir():
@@ -295,7 +296,7 @@ class Replicator:
         os.replace(partial, final)
         # The step before stays until this one is committed too: this one may yet be abandoned.
         kept = {final, *sorted((d for d in self.replica_dir.iterdir() if d.name.startswith("step-") and d != final),
-                               reverse=True)[:1]}
+                               reverse=True)[:REPLICAS_KEPT - 1]}
         for other in self.replica_dir.iterdir():
             if other not in kept:
                 shutil.rmtree(other, ignore_errors=True)

@@ -43,6 +43,7 @@ from infra.checkpoints.lineage import Lineage
 from infra.checkpoints.steps import step_name
 from infra.checkpoints.store import CheckpointStore
 from infra.checkpoints.upload_lease import UPLOAD_LEASE, clear_lease, write_lease
+from infra.node.diskfull import EXIT_DISK_FULL, DiskWatch, is_disk_full
 from infra.node.events import NodeEvent, emit, fail
 from infra.node.protocol import NodeRequest, SyncRequest, as_request
 from infra.node.replica import ReplicaConfig, Replicator
@@ -203,9 +204,10 @@ def _last_metrics_step(path: Path | None) -> int | None:
 
 
 class Syncer:
-    def __init__(self, config: SyncConfig, checkpoints: CheckpointStore) -> None:
+    def __init__(self, config: SyncConfig, checkpoints: CheckpointStore, disk: DiskWatch | None = None) -> None:
         self.config = config
         self.checkpoints = checkpoints
+        self.disk = disk or DiskWatch(config.node_rank, config.ckpt_dir)  # the node's disk filling up, said
         self.detector = Detector(config.ckpt_dir, config.format)
         self.state = self._load_state()
         self.gone: set[tuple[str, int]] = set()  # (name, version) deleted locally before it could be shipped
@@ -503,6 +505,7 @@ class Syncer:
         if self.is_coordinator:
             self.withdraw_unshipped()
         while True:
+            self.disk.check()  # said once; what is complete is still shipped
             # Read before scanning: every checkpoint complete when the stop was asked for is shipped first.
             stopping = self._should_stop()
             stopped_at = stopped_at if stopped_at is not None or not stopping else time.monotonic()
@@ -574,11 +577,12 @@ def main(request: NodeRequest) -> int:
         config = sync_config(as_request(request, SyncRequest))
     except SyncError as exc:
         return fail(f"sync: {exc}", EXIT_BAD_REQUEST)
+    disk = DiskWatch(config.node_rank, config.ckpt_dir)
     try:
         # The syncer may start before the script has saved anything.
         config.ckpt_dir.mkdir(parents=True, exist_ok=True)
         config.sync_dir.mkdir(parents=True, exist_ok=True)
-        syncer = Syncer(config, CheckpointStore(open_store(config.url)))
+        syncer = Syncer(config, CheckpointStore(open_store(config.url)), disk)
 
         def request_stop(signum: int, frame: FrameType | None) -> None:
             log.info("got signal %d: finishing uploads, then exiting", signum)
@@ -591,4 +595,6 @@ def main(request: NodeRequest) -> int:
     except (SyncError, CheckpointError) as exc:
         return fail(f"sync: {exc}")
     except OSError as exc:
+        if is_disk_full(exc):
+            return fail(f"sync: {disk.refused(exc).line()}", EXIT_DISK_FULL)
         return fail(f"sync: {exc.filename or config.ckpt_dir}: {exc.strerror or exc}: check the checkpoint dir")

@@ -6,6 +6,7 @@ never branch on where a node lives. Bulk data never goes through here: nodes mov
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -200,7 +201,7 @@ class _OutputPump:
                     self._lines.append(line)
                     del self._lines[: -self._keep]
                 if self._log:
-                    self._log.write(line + "\n")
+                    self._write_log(line)
                 if self._on_line:
                     try:
                         self._on_line(line)
@@ -210,6 +211,19 @@ class _OutputPump:
             stream.close()
             if self._log:
                 self._log.close()
+
+    def _write_log(self, line: str) -> None:
+        """A log that cannot be written (its disk full: the node's own, for a local node) is given up, said once;
+        the lines still reach on_line and the tail, and the command is still read, so it never blocks on its pipe."""
+        assert self._log is not None
+        try:
+            self._log.write(line + "\n")
+        except OSError as exc:
+            log.warning("%s: not written any more (%s): the command's output still reaches the run's log",
+                        self._log.name, exc.strerror or exc)
+            log_file, self._log = self._log, None
+            with contextlib.suppress(OSError):  # the buffered rest of a log already given up on, said above
+                log_file.close()
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
