@@ -1,8 +1,10 @@
-"""Stand-ins for the machines behind simulated cloud instances (tests/aws_server.py, tests/gce_server.py), so that an
-unmodified orchestrator (`trainpipe run`) reaches its cloud nodes over SSH and starts its lease watchdogs on them.
+"""Stand-ins for the machines behind simulated cloud instances (tests/aws_server.py, tests/gce_server.py,
+tests/nebius_server.py), so that an unmodified orchestrator (`trainpipe run`) reaches its cloud nodes over SSH and
+starts its lease watchdogs on them.
 
 What is real: an OpenSSH sshd per node, listening on the instance's public address (the simulated clouds hand out
-127.77.x.y public addresses and 127.79.x.y private ones, when the test asks for them) at port 22, serving the host
+127.77.x.y public addresses and distinct private ones: 127.79.x.y on AWS and GCP when the test asks for them, 127.78.3.y
+on Nebius) at port 22, serving the host
 key the orchestrator generated and put in the instance's boot script; the node's own /mnt (its "local NVMe") and /run
 (where the boot script leaves its status), private to it in a mount namespace, so two nodes on this one machine never
 share a workdir; every trainpipe process on it.

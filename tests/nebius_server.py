@@ -407,15 +407,26 @@ class NebiusServer:
 NOTICE_PROGRAM = re.compile(r"<<'TRAINPIPE_NOTICE'\n(.*?)TRAINPIPE_NOTICE\n", re.DOTALL)
 
 
+def public_address(instance: Any) -> str:
+    """Where trainpipe reaches an instance (its first interface's public address, less the prefix length)."""
+    return instance.status.network_interfaces[0].public_ip_address.address.split("/")[0]
+
+
+def private_address(instance: Any) -> str:
+    """An instance's address in its subnet: what its peers reach it by."""
+    return instance.status.network_interfaces[0].ip_address.address.split("/")[0]
+
+
 def nebius_instances(server: NebiusServer) -> Callable[[], list[Any]]:
-    """The running instances as the stand-ins boot them: public address, name, region, cloud-init user data."""
+    """The running instances as the stand-ins boot them: public address, name, region, cloud-init user data, private
+    address."""
     from cloud_nodes import Instance
 
     region_of = {project: region for region, project in PROJECTS.items()}
 
     def found() -> list[Instance]:
-        return [Instance(i.status.network_interfaces[0].public_ip_address.address.split("/")[0], i.metadata.name,
-                         region_of[i.metadata.parent_id], i.spec.cloud_init_user_data) for i in server.fake.running()]
+        return [Instance(public_address(i), i.metadata.name, region_of[i.metadata.parent_id],
+                         i.spec.cloud_init_user_data, private_address(i)) for i in server.fake.running()]
 
     return found
 

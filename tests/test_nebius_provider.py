@@ -66,17 +66,22 @@ def ssh_key(tmp_path: Path) -> Path:
     return key
 
 
-@pytest.fixture
-def nebius(server: NebiusServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> NebiusProvider:
+def use_fake(server: NebiusServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The provider's SDK pointed at the stand-in (emptied first), with the token it takes."""
     server.fake.reset()
     for name, value in server.env().items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setenv("TRAINPIPE_SSH_KEY_FILE", str(ssh_key(tmp_path)))
     # The stand-in answers at once: poll and back off in milliseconds, not in the seconds Nebius needs.
     monkeypatch.setattr(nebius_api, "POLL_FIRST_S", 0.005)
     monkeypatch.setattr(nebius_api, "POLL_MAX_S", 0.02)
     monkeypatch.setattr(nebius_api, "RETRY_FIRST_S", 0.01)
     monkeypatch.setattr(nebius_module, "IN_USE_FIRST_S", 0.01)
+
+
+@pytest.fixture
+def nebius(server: NebiusServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> NebiusProvider:
+    use_fake(server, monkeypatch)
+    monkeypatch.setenv("TRAINPIPE_SSH_KEY_FILE", str(ssh_key(tmp_path)))
     return NebiusProvider(catalog=nebius_catalog(), bootstrap=False)
 
 
@@ -336,11 +341,11 @@ def stop_notice(stand_ins: Any, instance: Any, notice_s: float) -> None:
     script) runs in the node, writes its notice and holds the shutdown while the node's watcher stops the trainer and
     the syncer ships the last save; then the power goes."""
     from cloud_env import wait_for
-    from nebius_server import NOTICE_PROGRAM
+    from nebius_server import NOTICE_PROGRAM, public_address
 
     from infra.node.events import NodeEvent, parse
 
-    address = instance.status.network_interfaces[0].public_ip_address.address.split("/")[0]
+    address = public_address(instance)
     node = stand_ins.nodes[address]
     [program] = NOTICE_PROGRAM.findall(instance.spec.cloud_init_user_data)
     (node.root / "stop-notice.py").write_text(program)
