@@ -68,9 +68,12 @@ def store_access_problem(job: JobSpec) -> str | None:
             if problem is not None:
                 return f"{field} {url}: {problem}"
         elif scheme == "az" and not _azure_credentials_given(job):
+            wanted = ("AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT with AZURE_STORAGE_KEY"
+                      if job.storage.azure is None else
+                      f"AZURE_STORAGE_KEY of storage.azure_account {job.storage.azure.name}, or a service "
+                      "principal's AZURE_CLIENT_ID, AZURE_TENANT_ID and AZURE_CLIENT_SECRET")
             return (f"{field} {url}: {job.cluster.provider} nodes have no Azure credentials: hand them over as "
-                    "training.secrets (AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT with "
-                    "AZURE_STORAGE_KEY)")
+                    f"training.secrets ({wanted})")
         elif scheme in NATIVE_STORE.values():
             return (f"{field} {url}: {job.cluster.provider} nodes have no credentials for {scheme}:// stores: use "
                     f"a {native}:// store (or run the job on {_cloud_of(scheme)})")
