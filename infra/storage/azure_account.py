@@ -46,7 +46,6 @@ MAX_POOL_CONNECTIONS = 128  # connections are opened only when used, so a large 
 CONNECT_TIMEOUT_S = 10.0
 
 
-
 @dataclass(frozen=True)
 class JobAccount:
     """The storage account a job's config names (storage.azure_account), and its blob endpoint where it is not the
