@@ -138,7 +138,7 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
                     job = _avoiding(job, plan, recoveries, summary.attempts)
         with phase("sync"):
             verified = verify_committed_checkpoint(cluster, plan.checkpoint_url, job.checkpoints.format,
-                                                   secrets=job.training.secrets)
+                                                   secrets=job.training.secrets, storage=job.storage)
         record_training(summary, staged, outcome, verified, plan.checkpoint_url)
         # The clock's last step: a script whose progress comes from its log lines has no point times of its own.
         evaluate_and_promote(job, plan, cluster, launch, verified.step, summary, phase, outcome.last_step_at)
@@ -283,7 +283,8 @@ def stage_nodes(job: JobSpec, plan: Plan, cluster: Cluster, code_url: str | None
                                            unmapped(plan.dataset.shard), unmapped(inputs),
                                            peers=unmapped(peers[0]), peer_env=unmapped(peers[1]),
                                            holders=unmapped([node.rank for node in survivors]),
-                                           secrets=unmapped(job.training.secrets)).result()
+                                           secrets=unmapped(job.training.secrets),
+                                           storage=unmapped(job.storage)).result()
                             if staging or inputs else [])
         restored, warm = restore_nodes(job, plan, cluster, survivors, resume_step, peers, phase)
         summary.fanout = fanout.outcome(fan, why, exchanging, peers[0], nodes_staged, restored)
@@ -302,13 +303,15 @@ def restore_nodes(job: JobSpec, plan: Plan, cluster: Cluster, survivors: list[No
                                            peer_env=unmapped(peers[1]),
                                            prune=unmapped(bool(survivors)),
                                            holders=unmapped([node.rank for node in survivors]),
-                                           secrets=unmapped(job.training.secrets)).result()
+                                           secrets=unmapped(job.training.secrets),
+                                           storage=unmapped(job.storage)).result()
                     if resume_step is not None else [])
     # A warm start: only when nothing of this run is committed yet (a resume continues from its own commit).
     warm = (restore_checkpoint.map(unmapped(cluster), cluster.nodes, unmapped(plan.init_from.run_url),
                                    unmapped(job.checkpoints.format), step=unmapped(plan.init_from.step),
                                    dest=[node.path("init-from") for node in cluster.nodes],
-                                   secrets=unmapped(job.training.secrets)).result()
+                                   secrets=unmapped(job.training.secrets),
+                                           storage=unmapped(job.storage)).result()
             if plan.init_from is not None and resume_step is None else [])
     return restored, warm
 

@@ -7,6 +7,7 @@ from prefect import get_run_logger, task
 from infra.checkpoints.store import CheckpointStore
 from infra.compute.providers import Cluster, agent_for
 from infra.job.secrets import SecretRef
+from infra.job.spec import StorageSpec
 from infra.node.events import NodeEvent
 from infra.node.protocol import VerifyCkptRequest
 from infra.storage import open_store
@@ -22,16 +23,18 @@ class NoCheckpointError(RuntimeError):
 
 @task(name="verify-committed-checkpoint", **TRANSIENT_RETRIES)
 def verify_committed_checkpoint(cluster: Cluster, checkpoint_url: str, checkpoint_format: str,
-                                secrets: dict[str, SecretRef] | None = None) -> Verified:
+                                secrets: dict[str, SecretRef] | None = None, storage: StorageSpec | None = None
+                                ) -> Verified:
     """Runs on the head node, so checksumming reads the store over the cluster's network, not the orchestrator's.
-    secrets: the job's training.secrets (names): resolved here, they reach the command's environment."""
+    secrets: the job's training.secrets (names): resolved here, they reach the command's environment; storage: the
+    job's storage section (the account its stores reach)."""
     if CheckpointStore(open_store(checkpoint_url)).latest() is None:
         raise NoCheckpointError(
             f"training finished, but {checkpoint_url} holds no committed checkpoint: the script wrote no checkpoint "
             f"that checkpoints.format {checkpoint_format} recognises into TRAINPIPE_CHECKPOINT_DIR: save one there "
             "(the format's completion signal: see README, 'Checkpoints the syncer recognises') or fix the format")
     head = cluster.head
-    result = agent_for(cluster, head, secrets_env(secrets)).run(
+    result = agent_for(cluster, head, secrets_env(secrets, storage)).run(
         VerifyCkptRequest(url=checkpoint_url), timeout=3600, on_line=node_line_sink(get_run_logger(), head.name))
     return Verified.from_event(last_event(result.output, NodeEvent.VERIFIED))
 

@@ -75,7 +75,8 @@ def evaluate_checkpoint(job: JobSpec, cluster: Cluster, launch: TrainLaunch, ste
     started = time.monotonic()
     head = cluster.head
     restored = restore_checkpoint.fn(cluster, head, launch.checkpoint_url, job.checkpoints.format, step=step,
-                                     dest=head.path("eval", "checkpoint"), secrets=job.training.secrets)
+                                     dest=head.path("eval", "checkpoint"), secrets=job.training.secrets,
+                                     storage=job.storage)
     eval_file = head.path("eval", f"metrics-{launch.attempt_id}.json")
     context = node_context(job, cluster, head, launch)
     command = render_command(job.evaluate.command, context, extra={"checkpoint": restored.path,

@@ -12,6 +12,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from infra.compute.providers import Cluster, Node, agent_for
 from infra.dataset.stagecache import node_cache_dir
 from infra.job.secrets import SecretRef
+from infra.job.spec import StorageSpec
 from infra.node.events import Event, NodeEvent, parse
 from infra.node.fanout import SHARE_DIR
 from infra.node.protocol import PeerExchange, RestoreRequest, StageRequest
@@ -56,7 +57,7 @@ def _progress_artifact(node: Node, what: str) -> Callable[[Event], None]:
 def stage_node(cluster: Cluster, node: Node, snapshot_url: str | None, shard: str, inputs: dict[str, str],
                timeout_s: float = 3600, peers: list[str] | None = None,
                peer_env: dict[str, str] | None = None, holders: list[int] | None = None,
-               secrets: dict[str, SecretRef] | None = None) -> StagedNode:
+               secrets: dict[str, SecretRef] | None = None, storage: StorageSpec | None = None) -> StagedNode:
     """Mirror the node's files of the run's dataset snapshot into its data dir (<workdir>/data-files.txt lists them;
     snapshot_url None: the dataset is read from the store, not staged), and each input's snapshot (inputs: name ->
     snapshot URL) whole into <workdir>/inputs/<name>, through the node's one cache.
@@ -68,7 +69,7 @@ def stage_node(cluster: Cluster, node: Node, snapshot_url: str | None, shard: st
     ranks that hold the files already (the survivors of a replace-one recovery): the others are filled from them.
 
     secrets: the job's training.secrets (names): resolved here, they reach the stager's environment (a store
-    credential given as a secret)."""
+    credential given as a secret); storage: the job's storage section (the account its stores reach)."""
     sink = node_line_sink(get_run_logger(), node.name, on_event=_progress_artifact(node, "stage"))
     request = StageRequest(
         rank=node.rank, nodes=len(cluster.nodes), workdir=node.workdir,
@@ -77,7 +78,7 @@ def stage_node(cluster: Cluster, node: Node, snapshot_url: str | None, shard: st
         inputs=inputs, inputs_dir=node.path(INPUTS_DIR) if inputs else None,
         peers=PeerExchange(urls=tuple(peers), share_dir=node.path(SHARE_DIR)) if peers else None,
         holders=tuple(holders or ()) if peers else ())
-    result = agent_for(cluster, node, secrets_env(secrets)).run(request, env=peer_env, timeout=timeout_s,
+    result = agent_for(cluster, node, secrets_env(secrets, storage)).run(request, env=peer_env, timeout=timeout_s,
                                                                  on_line=sink)
     staged = {event["name"]: Staged.from_event(event) for event in map(parse, result.output.splitlines())
               if event is not None and event.kind is NodeEvent.INPUT_STAGED}
@@ -93,7 +94,8 @@ def restore_checkpoint(cluster: Cluster, node: Node, checkpoint_url: str, checkp
                        timeout_s: float = 3600, step: int | None = None, dest: str | None = None,
                        peers: list[str] | None = None, peer_env: dict[str, str] | None = None,
                        prune: bool = False, holders: list[int] | None = None,
-                       secrets: dict[str, SecretRef] | None = None) -> Restored:
+                       secrets: dict[str, SecretRef] | None = None, storage: StorageSpec | None = None
+                       ) -> Restored:
     """Download the latest committed checkpoint (or `step`) into the node's checkpoint dir (the whole union of every
     node's files, under the name the script saved it as); returns its step and local path (TRAINPIPE_RESUME_FROM).
 
@@ -108,7 +110,8 @@ def restore_checkpoint(cluster: Cluster, node: Node, checkpoint_url: str, checkp
     holders: the survivors of a replace-one: a replaced node's part comes from its replica on a survivor
     (checkpoints.peer_replica, infra/node/replica.py), else from the store.
 
-    secrets: the job's training.secrets (names): resolved here, they reach the restore's environment."""
+    secrets: the job's training.secrets (names): resolved here, they reach the restore's environment; storage: the
+    job's storage section (the account its stores reach)."""
     sink = node_line_sink(get_run_logger(), node.name)
     request = RestoreRequest(
         url=checkpoint_url, dest=dest if dest is not None else node.ckpt_dir,
@@ -116,6 +119,6 @@ def restore_checkpoint(cluster: Cluster, node: Node, checkpoint_url: str, checkp
         rank=node.rank if peers else 0,
         peers=PeerExchange(urls=tuple(peers), share_dir=node.path(SHARE_DIR)) if peers else None,
         replica_dir=node.path(REPLICA_DIR) if peers else None, holders=tuple(holders or ()) if peers else ())
-    result = agent_for(cluster, node, secrets_env(secrets)).run(request, env=peer_env, timeout=timeout_s,
+    result = agent_for(cluster, node, secrets_env(secrets, storage)).run(request, env=peer_env, timeout=timeout_s,
                                                                  on_line=sink)
     return Restored.from_event(last_event(result.output, NodeEvent.RESTORED))

@@ -83,3 +83,14 @@ def test_a_malformed_instance_profile_is_a_config_error(value: str) -> None:
     with pytest.raises(ConfigError, match=r"cluster.aws.instance_profile: instance_profile .* is neither an instance "
                                           r"profile name nor its ARN"):
         cloud_job("aws", "s3://b/data", "s3://b/ckpt", aws={"instance_profile": value})
+
+
+def test_with_the_config_naming_the_azure_account_a_key_is_enough() -> None:
+    job = cloud_job("aws", "s3://b/data", "az://c/ckpt", **PROFILE)
+    job = job.model_copy(update={"storage": job.storage.model_copy(update={"azure_account": "acct1"})})
+    assert store_access_problem(azure_secrets(job, "AZURE_STORAGE_KEY")) is None
+    assert store_access_problem(azure_secrets(job, "AZURE_CLIENT_ID", "AZURE_TENANT_ID", "AZURE_CLIENT_SECRET")) is None
+    assert store_access_problem(job) == (
+        "checkpoints.url az://c/ckpt: aws nodes have no Azure credentials: hand them over as training.secrets "
+        "(AZURE_STORAGE_KEY of storage.azure_account acct1, or a service principal's AZURE_CLIENT_ID, AZURE_TENANT_ID "
+        "and AZURE_CLIENT_SECRET)")

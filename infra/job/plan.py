@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from collections.abc import Callable
@@ -23,9 +24,10 @@ from infra.job.disk_budget import CheckpointSize, DiskBudget, node_budget, size
 from infra.job.parent import ParentError, RunParent, fix_parent, kept_parent, load_parent, resolve_parent
 from infra.job.secrets import BlockReader, SecretMissing, resolve_secrets
 from infra.job.spec import JobSpec
-from infra.job.store_access import store_access_problem
+from infra.job.store_access import azure_account_problem, store_access_problem
 from infra.registry import CheckpointTarget, RegistryError, resolve_checkpoint
 from infra.storage import ObjectStore, StorageError, open_store
+from infra.storage.azure_account import use_job_account
 from infra.workload.plan import WorkloadError, WorkloadPlan, plan_workload
 from infra.workspace import local_clusters_dir, run_dir
 
@@ -253,11 +255,11 @@ def _parent(job: JobSpec, run_store: ObjectStore, run_id: str, resumes: bool) ->
         raise PlanError(str(exc)) from None
 
 
-def check_secrets(job: JobSpec, secret_blocks: BlockReader | None) -> None:
-    """That each secret the job names is there (the values are not kept); without secret_blocks, Prefect's blocks
-    are left to the flow's plan."""
+def check_secrets(job: JobSpec, secret_blocks: BlockReader | None) -> dict[str, str]:
+    """That each secret the job names is there: their values, for plan's own checks only (never kept); without
+    secret_blocks, Prefect's blocks are left to the flow's plan."""
     try:
-        resolve_secrets(job.training.secrets, secret_blocks)
+        return resolve_secrets(job.training.secrets, secret_blocks)
     except SecretMissing as exc:
         raise PlanError(str(exc)) from None
 
@@ -267,9 +269,12 @@ def plan_job(job: JobSpec, run_id: str, secret_blocks: BlockReader | None = None
     checked by the flow's plan, still before anything is launched."""
     if not RUN_ID.match(run_id):
         raise PlanError(f"run id '{run_id}': use letters, digits, '.', '_' or '-' (at most 64)")
-    check_secrets(job, secret_blocks)
+    secret_values = check_secrets(job, secret_blocks)
     if (problem := store_access_problem(job)) is not None:
         raise PlanError(problem)
+    if (problem := azure_account_problem(job, os.environ, secret_values)) is not None:
+        raise PlanError(problem)
+    use_job_account(job.storage.azure)  # every store the run opens here on reaches the config's account
     found = cluster_candidates(job)
     check_site(job.cluster)
     try:

@@ -24,6 +24,7 @@ from infra.job.recovery_spec import ChaosSpec, RecoverySpec
 from infra.job.secrets import SecretRef
 from infra.registry.refs import NAME, parse_model_ref
 from infra.storage import store_url
+from infra.storage.azure_account import JobAccount
 from infra.strict_model import StrictModel
 from infra.workload.code import ARCHIVE_SUFFIXES
 from infra.workload.contract import check_command
@@ -205,6 +206,34 @@ class PromoteSpec(StrictModel):
                              "this. The first run of a model is promoted.")
 
 
+class StorageSpec(StrictModel):
+    """Which accounts the job's stores reach; their keys stay in the environment or training.secrets."""
+
+    azure_account: str | None = Field(
+        None, pattern=r"^[a-z0-9]{3,24}$", description="The Azure storage account every az:// store of the run "
+        "reaches (3-24 lowercase letters and digits), on the orchestrator and on every node; it wins over "
+        "AZURE_STORAGE_ACCOUNT. Its key comes from AZURE_STORAGE_KEY (or a connection string for this same "
+        "account) where trainpipe runs, or from training.secrets for cloud nodes; with none, an identity "
+        "(DefaultAzureCredential). null: the account comes from the environment.")
+    azure_blob_endpoint: str | None = Field(
+        None, pattern=r"^https?://[^\s/]+(/\S*)?$", description="The account's blob endpoint where it is not "
+        "https://<azure_account>.blob.core.windows.net: a sovereign cloud's, or Azurite's "
+        "(http://127.0.0.1:10000/devstoreaccount1). Needs azure_account.")
+
+    @model_validator(mode="after")
+    def _endpoint_needs_account(self) -> StorageSpec:
+        if self.azure_blob_endpoint is not None and self.azure_account is None:
+            raise ValueError("azure_blob_endpoint is the endpoint of storage.azure_account: name the account too")
+        return self
+
+    @property
+    def azure(self) -> JobAccount | None:
+        """The Azure account the config names, or None (the environment's)."""
+        if self.azure_account is None:
+            return None
+        return JobAccount(self.azure_account, self.azure_blob_endpoint)
+
+
 class JobSpec(StrictModel):
     name: str = Field("retrain", pattern=r"^[a-z0-9][a-z0-9-]{0,39}$", description="Job name: lowercase, digits, '-'.")
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
@@ -218,6 +247,8 @@ class JobSpec(StrictModel):
         "manifests it carries, staged whole to every node and named there by TRAINPIPE_INPUT_<NAME> and "
         "{input_<name>}.")
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
+    storage: StorageSpec = Field(default_factory=StorageSpec, description="The storage accounts the job's "
+                                 "stores reach, where the environment's are not the ones (Azure: az://).")
     chaos: ChaosSpec | None = Field(None, description="Preemptions to inject (local and ssh providers): for tests.")
     evaluate: EvaluateSpec | None = Field(None, description="Evaluate the committed checkpoint on the cluster before "
                                           "teardown; its metrics go to the summary, the report and the checkpoint's "

@@ -3,13 +3,22 @@ own credentials, never the orchestrator's: plan checks those with the orchestrat
 none would pass plan and fail at staging, after launch and bootstrap were paid for. Refused here instead.
 
 An az:// store is no cloud's own here: nodes reach it with the Azure variables the job hands them as secrets
-(training.secrets, which every node command that reads or writes a store gets in its environment).
+(training.secrets, which every node command that reads or writes a store gets in its environment). The account
+itself may be named by the config instead (storage.azure_account): then a key or a service principal is enough.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from infra.dataset.spec import InputSpec
 from infra.job.spec import JobSpec
-from infra.storage.azure_account import CREDENTIAL_SETS
+from infra.storage.azure_account import CREDENTIAL_SETS, account_conflict
+
+# With the account named by storage.azure_account, what reaches it without an identity of the node's own.
+ACCOUNT_CREDENTIAL_SETS = (("AZURE_STORAGE_CONNECTION_STRING",), ("AZURE_STORAGE_KEY",),
+                           ("AZURE_CLIENT_ID", "AZURE_TENANT_ID", "AZURE_CLIENT_SECRET"))
+ENVIRONMENT_ACCOUNT = ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT")
 
 # The store each cloud's nodes get credentials for, and the section field that gives them.
 NATIVE_STORE = {"aws": "s3", "gcp": "gs", "nebius": "s3"}
@@ -59,9 +68,12 @@ def store_access_problem(job: JobSpec) -> str | None:
             if problem is not None:
                 return f"{field} {url}: {problem}"
         elif scheme == "az" and not _azure_credentials_given(job):
+            wanted = ("AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT with AZURE_STORAGE_KEY"
+                      if job.storage.azure is None else
+                      f"AZURE_STORAGE_KEY of storage.azure_account {job.storage.azure.name}, or a service "
+                      "principal's AZURE_CLIENT_ID, AZURE_TENANT_ID and AZURE_CLIENT_SECRET")
             return (f"{field} {url}: {job.cluster.provider} nodes have no Azure credentials: hand them over as "
-                    "training.secrets (AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT with "
-                    "AZURE_STORAGE_KEY)")
+                    f"training.secrets ({wanted})")
         elif scheme in NATIVE_STORE.values():
             return (f"{field} {url}: {job.cluster.provider} nodes have no credentials for {scheme}:// stores: use "
                     f"a {native}:// store (or run the job on {_cloud_of(scheme)})")
@@ -70,7 +82,33 @@ def store_access_problem(job: JobSpec) -> str | None:
 
 def _azure_credentials_given(job: JobSpec) -> bool:
     given = job.training.secrets.keys()
-    return any(all(name in given for name in names) for names in CREDENTIAL_SETS)
+    sets = CREDENTIAL_SETS if job.storage.azure is None else ACCOUNT_CREDENTIAL_SETS
+    return any(all(name in given for name in names) for names in sets)
+
+
+def _azure_stores(job: JobSpec) -> list[tuple[str, str]]:
+    """(field, URL) of every az:// store the run reaches, the orchestrator's (inputs, init_from) among them."""
+    stores = [*job_stores(job), ("training.init_from", job.training.init_from or "")]
+    stores += [(f"inputs.{name}.url", entry.url) for name, entry in job.inputs.items() if isinstance(entry, InputSpec)]
+    return [(field, url) for field, url in stores if url.startswith("az://")]
+
+
+def azure_account_problem(job: JobSpec, environ: Mapping[str, str], secret_values: Mapping[str, str]) -> str | None:
+    """One line when the run has az:// stores but no account to reach them by (neither storage.azure_account nor
+    the orchestrator's environment names one), or a connection string, in the environment or among the job's
+    secrets, for another account than the config's; None otherwise."""
+    stores = _azure_stores(job)
+    if not stores:
+        return None
+    field, url = stores[0]
+    account = job.storage.azure
+    if account is None and not any(environ.get(name) for name in ENVIRONMENT_ACCOUNT):
+        return (f"{field} {url}: no Azure storage account: name it in storage.azure_account, or set "
+                f"{' or '.join(ENVIRONMENT_ACCOUNT)} where trainpipe runs")
+    for where, values in (("the environment", environ), ("training.secrets", secret_values)):
+        if (problem := account_conflict(account, values)) is not None:
+            return f"{field} {url}: {problem} (in {where})"
+    return None
 
 
 def _cloud_of(scheme: str) -> str:
