@@ -25,7 +25,10 @@ from cmdline_scan import CommandLineScan
 from conftest import REPO, TRAINPIPE, run_trainpipe
 from pydantic import ValidationError
 from slurm_cluster import GPUS_PER_NODE, URGENT, SlurmCluster, slurm_cluster
+from sshd import ssh_servers
 
+from infra.checkpoints.layout import MANIFEST_NAME
+from infra.checkpoints.steps import parse_step_name, step_name
 from infra.compute.providers import InvalidRequestError, get_provider
 from infra.compute.providers.base import Cluster
 from infra.compute.providers.slurm.provider import JOB_PREFIX, QueueTimeout, SlurmProvider
@@ -112,6 +115,39 @@ def test_one_allocation_holds_every_node_and_each_command_is_a_job_step(slurm: S
     assert provider.list_clusters() == []
     assert provider.nodes_alive(cluster) == {node.name: False for node in cluster.nodes}
     assert not provider.terminate("tp-steps")
+
+
+def test_a_login_node_over_ssh_runs_every_slurm_command(slurm: SlurmCluster, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """cluster.slurm.login: sinfo (plan), sbatch, srun (a job step), squeue and scancel all run on the login node over
+    SSH, its host key pinned: the test sshd on loopback in front of the test Slurm (its sessions alone know the site's
+    configuration: SLURM_CONF), while this process has none to fall back on."""
+    from infra.job.plan import check_site
+
+    with ssh_servers(tmp_path / "sshd", 1, session_env={"SLURM_CONF": str(slurm.conf)}) as (key, [server]), \
+            monkeypatch.context() as here:
+        cluster_spec = spec(tmp_path, nodes=1, login=f"root@{server.host}:{server.port}", login_key_file=str(key),
+                            login_host_key=server.fingerprint)
+        here.delenv("SLURM_CONF")  # this machine's Slurm commands would find no site to ask
+
+        check_site(cluster_spec)
+        provider = get_provider("slurm")
+        cluster = provider.launch("tp-login", cluster_spec, "run-login")
+        try:
+            assert slurm.job_ids() == [cluster.owner["job_id"]]
+            step = ("import os; print('STEP', os.environ['SLURM_JOB_ID'], os.environ['TRAINPIPE_NODE'], "
+                    "os.environ['TP_TEST_SECRET'], 'SSH_CONNECTION' in os.environ)")
+            output = provider.runner(cluster, cluster.head).run([sys.executable, "-c", step],
+                                                                env={"TP_TEST_SECRET": "over-the-channel"}).output
+            line = next(line for line in output.splitlines() if line.startswith("STEP"))
+            # srun ran in the login node's SSH session (its environment reached the task), the secret on stdin.
+            assert line.split() == ["STEP", cluster.owner["job_id"], cluster.head.name, "over-the-channel", "True"]
+            assert [record.name for record in provider.list_clusters()] == ["tp-login"]
+        finally:
+            assert provider.terminate("tp-login")
+        assert slurm.job_ids() == []
+        assert provider.list_clusters() == []
+    assert "Accepted publickey" in server.log()
 
 
 def test_pending_allocation_ends_at_queue_timeout_with_its_reason(slurm: SlurmCluster, tmp_path: Path) -> None:
@@ -213,19 +249,25 @@ def test_trainpipe_run_of_the_example_on_the_test_slurm(slurm: SlurmCluster, wor
     assert [path.name for path in (tmp_path / "scratch").glob("*/*")] == []  # teardown removed the node dirs
 
 
+def committed_steps(run_checkpoints: Path) -> set[int]:
+    """The steps committed (their manifest written last) under a run's checkpoint dir of a file:// store."""
+    steps = (parse_step_name(path.parent.name) for path in run_checkpoints.glob(f"*/{MANIFEST_NAME}"))
+    return {step for step in steps if step is not None}
+
+
 def test_allocation_of_a_killed_orchestrator_ends_within_the_lease(slurm: SlurmCluster, workspace: Path,
                                                                    tmp_path: Path) -> None:
     """trainpipe run SIGKILLed mid-training: nobody renews the lease, the holder ends the allocation, and squeue shows
-    nothing of the run within the lease TTL + 30 s."""
+    nothing of the run within the lease TTL + 30 s; `trainpipe run --run-id` then resumes from the last commit on a
+    new allocation and completes."""
     ttl = 15.0
     env = example_job(slurm, workspace, tmp_path, steps=100_000, lease_ttl_s=ttl)
     with (tmp_path / "run.log").open("w") as out:
         run = subprocess.Popen([TRAINPIPE, "run", str(tmp_path / "job.yaml"), "--run-id", "slurm-kill"], env=env,
                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        metrics = tmp_path / "scratch" / "gpu1"
-        wait_for(lambda: any(path.stat().st_size for path in metrics.glob("*/logs/metrics.jsonl")),
-                 400, "a training step on gpu1")
+        # Mid-training, with a commit to resume from.
+        wait_for(lambda: committed_steps(tmp_path / "checkpoints" / "slurm-kill"), 400, "a committed checkpoint")
         assert len(slurm.job_ids()) == 1
         os.killpg(run.pid, signal.SIGKILL)  # the orchestrator and its Prefect server; the job steps are the nodes'
         killed = time.monotonic()
@@ -238,6 +280,18 @@ def test_allocation_of_a_killed_orchestrator_ends_within_the_lease(slurm: SlurmC
             run.wait(30)
     holder = next((tmp_path / "scratch" / "gpu1").glob("*/logs/holder.log")).read_text()
     assert "lease not renewed" in holder
+
+    last_commit = max(committed_steps(tmp_path / "checkpoints" / "slurm-kill"))
+    job = yaml.safe_load((tmp_path / "job.yaml").read_text())
+    command = job["training"]["command"]
+    command[command.index("--steps") + 1] = str(last_commit + 20)  # a short run on from the commit
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    result = run_trainpipe("run", str(tmp_path / "job.yaml"), "--run-id", "slurm-kill", env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    summary = json.loads((workspace / "runs" / "slurm-kill" / "summary.json").read_text())
+    assert (summary["status"], summary["resumed_from_step"]) == ("completed", last_commit)
+    assert summary["checkpoint"].endswith(step_name(last_commit + 20))
+    assert slurm.job_ids() == []
 
 
 @pytest.mark.parametrize(("nodes", "section", "said"), [
@@ -286,7 +340,9 @@ def test_preemption_by_a_higher_tier_mid_training_resumes_on_a_new_allocation(sl
         metrics = tmp_path / "scratch" / "gpu1" / "metrics.jsonl"
         wait_for(lambda: last_step(metrics) >= 60, 400, "step 60 on gpu1")
         first_job = slurm.job_ids()
-        preempted = time.monotonic()
+        reached = last_step(metrics)
+        committed_before = committed_steps(tmp_path / "checkpoints" / "slurm-preempt")
+        preempted, signalled_at = time.monotonic(), time.time()
         slurm.run("sbatch", "-p", URGENT, "-N1", "-o", "/dev/null", "--wrap", "sleep 15")
         run.wait(500)
     finally:
@@ -304,6 +360,16 @@ def test_preemption_by_a_higher_tier_mid_training_resumes_on_a_new_allocation(sl
     assert first_job[0] not in [attempt["zone"].split()[2] for attempt in summary["attempts"][1:]]
     assert slurm.job_ids() == []
     print(json.dumps(summary["recoveries"], indent=1)[:2000])
+    # The emergency checkpoint: saved on the notice at the step training had reached (nothing lost), committed
+    # although Slurm signals every job step (the syncers too) when the preemption starts, and resumed from.
+    recovery = summary["recoveries"][0]
+    assert "slurm: USR1" in recovery["reason"]  # the site's early signal (preempt_send_user_signal) raised it
+    emergency = recovery["resumed_from_step"]
+    assert emergency is not None and emergency >= max(reached, recovery["step_reached"]), (recovery, reached)
+    assert emergency not in committed_before and recovery["steps_lost"] == 0, (recovery, committed_before)
+    manifest = tmp_path / "checkpoints" / "slurm-preempt" / step_name(emergency) / MANIFEST_NAME
+    print(f"preemption signal to emergency commit (step {emergency}, reached {reached} at the signal): "
+          f"{manifest.stat().st_mtime - signalled_at:.1f}s")
 
 
 # -- the spec, no Slurm needed --------------------------------------------------------------------------------------
@@ -330,7 +396,8 @@ def test_extra_sbatch_options_pass_through(tmp_path: Path) -> None:
     assert "--exclusive" not in options
 
 
-@pytest.mark.parametrize(("scratch", "said"), [("scratch/{node}", "not absolute"), ("/mnt/{host}", "placeholder")])
+@pytest.mark.parametrize(("scratch", "said"), [("scratch/{node}", "not absolute"), ("/mnt/{host}", "placeholder"),
+                                               ("/mnt/a,b/{node}", "comma")])
 def test_scratch_must_be_absolute_with_only_the_node_placeholder(tmp_path: Path, scratch: str, said: str) -> None:
     with pytest.raises(ValidationError, match=said):
         spec(tmp_path, scratch=scratch)
@@ -349,3 +416,17 @@ def test_a_machine_without_slurm_has_no_slurm_clusters(workspace: Path, tmp_path
     monkeypatch.setenv("SLURM_CONF", str(tmp_path / "no-such-slurm.conf"))  # squeue, but nothing to ask
     assert provider.list_clusters() == []
     assert not provider.terminate("tp-nothing")
+
+
+@pytest.mark.parametrize(("section", "said"), [
+    ({"login": "me@login1"}, "set login_key_file"),
+    ({"login": "me@login1", "login_key_file": "KEY"}, "host key cannot be verified"),
+    ({"login_key_file": "KEY"}, "without cluster.slurm.login"),
+    ({"login": "login1", "login_key_file": "KEY", "login_host_key": "SHA256:" + "A" * 43}, "login"),
+])
+def test_a_login_node_needs_a_user_a_key_and_a_verifiable_host_key(tmp_path: Path, section: dict[str, object],
+                                                                    said: str) -> None:
+    key = tmp_path / "id_ed25519"
+    key.write_text("not checked here\n")
+    with pytest.raises(ValidationError, match=said):
+        spec(tmp_path, **{name: str(key) if value == "KEY" else value for name, value in section.items()})

@@ -37,6 +37,7 @@ from infra.compute.providers.owner import launcher, launcher_alive, launcher_sta
 from infra.compute.providers.slurm import cli, site
 from infra.compute.providers.slurm.config import NODE_PLACEHOLDER, SlurmClusterSpec
 from infra.compute.providers.slurm.holder import READY_FILE, holder_script
+from infra.compute.providers.slurm.login import Login, login_of
 from infra.compute.providers.slurm.runner import SlurmRunner
 from infra.compute.spec import ClusterSpec
 from infra.node.preemption_notice import NOTICE_FILE, parse_notice
@@ -89,11 +90,12 @@ class SlurmProvider(Provider):
         config: SlurmClusterSpec = spec.slurm
         started = time.monotonic()
         self.root.mkdir(parents=True, exist_ok=True)
+        login = login_of(config)
         script = self._script(cluster_name)
         script.write_text(holder_script(cluster_name, run_id, config.node_workdir(NODE_PLACEHOLDER, cluster_name),
                                         spec.lease_ttl_s, config.signal_lead_s))
         try:
-            job_id = cli.submit(sbatch_options(cluster_name, run_id, spec), str(script))
+            job_id = cli.submit(login, sbatch_options(cluster_name, run_id, spec), script.read_text())
         except BaseException:
             script.unlink(missing_ok=True)
             raise
@@ -101,25 +103,25 @@ class SlurmProvider(Provider):
                  f", partition {config.partition}" if config.partition else "")
         # On record from here on: a launch killed while the job is pending leaves nothing teardown cannot find.
         pending = Cluster(name=cluster_name, provider=self.name, run_id=run_id, nodes=(), created_at=time.time(),
-                          owner={**launcher(), "job_id": job_id, "hosts": {}})
+                          owner={**launcher(), "job_id": job_id, "hosts": {}, "login": login.to_dict()})
         self._write_record(pending)
         try:
-            state = self._wait_running(job_id, config.queue_timeout_s)
+            state = self._wait_running(login, job_id, config.queue_timeout_s)
             cluster = self._cluster(pending, state, config, spec.nodes, started)
             self._write_record(cluster)
             self._wait_ready(cluster)
         except BaseException:
             with CANCEL.shield():
-                self._end(cluster_name, [job_id])
+                self._end(cluster_name, [job_id], login)
             raise
         log.info("slurm job %s running on %s", job_id, ", ".join(cluster.owner["hosts"].values()))
         return cluster
 
-    def _wait_running(self, job_id: str, queue_timeout_s: float) -> cli.JobState:
+    def _wait_running(self, login: Login, job_id: str, queue_timeout_s: float) -> cli.JobState:
         deadline = time.monotonic() + queue_timeout_s
         reason = None
         while True:
-            state = cli.job(job_id)
+            state = cli.job(login, job_id)
             if state is None or state.state not in cli.LIVE_STATES:
                 raise LaunchError(f"slurm job {job_id} ended before it ran ({state.state if state else 'gone'}"
                                   f"{f', {state.reason}' if state else ''}): see `sacct -j {job_id}`")
@@ -140,10 +142,11 @@ class SlurmProvider(Provider):
 
     def _cluster(self, pending: Cluster, state: cli.JobState, config: SlurmClusterSpec, count: int,
                  started: float) -> Cluster:
-        hosts = cli.hostnames(state.nodes)
+        login = _login(pending)
+        hosts = cli.hostnames(login, state.nodes)
         if len(hosts) != count:
             raise LaunchError(f"slurm job {state.job_id} runs on {len(hosts)} nodes ({state.nodes}), not {count}")
-        addresses = cli.node_addresses(hosts)
+        addresses = cli.node_addresses(login, hosts)
         nodes = []
         for rank, host in enumerate(hosts):
             workdir = config.node_workdir(host, pending.name)
@@ -169,7 +172,7 @@ class SlurmProvider(Provider):
         deadline = time.monotonic() + READY_TIMEOUT_S
         runner = self.runner(cluster, cluster.head)
         while (runner.read_text(cluster.head.path(READY_FILE)) or "").strip() != cluster.owner["job_id"]:
-            state = cli.job(cluster.owner["job_id"])
+            state = cli.job(_login(cluster), cluster.owner["job_id"])
             if state is None or state.state != "RUNNING":
                 raise LaunchError(f"slurm job {cluster.owner['job_id']} ended while making the nodes' workdirs "
                                   f"({state.state if state else 'gone'}): see {cluster.head.path('logs')} on "
@@ -197,28 +200,30 @@ class SlurmProvider(Provider):
         path = self._record(cluster_name)
         return Cluster.from_json(path.read_text()) if path.is_file() else None
 
-    def _site_jobs(self) -> list[cli.JobState]:
+    def _site_jobs(self, login: Login) -> list[cli.JobState]:
         """trainpipe's live jobs as squeue shows them. Every `trainpipe status`, `down` and sweep asks every provider:
-        where this machine has no Slurm (no squeue, no configuration, or no controller to ask) and holds no record of
-        a slurm cluster, there is nothing of ours to find."""
-        if not cli.configured() and not self._has_records():
+        where the login node has no Slurm (no squeue, no configuration, or no controller to ask) and no record of a
+        slurm cluster names it, there is nothing of ours to find."""
+        recorded = login in {_login(cluster) for cluster in self._records()}
+        if not cli.configured(login) and not recorded:
             return []
         try:
-            return cli.jobs_named(JOB_PREFIX)
+            return cli.jobs_named(login, JOB_PREFIX)
         except LaunchError as exc:
-            if self._has_records():
+            if recorded:
                 raise
-            log.debug("no Slurm to ask here (%s): no slurm clusters", exc)
+            log.debug("no Slurm to ask on %s (%s): no slurm clusters there", login.label, exc)
             return []
 
-    def _has_records(self) -> bool:
-        return self.root.is_dir() and any(self.root.glob("*.json"))
+    def _records(self) -> list[Cluster]:
+        paths = sorted(self.root.glob("*.json")) if self.root.is_dir() else []
+        return [Cluster.from_json(path.read_text()) for path in paths]
 
-    def _jobs(self, cluster_name: str) -> list[str]:
+    def _jobs(self, cluster_name: str, login: Login) -> list[str]:
         """The cluster's live jobs: squeue's by name (a launch from anywhere), and the record's."""
-        found = [state.job_id for state in self._site_jobs() if state.name == job_name(cluster_name)]
+        found = [state.job_id for state in self._site_jobs(login) if state.name == job_name(cluster_name)]
         recorded = self.describe(cluster_name)
-        state = cli.job(recorded.owner["job_id"]) if recorded is not None else None
+        state = cli.job(login, recorded.owner["job_id"]) if recorded is not None else None
         if state is not None and state.state in cli.LIVE_STATES:
             found.append(state.job_id)
         return sorted(set(found))
@@ -232,12 +237,13 @@ class SlurmProvider(Provider):
         return self._terminate(cluster_name, keep_data=True)
 
     def _terminate(self, cluster_name: str, keep_data: bool) -> bool:
-        jobs = self._jobs(cluster_name)
         recorded = self.describe(cluster_name)
+        login = _login(recorded) if recorded is not None else Login()
+        jobs = self._jobs(cluster_name, login)
         if not keep_data and recorded is not None and recorded.owner["job_id"] in jobs:
             self._remove_workdirs(recorded)
         had_record = recorded is not None
-        self._end(cluster_name, jobs)
+        self._end(cluster_name, jobs, login)
         if jobs:
             log.info("slurm cluster %s: job %s cancelled and gone", cluster_name, ", ".join(jobs))
         return bool(jobs) or had_record
@@ -256,11 +262,12 @@ class SlurmProvider(Provider):
             if (error := removal.exception()) is not None:
                 log.warning("%s: its workdir %s was not removed: %s", node.name, node.workdir, error)
 
-    def _end(self, cluster_name: str, jobs: list[str]) -> None:
+    def _end(self, cluster_name: str, jobs: list[str], login: Login) -> None:
         """scancel, then wait until squeue no longer shows any of the jobs; the record goes last."""
-        cli.cancel(jobs)
+        cli.cancel(login, jobs)
         deadline = time.monotonic() + GONE_TIMEOUT_S
-        while left := [job for job in jobs if (state := cli.job(job)) is not None and state.state in cli.LIVE_STATES]:
+        while left := [job for job in jobs
+                       if (state := cli.job(login, job)) is not None and state.state in cli.LIVE_STATES]:
             if time.monotonic() > deadline:
                 raise cli.SlurmError(f"slurm job {', '.join(left)} of cluster {cluster_name} still shown by squeue "
                                      f"{GONE_TIMEOUT_S:g}s after scancel: ask the site's admins (scontrol show job)")
@@ -270,15 +277,17 @@ class SlurmProvider(Provider):
 
     def list_clusters(self) -> list[ClusterRecord]:
         records = {}
-        for state in self._site_jobs():
+        recorded = self._records()
+        # This machine's Slurm, and every login node a recorded cluster was launched through.
+        logins = dict.fromkeys([Login(), *(_login(cluster) for cluster in recorded)])
+        for state in (state for login in logins for state in self._site_jobs(login)):
             name = state.name[len(JOB_PREFIX):]
             owner = _owner_of(state.comment)
             records[name] = ClusterRecord(name=name, provider=self.name, run_id=_field(state.comment, "run") or "-",
                                           created_at=_epoch(state.submitted), nodes=state.node_count,
                                           owner_alive=launcher_alive(owner, elsewhere=True), processes=0)
         # A record whose job is gone (a teardown that died half way) is listed too, so the sweeper removes it.
-        for path in sorted(self.root.glob("*.json")) if self.root.is_dir() else ():
-            cluster = Cluster.from_json(path.read_text())
+        for cluster in recorded:
             if cluster.name not in records:
                 records[cluster.name] = ClusterRecord(
                     name=cluster.name, provider=self.name, run_id=cluster.run_id, created_at=cluster.created_at,
@@ -289,7 +298,7 @@ class SlurmProvider(Provider):
 
     def runner(self, cluster: Cluster, node: Node) -> Runner:
         return SlurmRunner(node.name, cluster.owner["job_id"], cluster.owner["hosts"][node.name], node.workdir,
-                           {CLUSTER_TAG: node.workdir, NODE_TAG: node.name})
+                           {CLUSTER_TAG: node.workdir, NODE_TAG: node.name}, _login(cluster))
 
     def preemption_notices(self, cluster: Cluster) -> list[PreemptionNotice]:
         """The holder writes the same notice on every node (the allocation ends as a whole): the head's is read."""
@@ -308,12 +317,13 @@ class SlurmProvider(Provider):
     def nodes_alive(self, cluster: Cluster) -> dict[str, bool]:
         """A node is alive while the job runs on it; when slurmctld does not answer, what runs is unknown: alive."""
         try:
-            state = cli.job(cluster.owner["job_id"])
+            state = cli.job(_login(cluster), cluster.owner["job_id"])
         except cli.SlurmUnreachable as exc:
             log.warning("cluster %s: cannot ask slurmctld about job %s: %s", cluster.name, cluster.owner["job_id"],
                         exc)
             return {node.name: True for node in cluster.nodes}
-        running = set(cli.hostnames(state.nodes)) if state is not None and state.state == "RUNNING" else set()
+        running = (set(cli.hostnames(_login(cluster), state.nodes)) if state is not None and state.state == "RUNNING"
+                   else set())
         hosts = cluster.owner.get("hosts", {})
         return {node.name: hosts.get(node.name) in running for node in cluster.nodes}
 
@@ -333,6 +343,11 @@ def sbatch_options(cluster_name: str, run_id: str, spec: ClusterSpec) -> list[st
     if config.exclusive:
         options.append("--exclusive")
     return [*options, *config.sbatch_options]
+
+
+def _login(cluster: Cluster) -> Login:
+    """The login node the cluster was launched through (this machine for a record without one)."""
+    return Login.from_dict(cluster.owner.get("login"))
 
 
 def _field(comment: str, key: str) -> str | None:

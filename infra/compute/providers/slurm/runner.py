@@ -1,8 +1,12 @@
 """A node of a Slurm allocation, reached through job steps: every command is `srun --overlap` in the job, on that
 node, one task, so Slurm's accounting, limits and cleanup cover it and it ends with the allocation.
 
-The environment never goes on a command line: the step's values (the node's tags, the command's env) are in the srun
-process's own environment, which srun hands to the task (--export=ALL). The step's output comes back through srun;
+The command's environment never goes on a command line: it is in the srun process's own environment, which srun
+hands to the task (--export=ALL). The node's tags (its cluster and node name, which the node's watcher and syncer find
+the node's processes by) go to the task alone, named in --export: the srun client runs on the login node and is no
+process of the node. Where the login node is a node's own machine (trainpipe on a compute node, or a test site on one
+host), a watcher that took a tagged srun for the trainer would SIGTERM it, and srun answers SIGTERM by cancelling the
+step (SIGKILL): the trainer would never make its last save. The step's output comes back through srun;
 with a log_path it is also appended to that file on the node (the node's disk is not the login node's). Small files
 are read and written by steps too: what a step prints is framed and base64-encoded, so srun's own messages cannot
 be mistaken for a file's bytes.
@@ -12,9 +16,9 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
-from infra.compute.access.remote import LineSink, LocalRunner, Process, RemoteError, Runner
+from infra.compute.access.remote import LineSink, Process, RemoteError, Runner
+from infra.compute.providers.slurm.login import Login
 
 FILE_TIMEOUT_S = 60.0
 BEGIN, END, MISSING = "@@trainpipe-file-begin@@", "@@trainpipe-file-end@@", "@@trainpipe-file-missing@@"
@@ -27,30 +31,38 @@ _READ = (f'if [ ! -e "$1" ]; then echo {MISSING}; exit 0; fi; echo {BEGIN}; tail
 _WRITE = ('mkdir -p "$(dirname "$1")" && printf "%s" "$TRAINPIPE_FILE_TEXT" > "$1.tmp.$$" && mv -f "$1.tmp.$$" "$1"')
 
 
-def step_argv(job_id: str, host: str, workdir: str, argv: Sequence[str], log_path: str | None = None) -> list[str]:
-    """srun of argv as one task on host in the job, overlapping the holder and the other steps."""
+def step_argv(job_id: str, host: str, workdir: str, argv: Sequence[str], log_path: str | None = None,
+              tags: Mapping[str, str] | None = None) -> list[str]:
+    """srun of argv as one task on host in the job, overlapping the holder and the other steps; tags are set in the
+    task's environment only (srun's --export takes no comma inside a value)."""
+    for name, value in (tags or {}).items():
+        if "," in value or "=" in name:
+            raise RemoteError(f"tag {name}={value}: srun --export cannot pass a value with a comma: use a scratch "
+                              "path without commas")
+    exported = ",".join(["ALL", *(f"{name}={value}" for name, value in (tags or {}).items())])
     return ["srun", "--overlap", f"--jobid={job_id}", f"--nodelist={host}", "--nodes=1", "--ntasks=1",
-            "--export=ALL", f"--chdir={workdir}", "--quiet", "bash", "-c", _STEP, "trainpipe-step", log_path or "",
-            *argv]
+            f"--export={exported}", f"--chdir={workdir}", "--quiet", "bash", "-c", _STEP, "trainpipe-step",
+            log_path or "", *argv]
 
 
 class SlurmRunner(Runner):
     """One node of a running allocation (job_id), its Slurm name host; commands start on the login node (this
-    machine) as srun processes."""
+    machine, or one over SSH) as srun processes."""
 
-    def __init__(self, node_name: str, job_id: str, host: str, workdir: str, tags: Mapping[str, str]) -> None:
+    def __init__(self, node_name: str, job_id: str, host: str, workdir: str, tags: Mapping[str, str],
+                 login: Login) -> None:
         self.node_name = node_name
         self.job_id = job_id
         self.host = host
         self.workdir = workdir
         self.tags = dict(tags)
-        # srun itself runs here, in any dir: --chdir is where the task runs on the node.
-        self._login = LocalRunner(node_name, Path("/"), {})
+        # srun itself runs on the login node (this machine or one over SSH): --chdir is where the task runs.
+        self._login = login.runner(node_name)
 
     def start(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, on_line: LineSink | None = None,
               log_path: str | None = None, cwd: str | None = None) -> Process:
-        step = step_argv(self.job_id, self.host, cwd or self.workdir, argv, log_path)
-        return self._login.start(step, env={**self.tags, **(env or {})}, on_line=on_line)
+        step = step_argv(self.job_id, self.host, cwd or self.workdir, argv, log_path, self.tags)
+        return self._login.start(step, env=env, on_line=on_line)
 
     def _file_step(self, script: str, args: Sequence[str], env: Mapping[str, str] | None = None) -> str:
         result = self.run(["bash", "-c", script, "trainpipe-file", *args], env=env, timeout=FILE_TIMEOUT_S,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from infra.compute.providers.base import LaunchError
 from infra.compute.providers.slurm import cli
 from infra.compute.providers.slurm.config import SlurmClusterSpec
+from infra.compute.providers.slurm.login import Login, login_of
 
 _PLAIN_FEATURES = re.compile(r"^[A-Za-z0-9_.:-]+([&,][A-Za-z0-9_.:-]+)*$")
 
@@ -41,11 +42,11 @@ def gpu_count(gres: str) -> int:
     return total
 
 
-def site_nodes() -> list[SiteNode]:
-    if not cli.configured():
+def site_nodes(login: Login) -> list[SiteNode]:
+    if not cli.configured(login):
         raise SiteMismatch("provider slurm: no Slurm configuration here (squeue on PATH and SLURM_CONF or "
                            "/etc/slurm/slurm.conf): plan and run on a login node of the site")
-    out = cli.run(["sinfo", "-h", "-N", "-o", "%N|%P|%f|%G"]).stdout
+    out = cli.run(login, ["sinfo", "-h", "-N", "-o", "%N|%P|%f|%G"]).stdout
     nodes = []
     for line in out.splitlines():
         fields = line.split("|")
@@ -61,7 +62,7 @@ def site_nodes() -> list[SiteNode]:
 def check_site(config: SlurmClusterSpec, nodes: int) -> None:
     """Raise SiteMismatch naming the partition and what it has unless it can hold `nodes` nodes as asked."""
     try:
-        listed = site_nodes()
+        listed = site_nodes(login_of(config))
     except LaunchError as exc:
         raise SiteMismatch(f"provider slurm: cannot ask the site what it has: {exc}") from None
     partitions = sorted({node.partition for node in listed})
