@@ -29,7 +29,7 @@ from sshd import ssh_servers
 
 from infra.checkpoints.layout import MANIFEST_NAME
 from infra.checkpoints.steps import parse_step_name, step_name
-from infra.compute.providers import InvalidRequestError, get_provider
+from infra.compute.providers import InvalidRequestError, ReplacementUnavailable, get_provider
 from infra.compute.providers.base import Cluster
 from infra.compute.providers.slurm.provider import JOB_PREFIX, QueueTimeout, SlurmProvider
 from infra.compute.spec import ClusterSpec
@@ -190,6 +190,38 @@ def test_holder_ends_the_allocation_when_the_lease_is_not_renewed(slurm: SlurmCl
     assert provider.nodes_alive(cluster) == {node.name: False for node in cluster.nodes}
     assert provider.terminate("tp-lease")  # the record is still there until teardown
     assert provider.describe("tp-lease") is None
+
+
+def test_a_lost_node_is_replaced_alone_by_a_one_node_allocation(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """--no-kill: the allocation holds on when a node goes down; replace_nodes gives that node alone a one-node job
+    (the cluster's name and sbatch options, the lost host excluded) whose steps run like the others', on record so
+    teardown ends both jobs. The head (its batch script is the allocation's) is never replaced alone."""
+    provider = get_provider("slurm")
+    cluster = provider.launch("tp-replace", spec(tmp_path, nodes=2), "run-replace")
+    head, lost = cluster.nodes
+    lost_host = cluster.owner["hosts"][lost.name]
+    try:
+        with pytest.raises(ReplacementUnavailable, match="other than its first"):
+            provider.replace_nodes(cluster, [head.name])
+        slurm.run("scontrol", "update", f"nodename={lost_host}", "state=down", "reason=trainpipe-test")
+        wait_for(lambda: provider.nodes_alive(cluster) == {head.name: True, lost.name: False}, DEADLINE_S,
+                 "the node lost, the allocation held")
+        replaced = provider.replace_nodes(cluster, [lost.name])
+        node_job, new_host = replaced.owner["node_jobs"][lost.name], replaced.owner["hosts"][lost.name]
+        assert new_host not in (lost_host, cluster.owner["hosts"][head.name])
+        assert replaced.nodes[0] == head and (replaced.nodes[1].name, replaced.nodes[1].rank) == (lost.name, 1)
+        step = provider.runner(replaced, replaced.nodes[1]).run(["bash", "-c", "echo STEP $SLURM_JOB_ID $(pwd)"])
+        assert next(line for line in step.output.splitlines() if line.startswith("STEP")).split() == [
+            "STEP", node_job, replaced.nodes[1].workdir]
+        assert provider.nodes_alive(replaced) == {head.name: True, lost.name: True}
+        assert sorted(slurm.job_ids()) == sorted([cluster.owner["job_id"], node_job])
+        assert [record.name for record in provider.list_clusters()] == ["tp-replace"]
+        assert provider.describe("tp-replace") == replaced
+    finally:
+        slurm.run("scontrol", "update", f"nodename={lost_host}", "state=resume")
+        provider.terminate("tp-replace")
+    assert slurm.job_ids() == []
+    wait_for(lambda: set(slurm.node_states().values()) == {"idle"}, DEADLINE_S, "every node idle again")
 
 
 def test_preemption_by_a_higher_tier_raises_the_notice_on_every_node(slurm: SlurmCluster, tmp_path: Path) -> None:

@@ -173,12 +173,24 @@ def hostnames(login: Login, node_list: str) -> list[str]:
     return [line.strip() for line in done.stdout.splitlines() if line.strip()]
 
 
-def node_addresses(login: Login, names: Sequence[str]) -> dict[str, str]:
-    """Each node's NodeAddr: where the other nodes reach it (the cluster address)."""
+def _show_nodes(login: Login, names: Sequence[str]) -> dict[str, dict[str, str]]:
+    """Each node's Key=Value fields from `scontrol show node -o`."""
+    if not names:
+        return {}
     done = run(login, ["scontrol", "show", "node", "-o", ",".join(names)])
-    addresses = {}
+    shown = {}
     for line in done.stdout.splitlines():
         fields = dict(re.findall(r"(\w+)=(\S*)", line))
         if "NodeName" in fields:
-            addresses[fields["NodeName"]] = fields.get("NodeAddr") or fields["NodeName"]
-    return addresses
+            shown[fields["NodeName"]] = fields
+    return shown
+
+
+def node_addresses(login: Login, names: Sequence[str]) -> dict[str, str]:
+    """Each node's NodeAddr: where the other nodes reach it (the cluster address)."""
+    return {name: fields.get("NodeAddr") or name for name, fields in _show_nodes(login, names).items()}
+
+
+def node_states(login: Login, names: Sequence[str]) -> dict[str, str]:
+    """Each node's State, its flags joined by '+' (ALLOCATED, MIXED+DRAIN, DOWN+NOT_RESPONDING, ...)."""
+    return {name: fields.get("State", "") for name, fields in _show_nodes(login, names).items()}

@@ -30,6 +30,7 @@ OWNED_OPTIONS: dict[str, str] = {
     "--job-name": "trainpipe names the job after the cluster (the sweeper finds it by that name)",
     "--comment": "trainpipe tags the job with its run in the comment",
     "--signal": "cluster.slurm.signal_lead_s",
+    "--no-kill": "trainpipe keeps the allocation when a node fails, and replaces that node alone",
     "--requeue": "trainpipe relaunches a preempted allocation itself (--no-requeue)",
     "--no-requeue": "trainpipe relaunches a preempted allocation itself (--no-requeue)",
     "--partition": "cluster.slurm.partition",

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
@@ -32,6 +34,8 @@ from infra.compute.providers.base import (
     Node,
     PreemptionNotice,
     Provider,
+    ReplacementUnavailable,
+    lost_nodes,
 )
 from infra.compute.providers.owner import launcher, launcher_alive, launcher_stamp
 from infra.compute.providers.slurm import cli, site
@@ -50,6 +54,8 @@ JOB_PREFIX = "trainpipe-"
 POLL_S = 1.0
 READY_TIMEOUT_S = 120.0  # from RUNNING to every node's workdir made by the holder's first step
 REMOVE_TIMEOUT_S = 120.0  # a node's last step at teardown: its workdir removed
+DOWN_STATES = frozenset({"DOWN", "FAIL"})  # a node's state flags (scontrol: DOWN+NOT_RESPONDING) that mean it is lost
+REPLACE_QUEUE_S = 120.0  # the most a lost node's one-node allocation may stay pending before the cluster is relaunched
 GONE_TIMEOUT_S = 180.0  # scancel to squeue no longer showing the job (KillWait, 30 s by default, and epilogs)
 # Pending reasons that no wait can cure (the request exceeds what the partition, account or QOS allows, or asks for
 # features no node has): sbatch accepts such a job unless the site enforces partition limits at submit.
@@ -94,8 +100,9 @@ class SlurmProvider(Provider):
         script = self._script(cluster_name)
         script.write_text(holder_script(cluster_name, run_id, config.node_workdir(NODE_PLACEHOLDER, cluster_name),
                                         spec.lease_ttl_s, config.signal_lead_s))
+        options = sbatch_options(cluster_name, run_id, spec)
         try:
-            job_id = cli.submit(login, sbatch_options(cluster_name, run_id, spec), script.read_text())
+            job_id = cli.submit(login, options, script.read_text())
         except BaseException:
             script.unlink(missing_ok=True)
             raise
@@ -103,13 +110,16 @@ class SlurmProvider(Provider):
                  f", partition {config.partition}" if config.partition else "")
         # On record from here on: a launch killed while the job is pending leaves nothing teardown cannot find.
         pending = Cluster(name=cluster_name, provider=self.name, run_id=run_id, nodes=(), created_at=time.time(),
-                          owner={**launcher(), "job_id": job_id, "hosts": {}, "login": login.to_dict()})
+                          owner={**launcher(), "job_id": job_id, "hosts": {}, "login": login.to_dict(),
+                                 # what a lost node's one-node replacement asks for (replace_nodes)
+                                 "sbatch": options, "queue_timeout_s": config.queue_timeout_s,
+                                 "workdir_template": config.node_workdir(NODE_PLACEHOLDER, cluster_name)})
         self._write_record(pending)
         try:
             state = self._wait_running(login, job_id, config.queue_timeout_s)
             cluster = self._cluster(pending, state, config, spec.nodes, started)
             self._write_record(cluster)
-            self._wait_ready(cluster)
+            self._wait_ready(cluster, cluster.head, job_id)
         except BaseException:
             with CANCEL.shield():
                 self._end(cluster_name, [job_id], login)
@@ -167,20 +177,75 @@ class SlurmProvider(Provider):
                        instance_type=f"slurm:{state.partition}", price_per_hour=config.price_per_gpu_hour * gpus,
                        attempts=(attempt.to_dict(),))
 
-    def _wait_ready(self, cluster: Cluster) -> None:
-        """The holder's first step made every node's workdir; its marker is the last thing it writes."""
+    def _wait_ready(self, cluster: Cluster, head: Node, job_id: str) -> None:
+        """The holder's first step made every node's workdir; its marker, in the workdir of the job's first node
+        (head), is the last thing it writes."""
         deadline = time.monotonic() + READY_TIMEOUT_S
-        runner = self.runner(cluster, cluster.head)
-        while (runner.read_text(cluster.head.path(READY_FILE)) or "").strip() != cluster.owner["job_id"]:
-            state = cli.job(_login(cluster), cluster.owner["job_id"])
+        runner = self.runner(cluster, head)
+        while (runner.read_text(head.path(READY_FILE)) or "").strip() != job_id:
+            state = cli.job(_login(cluster), job_id)
             if state is None or state.state != "RUNNING":
-                raise LaunchError(f"slurm job {cluster.owner['job_id']} ended while making the nodes' workdirs "
-                                  f"({state.state if state else 'gone'}): see {cluster.head.path('logs')} on "
-                                  f"{cluster.owner['hosts'][cluster.head.name]}")
+                raise LaunchError(f"slurm job {job_id} ended while making the nodes' workdirs "
+                                  f"({state.state if state else 'gone'}): see {head.path('logs')} on "
+                                  f"{cluster.owner['hosts'][head.name]}")
             if time.monotonic() > deadline:
-                raise LaunchError(f"slurm job {cluster.owner['job_id']}: the nodes' workdirs were not made within "
-                                  f"{READY_TIMEOUT_S:g}s: see the holder's log in {cluster.head.path('logs')}")
+                raise LaunchError(f"slurm job {job_id}: the nodes' workdirs were not made within "
+                                  f"{READY_TIMEOUT_S:g}s: see the holder's log in {head.path('logs')}")
             CANCEL.wait(POLL_S)
+
+    # -- replacing a lost node --------------------------------------------------------------------------------------
+
+    def replace_nodes(self, cluster: Cluster, lost: Sequence[str]) -> Cluster:
+        """One lost node, the allocation holding on without it (--no-kill), is replaced alone: a one-node job with
+        the allocation's own sbatch options (partition, account, QOS, reservation, constraint, GRES, walltime), the
+        lost host excluded, and the same holder script; it is a second job of the cluster's name, on record in the
+        owner state (node_jobs), so teardown and the sweeper find it with the first. The replacement keeps the lost
+        node's name and rank; its host, address and workdir are the new node's. More than one node lost, the head
+        lost (its batch script held the allocation), the allocation ended, or no node within the bound:
+        ReplacementUnavailable, and the caller relaunches the whole cluster."""
+        gone = lost_nodes(cluster, lost)
+        if self.describe(cluster.name) is None:
+            raise ReplacementUnavailable(f"{cluster.name}: its record is gone: the cluster was torn down")
+        if len(gone) > 1 or gone[0].name == cluster.head.name:
+            raise ReplacementUnavailable(f"{', '.join(node.name for node in gone)} lost: a Slurm allocation replaces "
+                                         "one node other than its first (the holder's) alone")
+        login, node = _login(cluster), gone[0]
+        main = cli.job(login, cluster.owner["job_id"])
+        if main is None or main.state != "RUNNING" or "sbatch" not in cluster.owner:
+            raise ReplacementUnavailable(f"slurm job {cluster.owner['job_id']} of {cluster.name} no longer runs: "
+                                         "nothing to add a node to")
+        previous = cluster.owner.get("node_jobs", {}).get(node.name)
+        if previous is not None:  # the lost node was itself a replacement: what is left of its job ends first
+            self._cancel_and_wait(cluster.name, [previous], login)
+        lost_host = cluster.owner["hosts"][node.name]
+        options = [option for option in cluster.owner["sbatch"] if not option.startswith("--nodes=")]
+        job_id = cli.submit(login, [*options, "--nodes=1", f"--exclude={lost_host}"],
+                            self._script(cluster.name).read_text())
+        log.info("slurm job %s submitted to replace %s (lost %s)", job_id, node.name, lost_host)
+        pending = replace(cluster, owner={**cluster.owner,
+                                          "node_jobs": {**cluster.owner.get("node_jobs", {}), node.name: job_id}})
+        self._write_record(pending)  # on record before it runs: teardown finds it whatever happens next
+        try:
+            state = self._wait_running(login, job_id, min(float(cluster.owner["queue_timeout_s"]), REPLACE_QUEUE_S))
+            [host] = cli.hostnames(login, state.nodes)
+            address = cli.node_addresses(login, [host]).get(host, host)
+            workdir = cluster.owner["workdir_template"].replace(NODE_PLACEHOLDER, host)
+            new = replace(node, address=address, cluster_address=address, workdir=workdir,
+                          data_dir=f"{workdir}/data", ckpt_dir=f"{workdir}/ckpt")
+            updated = replace(pending, nodes=tuple(new if n.name == node.name else n for n in cluster.nodes),
+                              owner={**pending.owner, "hosts": {**cluster.owner["hosts"], node.name: host}})
+            self._write_record(updated)
+            self._wait_ready(updated, new, job_id)
+        except BaseException as exc:
+            with CANCEL.shield():
+                self._cancel_and_wait(cluster.name, [job_id], login)
+                self._write_record(replace(cluster, owner={**cluster.owner, "node_jobs": {
+                    name: job for name, job in cluster.owner.get("node_jobs", {}).items() if name != node.name}}))
+            if isinstance(exc, QueueTimeout | LaunchError) and not isinstance(exc, InvalidRequestError):
+                raise ReplacementUnavailable(f"{node.name}: no node for its one-node allocation: {exc}") from exc
+            raise
+        log.info("%s replaced alone: slurm job %s on %s", node.name, job_id, host)
+        return updated
 
     # -- state ------------------------------------------------------------------------------------------------------
 
@@ -223,9 +288,10 @@ class SlurmProvider(Provider):
         """The cluster's live jobs: squeue's by name (a launch from anywhere), and the record's."""
         found = [state.job_id for state in self._site_jobs(login) if state.name == job_name(cluster_name)]
         recorded = self.describe(cluster_name)
-        state = cli.job(login, recorded.owner["job_id"]) if recorded is not None else None
-        if state is not None and state.state in cli.LIVE_STATES:
-            found.append(state.job_id)
+        for job_id in _job_ids(recorded) if recorded is not None else []:
+            state = cli.job(login, job_id)
+            if state is not None and state.state in cli.LIVE_STATES:
+                found.append(state.job_id)
         return sorted(set(found))
 
     def terminate(self, cluster_name: str) -> bool:
@@ -240,7 +306,7 @@ class SlurmProvider(Provider):
         recorded = self.describe(cluster_name)
         login = _login(recorded) if recorded is not None else Login()
         jobs = self._jobs(cluster_name, login)
-        if not keep_data and recorded is not None and recorded.owner["job_id"] in jobs:
+        if not keep_data and recorded is not None and set(_job_ids(recorded)) & set(jobs):
             self._remove_workdirs(recorded)
         had_record = recorded is not None
         self._end(cluster_name, jobs, login)
@@ -264,6 +330,11 @@ class SlurmProvider(Provider):
 
     def _end(self, cluster_name: str, jobs: list[str], login: Login) -> None:
         """scancel, then wait until squeue no longer shows any of the jobs; the record goes last."""
+        self._cancel_and_wait(cluster_name, jobs, login)
+        self._record(cluster_name).unlink(missing_ok=True)
+        self._script(cluster_name).unlink(missing_ok=True)
+
+    def _cancel_and_wait(self, cluster_name: str, jobs: list[str], login: Login) -> None:
         cli.cancel(login, jobs)
         deadline = time.monotonic() + GONE_TIMEOUT_S
         while left := [job for job in jobs
@@ -272,8 +343,6 @@ class SlurmProvider(Provider):
                 raise cli.SlurmError(f"slurm job {', '.join(left)} of cluster {cluster_name} still shown by squeue "
                                      f"{GONE_TIMEOUT_S:g}s after scancel: ask the site's admins (scontrol show job)")
             time.sleep(POLL_S)  # teardown: a cancel must not cut this wait short
-        self._record(cluster_name).unlink(missing_ok=True)
-        self._script(cluster_name).unlink(missing_ok=True)
 
     def list_clusters(self) -> list[ClusterRecord]:
         records = {}
@@ -283,8 +352,10 @@ class SlurmProvider(Provider):
         for state in (state for login in logins for state in self._site_jobs(login)):
             name = state.name[len(JOB_PREFIX):]
             owner = _owner_of(state.comment)
+            # A replaced node's one-node job has the cluster's name: its node counts with the allocation's.
+            counted = records[name].nodes if name in records else 0
             records[name] = ClusterRecord(name=name, provider=self.name, run_id=_field(state.comment, "run") or "-",
-                                          created_at=_epoch(state.submitted), nodes=state.node_count,
+                                          created_at=_epoch(state.submitted), nodes=counted + state.node_count,
                                           owner_alive=launcher_alive(owner, elsewhere=True), processes=0)
         # A record whose job is gone (a teardown that died half way) is listed too, so the sweeper removes it.
         for cluster in recorded:
@@ -297,7 +368,7 @@ class SlurmProvider(Provider):
     # -- running ----------------------------------------------------------------------------------------------------
 
     def runner(self, cluster: Cluster, node: Node) -> Runner:
-        return SlurmRunner(node.name, cluster.owner["job_id"], cluster.owner["hosts"][node.name], node.workdir,
+        return SlurmRunner(node.name, _job_of(cluster, node), cluster.owner["hosts"][node.name], node.workdir,
                            {CLUSTER_TAG: node.workdir, NODE_TAG: node.name}, _login(cluster))
 
     def preemption_notices(self, cluster: Cluster) -> list[PreemptionNotice]:
@@ -315,17 +386,22 @@ class SlurmProvider(Provider):
                 for node in cluster.nodes]
 
     def nodes_alive(self, cluster: Cluster) -> dict[str, bool]:
-        """A node is alive while the job runs on it; when slurmctld does not answer, what runs is unknown: alive."""
+        """A node is alive while its job (the allocation's, or a replacement's) runs on it and Slurm does not hold
+        the node down (with --no-kill the allocation outlives a failed node); when slurmctld does not answer, what
+        runs is unknown: alive."""
+        login, hosts = _login(cluster), cluster.owner.get("hosts", {})
+        jobs = {node.name: _job_of(cluster, node) for node in cluster.nodes}
         try:
-            state = cli.job(_login(cluster), cluster.owner["job_id"])
+            states = {job_id: cli.job(login, job_id) for job_id in sorted(set(jobs.values()))}
+            running = {job_id: set(cli.hostnames(login, state.nodes)) if state is not None and state.state == "RUNNING"
+                       else set() for job_id, state in states.items()}
+            held = sorted({host for job_hosts in running.values() for host in job_hosts})
+            down = {host for host, state in cli.node_states(login, held).items()
+                    if DOWN_STATES & set(state.split("+"))}
         except cli.SlurmUnreachable as exc:
-            log.warning("cluster %s: cannot ask slurmctld about job %s: %s", cluster.name, cluster.owner["job_id"],
-                        exc)
+            log.warning("cluster %s: cannot ask slurmctld about its jobs: %s", cluster.name, exc)
             return {node.name: True for node in cluster.nodes}
-        running = (set(cli.hostnames(_login(cluster), state.nodes)) if state is not None and state.state == "RUNNING"
-                   else set())
-        hosts = cluster.owner.get("hosts", {})
-        return {node.name: hosts.get(node.name) in running for node in cluster.nodes}
+        return {node.name: hosts.get(node.name) in running[jobs[node.name]] - down for node in cluster.nodes}
 
 
 def sbatch_options(cluster_name: str, run_id: str, spec: ClusterSpec) -> list[str]:
@@ -333,7 +409,8 @@ def sbatch_options(cluster_name: str, run_id: str, spec: ClusterSpec) -> list[st
     config: SlurmClusterSpec = spec.slurm
     options = [f"--job-name={job_name(cluster_name)}", f"--comment=trainpipe run={run_id} launcher={launcher_stamp()}",
                f"--nodes={spec.nodes}", "--ntasks-per-node=1", f"--signal=B:USR1@{config.signal_lead_s}",
-               "--no-requeue", f"--time={config.time_limit}", "--output=/dev/null", "--export=PATH,HOME,USER"]
+               "--no-requeue", "--no-kill", f"--time={config.time_limit}", "--output=/dev/null",
+               "--export=PATH,HOME,USER"]
     for flag, value in (("--partition", config.partition), ("--account", config.account), ("--qos", config.qos),
                         ("--reservation", config.reservation), ("--constraint", config.constraint)):
         if value:
@@ -343,6 +420,16 @@ def sbatch_options(cluster_name: str, run_id: str, spec: ClusterSpec) -> list[st
     if config.exclusive:
         options.append("--exclusive")
     return [*options, *config.sbatch_options]
+
+
+def _job_of(cluster: Cluster, node: Node) -> str:
+    """The job that holds the node: the allocation's, or a replacement's one-node job."""
+    return str(cluster.owner.get("node_jobs", {}).get(node.name, cluster.owner["job_id"]))
+
+
+def _job_ids(cluster: Cluster) -> list[str]:
+    """Every job of the cluster on record: the allocation's and its replacements'."""
+    return [cluster.owner["job_id"], *cluster.owner.get("node_jobs", {}).values()]
 
 
 def _login(cluster: Cluster) -> Login:
