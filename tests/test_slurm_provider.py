@@ -340,6 +340,8 @@ def test_plan_refuses_what_the_site_can_never_hold(slurm: SlurmCluster, tmp_path
         check_site(spec(tmp_path, nodes=nodes, **section))
     check_site(spec(tmp_path, nodes=3, constraint="nvme,ib", gpus_per_node=GPUS_PER_NODE))  # what it has: fine
     check_site(spec(tmp_path, nodes=3, partition=None))  # the site's default partition
+    # Without slurmdbd the site takes any account name (sbatch --account=anything runs): nothing to refuse.
+    check_site(spec(tmp_path, nodes=1, account="no-such-account"))
 
 
 def test_trainpipe_plan_of_an_impossible_cluster_exits_2_naming_it(slurm: SlurmCluster, workspace: Path,
@@ -462,3 +464,16 @@ def test_a_login_node_needs_a_user_a_key_and_a_verifiable_host_key(tmp_path: Pat
     key.write_text("not checked here\n")
     with pytest.raises(ValidationError, match=said):
         spec(tmp_path, **{name: str(key) if value == "KEY" else value for name, value in section.items()})
+
+
+def test_an_account_is_checked_where_the_site_enforces_associations() -> None:
+    """scontrol show config and sacctmgr -nP as Slurm prints them: only slurmdbd enforcing associations refuses an
+    account, and the user's own associations are what it accepts."""
+    from infra.compute.providers.slurm.site import accounts_of, enforces_associations, parse_config
+
+    enforcing = parse_config("AccountingStorageEnforce = associations,limits,qos\n"
+                             "AccountingStorageType   = accounting_storage/slurmdbd\nClusterName = c1\n")
+    assert enforces_associations(enforcing)
+    assert not enforces_associations({**enforcing, "AccountingStorageEnforce": "none"})
+    assert not enforces_associations({**enforcing, "AccountingStorageType": "accounting_storage/none"})
+    assert accounts_of("lab-a|alice\nlab-b|bob\nlab-c|alice\nroot|\n", "alice") == {"lab-a", "lab-c"}
