@@ -32,6 +32,7 @@ from infra.checkpoints.steps import parse_step_name, step_name
 from infra.compute.providers import InvalidRequestError, ReplacementUnavailable, get_provider
 from infra.compute.providers.base import Cluster
 from infra.compute.providers.slurm.provider import JOB_PREFIX, QueueTimeout, SlurmProvider
+from infra.compute.providers.slurm.runner import StepUnavailable
 from infra.compute.spec import ClusterSpec
 from infra.node.events import NodeEvent
 
@@ -114,6 +115,9 @@ def test_one_allocation_holds_every_node_and_each_command_is_a_job_step(slurm: S
     assert provider.describe("tp-steps") is None
     assert provider.list_clusters() == []
     assert provider.nodes_alive(cluster) == {node.name: False for node in cluster.nodes}
+    # A read from a node whose allocation is gone is a node that does not answer (the preemption watch judges it).
+    with pytest.raises(StepUnavailable):
+        provider.runner(cluster, cluster.head).read_text(cluster.head.path("logs", "metrics.jsonl"))
     assert not provider.terminate("tp-steps")
 
 

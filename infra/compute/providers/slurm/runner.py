@@ -21,6 +21,8 @@ from infra.compute.access.remote import LineSink, Process, RemoteError, Runner
 from infra.compute.providers.slurm.login import Login
 
 FILE_TIMEOUT_S = 60.0
+# What srun says when no step can start in the job any more (it is ending, or gone).
+_JOB_ENDING = ("already completing or completed", "invalid job id", "has expired", "does not exist")
 BEGIN, END, MISSING = "@@trainpipe-file-begin@@", "@@trainpipe-file-end@@", "@@trainpipe-file-missing@@"
 # The step's own wrapper: its output also appended to the log on the node, then the command exec'd (so srun's
 # signals reach it and its exit status is the step's).
@@ -29,6 +31,11 @@ _STEP = ('log=$1; shift; if [ -n "$log" ]; then mkdir -p "$(dirname "$log")" && 
 _READ = (f'if [ ! -e "$1" ]; then echo {MISSING}; exit 0; fi; echo {BEGIN}; tail -c +$(( $2 + 1 )) "$1" | base64 -w0; '
          f'echo; echo {END}')
 _WRITE = ('mkdir -p "$(dirname "$1")" && printf "%s" "$TRAINPIPE_FILE_TEXT" > "$1.tmp.$$" && mv -f "$1.tmp.$$" "$1"')
+
+
+class StepUnavailable(RemoteError, ConnectionError):
+    """No job step can start on the node: its allocation is ending or gone (a preemption, the lease, a teardown). A
+    ConnectionError, as an SSH node that stops answering is: whoever watches the nodes judges whether it is lost."""
 
 
 def step_argv(job_id: str, host: str, workdir: str, argv: Sequence[str], log_path: str | None = None,
@@ -67,6 +74,9 @@ class SlurmRunner(Runner):
     def _file_step(self, script: str, args: Sequence[str], env: Mapping[str, str] | None = None) -> str:
         result = self.run(["bash", "-c", script, "trainpipe-file", *args], env=env, timeout=FILE_TIMEOUT_S,
                           check=False)
+        if result.returncode != 0 and any(said in result.output.lower() for said in _JOB_ENDING):
+            raise StepUnavailable(f"{self.node_name}: no step can start in slurm job {self.job_id} any more: "
+                                  f"{result.output.strip()[-300:]}")
         if result.returncode != 0:
             raise RemoteError(f"{self.node_name}: file step '{args[0]}' exited {result.returncode}: "
                               f"{result.output.strip()[-300:] or '(no output)'}")
