@@ -97,6 +97,17 @@ def test_one_allocation_holds_every_node_and_each_command_is_a_job_step(slurm: S
         assert scan.saw(step[:40]), "the scan never saw a step running: it proves nothing"
         assert scan.hits() == []
 
+        # terminate() SIGTERMs the step's task through slurmctld (srun would cancel the step on its own SIGTERM): a
+        # command that saves on SIGTERM finishes, its output in the node's log too.
+        saving = ("import signal, sys, threading; stop = threading.Event(); "
+                  "signal.signal(signal.SIGTERM, lambda *_: stop.set()); print('READY', flush=True); stop.wait(60); "
+                  "print('SAVED ON SIGTERM', flush=True); sys.exit(0 if stop.is_set() else 3)")
+        log_path = cluster.nodes[2].path("logs", "saving.log")
+        process = provider.runner(cluster, cluster.nodes[2]).start([sys.executable, "-c", saving], log_path=log_path)
+        wait_for(lambda: "READY" in process.tail(), DEADLINE_S, "the step running")
+        assert process.terminate(30) == 0, process.tail()
+        assert "SAVED ON SIGTERM" in process.tail() and "SAVED ON SIGTERM" in Path(log_path).read_text()
+
         head = provider.runner(cluster, cluster.nodes[1])
         path = cluster.nodes[1].path("logs", "metrics.jsonl")
         assert head.read_text(path) is None

@@ -167,6 +167,21 @@ def cancel(login: Login, job_ids: Sequence[str]) -> None:
         run(login, ["scancel", *job_ids])
 
 
+def step_id(login: Login, job_id: str, step_name: str) -> str | None:
+    """The id (JOB.STEP) of the job's running step of that name, None when none runs."""
+    done = run(login, ["squeue", "-h", "-s", "-j", job_id, "-o", f"%i{FIELD_SEP}%j"], check=False)
+    for line in done.stdout.splitlines():
+        step, _, name = line.strip().partition(FIELD_SEP)
+        if name == step_name:
+            return step
+    return None
+
+
+def signal_step(login: Login, step: str, signal_name: str) -> None:
+    """Signal a step's tasks (not the step's srun, not the job's batch script)."""
+    run(login, ["scancel", f"--signal={signal_name}", step])
+
+
 def hostnames(login: Login, node_list: str) -> list[str]:
     """A compressed node list (gpu[1-3]) expanded, in Slurm's order."""
     done = run(login, ["scontrol", "show", "hostnames", node_list])

@@ -15,22 +15,65 @@ be mistaken for a file's bytes.
 from __future__ import annotations
 
 import base64
+import itertools
+import logging
+import os
 from collections.abc import Mapping, Sequence
 
 from infra.compute.access.remote import LineSink, Process, RemoteError, Runner
+from infra.compute.providers.slurm import cli
 from infra.compute.providers.slurm.login import Login
+
+log = logging.getLogger(__name__)
 
 FILE_TIMEOUT_S = 60.0
 # What srun says when no step can start in the job any more (it is ending, or gone).
 _JOB_ENDING = ("already completing or completed", "invalid job id", "has expired", "does not exist")
 BEGIN, END, MISSING = "@@trainpipe-file-begin@@", "@@trainpipe-file-end@@", "@@trainpipe-file-missing@@"
 # The step's own wrapper: its output also appended to the log on the node, then the command exec'd (so srun's
-# signals reach it and its exit status is the step's).
-_STEP = ('log=$1; shift; if [ -n "$log" ]; then mkdir -p "$(dirname "$log")" && exec > >(tee -a "$log") 2>&1; fi; '
-         'exec "$@"')
+# signals reach it and its exit status is the step's). Slurm signals every process of a step: the tee ignores SIGTERM
+# and SIGINT, so a command that saves on SIGTERM keeps its output until it exits (its end closes the tee).
+_STEP = ('log=$1; shift; if [ -n "$log" ]; then mkdir -p "$(dirname "$log")" && '
+         'exec > >(trap "" TERM INT; exec tee -a "$log") 2>&1; fi; exec "$@"')
 _READ = (f'if [ ! -e "$1" ]; then echo {MISSING}; exit 0; fi; echo {BEGIN}; tail -c +$(( $2 + 1 )) "$1" | base64 -w0; '
          f'echo; echo {END}')
 _WRITE = ('mkdir -p "$(dirname "$1")" && printf "%s" "$TRAINPIPE_FILE_TEXT" > "$1.tmp.$$" && mv -f "$1.tmp.$$" "$1"')
+
+
+_STEP_NUMBERS = itertools.count(1)
+
+
+class SlurmStep(Process):
+    """A job step, seen through its srun client on the login node. terminate() signals the step's task through
+    slurmctld (scancel --signal=TERM JOB.STEP), as Slurm itself does at an allocation's end, so a trainer finishes
+    its last save: srun answers a SIGTERM of its own by cancelling the step, which SIGKILLs the task moments later.
+    What is still running after grace_s gets the client's own terminate (the step cancelled)."""
+
+    def __init__(self, client: Process, login: Login, job_id: str, step_name: str) -> None:
+        self._client, self._login, self._job_id, self.step_name = client, login, job_id, step_name
+
+    def poll(self) -> int | None:
+        return self._client.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self._client.wait(timeout)
+
+    def tail(self, lines: int = 20) -> str:
+        return self._client.tail(lines)
+
+    def terminate(self, grace_s: float = 10.0) -> int | None:
+        if self.poll() is None:
+            try:
+                step_id = cli.step_id(self._login, self._job_id, self.step_name)
+                if step_id is not None:
+                    cli.signal_step(self._login, step_id, "TERM")
+                    return self.wait(grace_s)
+            except TimeoutError:
+                log.warning("slurm step %s still running %.0fs after SIGTERM: cancelling it", self.step_name, grace_s)
+            except cli.SlurmError as exc:
+                log.warning("slurm step %s: cannot signal it through slurmctld (%s): cancelling it", self.step_name,
+                            exc)
+        return self._client.terminate(grace_s)
 
 
 class StepUnavailable(RemoteError, ConnectionError):
@@ -39,17 +82,17 @@ class StepUnavailable(RemoteError, ConnectionError):
 
 
 def step_argv(job_id: str, host: str, workdir: str, argv: Sequence[str], log_path: str | None = None,
-              tags: Mapping[str, str] | None = None) -> list[str]:
+              tags: Mapping[str, str] | None = None, step_name: str = "trainpipe-step") -> list[str]:
     """srun of argv as one task on host in the job, overlapping the holder and the other steps; tags are set in the
-    task's environment only (srun's --export takes no comma inside a value)."""
+    task's environment only (srun's --export takes no comma inside a value); step_name finds the step in squeue."""
     for name, value in (tags or {}).items():
         if "," in value or "=" in name:
             raise RemoteError(f"tag {name}={value}: srun --export cannot pass a value with a comma: use a scratch "
                               "path without commas")
     exported = ",".join(["ALL", *(f"{name}={value}" for name, value in (tags or {}).items())])
     return ["srun", "--overlap", f"--jobid={job_id}", f"--nodelist={host}", "--nodes=1", "--ntasks=1",
-            f"--export={exported}", f"--chdir={workdir}", "--quiet", "bash", "-c", _STEP, "trainpipe-step",
-            log_path or "", *argv]
+            f"--job-name={step_name}", f"--export={exported}", f"--chdir={workdir}", "--quiet", "bash", "-c", _STEP,
+            "trainpipe-step", log_path or "", *argv]
 
 
 class SlurmRunner(Runner):
@@ -64,12 +107,14 @@ class SlurmRunner(Runner):
         self.workdir = workdir
         self.tags = dict(tags)
         # srun itself runs on the login node (this machine or one over SSH): --chdir is where the task runs.
+        self.login = login
         self._login = login.runner(node_name)
 
     def start(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, on_line: LineSink | None = None,
               log_path: str | None = None, cwd: str | None = None) -> Process:
-        step = step_argv(self.job_id, self.host, cwd or self.workdir, argv, log_path, self.tags)
-        return self._login.start(step, env=env, on_line=on_line)
+        name = f"trainpipe-step-{os.getpid()}-{next(_STEP_NUMBERS)}"
+        step = step_argv(self.job_id, self.host, cwd or self.workdir, argv, log_path, self.tags, name)
+        return SlurmStep(self._login.start(step, env=env, on_line=on_line), self.login, self.job_id, name)
 
     def _file_step(self, script: str, args: Sequence[str], env: Mapping[str, str] | None = None) -> str:
         result = self.run(["bash", "-c", script, "trainpipe-file", *args], env=env, timeout=FILE_TIMEOUT_S,
