@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -25,10 +26,14 @@ from cmdline_scan import CommandLineScan
 from conftest import REPO, TRAINPIPE, run_trainpipe
 from pydantic import ValidationError
 from slurm_cluster import GPUS_PER_NODE, URGENT, SlurmCluster, slurm_cluster
+from sshd import ssh_servers
 
-from infra.compute.providers import InvalidRequestError, get_provider
+from infra.checkpoints.layout import MANIFEST_NAME
+from infra.checkpoints.steps import parse_step_name, step_name
+from infra.compute.providers import InvalidRequestError, ReplacementUnavailable, get_provider
 from infra.compute.providers.base import Cluster
 from infra.compute.providers.slurm.provider import JOB_PREFIX, QueueTimeout, SlurmProvider
+from infra.compute.providers.slurm.runner import StepUnavailable
 from infra.compute.spec import ClusterSpec
 from infra.node.events import NodeEvent
 
@@ -94,6 +99,17 @@ def test_one_allocation_holds_every_node_and_each_command_is_a_job_step(slurm: S
         assert scan.saw(step[:40]), "the scan never saw a step running: it proves nothing"
         assert scan.hits() == []
 
+        # terminate() SIGTERMs the step's task through slurmctld (srun would cancel the step on its own SIGTERM): a
+        # command that saves on SIGTERM finishes, its output in the node's log too.
+        saving = ("import signal, sys, threading; stop = threading.Event(); "
+                  "signal.signal(signal.SIGTERM, lambda *_: stop.set()); print('READY', flush=True); stop.wait(60); "
+                  "print('SAVED ON SIGTERM', flush=True); sys.exit(0 if stop.is_set() else 3)")
+        log_path = cluster.nodes[2].path("logs", "saving.log")
+        process = provider.runner(cluster, cluster.nodes[2]).start([sys.executable, "-c", saving], log_path=log_path)
+        wait_for(lambda: "READY" in process.tail(), DEADLINE_S, "the step running")
+        assert process.terminate(30) == 0, process.tail()
+        assert "SAVED ON SIGTERM" in process.tail() and "SAVED ON SIGTERM" in Path(log_path).read_text()
+
         head = provider.runner(cluster, cluster.nodes[1])
         path = cluster.nodes[1].path("logs", "metrics.jsonl")
         assert head.read_text(path) is None
@@ -112,7 +128,43 @@ def test_one_allocation_holds_every_node_and_each_command_is_a_job_step(slurm: S
     assert provider.describe("tp-steps") is None
     assert provider.list_clusters() == []
     assert provider.nodes_alive(cluster) == {node.name: False for node in cluster.nodes}
+    # A read from a node whose allocation is gone is a node that does not answer (the preemption watch judges it).
+    with pytest.raises(StepUnavailable):
+        provider.runner(cluster, cluster.head).read_text(cluster.head.path("logs", "metrics.jsonl"))
     assert not provider.terminate("tp-steps")
+
+
+def test_a_login_node_over_ssh_runs_every_slurm_command(slurm: SlurmCluster, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """cluster.slurm.login: sinfo (plan), sbatch, srun (a job step), squeue and scancel all run on the login node over
+    SSH, its host key pinned: the test sshd on loopback in front of the test Slurm (its sessions alone know the site's
+    configuration: SLURM_CONF), while this process has none to fall back on."""
+    from infra.job.plan import check_site
+
+    with ssh_servers(tmp_path / "sshd", 1, session_env={"SLURM_CONF": str(slurm.conf)}) as (key, [server]), \
+            monkeypatch.context() as here:
+        cluster_spec = spec(tmp_path, nodes=1, login=f"root@{server.host}:{server.port}", login_key_file=str(key),
+                            login_host_key=server.fingerprint)
+        here.delenv("SLURM_CONF")  # this machine's Slurm commands would find no site to ask
+
+        check_site(cluster_spec)
+        provider = get_provider("slurm")
+        cluster = provider.launch("tp-login", cluster_spec, "run-login")
+        try:
+            assert slurm.job_ids() == [cluster.owner["job_id"]]
+            step = ("import os; print('STEP', os.environ['SLURM_JOB_ID'], os.environ['TRAINPIPE_NODE'], "
+                    "os.environ['TP_TEST_SECRET'], 'SSH_CONNECTION' in os.environ)")
+            output = provider.runner(cluster, cluster.head).run([sys.executable, "-c", step],
+                                                                env={"TP_TEST_SECRET": "over-the-channel"}).output
+            line = next(line for line in output.splitlines() if line.startswith("STEP"))
+            # srun ran in the login node's SSH session (its environment reached the task), the secret on stdin.
+            assert line.split() == ["STEP", cluster.owner["job_id"], cluster.head.name, "over-the-channel", "True"]
+            assert [record.name for record in provider.list_clusters()] == ["tp-login"]
+        finally:
+            assert provider.terminate("tp-login")
+        assert slurm.job_ids() == []
+        assert provider.list_clusters() == []
+    assert "Accepted publickey" in server.log()
 
 
 def test_pending_allocation_ends_at_queue_timeout_with_its_reason(slurm: SlurmCluster, tmp_path: Path) -> None:
@@ -155,6 +207,38 @@ def test_holder_ends_the_allocation_when_the_lease_is_not_renewed(slurm: SlurmCl
     assert provider.nodes_alive(cluster) == {node.name: False for node in cluster.nodes}
     assert provider.terminate("tp-lease")  # the record is still there until teardown
     assert provider.describe("tp-lease") is None
+
+
+def test_a_lost_node_is_replaced_alone_by_a_one_node_allocation(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """--no-kill: the allocation holds on when a node goes down; replace_nodes gives that node alone a one-node job
+    (the cluster's name and sbatch options, the lost host excluded) whose steps run like the others', on record so
+    teardown ends both jobs. The head (its batch script is the allocation's) is never replaced alone."""
+    provider = get_provider("slurm")
+    cluster = provider.launch("tp-replace", spec(tmp_path, nodes=2), "run-replace")
+    head, lost = cluster.nodes
+    lost_host = cluster.owner["hosts"][lost.name]
+    try:
+        with pytest.raises(ReplacementUnavailable, match="other than its first"):
+            provider.replace_nodes(cluster, [head.name])
+        slurm.run("scontrol", "update", f"nodename={lost_host}", "state=down", "reason=trainpipe-test")
+        wait_for(lambda: provider.nodes_alive(cluster) == {head.name: True, lost.name: False}, DEADLINE_S,
+                 "the node lost, the allocation held")
+        replaced = provider.replace_nodes(cluster, [lost.name])
+        node_job, new_host = replaced.owner["node_jobs"][lost.name], replaced.owner["hosts"][lost.name]
+        assert new_host not in (lost_host, cluster.owner["hosts"][head.name])
+        assert replaced.nodes[0] == head and (replaced.nodes[1].name, replaced.nodes[1].rank) == (lost.name, 1)
+        step = provider.runner(replaced, replaced.nodes[1]).run(["bash", "-c", "echo STEP $SLURM_JOB_ID $(pwd)"])
+        assert next(line for line in step.output.splitlines() if line.startswith("STEP")).split() == [
+            "STEP", node_job, replaced.nodes[1].workdir]
+        assert provider.nodes_alive(replaced) == {head.name: True, lost.name: True}
+        assert sorted(slurm.job_ids()) == sorted([cluster.owner["job_id"], node_job])
+        assert [record.name for record in provider.list_clusters()] == ["tp-replace"]
+        assert provider.describe("tp-replace") == replaced
+    finally:
+        slurm.run("scontrol", "update", f"nodename={lost_host}", "state=resume")
+        provider.terminate("tp-replace")
+    assert slurm.job_ids() == []
+    wait_for(lambda: set(slurm.node_states().values()) == {"idle"}, DEADLINE_S, "every node idle again")
 
 
 def test_preemption_by_a_higher_tier_raises_the_notice_on_every_node(slurm: SlurmCluster, tmp_path: Path) -> None:
@@ -214,19 +298,25 @@ def test_trainpipe_run_of_the_example_on_the_test_slurm(slurm: SlurmCluster, wor
     assert [path.name for path in (tmp_path / "scratch").glob("*/*")] == []  # teardown removed the node dirs
 
 
+def committed_steps(run_checkpoints: Path) -> set[int]:
+    """The steps committed (their manifest written last) under a run's checkpoint dir of a file:// store."""
+    steps = (parse_step_name(path.parent.name) for path in run_checkpoints.glob(f"*/{MANIFEST_NAME}"))
+    return {step for step in steps if step is not None}
+
+
 def test_allocation_of_a_killed_orchestrator_ends_within_the_lease(slurm: SlurmCluster, workspace: Path,
                                                                    tmp_path: Path) -> None:
     """trainpipe run SIGKILLed mid-training: nobody renews the lease, the holder ends the allocation, and squeue shows
-    nothing of the run within the lease TTL + 30 s."""
+    nothing of the run within the lease TTL + 30 s; `trainpipe run --run-id` then resumes from the last commit on a
+    new allocation and completes."""
     ttl = 15.0
     env = example_job(slurm, workspace, tmp_path, steps=100_000, lease_ttl_s=ttl)
     with (tmp_path / "run.log").open("w") as out:
         run = subprocess.Popen([TRAINPIPE, "run", str(tmp_path / "job.yaml"), "--run-id", "slurm-kill"], env=env,
                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        metrics = tmp_path / "scratch" / "gpu1"
-        wait_for(lambda: any(path.stat().st_size for path in metrics.glob("*/logs/metrics.jsonl")),
-                 400, "a training step on gpu1")
+        # Mid-training, with a commit to resume from.
+        wait_for(lambda: committed_steps(tmp_path / "checkpoints" / "slurm-kill"), 400, "a committed checkpoint")
         assert len(slurm.job_ids()) == 1
         os.killpg(run.pid, signal.SIGKILL)  # the orchestrator and its Prefect server; the job steps are the nodes'
         killed = time.monotonic()
@@ -239,6 +329,18 @@ def test_allocation_of_a_killed_orchestrator_ends_within_the_lease(slurm: SlurmC
             run.wait(30)
     holder = next((tmp_path / "scratch" / "gpu1").glob("*/logs/holder.log")).read_text()
     assert "lease not renewed" in holder
+
+    last_commit = max(committed_steps(tmp_path / "checkpoints" / "slurm-kill"))
+    job = yaml.safe_load((tmp_path / "job.yaml").read_text())
+    command = job["training"]["command"]
+    command[command.index("--steps") + 1] = str(last_commit + 20)  # a short run on from the commit
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    result = run_trainpipe("run", str(tmp_path / "job.yaml"), "--run-id", "slurm-kill", env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    summary = json.loads((workspace / "runs" / "slurm-kill" / "summary.json").read_text())
+    assert (summary["status"], summary["resumed_from_step"]) == ("completed", last_commit)
+    assert summary["checkpoint"].endswith(step_name(last_commit + 20))
+    assert slurm.job_ids() == []
 
 
 @pytest.mark.parametrize(("nodes", "section", "said"), [
@@ -255,6 +357,8 @@ def test_plan_refuses_what_the_site_can_never_hold(slurm: SlurmCluster, tmp_path
         check_site(spec(tmp_path, nodes=nodes, **section))
     check_site(spec(tmp_path, nodes=3, constraint="nvme,ib", gpus_per_node=GPUS_PER_NODE))  # what it has: fine
     check_site(spec(tmp_path, nodes=3, partition=None))  # the site's default partition
+    # Without slurmdbd the site takes any account name (sbatch --account=anything runs): nothing to refuse.
+    check_site(spec(tmp_path, nodes=1, account="no-such-account"))
 
 
 def test_trainpipe_plan_of_an_impossible_cluster_exits_2_naming_it(slurm: SlurmCluster, workspace: Path,
@@ -287,7 +391,9 @@ def test_preemption_by_a_higher_tier_mid_training_resumes_on_a_new_allocation(sl
         metrics = tmp_path / "scratch" / "gpu1" / "metrics.jsonl"
         wait_for(lambda: last_step(metrics) >= 60, 400, "step 60 on gpu1")
         first_job = slurm.job_ids()
-        preempted = time.monotonic()
+        reached = last_step(metrics)
+        committed_before = committed_steps(tmp_path / "checkpoints" / "slurm-preempt")
+        preempted, signalled_at = time.monotonic(), time.time()
         slurm.run("sbatch", "-p", URGENT, "-N1", "-o", "/dev/null", "--wrap", "sleep 15")
         run.wait(500)
     finally:
@@ -305,6 +411,20 @@ def test_preemption_by_a_higher_tier_mid_training_resumes_on_a_new_allocation(sl
     assert first_job[0] not in [attempt["zone"].split()[2] for attempt in summary["attempts"][1:]]
     assert slurm.job_ids() == []
     print(json.dumps(summary["recoveries"], indent=1)[:2000])
+    # The emergency checkpoint: saved on the notice at the step training had reached (nothing lost), committed
+    # although Slurm signals every job step (the syncers too) when the preemption starts, and resumed from.
+    recovery = summary["recoveries"][0]
+    assert "slurm: USR1" in recovery["reason"]  # the site's early signal (preempt_send_user_signal) raised it
+    emergency = recovery["resumed_from_step"]
+    assert emergency is not None and emergency >= max(reached, recovery["step_reached"]), (recovery, reached)
+    assert emergency not in committed_before and recovery["steps_lost"] == 0, (recovery, committed_before)
+    # Its commit's log line (retention has removed its files by the end of the run) against the preemption's start.
+    committed = next(line for line in output.splitlines()
+                     if f'"event": "{NodeEvent.COMMITTED}", "step": {emergency},' in line).split(" | ")[0]
+    day = datetime.fromtimestamp(signalled_at).strftime("%Y-%m-%d")
+    committed_at = datetime.strptime(f"{day} {committed}", "%Y-%m-%d %H:%M:%S.%f").timestamp()
+    print(f"preemption signal to emergency commit (step {emergency}, {reached} reached at the signal): "
+          f"{committed_at - signalled_at:.1f}s")
 
 
 # -- the spec, no Slurm needed --------------------------------------------------------------------------------------
@@ -331,7 +451,8 @@ def test_extra_sbatch_options_pass_through(tmp_path: Path) -> None:
     assert "--exclusive" not in options
 
 
-@pytest.mark.parametrize(("scratch", "said"), [("scratch/{node}", "not absolute"), ("/mnt/{host}", "placeholder")])
+@pytest.mark.parametrize(("scratch", "said"), [("scratch/{node}", "not absolute"), ("/mnt/{host}", "placeholder"),
+                                               ("/mnt/a,b/{node}", "comma")])
 def test_scratch_must_be_absolute_with_only_the_node_placeholder(tmp_path: Path, scratch: str, said: str) -> None:
     with pytest.raises(ValidationError, match=said):
         spec(tmp_path, scratch=scratch)
@@ -350,3 +471,30 @@ def test_a_machine_without_slurm_has_no_slurm_clusters(workspace: Path, tmp_path
     monkeypatch.setenv("SLURM_CONF", str(tmp_path / "no-such-slurm.conf"))  # squeue, but nothing to ask
     assert provider.list_clusters() == []
     assert not provider.terminate("tp-nothing")
+
+
+@pytest.mark.parametrize(("section", "said"), [
+    ({"login": "me@login1"}, "set login_key_file"),
+    ({"login": "me@login1", "login_key_file": "KEY"}, "host key cannot be verified"),
+    ({"login_key_file": "KEY"}, "without cluster.slurm.login"),
+    ({"login": "login1", "login_key_file": "KEY", "login_host_key": "SHA256:" + "A" * 43}, "login"),
+])
+def test_a_login_node_needs_a_user_a_key_and_a_verifiable_host_key(tmp_path: Path, section: dict[str, object],
+                                                                    said: str) -> None:
+    key = tmp_path / "id_ed25519"
+    key.write_text("not checked here\n")
+    with pytest.raises(ValidationError, match=said):
+        spec(tmp_path, **{name: str(key) if value == "KEY" else value for name, value in section.items()})
+
+
+def test_an_account_is_checked_where_the_site_enforces_associations() -> None:
+    """scontrol show config and sacctmgr -nP as Slurm prints them: only slurmdbd enforcing associations refuses an
+    account, and the user's own associations are what it accepts."""
+    from infra.compute.providers.slurm.site import accounts_of, enforces_associations, parse_config
+
+    enforcing = parse_config("AccountingStorageEnforce = associations,limits,qos\n"
+                             "AccountingStorageType   = accounting_storage/slurmdbd\nClusterName = c1\n")
+    assert enforces_associations(enforcing)
+    assert not enforces_associations({**enforcing, "AccountingStorageEnforce": "none"})
+    assert not enforces_associations({**enforcing, "AccountingStorageType": "accounting_storage/none"})
+    assert accounts_of("lab-a|alice\nlab-b|bob\nlab-c|alice\nroot|\n", "alice") == {"lab-a", "lab-c"}

@@ -22,11 +22,13 @@ from infra.checkpoints.steps import step_name
 from infra.checkpoints.store import CheckpointStore
 from infra.node import restore
 from infra.node.events import Event, NodeEvent, parse
-from infra.node.protocol import RestoreRequest, SyncRequest
+from infra.node.processes import NODE_TAG
+from infra.node.protocol import AGENT_MODULE, NodeCommand, RestoreRequest, SyncRequest
 from infra.node.sync import stop_request
 from infra.storage import open_store
 
 STOP_RECEIVED = "got signal 15: finishing uploads"
+TORCHRUN_ARGV = ["-m", AGENT_MODULE, NodeCommand.TORCHRUN.value]  # what marks a node's trainer
 
 
 @pytest.fixture
@@ -333,3 +335,41 @@ def test_a_node_whose_coordinator_was_lost_ships_what_was_announced_and_stops(tm
         assert node.finish(timeout=60) == 0, node.err.read_text()
     finally:
         node.finish()
+
+
+def test_a_signalled_syncer_waits_for_the_save_its_trainer_makes_on_the_same_signal(
+    tmp_path: Path, checkpoints: CheckpointStore
+) -> None:
+    """A scheduler's stop (Slurm's preemption, or its SIGTERM then SIGKILL after KillWait) signals every process of
+    the node at once: the syncer must not exit before the trainer's last save, which starts only at its next step
+    boundary, and must ship and commit it; a trainer that never stops is waited for only until the flush deadline."""
+    [ckpt_dir] = node_dirs(tmp_path, nodes=1)
+    node = {**os.environ, NODE_TAG: "node-under-test"}
+    # The node's trainer as its watcher and syncer find it: tagged with the node, `-m infra.node torchrun` in its
+    # command line; it runs until its stdin closes.
+    trainer = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()", *TORCHRUN_ARGV],
+                               stdin=subprocess.PIPE, env=node)
+    syncer = SyncProcess(tmp_path, ckpt_dir, checkpoints.store.url, 0, flush_deadline_s=60, nodes=1, env=node)
+    try:
+        syncer.wait_for(is_event(NodeEvent.STARTED))
+        syncer.proc.send_signal(signal.SIGTERM)
+        syncer.wait_for_log(STOP_RECEIVED)
+        assert syncer.proc.poll() is None, "the syncer left while its node's trainer still ran"
+        make_step(ckpt_dir, 70, 0, world_size=1)  # the trainer's save on the signal
+        trainer.communicate(timeout=30)  # then it exits
+        syncer.wait_for(is_event(NodeEvent.COMMITTED, 70))
+        assert syncer.finish() == 0
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+        syncer.finish()
+    assert checkpoints.latest().step == 70
+
+    with subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()", *TORCHRUN_ARGV],
+                          stdin=subprocess.PIPE, env=node) as stuck:
+        late = SyncProcess(tmp_path, ckpt_dir, checkpoints.store.url, 0, flush_deadline_s=0.5, nodes=1, env=node)
+        late.wait_for(is_event(NodeEvent.STARTED))
+        late.proc.send_signal(signal.SIGTERM)
+        assert late.finish(timeout=10) == 0  # the flush deadline bounds the wait for a trainer that never stops
+        stuck.communicate(timeout=30)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+import psutil
 from pydantic import BaseModel, Field, ValidationError
 
 from infra.checkpoints.formats import (
@@ -45,7 +46,8 @@ from infra.checkpoints.store import CheckpointStore
 from infra.checkpoints.upload_lease import UPLOAD_LEASE, clear_lease, write_lease
 from infra.node.diskfull import EXIT_DISK_FULL, DiskWatch, is_disk_full
 from infra.node.events import NodeEvent, emit, fail
-from infra.node.protocol import NodeRequest, SyncRequest, as_request
+from infra.node.processes import NODE_TAG, tagged_processes
+from infra.node.protocol import NodeCommand, NodeRequest, SyncRequest, as_request, runs_command
 from infra.node.replica import ReplicaConfig, Replicator
 from infra.registry import Registry, RegistryError, registry_root_of
 from infra.storage import StorageError, open_store
@@ -180,6 +182,20 @@ def write_restored(sync_dir: Path, step: int, found: list[Found]) -> None:
     sync_dir.mkdir(parents=True, exist_ok=True)
     entries = [{"step": step, "name": f.name, "version": f.version} for f in found]
     (sync_dir / RESTORED).write_text(json.dumps({"step": step, "checkpoints": entries}))
+
+
+def node_trainer_running() -> bool:
+    """Whether this node's trainer (its torchrun, tagged with the node like every process the runner starts) runs."""
+    node_tag = os.environ.get(NODE_TAG)
+    if not node_tag:
+        return False
+    for process in tagged_processes(NODE_TAG, node_tag):
+        try:
+            if runs_command(process.cmdline(), NodeCommand.TORCHRUN):
+                return True
+        except psutil.Error:
+            continue  # it ended while being looked at
+    return False
 
 
 def _last_metrics_step(path: Path | None) -> int | None:
@@ -491,10 +507,16 @@ class Syncer:
         )
 
     def _saving(self, stopped_at: float | None) -> bool:
-        """A save the script still had under way when the stop came is worth waiting for, within the deadline."""
+        """A save the script still had under way when the stop came is worth waiting for, within the deadline. So is
+        one it has yet to start when the stop was a signal: a scheduler (Slurm's preemption, a KillWait) signals every
+        process of the node at once, the trainer saves on the same SIGTERM, and its save must not find the syncer
+        gone. A stop file comes once the trainer has stopped (the watcher, the orchestrator): nothing more to wait
+        for."""
         if stopped_at is None or time.monotonic() - stopped_at > self.config.flush_deadline_s:
             return False
-        return bool(files_open_for_writing(self.config.ckpt_dir))
+        if files_open_for_writing(self.config.ckpt_dir):
+            return True
+        return self.stop_requested.is_set() and node_trainer_running()
 
     def run(self) -> int:
         config = self.config

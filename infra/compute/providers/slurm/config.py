@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import re
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from infra.strict_model import StrictModel
+from infra.compute.providers.ssh.config import SSH_FINGERPRINT
+from infra.strict_model import StrictModel, readable_file
 
 NAME = r"^[A-Za-z0-9_.+-]+$"  # a partition, account, QOS or reservation name
 CONSTRAINT = r"^[A-Za-z0-9_.&|,*:\[\]()!-]+$"  # features joined by sbatch's operators (&, |, [a|b], a*2)
 # sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
 TIME_LIMIT = r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2})$"
 NODE_PLACEHOLDER = "{node}"
+LOGIN = r"^[A-Za-z0-9_.-]+@[A-Za-z0-9_.-]+(:\d{1,5})?$"  # user@host[:port]
 
 # sbatch options trainpipe sets itself (or that would break the allocation it holds), long form first; each value is
 # what to use instead. An extra option is refused when its name is one of these, or an unambiguous prefix sbatch
@@ -28,6 +30,7 @@ OWNED_OPTIONS: dict[str, str] = {
     "--job-name": "trainpipe names the job after the cluster (the sweeper finds it by that name)",
     "--comment": "trainpipe tags the job with its run in the comment",
     "--signal": "cluster.slurm.signal_lead_s",
+    "--no-kill": "trainpipe keeps the allocation when a node fails, and replaces that node alone",
     "--requeue": "trainpipe relaunches a preempted allocation itself (--no-requeue)",
     "--no-requeue": "trainpipe relaunches a preempted allocation itself (--no-requeue)",
     "--partition": "cluster.slurm.partition",
@@ -65,7 +68,8 @@ def _owned(name: str) -> str | None:
 class SlurmClusterSpec(StrictModel):
     """provider slurm: one allocation (an sbatch job holding cluster.nodes nodes) is the cluster; every node agent
     runs in it as a job step (srun --overlap). sbatch, srun, squeue, scontrol and scancel run on this machine, which
-    must be a login node of the site (SLURM_CONF, when set, names its configuration)."""
+    must then be a login node of the site (SLURM_CONF, when set, names its configuration), or over SSH on the login
+    node `login` names."""
 
     partition: str | None = Field(None, pattern=NAME, description="Partition to submit to (sbatch --partition); "
                                   "none: the site's default.")
@@ -85,8 +89,8 @@ class SlurmClusterSpec(StrictModel):
                                "or preemption where the site sends the signal early) that its holder gets USR1 "
                                "(sbatch --signal=B:USR1@N) and raises every node's preemption notice.")
     scratch: str = Field("/tmp/trainpipe/{node}", description="Node-local dir to stage into and checkpoint to "
-                         "(absolute; `{node}` becomes the Slurm node name, needed where several nodes share a "
-                         "host): each cluster gets <scratch>/<cluster>/{data,ckpt,logs}.")
+                         "(absolute, no comma; `{node}` becomes the Slurm node name, needed where several nodes "
+                         "share a host): each cluster gets <scratch>/<cluster>/{data,ckpt,logs}.")
     python: str = Field("python3", min_length=1, description="Python interpreter on the nodes that has trainpipe "
                         "and torch installed, e.g. /opt/venv/bin/python.")
     queue_timeout_s: float = Field(1800.0, gt=0, description="How long the allocation may stay pending (its "
@@ -95,6 +99,15 @@ class SlurmClusterSpec(StrictModel):
                                             "value (e.g. --mail-type=END); those trainpipe sets are refused.")
     price_per_gpu_hour: float = Field(0.0, ge=0, description="What the site charges per GPU-hour, USD, for the run's "
                                       "cost (0: already paid for).")
+    login: str | None = Field(None, pattern=LOGIN, description="user@host or user@host:port of a login node of the "
+                              "site: every sinfo, sbatch, srun, squeue, scontrol and scancel runs there over SSH; "
+                              "none: this machine is a login node.")
+    login_key_file: str | None = Field(None, description="Private key that logs in to the login node (no "
+                                       "passphrase; ssh-agent is not used).")
+    login_host_key: str | None = Field(None, pattern=SSH_FINGERPRINT, description="Pinned SHA256 fingerprint of "
+                                       "the login node's host key; without it the key must be in login_known_hosts.")
+    login_known_hosts: str | None = Field(None, description="known_hosts file with the login node's host key; an "
+                                          "unknown or changed key is refused, never added.")
 
     @field_validator("scratch")
     @classmethod
@@ -102,6 +115,9 @@ class SlurmClusterSpec(StrictModel):
         if not value.startswith("/"):
             raise ValueError(f"scratch '{value}' is not absolute: give the full path of a node-local dir "
                              "(e.g. /tmp/trainpipe/{node} or /mnt/local/{node})")
+        if "," in value:
+            raise ValueError(f"scratch '{value}' has a comma: the node's workdir is passed to its job steps in srun's "
+                             "--export list, which a comma would split: choose a path without one")
         others = set(re.findall(r"\{[^}]*\}", value)) - {NODE_PLACEHOLDER}
         if others or value.replace(NODE_PLACEHOLDER, "").count("{") or value.replace(NODE_PLACEHOLDER, "").count("}"):
             raise ValueError(f"scratch '{value}': the only placeholder it may hold is {NODE_PLACEHOLDER} (the Slurm "
@@ -119,6 +135,30 @@ class SlurmClusterSpec(StrictModel):
             if owned is not None:
                 raise ValueError(f"sbatch option '{option}': trainpipe sets {owned} itself: {OWNED_OPTIONS[owned]}")
         return value
+
+    @field_validator("login_key_file", "login_known_hosts")
+    @classmethod
+    def _login_file_readable(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        return readable_file(value, "login file", "give the path of an existing, readable file (the private key "
+                             "that logs in to the login node, or a known_hosts file with its host key)")
+
+    @model_validator(mode="after")
+    def _login_complete(self) -> SlurmClusterSpec:
+        ssh_fields = [name for name in ("login_key_file", "login_host_key", "login_known_hosts")
+                      if getattr(self, name) is not None]
+        if self.login is None:
+            if ssh_fields:
+                raise ValueError(f"{', '.join(ssh_fields)} set without cluster.slurm.login: name the login node "
+                                 "(user@host) or drop them")
+            return self
+        if self.login_key_file is None:
+            raise ValueError(f"cluster.slurm.login {self.login}: set login_key_file (the private key that logs in)")
+        if self.login_host_key is None and self.login_known_hosts is None:
+            raise ValueError(f"cluster.slurm.login {self.login}: its host key cannot be verified: set "
+                             "login_host_key (SHA256:...) or login_known_hosts")
+        return self
 
     def node_workdir(self, node: str, cluster_name: str) -> str:
         """Where a node of this cluster works: <scratch with {node}>/<cluster>."""

@@ -2,7 +2,8 @@
 
 It runs on the allocation's first node and does three things:
 - makes every node's workdir (data, ckpt, logs) with one job step across the nodes, removing the preemption notice
-  an earlier allocation of the same cluster left there (a recovery's relaunch), then writes READY_FILE in its own;
+  and the syncer state (its stop request) an earlier allocation of the same cluster left there (a recovery's
+  relaunch), then writes READY_FILE in its own;
 - turns the allocation's end into a preemption notice on every node: USR1 (sbatch --signal=B:USR1@N: N s before the
   walltime, or when preemption starts where the site sets preempt_send_user_signal) and SIGTERM (preemption or
   cancel, KillWait before SIGKILL, where the site sends no early signal) each write infra.node.preemption's notice
@@ -23,6 +24,7 @@ from infra.node.preemption_notice import NOTICE_FILE
 from infra.node.watchdog import LEASE_FILE
 
 READY_FILE = ".allocation-ready"
+SYNC_SUBDIR = "sync"  # a node's syncer state: Node.sync_dir, relative to its workdir
 HOLDER_LOG = "holder.log"  # in the first node's logs dir
 POLL_S = 2
 # A SIGTERM from Slurm is followed by SIGKILL after the site's KillWait (30 s by default): the notice's deadline.
@@ -42,9 +44,10 @@ say "job $SLURM_JOB_ID holds $SLURM_JOB_NODELIST (restart ${SLURM_RESTART_COUNT:
 # A step's own node dir, in $d (never an empty template: that would make dirs at /).
 node_dir_step='[ -n "$TP_WORKDIR_TEMPLATE" ] || exit 1; d="${TP_WORKDIR_TEMPLATE//@PLACEHOLDER@/$SLURMD_NODENAME}"'
 every_node() { srun --overlap --export=ALL --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 "$@"; }
-# A relaunch (a recovery) finds the same dirs with what the last allocation left: its notice must not end this one.
+# A relaunch (a recovery) finds the same dirs with what the last allocation left: its notice must not end this one,
+# nor its syncers' state (the stop request the last watcher wrote) stop this one's syncers at their start.
 every_node --kill-on-bad-exit=1 bash -c "$node_dir_step"'; mkdir -p "$d/data" "$d/ckpt" "$d/logs" &&
-  rm -f "$d/@NOTICE@" "$d/.@NOTICE@.tmp"' \
+  rm -rf "$d/@NOTICE@" "$d/.@NOTICE@.tmp" "$d/@SYNC@"' \
   || { say "cannot make the nodes' workdirs"; exit 1; }
 printf '%s\n' "$SLURM_JOB_ID" > "$own/@READY@"
 
@@ -81,7 +84,8 @@ def holder_script(cluster_name: str, run_id: str, workdir_template: str, ttl_s: 
     values = {
         "@CLUSTER@": cluster_name, "@RUN@": run_id, "@TEMPLATE@": shlex.quote(workdir_template),
         "@PLACEHOLDER@": NODE_PLACEHOLDER.replace("{", r"\{").replace("}", r"\}"), "@HOLDER_LOG@": HOLDER_LOG,
-        "@READY@": READY_FILE, "@NOTICE@": NOTICE_FILE, "@LEASE@": LEASE_FILE, "@LEAD@": str(signal_lead_s),
+        "@READY@": READY_FILE, "@NOTICE@": NOTICE_FILE, "@SYNC@": SYNC_SUBDIR, "@LEASE@": LEASE_FILE,
+        "@LEAD@": str(signal_lead_s),
         "@TERM_S@": str(TERM_NOTICE_S), "@POLL@": str(POLL_S), "@TTL@": str(int(ttl_s)),
     }
     script = _SCRIPT

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
@@ -32,11 +34,14 @@ from infra.compute.providers.base import (
     Node,
     PreemptionNotice,
     Provider,
+    ReplacementUnavailable,
+    lost_nodes,
 )
 from infra.compute.providers.owner import launcher, launcher_alive, launcher_stamp
 from infra.compute.providers.slurm import cli, site
 from infra.compute.providers.slurm.config import NODE_PLACEHOLDER, SlurmClusterSpec
 from infra.compute.providers.slurm.holder import READY_FILE, holder_script
+from infra.compute.providers.slurm.login import Login, login_of
 from infra.compute.providers.slurm.runner import SlurmRunner
 from infra.compute.spec import ClusterSpec
 from infra.node.preemption_notice import NOTICE_FILE, parse_notice
@@ -49,6 +54,8 @@ JOB_PREFIX = "trainpipe-"
 POLL_S = 1.0
 READY_TIMEOUT_S = 120.0  # from RUNNING to every node's workdir made by the holder's first step
 REMOVE_TIMEOUT_S = 120.0  # a node's last step at teardown: its workdir removed
+DOWN_STATES = frozenset({"DOWN", "FAIL"})  # a node's state flags (scontrol: DOWN+NOT_RESPONDING) that mean it is lost
+REPLACE_QUEUE_S = 120.0  # the most a lost node's one-node allocation may stay pending before the cluster is relaunched
 GONE_TIMEOUT_S = 180.0  # scancel to squeue no longer showing the job (KillWait, 30 s by default, and epilogs)
 # Pending reasons that no wait can cure (the request exceeds what the partition, account or QOS allows, or asks for
 # features no node has): sbatch accepts such a job unless the site enforces partition limits at submit.
@@ -89,11 +96,13 @@ class SlurmProvider(Provider):
         config: SlurmClusterSpec = spec.slurm
         started = time.monotonic()
         self.root.mkdir(parents=True, exist_ok=True)
+        login = login_of(config)
         script = self._script(cluster_name)
         script.write_text(holder_script(cluster_name, run_id, config.node_workdir(NODE_PLACEHOLDER, cluster_name),
                                         spec.lease_ttl_s, config.signal_lead_s))
+        options = sbatch_options(cluster_name, run_id, spec)
         try:
-            job_id = cli.submit(sbatch_options(cluster_name, run_id, spec), str(script))
+            job_id = cli.submit(login, options, script.read_text())
         except BaseException:
             script.unlink(missing_ok=True)
             raise
@@ -101,25 +110,28 @@ class SlurmProvider(Provider):
                  f", partition {config.partition}" if config.partition else "")
         # On record from here on: a launch killed while the job is pending leaves nothing teardown cannot find.
         pending = Cluster(name=cluster_name, provider=self.name, run_id=run_id, nodes=(), created_at=time.time(),
-                          owner={**launcher(), "job_id": job_id, "hosts": {}})
+                          owner={**launcher(), "job_id": job_id, "hosts": {}, "login": login.to_dict(),
+                                 # what a lost node's one-node replacement asks for (replace_nodes)
+                                 "sbatch": options, "queue_timeout_s": config.queue_timeout_s,
+                                 "workdir_template": config.node_workdir(NODE_PLACEHOLDER, cluster_name)})
         self._write_record(pending)
         try:
-            state = self._wait_running(job_id, config.queue_timeout_s)
+            state = self._wait_running(login, job_id, config.queue_timeout_s)
             cluster = self._cluster(pending, state, config, spec.nodes, started)
             self._write_record(cluster)
-            self._wait_ready(cluster)
+            self._wait_ready(cluster, cluster.head, job_id)
         except BaseException:
             with CANCEL.shield():
-                self._end(cluster_name, [job_id])
+                self._end(cluster_name, [job_id], login)
             raise
         log.info("slurm job %s running on %s", job_id, ", ".join(cluster.owner["hosts"].values()))
         return cluster
 
-    def _wait_running(self, job_id: str, queue_timeout_s: float) -> cli.JobState:
+    def _wait_running(self, login: Login, job_id: str, queue_timeout_s: float) -> cli.JobState:
         deadline = time.monotonic() + queue_timeout_s
         reason = None
         while True:
-            state = cli.job(job_id)
+            state = cli.job(login, job_id)
             if state is None or state.state not in cli.LIVE_STATES:
                 raise LaunchError(f"slurm job {job_id} ended before it ran ({state.state if state else 'gone'}"
                                   f"{f', {state.reason}' if state else ''}): see `sacct -j {job_id}`")
@@ -140,10 +152,11 @@ class SlurmProvider(Provider):
 
     def _cluster(self, pending: Cluster, state: cli.JobState, config: SlurmClusterSpec, count: int,
                  started: float) -> Cluster:
-        hosts = cli.hostnames(state.nodes)
+        login = _login(pending)
+        hosts = cli.hostnames(login, state.nodes)
         if len(hosts) != count:
             raise LaunchError(f"slurm job {state.job_id} runs on {len(hosts)} nodes ({state.nodes}), not {count}")
-        addresses = cli.node_addresses(hosts)
+        addresses = cli.node_addresses(login, hosts)
         nodes = []
         for rank, host in enumerate(hosts):
             workdir = config.node_workdir(host, pending.name)
@@ -166,20 +179,75 @@ class SlurmProvider(Provider):
                        instance_type=f"slurm:{state.partition}", price_per_hour=config.price_per_gpu_hour * gpus,
                        attempts=(attempt.to_dict(),))
 
-    def _wait_ready(self, cluster: Cluster) -> None:
-        """The holder's first step made every node's workdir; its marker is the last thing it writes."""
+    def _wait_ready(self, cluster: Cluster, head: Node, job_id: str) -> None:
+        """The holder's first step made every node's workdir; its marker, in the workdir of the job's first node
+        (head), is the last thing it writes."""
         deadline = time.monotonic() + READY_TIMEOUT_S
-        runner = self.runner(cluster, cluster.head)
-        while (runner.read_text(cluster.head.path(READY_FILE)) or "").strip() != cluster.owner["job_id"]:
-            state = cli.job(cluster.owner["job_id"])
+        runner = self.runner(cluster, head)
+        while (runner.read_text(head.path(READY_FILE)) or "").strip() != job_id:
+            state = cli.job(_login(cluster), job_id)
             if state is None or state.state != "RUNNING":
-                raise LaunchError(f"slurm job {cluster.owner['job_id']} ended while making the nodes' workdirs "
-                                  f"({state.state if state else 'gone'}): see {cluster.head.path('logs')} on "
-                                  f"{cluster.owner['hosts'][cluster.head.name]}")
+                raise LaunchError(f"slurm job {job_id} ended while making the nodes' workdirs "
+                                  f"({state.state if state else 'gone'}): see {head.path('logs')} on "
+                                  f"{cluster.owner['hosts'][head.name]}")
             if time.monotonic() > deadline:
-                raise LaunchError(f"slurm job {cluster.owner['job_id']}: the nodes' workdirs were not made within "
-                                  f"{READY_TIMEOUT_S:g}s: see the holder's log in {cluster.head.path('logs')}")
+                raise LaunchError(f"slurm job {job_id}: the nodes' workdirs were not made within "
+                                  f"{READY_TIMEOUT_S:g}s: see the holder's log in {head.path('logs')}")
             CANCEL.wait(POLL_S)
+
+    # -- replacing a lost node --------------------------------------------------------------------------------------
+
+    def replace_nodes(self, cluster: Cluster, lost: Sequence[str]) -> Cluster:
+        """One lost node, the allocation holding on without it (--no-kill), is replaced alone: a one-node job with
+        the allocation's own sbatch options (partition, account, QOS, reservation, constraint, GRES, walltime), the
+        lost host excluded, and the same holder script; it is a second job of the cluster's name, on record in the
+        owner state (node_jobs), so teardown and the sweeper find it with the first. The replacement keeps the lost
+        node's name and rank; its host, address and workdir are the new node's. More than one node lost, the head
+        lost (its batch script held the allocation), the allocation ended, or no node within the bound:
+        ReplacementUnavailable, and the caller relaunches the whole cluster."""
+        gone = lost_nodes(cluster, lost)
+        if self.describe(cluster.name) is None:
+            raise ReplacementUnavailable(f"{cluster.name}: its record is gone: the cluster was torn down")
+        if len(gone) > 1 or gone[0].name == cluster.head.name:
+            raise ReplacementUnavailable(f"{', '.join(node.name for node in gone)} lost: a Slurm allocation replaces "
+                                         "one node other than its first (the holder's) alone")
+        login, node = _login(cluster), gone[0]
+        main = cli.job(login, cluster.owner["job_id"])
+        if main is None or main.state != "RUNNING" or "sbatch" not in cluster.owner:
+            raise ReplacementUnavailable(f"slurm job {cluster.owner['job_id']} of {cluster.name} no longer runs: "
+                                         "nothing to add a node to")
+        previous = cluster.owner.get("node_jobs", {}).get(node.name)
+        if previous is not None:  # the lost node was itself a replacement: what is left of its job ends first
+            self._cancel_and_wait(cluster.name, [previous], login)
+        lost_host = cluster.owner["hosts"][node.name]
+        options = [option for option in cluster.owner["sbatch"] if not option.startswith("--nodes=")]
+        job_id = cli.submit(login, [*options, "--nodes=1", f"--exclude={lost_host}"],
+                            self._script(cluster.name).read_text())
+        log.info("slurm job %s submitted to replace %s (lost %s)", job_id, node.name, lost_host)
+        pending = replace(cluster, owner={**cluster.owner,
+                                          "node_jobs": {**cluster.owner.get("node_jobs", {}), node.name: job_id}})
+        self._write_record(pending)  # on record before it runs: teardown finds it whatever happens next
+        try:
+            state = self._wait_running(login, job_id, min(float(cluster.owner["queue_timeout_s"]), REPLACE_QUEUE_S))
+            [host] = cli.hostnames(login, state.nodes)
+            address = cli.node_addresses(login, [host]).get(host, host)
+            workdir = cluster.owner["workdir_template"].replace(NODE_PLACEHOLDER, host)
+            new = replace(node, address=address, cluster_address=address, workdir=workdir,
+                          data_dir=f"{workdir}/data", ckpt_dir=f"{workdir}/ckpt")
+            updated = replace(pending, nodes=tuple(new if n.name == node.name else n for n in cluster.nodes),
+                              owner={**pending.owner, "hosts": {**cluster.owner["hosts"], node.name: host}})
+            self._write_record(updated)
+            self._wait_ready(updated, new, job_id)
+        except BaseException as exc:
+            with CANCEL.shield():
+                self._cancel_and_wait(cluster.name, [job_id], login)
+                self._write_record(replace(cluster, owner={**cluster.owner, "node_jobs": {
+                    name: job for name, job in cluster.owner.get("node_jobs", {}).items() if name != node.name}}))
+            if isinstance(exc, QueueTimeout | LaunchError) and not isinstance(exc, InvalidRequestError):
+                raise ReplacementUnavailable(f"{node.name}: no node for its one-node allocation: {exc}") from exc
+            raise
+        log.info("%s replaced alone: slurm job %s on %s", node.name, job_id, host)
+        return updated
 
     # -- state ------------------------------------------------------------------------------------------------------
 
@@ -199,30 +267,33 @@ class SlurmProvider(Provider):
         path = self._record(cluster_name)
         return Cluster.from_json(path.read_text()) if path.is_file() else None
 
-    def _site_jobs(self) -> list[cli.JobState]:
+    def _site_jobs(self, login: Login) -> list[cli.JobState]:
         """trainpipe's live jobs as squeue shows them. Every `trainpipe status`, `down` and sweep asks every provider:
-        where this machine has no Slurm (no squeue, no configuration, or no controller to ask) and holds no record of
-        a slurm cluster, there is nothing of ours to find."""
-        if not cli.configured() and not self._has_records():
+        where the login node has no Slurm (no squeue, no configuration, or no controller to ask) and no record of a
+        slurm cluster names it, there is nothing of ours to find."""
+        recorded = login in {_login(cluster) for cluster in self._records()}
+        if not cli.configured(login) and not recorded:
             return []
         try:
-            return cli.jobs_named(JOB_PREFIX)
+            return cli.jobs_named(login, JOB_PREFIX)
         except LaunchError as exc:
-            if self._has_records():
+            if recorded:
                 raise
-            log.debug("no Slurm to ask here (%s): no slurm clusters", exc)
+            log.debug("no Slurm to ask on %s (%s): no slurm clusters there", login.label, exc)
             return []
 
-    def _has_records(self) -> bool:
-        return self.root.is_dir() and any(self.root.glob("*.json"))
+    def _records(self) -> list[Cluster]:
+        paths = sorted(self.root.glob("*.json")) if self.root.is_dir() else []
+        return [Cluster.from_json(path.read_text()) for path in paths]
 
-    def _jobs(self, cluster_name: str) -> list[str]:
+    def _jobs(self, cluster_name: str, login: Login) -> list[str]:
         """The cluster's live jobs: squeue's by name (a launch from anywhere), and the record's."""
-        found = [state.job_id for state in self._site_jobs() if state.name == job_name(cluster_name)]
+        found = [state.job_id for state in self._site_jobs(login) if state.name == job_name(cluster_name)]
         recorded = self.describe(cluster_name)
-        state = cli.job(recorded.owner["job_id"]) if recorded is not None else None
-        if state is not None and state.state in cli.LIVE_STATES:
-            found.append(state.job_id)
+        for job_id in _job_ids(recorded) if recorded is not None else []:
+            state = cli.job(login, job_id)
+            if state is not None and state.state in cli.LIVE_STATES:
+                found.append(state.job_id)
         return sorted(set(found))
 
     def terminate(self, cluster_name: str) -> bool:
@@ -234,12 +305,13 @@ class SlurmProvider(Provider):
         return self._terminate(cluster_name, keep_data=True)
 
     def _terminate(self, cluster_name: str, keep_data: bool) -> bool:
-        jobs = self._jobs(cluster_name)
         recorded = self.describe(cluster_name)
-        if not keep_data and recorded is not None and recorded.owner["job_id"] in jobs:
+        login = _login(recorded) if recorded is not None else Login()
+        jobs = self._jobs(cluster_name, login)
+        if not keep_data and recorded is not None and set(_job_ids(recorded)) & set(jobs):
             self._remove_workdirs(recorded)
         had_record = recorded is not None
-        self._end(cluster_name, jobs)
+        self._end(cluster_name, jobs, login)
         if jobs:
             log.info("slurm cluster %s: job %s cancelled and gone", cluster_name, ", ".join(jobs))
         return bool(jobs) or had_record
@@ -258,29 +330,37 @@ class SlurmProvider(Provider):
             if (error := removal.exception()) is not None:
                 log.warning("%s: its workdir %s was not removed: %s", node.name, node.workdir, error)
 
-    def _end(self, cluster_name: str, jobs: list[str]) -> None:
+    def _end(self, cluster_name: str, jobs: list[str], login: Login) -> None:
         """scancel, then wait until squeue no longer shows any of the jobs; the record goes last."""
-        cli.cancel(jobs)
+        self._cancel_and_wait(cluster_name, jobs, login)
+        self._record(cluster_name).unlink(missing_ok=True)
+        self._script(cluster_name).unlink(missing_ok=True)
+
+    def _cancel_and_wait(self, cluster_name: str, jobs: list[str], login: Login) -> None:
+        cli.cancel(login, jobs)
         deadline = time.monotonic() + GONE_TIMEOUT_S
-        while left := [job for job in jobs if (state := cli.job(job)) is not None and state.state in cli.LIVE_STATES]:
+        while left := [job for job in jobs
+                       if (state := cli.job(login, job)) is not None and state.state in cli.LIVE_STATES]:
             if time.monotonic() > deadline:
                 raise cli.SlurmError(f"slurm job {', '.join(left)} of cluster {cluster_name} still shown by squeue "
                                      f"{GONE_TIMEOUT_S:g}s after scancel: ask the site's admins (scontrol show job)")
             time.sleep(POLL_S)  # teardown: a cancel must not cut this wait short
-        self._record(cluster_name).unlink(missing_ok=True)
-        self._script(cluster_name).unlink(missing_ok=True)
 
     def list_clusters(self) -> list[ClusterRecord]:
         records = {}
-        for state in self._site_jobs():
+        recorded = self._records()
+        # This machine's Slurm, and every login node a recorded cluster was launched through.
+        logins = dict.fromkeys([Login(), *(_login(cluster) for cluster in recorded)])
+        for state in (state for login in logins for state in self._site_jobs(login)):
             name = state.name[len(JOB_PREFIX):]
             owner = _owner_of(state.comment)
+            # A replaced node's one-node job has the cluster's name: its node counts with the allocation's.
+            counted = records[name].nodes if name in records else 0
             records[name] = ClusterRecord(name=name, provider=self.name, run_id=_field(state.comment, "run") or "-",
-                                          created_at=_epoch(state.submitted), nodes=state.node_count,
+                                          created_at=_epoch(state.submitted), nodes=counted + state.node_count,
                                           owner_alive=launcher_alive(owner, elsewhere=True), processes=0)
         # A record whose job is gone (a teardown that died half way) is listed too, so the sweeper removes it.
-        for path in sorted(self.root.glob("*.json")) if self.root.is_dir() else ():
-            cluster = Cluster.from_json(path.read_text())
+        for cluster in recorded:
             if cluster.name not in records:
                 records[cluster.name] = ClusterRecord(
                     name=cluster.name, provider=self.name, run_id=cluster.run_id, created_at=cluster.created_at,
@@ -290,8 +370,8 @@ class SlurmProvider(Provider):
     # -- running ----------------------------------------------------------------------------------------------------
 
     def runner(self, cluster: Cluster, node: Node) -> Runner:
-        return SlurmRunner(node.name, cluster.owner["job_id"], cluster.owner["hosts"][node.name], node.workdir,
-                           {CLUSTER_TAG: node.workdir, NODE_TAG: node.name})
+        return SlurmRunner(node.name, _job_of(cluster, node), cluster.owner["hosts"][node.name], node.workdir,
+                           {CLUSTER_TAG: node.workdir, NODE_TAG: node.name}, _login(cluster))
 
     def preemption_notices(self, cluster: Cluster) -> list[PreemptionNotice]:
         """The holder writes the same notice on every node (the allocation ends as a whole): the head's is read."""
@@ -308,16 +388,22 @@ class SlurmProvider(Provider):
                 for node in cluster.nodes]
 
     def nodes_alive(self, cluster: Cluster) -> dict[str, bool]:
-        """A node is alive while the job runs on it; when slurmctld does not answer, what runs is unknown: alive."""
+        """A node is alive while its job (the allocation's, or a replacement's) runs on it and Slurm does not hold
+        the node down (with --no-kill the allocation outlives a failed node); when slurmctld does not answer, what
+        runs is unknown: alive."""
+        login, hosts = _login(cluster), cluster.owner.get("hosts", {})
+        jobs = {node.name: _job_of(cluster, node) for node in cluster.nodes}
         try:
-            state = cli.job(cluster.owner["job_id"])
+            states = {job_id: cli.job(login, job_id) for job_id in sorted(set(jobs.values()))}
+            running = {job_id: set(cli.hostnames(login, state.nodes)) if state is not None and state.state == "RUNNING"
+                       else set() for job_id, state in states.items()}
+            held = sorted({host for job_hosts in running.values() for host in job_hosts})
+            down = {host for host, state in cli.node_states(login, held).items()
+                    if DOWN_STATES & set(state.split("+"))}
         except cli.SlurmUnreachable as exc:
-            log.warning("cluster %s: cannot ask slurmctld about job %s: %s", cluster.name, cluster.owner["job_id"],
-                        exc)
+            log.warning("cluster %s: cannot ask slurmctld about its jobs: %s", cluster.name, exc)
             return {node.name: True for node in cluster.nodes}
-        running = set(cli.hostnames(state.nodes)) if state is not None and state.state == "RUNNING" else set()
-        hosts = cluster.owner.get("hosts", {})
-        return {node.name: hosts.get(node.name) in running for node in cluster.nodes}
+        return {node.name: hosts.get(node.name) in running[jobs[node.name]] - down for node in cluster.nodes}
 
 
 def sbatch_options(cluster_name: str, run_id: str, spec: ClusterSpec) -> list[str]:
@@ -325,7 +411,8 @@ def sbatch_options(cluster_name: str, run_id: str, spec: ClusterSpec) -> list[st
     config: SlurmClusterSpec = spec.slurm
     options = [f"--job-name={job_name(cluster_name)}", f"--comment=trainpipe run={run_id} launcher={launcher_stamp()}",
                f"--nodes={spec.nodes}", "--ntasks-per-node=1", f"--signal=B:USR1@{config.signal_lead_s}",
-               "--no-requeue", f"--time={config.time_limit}", "--output=/dev/null", "--export=PATH,HOME,USER"]
+               "--no-requeue", "--no-kill", f"--time={config.time_limit}", "--output=/dev/null",
+               "--export=PATH,HOME,USER"]
     for flag, value in (("--partition", config.partition), ("--account", config.account), ("--qos", config.qos),
                         ("--reservation", config.reservation), ("--constraint", config.constraint)):
         if value:
@@ -335,6 +422,21 @@ def sbatch_options(cluster_name: str, run_id: str, spec: ClusterSpec) -> list[st
     if config.exclusive:
         options.append("--exclusive")
     return [*options, *config.sbatch_options]
+
+
+def _job_of(cluster: Cluster, node: Node) -> str:
+    """The job that holds the node: the allocation's, or a replacement's one-node job."""
+    return str(cluster.owner.get("node_jobs", {}).get(node.name, cluster.owner["job_id"]))
+
+
+def _job_ids(cluster: Cluster) -> list[str]:
+    """Every job of the cluster on record: the allocation's and its replacements'."""
+    return [cluster.owner["job_id"], *cluster.owner.get("node_jobs", {}).values()]
+
+
+def _login(cluster: Cluster) -> Login:
+    """The login node the cluster was launched through (this machine for a record without one)."""
+    return Login.from_dict(cluster.owner.get("login"))
 
 
 def _field(comment: str, key: str) -> str | None:

@@ -4,16 +4,22 @@
 default) must exist and hold cluster.nodes nodes that have every feature of the constraint and gpus_per_node GPUs
 (GRES gpu). A constraint with operators other than AND (`&`, `,`) is left to sbatch. Nodes count whatever their
 state now: a node down for maintenance comes back, and the wait for it is bounded by queue_timeout_s.
+
+An account is checked where the site checks accounts: with slurmdbd (AccountingStorageType accounting_storage/slurmdbd)
+enforcing associations (AccountingStorageEnforce), the account must be one of the user's associations (sacctmgr);
+elsewhere Slurm takes any account name (sbatch accepts --account=anything) and there is nothing to refuse.
 """
 
 from __future__ import annotations
 
+import getpass
 import re
 from dataclasses import dataclass
 
 from infra.compute.providers.base import LaunchError
 from infra.compute.providers.slurm import cli
 from infra.compute.providers.slurm.config import SlurmClusterSpec
+from infra.compute.providers.slurm.login import Login, login_of
 
 _PLAIN_FEATURES = re.compile(r"^[A-Za-z0-9_.:-]+([&,][A-Za-z0-9_.:-]+)*$")
 
@@ -41,11 +47,11 @@ def gpu_count(gres: str) -> int:
     return total
 
 
-def site_nodes() -> list[SiteNode]:
-    if not cli.configured():
+def site_nodes(login: Login) -> list[SiteNode]:
+    if not cli.configured(login):
         raise SiteMismatch("provider slurm: no Slurm configuration here (squeue on PATH and SLURM_CONF or "
                            "/etc/slurm/slurm.conf): plan and run on a login node of the site")
-    out = cli.run(["sinfo", "-h", "-N", "-o", "%N|%P|%f|%G"]).stdout
+    out = cli.run(login, ["sinfo", "-h", "-N", "-o", "%N|%P|%f|%G"]).stdout
     nodes = []
     for line in out.splitlines():
         fields = line.split("|")
@@ -58,10 +64,44 @@ def site_nodes() -> list[SiteNode]:
     return nodes
 
 
+def parse_config(text: str) -> dict[str, str]:
+    """`scontrol show config`'s `Key = Value` lines."""
+    pairs = (line.split("=", 1) for line in text.splitlines() if " = " in line)
+    return {key.strip(): value.strip() for key, value in pairs}
+
+
+def enforces_associations(config: dict[str, str]) -> bool:
+    """Whether the site refuses a job whose account is not one of the user's associations (slurmdbd enforcing them)."""
+    enforced = [flag.strip() for flag in config.get("AccountingStorageEnforce", "").lower().split(",")]
+    return config.get("AccountingStorageType", "").endswith("slurmdbd") and "associations" in enforced
+
+
+def accounts_of(associations: str, user: str) -> set[str]:
+    """The accounts `sacctmgr -nP show associations format=account,user` lists for user."""
+    rows = (line.split("|") for line in associations.splitlines())
+    return {row[0] for row in rows if len(row) == 2 and row[1] == user and row[0]}
+
+
+def check_account(login: Login, account: str) -> None:
+    """SiteMismatch when the site enforces associations and the account is not one of the user's."""
+    if not enforces_associations(parse_config(cli.run(login, ["scontrol", "show", "config"]).stdout)):
+        return  # the site takes any account name: nothing to refuse
+    user = login.endpoint.user if login.remote else getpass.getuser()
+    listed = cli.run(login, ["sacctmgr", "-nP", "show", "associations", "format=account,user"]).stdout
+    accounts = accounts_of(listed, user)
+    if account not in accounts:
+        raise SiteMismatch(f"cluster.slurm.account '{account}': {user} has no such account at the site: use one of "
+                           f"{', '.join(sorted(accounts)) or '(none)'} (sacctmgr show associations user={user})")
+
+
 def check_site(config: SlurmClusterSpec, nodes: int) -> None:
-    """Raise SiteMismatch naming the partition and what it has unless it can hold `nodes` nodes as asked."""
+    """Raise SiteMismatch naming the partition and what it has unless it can hold `nodes` nodes as asked, or naming
+    the account when the site refuses it."""
+    login = login_of(config)
     try:
-        listed = site_nodes()
+        listed = site_nodes(login)
+        if config.account:
+            check_account(login, config.account)
     except LaunchError as exc:
         raise SiteMismatch(f"provider slurm: cannot ask the site what it has: {exc}") from None
     partitions = sorted({node.partition for node in listed})
