@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from infra.compute.providers.aws.config import AwsClusterSpec
+from infra.compute.providers.azure.config import AzureClusterSpec
 from infra.compute.providers.gcp.config import GcpClusterSpec
 from infra.compute.providers.netns.config import NetnsClusterSpec
 from infra.compute.providers.slurm.config import SlurmClusterSpec
@@ -88,6 +89,8 @@ class ClusterSpec(StrictModel):
                                 "nodes reach their stores with.")
     slurm: SlurmClusterSpec = Field(default_factory=SlurmClusterSpec, description="provider slurm: the allocation "
                                     "to ask the site's Slurm for, and where on a node to work.")
+    azure: AzureClusterSpec = Field(default_factory=AzureClusterSpec, description="provider azure: the managed "
+                                    "identity the nodes reach their stores with, and the image they boot.")
 
     @field_validator("provider")
     @classmethod
