@@ -117,6 +117,7 @@ class ArmServer:
         self._lock = threading.Lock()
         self._incarnation = itertools.count(1)
         self._httpd: ThreadingHTTPServer | None = None
+        self._imds: ThreadingHTTPServer | None = None
         self.ca_file = root / "arm-ca.pem"
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
@@ -128,13 +129,15 @@ class ArmServer:
 
     @property
     def imds(self) -> str:
-        """The instance metadata service's base URL (Azure's is http://169.254.169.254)."""
-        return self.endpoint
+        """The instance metadata service's base URL: plain HTTP, as Azure's (http://169.254.169.254) is. It also
+        answers the managed-identity token endpoint."""
+        assert self._imds is not None
+        return f"http://127.0.0.1:{self._imds.server_address[1]}"
 
     def env(self) -> dict[str, str]:
         """What an orchestrator of its own needs to reach this ARM as it would reach Azure's."""
         return {"AZURE_SUBSCRIPTION_ID": SUBSCRIPTION, "TRAINPIPE_AZURE_ENDPOINT": self.endpoint,
-                "IDENTITY_ENDPOINT": f"{self.endpoint}/msi/token", "IDENTITY_HEADER": IDENTITY_HEADER,
+                "IDENTITY_ENDPOINT": f"{self.imds}/msi/token", "IDENTITY_HEADER": IDENTITY_HEADER,
                 "REQUESTS_CA_BUNDLE": str(self.ca_file), "TRAINPIPE_AZURE_METADATA_URL": self.imds}
 
     def start(self) -> ArmServer:
@@ -148,12 +151,16 @@ class ArmServer:
         self._httpd.daemon_threads = True
         self._httpd.socket = context.wrap_socket(self._httpd.socket, server_side=True)
         threading.Thread(target=self._httpd.serve_forever, name="arm-server", daemon=True).start()
+        self._imds = _Server(("127.0.0.1", 0), handler)
+        self._imds.daemon_threads = True
+        threading.Thread(target=self._imds.serve_forever, name="arm-imds", daemon=True).start()
         return self
 
     def stop(self) -> None:
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
+        for server in (self._httpd, self._imds):
+            if server is not None:
+                server.shutdown()
+                server.server_close()
 
     def __enter__(self) -> ArmServer:
         return self.start()
@@ -388,7 +395,9 @@ class ArmServer:
         if kind.lower() not in LRO_TYPES:
             properties["provisioningState"] = "Succeeded"
             self._state.resources[resource_id] = resource
-            return (200 if existing else 201), copy.deepcopy(resource), {}
+            # ARM answers an availability set's PUT 200 whether it created it or not.
+            created = existing is None and kind != "Microsoft.Compute/availabilitySets"
+            return (201 if created else 200), copy.deepcopy(resource), {}
         properties["provisioningState"] = "Creating" if existing is None else "Updating"
         self._state.resources[resource_id] = resource
         key = uuid.uuid4().hex
@@ -433,7 +442,7 @@ class ArmServer:
         message = _fault_message(fault.code, size, region, spot)
         if fault.code in CAPACITY_IN_OPERATION:
             return {"code": fault.code, "message": message}
-        raise ArmError(409, fault.code, message)
+        raise ArmError(403 if fault.code == "AuthorizationFailed" else 409, fault.code, message)
 
     def _check_ppg_ref(self, rg: str, reference: dict[str, Any] | None, what: str) -> None:
         if reference and reference.get("id", "").lower() not in self._state.resources:
