@@ -15,9 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from azure.core.credentials import AccessToken
 from azure.core.exceptions import HttpResponseError, ServiceRequestError
 from azure_arm_server import SUBSCRIPTION, ArmServer
+from conftest import REPO, run_trainpipe
+from jobs import make_dataset
 from provider_checks import assert_reports_launched_cluster
 
 import infra.compute.providers.azure.arm as azure_arm
@@ -300,6 +303,20 @@ def test_names_follow_azure_rules() -> None:
     for cluster in ("tp-abc", "Tp_Run.7", "tp-" + "a" * 80):
         name = vm_name(cluster, 15)
         assert len(name) <= 64 and name.endswith("-node-15") and all(c.isalnum() or c == "-" for c in name)
+
+
+def test_the_example_plans_with_its_candidates_cost_and_fabric(tmp_path: Path, workspace: Path) -> None:
+    """examples/azure.yaml as shipped, its stores moved to this machine (plan reads them; it asks no cloud API)."""
+    config = yaml.safe_load((REPO / "examples" / "azure.yaml").read_text())
+    config["dataset"]["url"] = make_dataset(tmp_path / "dataset", tokens=20_000, shard_tokens=10_000)
+    config["checkpoints"]["url"] = f"file://{tmp_path / 'ckpt'}"
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
+    result = run_trainpipe("plan", str(tmp_path / "job.yaml"), timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "on azure: 2 nodes × 8 processes" in result.stdout
+    assert "cheapest Standard_ND96asr_v4 eastus spot" in result.stdout
+    assert "1600 Gbps infiniband" in result.stdout and "Standard_ND96asr_v4 westeurope     on-demand" in result.stdout
+    assert not any(workspace.glob("*clusters")), "plan launched something"
 
 
 def _http(status: int, code: str, message: str = "m") -> HttpResponseError:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from infra.job.spec import JobSpec
 
 # The store each cloud's nodes get credentials for, and the section field that gives them.
-NATIVE_STORE = {"aws": "s3", "gcp": "gs"}
+NATIVE_STORE = {"aws": "s3", "gcp": "gs", "azure": "az"}
 
 
 def job_stores(job: JobSpec) -> list[tuple[str, str]]:
@@ -29,6 +29,10 @@ def _credentials_problem(job: JobSpec) -> str | None:
     if job.cluster.provider == "gcp" and not account.reaches_storage():
         return ("the gcp nodes' service account has no storage scope: add cloud-platform or devstorage.read_write "
                 "to cluster.gcp.service_account.scopes")
+    if job.cluster.provider == "azure" and job.cluster.azure.identity is None:
+        # A system-assigned identity is born with its VM: no role on the storage account can have been granted to it.
+        return ("the azure nodes have no identity the storage account knows: set cluster.azure.identity to a "
+                "user-assigned managed identity with Storage Blob Data Contributor on it")
     return None
 
 
