@@ -26,7 +26,7 @@ class AzureClusterSpec(StrictModel):
         "resourceGroups/RG/providers/Microsoft.ManagedIdentity/userAssignedIdentities/NAME): grant it Storage Blob "
         "Data Contributor on the job's storage account, once, and every node reaches the store without a key. "
         "None: each VM gets a system-assigned identity, which exists only once the VM does, so nothing can have "
-        "been granted to it: az:// stores then need the account's own credentials.")
+        "been granted to it: az:// stores then are refused at plan.")
     image: str = Field(DEFAULT_IMAGE, description="The VM image as PUBLISHER:OFFER:SKU:VERSION; the default carries "
                        "the NVIDIA driver and the InfiniBand (OFED) stack the ND-series needs.")
 
