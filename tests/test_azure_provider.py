@@ -345,3 +345,113 @@ def test_launch_errors_are_classified(error: HttpResponseError, kind: type[Excep
 def test_errors_outside_the_api_are_transient() -> None:
     classified = classify(ServiceRequestError("connection reset"), "launch x")
     assert type(classified) is LaunchError and classified.transient and "check the network" in str(classified)
+
+
+# -- end to end: `trainpipe run` on the simulated ARM, Spot-evicted once mid-training ---------------------------------
+
+
+def azure_instances(arm: ArmServer) -> Any:
+    """The stand-ins' view of the simulated VMs: each running VM's public IP and the boot script of its custom data."""
+    from cloud_nodes import Instance
+
+    def found() -> list[Instance]:
+        addresses = {ip["id"].lower(): ip["properties"].get("ipAddress", "")
+                     for ip in arm.resources("publicIPAddresses")}
+        nics = {nic["id"].lower(): nic for nic in arm.resources("networkInterfaces")}
+        instances = []
+        for vm in arm.resources("virtualMachines"):
+            properties = vm["properties"]
+            if properties.get("provisioningState") != "Succeeded":
+                continue
+            nic = nics.get(properties["networkProfile"]["networkInterfaces"][0]["id"].lower())
+            public = (nic or {}).get("properties", {}).get("ipConfigurations", [{}])[0].get("properties", {}).get(
+                "publicIPAddress", {}).get("id", "")
+            script = base64.b64decode(properties["osProfile"]["customData"]).decode()
+            instances.append(Instance(addresses.get(public.lower(), ""), vm["name"], vm["location"], script))
+        return instances
+
+    return found
+
+
+def test_a_run_evicted_once_resumes_on_a_replacement_commits_and_leaves_nothing(
+        arm: ArmServer, prefect_server: None, workspace: Path, tmp_path: Path) -> None:
+    """The installed `trainpipe run`, unmodified, on the simulated ARM; the machines behind its VMs are stand-ins
+    (tests/cloud_nodes.py: a real sshd per VM at its public address, the host key of its custom data). Mid-training
+    Azure schedules a Spot eviction of rank 1: its watcher reads the Scheduled Event Preempt from the metadata service,
+    stops the trainer (which saves) and flushes the syncer; then the VM is deleted (eviction policy Delete) and its
+    machine goes. The run replaces it alone in the placement group, resumes from the commit, completes, and tears the
+    cluster's resource group down."""
+    import json
+    import os
+    import signal
+    import subprocess
+
+    from cloud_env import wait_for
+    from cloud_nodes import machines
+    from conftest import TRAINPIPE
+    from jobs import job_config, write_config
+    from sshd import require_sshd
+    from test_cloud_teardown import prefect_env
+
+    from infra.job.plan import cluster_name_for
+    from infra.node.events import NodeEvent, parse
+
+    require_sshd()
+    arm.reset()
+    run_id = "azure-evicted"
+    cluster = cluster_name_for(run_id)
+    group = group_name(cluster)
+    config = job_config(tmp_path, make_dataset(tmp_path / "dataset", tokens=200_000), steps=200, ckpt_every=20)
+    config["cluster"] = {"provider": "azure", "nodes": 2, "procs_per_node": 1, "regions": ["eastus"],
+                         "spot": "only", "lease_ttl_s": 30, "verify": {"bench": "off"}}
+    config["recovery"] = {"confirm_s": 1}
+    config_path = write_config(tmp_path / "job.yaml", config)
+    log = tmp_path / "orchestrator.log"
+    with machines(tmp_path / "machines", "127.77.4.", azure_instances(arm), lambda node: "") as stand_ins:
+        env = {**os.environ, **prefect_env(), **arm.env(), "TRAINPIPE_SSH_KEY_FILE": str(stand_ins.client_key),
+               "TRAINPIPE_SSH_USER": "root", "TRAINPIPE_SSH_CIDR": "127.0.0.1/32"}
+        started = time.monotonic()
+        orchestrator = subprocess.Popen([TRAINPIPE, "run", str(config_path), "--run-id", run_id], env=env,
+                                        stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            def training_on(address: str) -> bool:
+                assert orchestrator.poll() is None, "the run ended before the eviction:\n" + log.read_text()[-4000:]
+                assert not stand_ins.errors, stand_ins.errors
+                metrics = stand_ins.root / address / "mnt/trainpipe/trainpipe/logs/metrics.jsonl"
+                return metrics.is_file() and len(metrics.read_text().splitlines()) >= 40
+
+            wait_for(lambda: len(stand_ins.nodes) == 2 and any(training_on(a) for a in stand_ins.nodes), 300,
+                     "training to pass step 40 on the simulated Azure VMs")
+            evicted = vm_name(cluster, 1)
+            [address] = [a for a, node in stand_ins.nodes.items() if node.instance.cloud_id == evicted]
+            arm.evict(group, evicted)
+            watch_log = stand_ins.root / address / "mnt/trainpipe/trainpipe/logs/watch.log"
+
+            def noticed() -> bool:
+                events = [e for e in map(parse, watch_log.read_text().splitlines()) if e]
+                return any(e.kind is NodeEvent.TRAINER_STOPPED for e in events)
+
+            wait_for(noticed, 60, "the evicted node's watcher acting on the Scheduled Event")
+            arm.complete_eviction(group, evicted)
+            for pid in stand_ins.processes_of(address):  # the machine goes with its VM
+                os.kill(pid, signal.SIGKILL)
+            orchestrator.wait(timeout=420)
+        finally:
+            if orchestrator.poll() is None:
+                os.killpg(orchestrator.pid, signal.SIGKILL)
+                orchestrator.wait()
+        output = log.read_text()
+        assert orchestrator.returncode == 0, output[-5000:]
+        assert not stand_ins.errors, stand_ins.errors
+    events = [e for e in map(parse, watch_log.read_text().splitlines()) if e]
+    [notice] = [e for e in events if e.kind is NodeEvent.PREEMPTION_NOTICE]
+    assert notice["source"] == "azure" and "Preempt" in notice["reason"]
+    summary = json.loads((workspace / "runs" / run_id / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 200, summary.get("error")
+    [recovery] = summary["recoveries"]
+    assert recovery["replaced"] == [evicted], recovery
+    assert recovery["resumed_from_step"] >= 20, recovery
+    assert summary["nodes_left"] == 0 and summary["market"] == "spot"
+    assert arm.groups() == [] and arm.resources() == [], "everything of the cluster is gone"
+    print(f"\nazure fake: launch to first step {summary['time_to_first_step_s']:.1f}s, whole run "
+          f"{time.monotonic() - started:.0f}s, recovery {recovery}")
