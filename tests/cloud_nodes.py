@@ -120,7 +120,7 @@ class Machines:
                          "/usr/sbin", "/usr/bin", "/sbin", "/bin"])
         (node.root / "sshd_config").write_text(sshd_config(
             22, host_key, self.client_key.with_suffix(".pub"), node.pid_file, listen=instance.address,
-            more=f"SetEnv PATH={path} HOME={node.root / 'home'}\n"))
+            more=f"SetEnv PATH={path} HOME={node.root / 'home'}{_python_path()}\n"))
         (node.root / "run" / BOOT_STATUS).write_text("0\n")
         PRIVSEP_DIR.mkdir(parents=True, exist_ok=True)
         mount = (f"mount --bind {shlex.quote(str(node.root / 'mnt'))} /mnt && "
@@ -157,6 +157,12 @@ class Machines:
                 _kill(pid)
             if node.process is not None:
                 node.process.wait(timeout=10)
+
+
+def _python_path() -> str:
+    # The worktree under test first, as for the tests' own processes (sshd passes none of its environment on).
+    found = os.environ.get("PYTHONPATH")
+    return f" PYTHONPATH={found}" if found else ""
 
 
 # After the cloud was told: the power goes, for everything on the node (this script included).
