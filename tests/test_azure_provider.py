@@ -242,6 +242,10 @@ def test_spot_eviction_notice_then_the_lost_node_is_replaced_alone_in_the_placem
     arm.complete_eviction(group, lost.name)  # eviction policy Delete: the VM goes, its NIC and IP with it
     assert not [r for r in arm.resources(group=group) if r["name"].startswith(lost.name)]
     assert azure.nodes_alive(cluster) == {n.name: n.name != lost.name for n in cluster.nodes}
+    # The cluster's record still names the node it lost (the replace task replaces from it), without an address.
+    described = azure.describe("tp-az-evict")
+    assert described is not None and [n.name for n in described.nodes] == [n.name for n in cluster.nodes]
+    assert described.nodes[1].address == "" and lost.name not in described.owner["instances"]
 
     replaced = azure.replace_nodes(cluster, [lost.name])
     new = next(n for n in replaced.nodes if n.name == lost.name)

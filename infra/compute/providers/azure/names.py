@@ -16,6 +16,7 @@ TAG_OWNER = "trainpipe-owner"
 TAG_CREATED = "trainpipe-created-at"
 TAG_LEASE_TTL = "trainpipe-lease-ttl-s"
 TAG_HEARTBEAT = "trainpipe-heartbeat"  # on the group: unix time of the orchestrator's latest renewal
+TAG_NODES = "trainpipe-nodes"  # on the group: how many nodes the cluster has (an evicted VM is deleted at once)
 TAG_RANK = "trainpipe-rank"  # on each VM
 TAG_HOST_KEY = "trainpipe-host-key"  # on each VM: the SHA256 fingerprint of the host key its boot script installs
 

@@ -56,6 +56,7 @@ from infra.compute.providers.azure.names import (
     TAG_HEARTBEAT,
     TAG_HOST_KEY,
     TAG_LEASE_TTL,
+    TAG_NODES,
     TAG_RANK,
     VNET,
     VNET_PREFIX,
@@ -127,7 +128,7 @@ class AzureProvider(ArmApi, CloudProvider):
                       f"{spec.lease_ttl_s:g}")
         shape = self._shape(spec, candidate)
         try:
-            self._group(group, region, stamp, doing)
+            self._group(group, region, stamp, spec.nodes, doing)
             self._fabric(group, region, stamp, doing)
             names = [vm_name(cluster_name, rank) for rank in range(spec.nodes)]
             self._start_nodes(group, region, stamp, shape, list(enumerate(names)),
@@ -172,7 +173,7 @@ class AzureProvider(ArmApi, CloudProvider):
                                       "orchestrator's addresses; set it (e.g. 203.0.113.7/32)")
         return cidr
 
-    def _group(self, group: str, region: str, stamp: Stamp, doing: str) -> None:
+    def _group(self, group: str, region: str, stamp: Stamp, nodes: int, doing: str) -> None:
         """The cluster's resource group, in the candidate's region. One left in another region by an earlier try
         whose rollback failed is deleted first (a group cannot move)."""
         existing = self._get(lambda: self.resources.resource_groups.get(group))
@@ -182,7 +183,7 @@ class AzureProvider(ArmApi, CloudProvider):
                                           "or rename the cluster")
             if existing["location"] != region:
                 self._delete_group(group, doing)
-        tags = {**stamp.tags(), TAG_HEARTBEAT: f"{time.time():.0f}"}
+        tags = {**stamp.tags(), TAG_NODES: str(nodes), TAG_HEARTBEAT: f"{time.time():.0f}"}
         self.resources.resource_groups.create_or_update(group, {"location": region, "tags": tags})
 
     def _fabric(self, group: str, region: str, stamp: Stamp, doing: str) -> None:
@@ -295,11 +296,16 @@ class AzureProvider(ArmApi, CloudProvider):
         nics = {nic["name"]: nic for nic in map(json_of, self.network.network_interfaces.list(group))}
         ips = {ip["name"]: ip for ip in map(json_of, self.network.public_ip_addresses.list(group))}
         stamp = tags_of(found)
+        # Every rank the cluster was launched with: Azure deletes an evicted Spot VM at once, and the record must
+        # still name the node it lost (without an address: nodes_alive says it is gone) for its replacement.
+        by_rank = {rank_of(vm): vm["name"] for vm in vms}
+        ranks = range(max(int(stamp.get(TAG_NODES) or 0), max(by_rank) + 1))
+        names = [by_rank.get(rank, vm_name(cluster_name, rank)) for rank in ranks]
         nodes = tuple(Node(
-            name=vm["name"], rank=rank_of(vm), address=_public_ip(ips.get(public_ip_name(vm["name"]))),
-            cluster_address=_private_ip(nics.get(nic_name(vm["name"]))), workdir=f"{MOUNT}/trainpipe",
+            name=name, rank=rank, address=_public_ip(ips.get(public_ip_name(name))),
+            cluster_address=_private_ip(nics.get(nic_name(name))), workdir=f"{MOUNT}/trainpipe",
             data_dir=f"{MOUNT}/trainpipe/data", ckpt_dir=f"{MOUNT}/trainpipe/ckpt", python="python3",
-        ) for vm in vms)
+        ) for rank, name in zip(ranks, names, strict=True))
         size = vms[0]["properties"]["hardwareProfile"]["vmSize"]
         spot = vms[0]["properties"].get("priority") == "Spot"
         # owner also says where the nodes are, so later calls (preemption, liveness) go straight to the group.
