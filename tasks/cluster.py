@@ -44,7 +44,7 @@ def start_lease(provider: Provider, cluster: Cluster, ttl_s: float, nodes: Seque
 def watch_request(provider: Provider, node: Node, ttl_s: float) -> WatchRequest:
     """The node's watchdog: the lease's TTL and what to do when it expires, and where preemption notices come from."""
     return WatchRequest(lease=node.path(LEASE_FILE), ttl_s=ttl_s, on_expire=provider.lease_expiry,
-                        notice_source=provider.notice_source, workdir=node.workdir,
+                        notice_source=provider.notice_source, notice_url=provider.notice_url, workdir=node.workdir,
                         stop_sync_file=f"{node.sync_dir}/{STOP_FILE}")
 
 

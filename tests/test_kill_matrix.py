@@ -12,10 +12,10 @@ SIGTERM says that teardown has begun. After the kill the phase is read back from
 aimed at.
 
 Local and netns nodes: every phase, one run each, in order; where a commit exists the next run is the rerun (train
-→ sync → teardown → a last run that completes), so every resume is checked without a run of its own. AWS and GCP (the
-simulated control planes; nobody answers at the instances' addresses, so provisioning waits for the nodes to boot):
-killed while provisioning, and while tearing down after a cancel (SIGTERM) reached it. Nebius (its gRPC stand-in):
-killed while provisioning. The phase × outcome table is printed at the end of the module.
+→ sync → teardown → a last run that completes), so every resume is checked without a run of its own. AWS, GCP, Nebius
+and Azure (the simulated control planes; nobody answers at the instances' addresses, so provisioning waits for the nodes
+to boot): killed while provisioning, and (AWS, GCP) while tearing down after a cancel (SIGTERM) reached it. The
+phase × outcome table is printed at the end of the module.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from pathlib import Path
 import psutil
 import pytest
 from aws_server import Ec2Server, moto_ec2
+from azure_arm_server import SUBSCRIPTION, ArmServer
 from cloud_env import aws_env, aws_left, ec2_client, gcp_env, gcp_key_file, gcp_left, register_image, wait_for
 from conftest import REPO, TRAINPIPE, cannot_run_here
 from gce_server import PROJECT, GceServer
@@ -45,6 +46,8 @@ from warm_flows import WarmFlows, alive, warm_flows
 from infra.checkpoints.store import CheckpointStore
 from infra.compute.providers import Provider, get_provider
 from infra.compute.providers.aws.provider import TAG_HEARTBEAT, AwsProvider
+from infra.compute.providers.azure import names as azure_names
+from infra.compute.providers.azure.provider import AzureProvider
 from infra.compute.providers.gcp.labels import LABEL_CLUSTER, LABEL_HEARTBEAT
 from infra.compute.providers.gcp.provider import GcpProvider
 from infra.compute.providers.local import CLUSTER_TAG, NODE_TAG
@@ -288,14 +291,32 @@ def gce() -> Iterator[GceServer]:
         yield server
 
 
-@pytest.mark.parametrize("provider_name", ["aws", "gcp"])
+@pytest.fixture(scope="module")
+def arm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ArmServer]:
+    with ArmServer(tmp_path_factory.mktemp("arm"), public_prefix="127.78.4.", private_prefix="127.79.4.") as server:
+        yield server
+
+
+class FakeToken:
+    """The sweeper's credential here: the simulated ARM takes any token."""
+
+    def get_token(self, *scopes: str, **_: object) -> object:
+        from azure.core.credentials import AccessToken
+
+        return AccessToken("fake-token", int(time.time()) + 3600)
+
+
+# Azure: the launch phase only (a teardown there is one delete of the cluster's resource group), to keep CI short.
+@pytest.mark.parametrize(("provider_name", "phases"), [("aws", ("provision", "teardown")),
+                                                       ("gcp", ("provision", "teardown")), ("azure", ("provision",))])
 def test_sigkill_while_provisioning_and_while_tearing_down_on_the_clouds(
-        provider_name: str, flows: WarmFlows, workspace: Path, tmp_path: Path, dataset_url: str, ec2: Ec2Server,
-        gce: GceServer, monkeypatch: pytest.MonkeyPatch) -> None:
+        provider_name: str, phases: tuple[str, ...], flows: WarmFlows, workspace: Path, tmp_path: Path,
+        dataset_url: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     key = tmp_path / "id_ed25519"
     key.write_text("read at launch; no node ever answers here\n")
     common = {**os.environ, **prefect_env(), "TRAINPIPE_HOME": str(workspace), "TRAINPIPE_SSH_KEY_FILE": str(key)}
     if provider_name == "aws":
+        ec2: Ec2Server = request.getfixturevalue("ec2")
         region = "us-east-1"
         env = {**common, **aws_env(ec2, register_image(ec2, region), region)}
         for name, value in aws_env(ec2, env["TRAINPIPE_AWS_AMI"], region).items():
@@ -316,7 +337,32 @@ def test_sigkill_while_provisioning_and_while_tearing_down_on_the_clouds(
                 {"Name": "tag:trainpipe:cluster", "Values": [cluster]}])["Reservations"] for i in r["Instances"]
                 for t in i.get("Tags", []) if t["Key"] == TAG_HEARTBEAT]
             return max(tags, default=0.0)
+    elif provider_name == "azure":
+        arm: ArmServer = request.getfixturevalue("arm")
+        region = "eastus"
+        env = {**common, **arm.env(), "TRAINPIPE_SSH_CIDR": "127.0.0.1/32",
+               "TRAINPIPE_AZURE_SSH_PUBLIC_KEY": "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKillMatrix test"}
+        monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(arm.ca_file))
+        sweeper = AzureProvider(subscription=SUBSCRIPTION, credential=FakeToken(), endpoint=arm.endpoint,
+                                bootstrap=False)
+
+        def left(cluster: str) -> dict[str, list[str]]:
+            group = azure_names.group_name(cluster)
+            found = {"resource group": [g["name"] for g in arm.groups() if g["name"] == group],
+                     "vms": [r["name"] for r in arm.resources("virtualMachines", group)]}
+            return {k: v for k, v in found.items() if v}
+
+        def launched(cluster: str) -> bool:
+            return bool(left(cluster).get("vms"))
+
+        def tearing_down(cluster: str) -> bool:
+            return any(c.method == "DELETE" and azure_names.group_name(cluster) in c.path for c in arm.calls())
+
+        def heartbeat(cluster: str) -> float:
+            return max((float(g["tags"][azure_names.TAG_HEARTBEAT]) for g in arm.groups()
+                        if g["name"] == azure_names.group_name(cluster)), default=0.0)
     else:
+        gce: GceServer = request.getfixturevalue("gce")
         region = "us-central1"
         env = {**common, **gcp_env(gce, gcp_key_file(tmp_path / "service-account.json", gce)),
                "TRAINPIPE_GCP_ZONES": "us-central1-a"}
@@ -341,7 +387,7 @@ def test_sigkill_while_provisioning_and_while_tearing_down_on_the_clouds(
                          "lease_ttl_s": CLOUD_TTL_S, "verify": {"bench": "off"}}
     config_path = write_config(tmp_path / "job.yaml", config)
 
-    for phase in ("provision", "teardown"):
+    for phase in phases:
         run_id = f"kill-{provider_name}-{phase}"
         cluster = cluster_name_for(run_id)
         # To be cancelled, `trainpipe run`: it turns a SIGTERM into the run's own teardown.

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from infra.compute.providers.aws.config import AwsClusterSpec
+from infra.compute.providers.azure.config import AzureClusterSpec
 from infra.compute.providers.gcp.config import GcpClusterSpec
 from infra.compute.providers.nebius.config import NebiusClusterSpec
 from infra.compute.providers.netns.config import NetnsClusterSpec
@@ -91,6 +92,8 @@ class ClusterSpec(StrictModel):
                                     "to ask the site's Slurm for, and where on a node to work.")
     nebius: NebiusClusterSpec = Field(default_factory=NebiusClusterSpec, description="provider nebius: the "
                                       "InfiniBand fabric, subnet, disks and filesystem of the nodes.")
+    azure: AzureClusterSpec = Field(default_factory=AzureClusterSpec, description="provider azure: the managed "
+                                    "identity the nodes reach their stores with, and the image they boot.")
 
     @field_validator("provider")
     @classmethod

@@ -21,7 +21,7 @@ ACCOUNT_CREDENTIAL_SETS = (("AZURE_STORAGE_CONNECTION_STRING",), ("AZURE_STORAGE
 ENVIRONMENT_ACCOUNT = ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT")
 
 # The store each cloud's nodes get credentials for, and the section field that gives them.
-NATIVE_STORE = {"aws": "s3", "gcp": "gs", "nebius": "s3"}
+NATIVE_STORE = {"aws": "s3", "gcp": "gs", "nebius": "s3", "azure": "az"}
 # Nebius Object Storage is S3 with keys of a service account: its nodes have no instance credentials for it, so the
 # job forwards what the S3 engine reads (the keys, and the endpoint and region it is reached at) as secrets.
 NEBIUS_STORE_SECRETS = (("AWS_ACCESS_KEY_ID",), ("AWS_SECRET_ACCESS_KEY",), ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"),
@@ -53,6 +53,10 @@ def _credentials_problem(job: JobSpec) -> str | None:
     if job.cluster.provider == "gcp" and not account.reaches_storage():
         return ("the gcp nodes' service account has no storage scope: add cloud-platform or devstorage.read_write "
                 "to cluster.gcp.service_account.scopes")
+    if job.cluster.provider == "azure" and job.cluster.azure.identity is None:
+        # A system-assigned identity is born with its VM: no role on the storage account can have been granted to it.
+        return ("the azure nodes have no identity the storage account knows: set cluster.azure.identity to a "
+                "user-assigned managed identity with Storage Blob Data Contributor on it")
     return None
 
 

@@ -3,7 +3,9 @@
 AWS: IMDSv2 — a session token (PUT), then `spot/instance-action` (404 until EC2 schedules the stop, then
 {"action": "terminate", "time": ...}) and the rebalance recommendation (an early, softer signal). GCP: the
 metadata server's `instance/preempted` ("TRUE" once preemption started, about 30 s before the VM stops; the
-guest also gets an ACPI shutdown, which reaches the trainer as SIGTERM through systemd). Local and ssh nodes: a
+guest also gets an ACPI shutdown, which reaches the trainer as SIGTERM through systemd). Azure: the instance
+metadata service's Scheduled Events (`Preempt` naming this VM, at least 30 s before a Spot VM is evicted; the events
+of an availability set are shown to every VM in it, so the node looks for its own name). Local and ssh nodes: a
 notice file, written by the chaos injector the way a cloud would raise its flag.
 """
 
@@ -16,11 +18,15 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 from datetime import datetime
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 
 NOTICE_FILE = "preemption-notice.json"
 AWS_IMDS = "http://169.254.169.254"
 GCP_METADATA = "http://metadata.google.internal"
+AZURE_IMDS = "http://169.254.169.254"
+AZURE_EVENTS_API = "2020-07-01"
+AZURE_NOTICE_S = 30.0  # the least notice Azure gives a Spot VM; NotBefore says when exactly
 GCP_NOTICE_S = 30.0  # GCE stops a preempted VM about 30 s after it starts preempting
 AWS_NOTICE_S = 120.0  # EC2's spot interruption notice
 
@@ -74,6 +80,21 @@ def gcp_notice(base_url: str = GCP_METADATA, timeout: float = 2.0) -> Notice | N
     if status != 200:
         raise MetadataError(f"{base_url}: instance/preempted answered {status}")
     return Notice("gce preemption", time.time() + GCP_NOTICE_S, "gcp") if body.strip() == "TRUE" else None
+
+
+def azure_notice(vm_name: str, base_url: str = AZURE_IMDS, timeout: float = 2.0) -> Notice | None:
+    """The Scheduled Event `Preempt` that names this VM, if Azure has scheduled one. Asking also opts the VM in:
+    Azure then shows events at least their notice period ahead."""
+    status, body = _request(f"{base_url}/metadata/scheduledevents?api-version={AZURE_EVENTS_API}",
+                            headers={"Metadata": "true"}, timeout=timeout)
+    if status != 200:
+        raise MetadataError(f"{base_url}: scheduledevents answered {status}")
+    for event in json.loads(body).get("Events", []):
+        if event.get("EventType") == "Preempt" and vm_name in event.get("Resources", []):
+            not_before = event.get("NotBefore")
+            deadline = parsedate_to_datetime(not_before).timestamp() if not_before else time.time() + AZURE_NOTICE_S
+            return Notice(f"azure scheduled event Preempt {event.get('EventId', '')}".strip(), deadline, "azure")
+    return None
 
 
 def parse_notice(text: str | None) -> Notice | None:

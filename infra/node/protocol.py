@@ -288,7 +288,7 @@ class WatchRequest(NodeRequest):
     ttl_s: float  # seconds without renewal before teardown
     on_expire: Literal["kill-node", "shutdown"] = "kill-node"
     poll_s: float = Field(1.0, gt=0)
-    notice_source: Literal["none", "aws", "gcp", "file"] = "none"  # where preemption notices come from
+    notice_source: Literal["none", "aws", "gcp", "azure", "file"] = "none"  # where preemption notices come from
     notice_url: str | None = None  # the metadata service's base URL (None: the cloud's own)
     notice_poll_s: float = Field(2.0, gt=0)  # seconds between notice checks
     workdir: str | None = None  # the node's workdir (notice file); None: the lease's dir

@@ -26,11 +26,13 @@ import psutil
 from infra.node.events import NodeEvent, emit, fail
 from infra.node.preemption_notice import (
     AWS_IMDS,
+    AZURE_IMDS,
     GCP_METADATA,
     NOTICE_FILE,
     MetadataError,
     Notice,
     aws_notice,
+    azure_notice,
     gcp_notice,
     read_notice,
     write_notice,
@@ -65,6 +67,8 @@ class NoticeWatch:
         self._check: Callable[[], Notice | None] = {
             "aws": lambda: self._aws(url or AWS_IMDS),
             "gcp": lambda: gcp_notice(url or GCP_METADATA),
+            # An Azure node's name (its NODE_TAG) is its VM's name, which the events name.
+            "azure": lambda: azure_notice(node_tag or "", url or AZURE_IMDS),
             "file": lambda: read_notice(workdir / NOTICE_FILE),
         }[source]
 

@@ -179,6 +179,8 @@ class Provider(ABC):
     # Where a node's watcher (infra.node watch) looks for preemption notices: the cloud's metadata service, or
     # the notice file the chaos injector raises on local and ssh nodes.
     notice_source: str = "none"
+    # The metadata service's base URL the watchers poll; None: the cloud's own.
+    notice_url: str | None = None
     # What a node's lease watchdog (infra.node watch --on-expire) does once its orchestrator has been silent for the
     # lease TTL: end every process of the node, or power the machine off (a cloud then ends the instance for good).
     lease_expiry: str = "kill-node"

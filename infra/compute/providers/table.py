@@ -28,6 +28,7 @@ PROVIDERS = (
     ProviderEntry("netns", "infra.compute.providers.netns.provider:NetnsProvider", chaos=True),
     ProviderEntry("slurm", "infra.compute.providers.slurm.provider:SlurmProvider", chaos=False),
     ProviderEntry("nebius", "infra.compute.providers.nebius.provider:NebiusProvider", chaos=False),
+    ProviderEntry("azure", "infra.compute.providers.azure.provider:AzureProvider", chaos=False),
 )
 PROVIDER_NAMES = tuple(entry.name for entry in PROVIDERS)
 CHAOS_PROVIDERS = tuple(entry.name for entry in PROVIDERS if entry.chaos)

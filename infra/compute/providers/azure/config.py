@@ -1,0 +1,57 @@
+"""The job's `cluster.azure:` section: what the nodes themselves are allowed to do, and what they boot.
+
+Nodes read the dataset and write checkpoints with their own credentials, never the orchestrator's: on Azure those
+are a managed identity the VMs carry. Azure's instance metadata service hands a VM's processes tokens for it
+(azure-identity's ManagedIdentityCredential, inside DefaultAzureCredential), so no key is ever written to a node.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import Field, field_validator
+
+from infra.strict_model import StrictModel
+
+IDENTITY_ID = re.compile(r"^/subscriptions/[^/]+/resourceGroups/[^/]+/providers/Microsoft\.ManagedIdentity/"
+                         r"userAssignedIdentities/[^/]+$", re.IGNORECASE)
+IMAGE_URN = re.compile(r"^[^:\s]+:[^:\s]+:[^:\s]+:[^:\s]+$")
+# Microsoft's HPC image for Ubuntu 22.04: NVIDIA driver, CUDA, the Mellanox OFED stack that InfiniBand needs.
+DEFAULT_IMAGE = "microsoft-dsvm:ubuntu-hpc:2204:latest"
+
+
+class AzureClusterSpec(StrictModel):
+    identity: str | None = Field(
+        None, description="The user-assigned managed identity the VMs carry (its resource ID, /subscriptions/SUB/"
+        "resourceGroups/RG/providers/Microsoft.ManagedIdentity/userAssignedIdentities/NAME): grant it Storage Blob "
+        "Data Contributor on the job's storage account, once, and every node reaches the store without a key. "
+        "None: each VM gets a system-assigned identity, which exists only once the VM does, so nothing can have "
+        "been granted to it: az:// stores then are refused at plan.")
+    image: str = Field(DEFAULT_IMAGE, description="The VM image as PUBLISHER:OFFER:SKU:VERSION; the default carries "
+                       "the NVIDIA driver and the InfiniBand (OFED) stack the ND-series needs.")
+
+    @field_validator("identity")
+    @classmethod
+    def _identity_id(cls, value: str | None) -> str | None:
+        if value is not None and not IDENTITY_ID.match(value):
+            raise ValueError(f"identity {value!r} is not a user-assigned identity's resource ID: give /subscriptions/"
+                             "SUB/resourceGroups/RG/providers/Microsoft.ManagedIdentity/userAssignedIdentities/NAME "
+                             "(az identity show --query id)")
+        return value
+
+    @field_validator("image")
+    @classmethod
+    def _image_urn(cls, value: str) -> str:
+        if not IMAGE_URN.match(value):
+            raise ValueError(f"image {value!r}: give PUBLISHER:OFFER:SKU:VERSION (az vm image list)")
+        return value
+
+    def image_reference(self) -> dict[str, str]:
+        publisher, offer, sku, version = self.image.split(":")
+        return {"publisher": publisher, "offer": offer, "sku": sku, "version": version}
+
+    def vm_identity(self) -> dict[str, object]:
+        """The VM's `identity` in ARM's shape."""
+        if self.identity is None:
+            return {"type": "SystemAssigned"}
+        return {"type": "UserAssigned", "userAssignedIdentities": {self.identity: {}}}
