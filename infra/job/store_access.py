@@ -71,7 +71,9 @@ def store_access_problem(job: JobSpec) -> str | None:
             problem = _credentials_problem(job)
             if problem is not None:
                 return f"{field} {url}: {problem}"
-        elif scheme == "az" and not _azure_credentials_given(job):
+        elif scheme == "az":  # no cloud's own but Azure's: other clouds' nodes get its keys as secrets
+            if _azure_credentials_given(job):
+                continue
             wanted = ("AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT with AZURE_STORAGE_KEY"
                       if job.storage.azure is None else
                       f"AZURE_STORAGE_KEY of storage.azure_account {job.storage.azure.name}, or a service "
