@@ -69,9 +69,19 @@ def small_catalog() -> Catalog:
                          if i.name in ("Standard_ND96asr_v4", "Standard_ND96amsr_A100_v4")))
 
 
-def azure_provider(arm: ArmServer, catalog: Catalog | None = None) -> AzureProvider:
+def azure_provider(arm: ArmServer, catalog: Catalog | None = None, bootstrap: bool = False) -> AzureProvider:
     return AzureProvider(catalog=catalog or small_catalog(), subscription=SUBSCRIPTION, credential=FakeToken(),
-                         endpoint=arm.endpoint, bootstrap=False)
+                         endpoint=arm.endpoint, bootstrap=bootstrap)
+
+
+def use_fake(arm: ArmServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process reaches the simulated ARM as it would Azure's: its certificate trusted, SSH opened to loopback,
+    and polled in milliseconds, not in the seconds Azure needs (it answers at once)."""
+    monkeypatch.setenv("TRAINPIPE_SSH_CIDR", "127.0.0.1/32")
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(arm.ca_file))
+    monkeypatch.setattr(azure_arm, "POLL_S", 0.005)
+    monkeypatch.setattr(azure_arm, "WAIT_STEP_S", 0.005)
+    monkeypatch.setattr(azure_arm, "RETRY_FIRST_S", 0.01)
 
 
 @pytest.fixture
@@ -83,12 +93,7 @@ def azure(arm: ArmServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Az
     key.write_text("a private key\n")
     monkeypatch.setenv("TRAINPIPE_SSH_KEY_FILE", str(key))
     monkeypatch.setenv("TRAINPIPE_AZURE_SSH_PUBLIC_KEY", PUBLIC_KEY)
-    monkeypatch.setenv("TRAINPIPE_SSH_CIDR", "127.0.0.1/32")
-    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(arm.ca_file))
-    # The simulated ARM answers at once: poll in milliseconds, not in the seconds Azure needs.
-    monkeypatch.setattr(azure_arm, "POLL_S", 0.005)
-    monkeypatch.setattr(azure_arm, "WAIT_STEP_S", 0.005)
-    monkeypatch.setattr(azure_arm, "RETRY_FIRST_S", 0.01)
+    use_fake(arm, monkeypatch)
     return azure_provider(arm)
 
 
@@ -355,7 +360,8 @@ def test_errors_outside_the_api_are_transient() -> None:
 
 
 def azure_instances(arm: ArmServer) -> Any:
-    """The stand-ins' view of the simulated VMs: each running VM's public IP and the boot script of its custom data."""
+    """The stand-ins' view of the simulated VMs: each running VM's public IP, the boot script of its custom data and
+    its NIC's private IP."""
     from cloud_nodes import Instance
 
     def found() -> list[Instance]:
@@ -368,10 +374,11 @@ def azure_instances(arm: ArmServer) -> Any:
             if properties.get("provisioningState") != "Succeeded":
                 continue
             nic = nics.get(properties["networkProfile"]["networkInterfaces"][0]["id"].lower())
-            public = (nic or {}).get("properties", {}).get("ipConfigurations", [{}])[0].get("properties", {}).get(
-                "publicIPAddress", {}).get("id", "")
+            ip_configuration = (nic or {}).get("properties", {}).get("ipConfigurations", [{}])[0].get("properties", {})
+            public = ip_configuration.get("publicIPAddress", {}).get("id", "")
             script = base64.b64decode(properties["osProfile"]["customData"]).decode()
-            instances.append(Instance(addresses.get(public.lower(), ""), vm["name"], vm["location"], script))
+            instances.append(Instance(addresses.get(public.lower(), ""), vm["name"], vm["location"], script,
+                                      private_address=ip_configuration.get("privateIPAddress", "")))
         return instances
 
     return found

@@ -20,9 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import test_azure_provider as azure_tests
 import test_fanout_stage as fanout_tests
 import test_nebius_provider as nebius_tests
 import test_replace_cloud as replace_tests
+from azure_arm_server import ArmServer
 from cloud_env import ec2_client
 from cloud_nodes import Instance, MetadataServer, ec2_instances, ec2_power_off, gce_instances, gce_power_off
 from cloud_nodes import Node as StandIn
@@ -134,9 +136,25 @@ def nebius_case(request: pytest.FixtureRequest, stack: ExitStack,
                      provider)
 
 
+def azure_case(request: pytest.FixtureRequest, stack: ExitStack,
+               booted: Callable[[], dict[str, StandIn]]) -> CloudCase:
+    arm = stack.enter_context(ArmServer(request.getfixturevalue("tmp_path") / "arm"))
+    azure_tests.use_fake(arm, request.getfixturevalue("monkeypatch"))
+    provider = azure_tests.azure_provider(arm, bootstrap=True)
+    spec = azure_tests.spec(nodes=NODES, procs_per_node=1, regions=("eastus",))
+
+    def private_ips(cluster: Cluster) -> dict[str, str]:
+        return {instance.cloud_id: instance.private_address for instance in found()  # a VM's name is its node's
+                if instance.cloud_id in {node.name for node in cluster.nodes}}
+
+    found = azure_tests.azure_instances(arm)
+    return CloudCase(arm.public_prefix, arm.private_prefix, found, lambda node: "",
+                     lambda name: provider.launch(name, spec, f"run-{name}"), private_ips, provider)
+
+
 # Each cloud's case, set up inside the test's ExitStack; `booted` lists the stand-ins booted so far.
 CLOUDS: dict[str, Callable[[pytest.FixtureRequest, ExitStack, Callable[[], dict[str, StandIn]]], CloudCase]] = {
-    "aws": aws_case, "gcp": gcp_case, "nebius": nebius_case}
+    "aws": aws_case, "gcp": gcp_case, "nebius": nebius_case, "azure": azure_case}
 
 
 @pytest.mark.parametrize("cloud", list(CLOUDS))
