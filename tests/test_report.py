@@ -77,6 +77,17 @@ def test_recoveries_get_a_table_with_the_time_split() -> None:
             "1.0 | 0.6 |") in markdown
 
 
+def test_a_recovery_that_never_resumed_is_rendered_as_such() -> None:
+    """A recovery that failed before training restarted (no capacity left, the deadline) has no resume figures: the
+    summary says so instead of failing to render the run's end."""
+    summary = RunSummary(run_id="r5", job="j", provider="azure", nodes=2, status="failed")
+    summary.recoveries = [{"number": 1, "node": "n1", "reason": "vanished", "with_notice": False,
+                           "step_reached": 40, "detected_at": 0.0, "resumed_from_step": None, "steps_lost": None,
+                           "notice_to_resume_s": None, "path": "relaunched-cluster", "fallback": "no capacity"}]
+    assert "recovery 1: n1 preempted (vanished) at step 40, relaunched-cluster (no capacity), did not resume" \
+        in summary.render()
+
+
 def test_the_step_breakdown_gets_a_fact_a_table_and_what_if_rows() -> None:
     summary = RunSummary(run_id="r5", job="j", provider="local", nodes=2)
     summary.breakdown = StepBreakdown(

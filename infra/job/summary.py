@@ -212,10 +212,13 @@ class RunSummary:
                          f"per checkpoint ({self.checkpoints[-1].get('mode')})")
         for r in self.recoveries:
             fallback = f" ({r['fallback']})" if r.get("fallback") else ""
+            # A recovery that failed before training restarted has no resume to report.
+            outcome = (f"resumed from step {r['resumed_from_step']} after {r['notice_to_resume_s']:.1f}s, "
+                       f"{r['steps_lost']} steps redone" if r.get("notice_to_resume_s") is not None else
+                       "did not resume")
             lines.append(f"  recovery {r['number']}: {', '.join(r.get('nodes') or [r['node']])} preempted "
                          f"({r['reason']}) at step {r['step_reached']}, {r.get('path', 'relaunched-cluster')}"
-                         f"{fallback}, resumed from step {r['resumed_from_step']} after "
-                         f"{r['notice_to_resume_s']:.1f}s, {r['steps_lost']} steps redone"
+                         f"{fallback}, {outcome}"
                          + (f"; restore {restored_from(r['restore_bytes'])}" if r.get("restore_bytes") else ""))
         lines.extend(f"  warning: {warning}" for warning in self.warnings)
         if self.nodes_left is not None:
