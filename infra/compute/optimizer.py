@@ -172,11 +172,14 @@ def candidates(spec: ClusterSpec, catalog: Catalog, hours: float) -> list[Candid
 
 
 def render_candidates(found: list[Candidate], limit: int = 12) -> str:
-    header = f"  {'#':>2}  {'instance type':<16} {'where':<14} {'market':<9} {'$/node-h':>9} {'$/h':>9} " \
+    shown = found[:limit]
+    # As wide as the longest name shown: Azure's sizes and Nebius's platform-preset names run past 30 characters.
+    width = max([16, *(len(c.instance_type) for c in shown)])
+    header = f"  {'#':>2}  {'instance type':<{width}} {'where':<14} {'market':<9} {'$/node-h':>9} {'$/h':>9} " \
              f"{'job ≤':>10}  network"
     lines = [header]
-    for i, c in enumerate(found[:limit], 1):
-        lines.append(f"  {i:>2}  {c.instance_type:<16} {c.zone or c.region:<14} {c.market:<9} "
+    for i, c in enumerate(shown, 1):
+        lines.append(f"  {i:>2}  {c.instance_type:<{width}} {c.zone or c.region:<14} {c.market:<9} "
                      f"{c.price_per_node_hour:>9.2f} {c.cluster_per_hour:>9.2f} {c.job_cost:>10.2f}  "
                      f"{c.network_gbps:g} Gbps {c.network_kind}")
     if len(found) > limit:
