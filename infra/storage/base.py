@@ -6,7 +6,7 @@ that root, so callers never branch on the backend.
 
 from __future__ import annotations
 
-import uuid
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -89,7 +89,8 @@ class ObjectStore(ABC):
         a fresh probe key under probe_prefix put create-only twice must have its second put refused. The probe is
         deleted again."""
         if self._create_only_honoured is None:
-            probe = f"{probe_prefix.rstrip('/')}/.create-only-probe-{uuid.uuid4().hex}"
+            # os.urandom, not uuid: `trainpipe cp` imports this module and must start without uuid's import cost.
+            probe = f"{probe_prefix.rstrip('/')}/.create-only-probe-{os.urandom(16).hex()}"
             try:
                 if not self.put_if_absent(probe, b"first"):
                     raise StorageError(f"{self.url_for(probe)}: a create-only put of a fresh key was refused: the "
