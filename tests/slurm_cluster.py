@@ -165,7 +165,7 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         process.wait(STOP_TIMEOUT_S)
 
 
-def slurm_conf(root: Path, ports: dict[str, int], munge_socket: Path) -> str:
+def slurm_conf(root: Path, ports: dict[str, int], munge_socket: Path, topology: str | None = None) -> str:
     nodes = "\n".join(
         f"NodeName={node} NodeAddr=127.0.0.1 NodeHostname=localhost Port={ports[node]} CPUs={CPUS_PER_NODE} "
         f"RealMemory=1000 Gres=gpu:{GPUS_PER_NODE} Feature={FEATURES} State=UNKNOWN" for node in NODES)
@@ -203,6 +203,7 @@ InactiveLimit=0
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 SlurmctldParameters=preempt_send_user_signal
+{'TopologyPlugin=topology/tree' if topology is not None else ''}
 {nodes}
 PartitionName={PARTITION} Nodes={node_list} Default=YES PriorityTier=1 GraceTime={GRACE_TIME_S} State=UP
 PartitionName={URGENT} Nodes={node_list} PriorityTier=2 PreemptMode=OFF MaxTime=INFINITE State=UP
@@ -219,7 +220,7 @@ def gres_conf(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _prepare(root: Path) -> dict[str, int]:
+def _prepare(root: Path, topology: str | None) -> dict[str, int]:
     for sub in ("munge", "state", "spool", "log", "run", "dev"):
         (root / sub).mkdir()
     # munged wants its socket's dir (and every dir above it) searchable by all, and its key readable by itself only.
@@ -227,21 +228,24 @@ def _prepare(root: Path) -> dict[str, int]:
         directory.chmod(0o755)
     subprocess.run(["mungekey", "-c", "-k", str(root / "munge" / "munge.key")], check=True, capture_output=True)
     ports = {"slurmctld": free_port(), **{node: free_port() for node in NODES}}
-    (root / "slurm.conf").write_text(slurm_conf(root, ports, root / "munge" / "munge.socket"))
+    (root / "slurm.conf").write_text(slurm_conf(root, ports, root / "munge" / "munge.socket", topology))
+    if topology is not None:  # topology.conf beside slurm.conf, where slurmctld looks for it
+        (root / "topology.conf").write_text(topology)
     (root / "gres.conf").write_text(gres_conf(root))
     return ports
 
 
 @contextmanager
-def slurm_cluster(attempts: int = 3) -> Iterator[SlurmCluster]:
+def slurm_cluster(attempts: int = 3, topology: str | None = None) -> Iterator[SlurmCluster]:
     """A running test Slurm; stopped (every job cancelled first) and its dir removed afterwards. A start that fails
-    (a port taken between probe and bind) is retried with new ports."""
+    (a port taken between probe and bind) is retried with new ports. topology: a topology.conf's text, for a site
+    with a switch tree (TopologyPlugin=topology/tree); none by default."""
     require_slurm()
     for attempt in range(1, attempts + 1):
         # Not under pytest's tmp dir: munged refuses a socket below a dir others cannot search (pytest's is 0700), and
         # unix socket paths are short.
         root = Path(tempfile.mkdtemp(prefix="tp-slurm-", dir="/tmp"))
-        cluster = SlurmCluster(root=root, ports=_prepare(root))
+        cluster = SlurmCluster(root=root, ports=_prepare(root, topology))
         try:
             cluster.start()
         except RuntimeError:

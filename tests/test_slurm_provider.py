@@ -32,6 +32,8 @@ from infra.checkpoints.layout import MANIFEST_NAME
 from infra.checkpoints.steps import parse_step_name, step_name
 from infra.compute.providers import InvalidRequestError, ReplacementUnavailable, get_provider
 from infra.compute.providers.base import Cluster
+from infra.compute.providers.slurm import topology
+from infra.compute.providers.slurm.login import Login
 from infra.compute.providers.slurm.provider import JOB_PREFIX, QueueTimeout, SlurmProvider
 from infra.compute.providers.slurm.runner import StepUnavailable
 from infra.compute.spec import ClusterSpec
@@ -239,6 +241,32 @@ def test_a_lost_node_is_replaced_alone_by_a_one_node_allocation(slurm: SlurmClus
         provider.terminate("tp-replace")
     assert slurm.job_ids() == []
     wait_for(lambda: set(slurm.node_states().values()) == {"idle"}, DEADLINE_S, "every node idle again")
+
+
+# s1 holds two of the three nodes: a 2-node allocation fills it, so a lost node has no free node on its switch.
+SWITCHES = "SwitchName=s1 Nodes=gpu[1-2]\nSwitchName=s2 Nodes=gpu3\nSwitchName=top Switches=s[1-2]\n"
+
+
+def test_a_replacement_whose_switch_has_no_free_node_is_unavailable_at_once(workspace: Path, tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a topology/tree site a lone node's replacement keeps to the survivors' leaf switch: with none free under
+    it, ReplacementUnavailable names the switch before anything is submitted (not the 120 s wait)."""
+    with slurm_cluster(topology=SWITCHES) as tree_site:
+        monkeypatch.setenv("SLURM_CONF", str(tree_site.conf))
+        provider = get_provider("slurm")
+        cluster = provider.launch("tp-switch", spec(tmp_path, nodes=2), "run-switch")
+        lost = cluster.nodes[1]
+        try:
+            assert topology.leaf_switches(Login()) == {"s1": {"gpu1", "gpu2"}, "s2": {"gpu3"}}
+            assert sorted(cluster.owner["hosts"].values()) == ["gpu1", "gpu2"], "the tree fits the job on s1"
+            asked = time.monotonic()
+            with pytest.raises(ReplacementUnavailable, match=r"switch s1 .*no node for the replacement"):
+                provider.replace_nodes(cluster, [lost.name])
+            print(f"replacement refused for its switch in {time.monotonic() - asked:.2f}s")
+            assert tree_site.job_ids() == [cluster.owner["job_id"]], "nothing submitted for the replacement"
+        finally:
+            provider.terminate("tp-switch")
+        assert tree_site.job_ids() == []
 
 
 def test_preemption_by_a_higher_tier_raises_the_notice_on_every_node(slurm: SlurmCluster, tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ from infra.compute.providers.base import (
     lost_nodes,
 )
 from infra.compute.providers.owner import launcher, launcher_alive, launcher_stamp
-from infra.compute.providers.slurm import cli, site
+from infra.compute.providers.slurm import cli, site, topology
 from infra.compute.providers.slurm.config import NODE_PLACEHOLDER, SlurmClusterSpec
 from infra.compute.providers.slurm.holder import READY_FILE, holder_script
 from infra.compute.providers.slurm.login import Login, login_of
@@ -200,11 +200,12 @@ class SlurmProvider(Provider):
     def replace_nodes(self, cluster: Cluster, lost: Sequence[str]) -> Cluster:
         """One lost node, the allocation holding on without it (--no-kill), is replaced alone: a one-node job with
         the allocation's own sbatch options (partition, account, QOS, reservation, constraint, GRES, walltime), the
-        lost host excluded, and the same holder script; it is a second job of the cluster's name, on record in the
+        lost host excluded (and, where the site has a switch topology, every node not under the survivors' leaf
+        switch: topology.py), and the same holder script; it is a second job of the cluster's name, on record in the
         owner state (node_jobs), so teardown and the sweeper find it with the first. The replacement keeps the lost
         node's name and rank; its host, address and workdir are the new node's. More than one node lost, the head
-        lost (its batch script held the allocation), the allocation ended, or no node within the bound:
-        ReplacementUnavailable, and the caller relaunches the whole cluster."""
+        lost (its batch script held the allocation), the allocation ended, no node free under the survivors' switch,
+        or no node within the bound: ReplacementUnavailable, and the caller relaunches the whole cluster."""
         gone = lost_nodes(cluster, lost)
         if self.describe(cluster.name) is None:
             raise ReplacementUnavailable(f"{cluster.name}: its record is gone: the cluster was torn down")
@@ -220,10 +221,16 @@ class SlurmProvider(Provider):
         if previous is not None:  # the lost node was itself a replacement: what is left of its job ends first
             self._cancel_and_wait(cluster.name, [previous], login)
         lost_host = cluster.owner["hosts"][node.name]
+        survivors = [cluster.owner["hosts"][n.name] for n in cluster.nodes if n.name != node.name]
+        leaves = topology.leaf_switches(login)
+        partition = topology.partition_hosts(login, cluster.owner["partition"]) if leaves else []
+        # Raises ReplacementUnavailable at once when the survivors' switch has no node to spare (the caller relaunches).
+        switch, excluded = topology.replacement_excludes(leaves, partition, survivors, lost_host)
         options = [option for option in cluster.owner["sbatch"] if not option.startswith("--nodes=")]
-        job_id = cli.submit(login, [*options, "--nodes=1", f"--exclude={lost_host}"],
+        job_id = cli.submit(login, [*options, "--nodes=1", f"--exclude={','.join(excluded)}"],
                             self._script(cluster.name).read_text())
-        log.info("slurm job %s submitted to replace %s (lost %s)", job_id, node.name, lost_host)
+        log.info("slurm job %s submitted to replace %s (lost %s)%s", job_id, node.name, lost_host,
+                 f" under switch {switch}" if switch else "")
         pending = replace(cluster, owner={**cluster.owner,
                                           "node_jobs": {**cluster.owner.get("node_jobs", {}), node.name: job_id}})
         self._write_record(pending)  # on record before it runs: teardown finds it whatever happens next
