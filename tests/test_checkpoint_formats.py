@@ -162,3 +162,24 @@ def test_a_node_part_settles_when_its_own_files_are_there_and_closed(tmp_path: P
     (ckpt / "step-3.complete").write_text("{}")
     assert part_settled(ckpt, "step-3", "marker", [])
     os.remove(ckpt / "step-3.complete")
+
+
+def test_a_folder_deleted_while_its_files_are_listed_lists_what_was_left(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The script's own retention deletes a checkpoint folder while the syncer lists it (an HF save_total_limit
+    rotation): the listing ends with what was still there, it does not raise (a kill -9 test's syncer died of it)."""
+    import shutil
+
+    root = tmp_path / "checkpoint-7"
+    (root / "sub").mkdir(parents=True)
+    (root / "a.bin").write_bytes(b"a")
+    (root / "sub" / "b.bin").write_bytes(b"b")
+    scandir = os.scandir
+
+    def deleted_before_sub_is_read(path: object = ".") -> object:
+        if Path(str(path)) == root / "sub":
+            shutil.rmtree(root)  # forced here, between the walk's steps
+        return scandir(path)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "scandir", deleted_before_sub_is_read)
+    assert part_files(root) in (["a.bin"], [])

@@ -246,8 +246,11 @@ def part_files(root: Path) -> list[str]:
     """Every file of a checkpoint folder, relative to it, in order (temporary names left out)."""
     if not root.is_dir():
         return []
+    # os.walk, not rglob: the script's own retention may delete the folder mid-walk, which ends os.walk's descent
+    # quietly (rglob raised FileNotFoundError and ended the syncer); what vanished is then simply not listed.
+    found = [Path(folder, name) for folder, _, names in os.walk(root) for name in names]
     files = []
-    for path in sorted(root.rglob("*")):
+    for path in sorted(found):
         rel = path.relative_to(root)
         if path.is_file() and not any(is_temporary(part) for part in rel.parts):
             files.append(rel.as_posix())
