@@ -130,7 +130,8 @@ def test_wrong_credentials_are_one_clear_line(s3_url: str, monkeypatch: pytest.M
 
 
 def test_unknown_scheme_and_bad_bucket() -> None:
-    with pytest.raises(StorageError, match=r"unknown scheme 'ftp://' in 'ftp://x/y': use file://, s3://, gs://, az:// or http://"):
+    with pytest.raises(StorageError,
+                       match=r"unknown scheme 'ftp://' in 'ftp://x/y': use file://, s3://, gs://, az:// or http://"):
         open_store("ftp://x/y")
     with pytest.raises(StorageError, match="invalid bucket name 'Bad_Bucket!'"):
         open_store("s3://Bad_Bucket!/x")
