@@ -418,8 +418,11 @@ def test_sigkill_while_provisioning_and_while_tearing_down_on_the_clouds(
         assert killed_in == phase, output[-3000:]
         assert left_by_kill, "the kill should have left something for the sweep"
         assert after == {}, f"left after the sweep: {after}"
-    assert not [p for p in psutil.process_iter(["environ"]) if (p.info["environ"] or {}).get("TRAINPIPE_HOME")
-                == str(workspace)], "an orchestrator of this test outlived its kill"
+    # The orchestrators' processes carry the key file in their environment; this module's servers, started by the
+    # first test that asks for them, carry that test's TRAINPIPE_HOME but not the key file.
+    assert not [p for p in psutil.process_iter(["environ"])
+                if (p.info["environ"] or {}).get("TRAINPIPE_SSH_KEY_FILE") == str(key)], \
+        "an orchestrator of this test outlived its kill"
 
 
 def test_sigkill_while_provisioning_on_nebius(prefect_server: None, workspace: Path, tmp_path: Path,
