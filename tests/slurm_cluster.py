@@ -9,12 +9,19 @@ priority tier that preempts batch jobs (preempt/partition_prio, REQUEUE, a Grace
 when preemption starts: preempt_send_user_signal). Each node has the features ib,nvme and two GRES gpus whose
 device files are links to /dev/null (slurmd only checks that they are character devices; nothing opens them).
 
+A site with accounting (accounting=True) adds what a site that checks accounts runs: MariaDB (a fresh datadir made
+by mariadb-install-db, its own port and socket), slurmdbd on its own DbdPort storing into it, and a slurmctld with
+AccountingStorageType=accounting_storage/slurmdbd and AccountingStorageEnforce=associations. They start in the order
+a site needs: MariaDB answering, slurmdbd answering sacctmgr, the cluster, the account `lab` and this user's
+association in it registered, then slurmctld (which loads the associations it enforces from slurmdbd) and the nodes.
+
 The daemons run as root in the foreground of their own sessions, started and stopped by their pids. Under CI=true a
 Slurm that cannot start fails the test; elsewhere it skips with the reason (conftest.cannot_run_here).
 """
 
 from __future__ import annotations
 
+import getpass
 import os
 import shutil
 import signal
@@ -31,6 +38,11 @@ from conftest import cannot_run_here
 
 DAEMONS = {"munged": "munge", "slurmctld": "slurmctld", "slurmd": "slurmd"}  # program: Debian package
 CLIENTS = ("sbatch", "srun", "squeue", "sinfo", "scontrol", "scancel")
+# What a site with accounting adds (program: Debian package); sacctmgr comes with slurm-client.
+ACCOUNTING = {"slurmdbd": "slurmdbd", "mariadbd": "mariadb-server-core", "mariadb-install-db": "mariadb-server-core",
+              "mariadb": "mariadb-client-core", "my_print_defaults": "mariadb-client-core", "sacctmgr": "slurm-client"}
+CLUSTER_NAME = "trainpipe-test"
+ACCOUNT = "lab"  # the one account a site with accounting registers, with this user's association in it
 NODES = ("gpu1", "gpu2", "gpu3")
 FEATURES = "ib,nvme"
 GPUS_PER_NODE = 2
@@ -44,9 +56,9 @@ POLL_S = 0.2
 COMMAND_TIMEOUT_S = 30.0
 
 
-def require_slurm() -> None:
-    """Skip (fail in CI) when a test Slurm cannot run here."""
-    for program, package in DAEMONS.items():
+def require_slurm(accounting: bool = False) -> None:
+    """Skip (fail in CI) when a test Slurm (with accounting: its slurmdbd and MariaDB too) cannot run here."""
+    for program, package in {**DAEMONS, **(ACCOUNTING if accounting else {})}.items():
         if shutil.which(program, path=f"/usr/sbin:{os.environ.get('PATH', '')}") is None:
             cannot_run_here(f"{program} is missing: install {package} (scripts/install-system-packages)")
     for program in CLIENTS:
@@ -65,7 +77,9 @@ def free_port() -> int:
 @dataclass
 class SlurmCluster:
     root: Path
-    ports: dict[str, int]  # slurmctld and each node
+    ports: dict[str, int]  # slurmctld and each node; with accounting slurmdbd and mariadbd too
+    nodes: tuple[str, ...] = NODES
+    accounting: bool = False
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     started_in_s: float = 0.0  # from the first daemon's start to every node idle
 
@@ -88,6 +102,11 @@ class SlurmCluster:
         out = self.run("sinfo", "-h", "-N", "-p", PARTITION, "-o", "%N %T", check=False).stdout
         return dict(line.split(maxsplit=1) for line in out.splitlines() if line.strip())
 
+    def sql(self, statement: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """A statement run by MariaDB's client as root, over TCP to this site's server (the way slurmdbd connects)."""
+        return self.run("mariadb", "--no-defaults", "--protocol=tcp", "-h", "127.0.0.1", "-P",
+                        str(self.ports["mariadbd"]), "-u", "root", "-e", statement, check=check)
+
     def job_ids(self) -> list[str]:
         """Every job slurmctld still shows (pending, running, completing)."""
         return self.run("squeue", "-h", "-o", "%i").stdout.split()
@@ -108,13 +127,33 @@ class SlurmCluster:
                                 f"--seed-file={self.root / 'munge' / 'munged.seed'}",
                                 f"--log-file={self.root / 'log' / 'munged.log'}"])
         self._wait(lambda: self._munge_socket.exists(), "munged's socket")
+        if self.accounting:
+            self._start_accounting()
         self._daemon("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
         self._wait(lambda: self.run("scontrol", "ping", check=False).returncode == 0, "slurmctld to answer")
-        for node in NODES:
+        for node in self.nodes:
             self._daemon(node, ["slurmd", "-D", "-N", node, "-f", str(self.conf)])
-        self._wait(lambda: set(self.node_states().values()) == {"idle"} and len(self.node_states()) == len(NODES),
+        self._wait(lambda: set(self.node_states().values()) == {"idle"} and len(self.node_states()) == len(self.nodes),
                    "every node idle")
         self.started_in_s = time.monotonic() - started
+
+    def _start_accounting(self) -> None:
+        """MariaDB, then slurmdbd (it creates its tables on its first connection), then what slurmctld enforces: the
+        cluster, the account and this user's association, registered before slurmctld loads them."""
+        self._daemon("mariadbd", ["mariadbd", "--no-defaults", f"--datadir={self.root / 'db'}", "--user=root",
+                                  f"--port={self.ports['mariadbd']}", "--bind-address=127.0.0.1", "--skip-name-resolve",
+                                  f"--socket={self.root / 'run' / 'mariadbd.sock'}",
+                                  f"--pid-file={self.root / 'run' / 'mariadbd.pid'}",
+                                  f"--log-error={self.root / 'log' / 'mariadbd.log'}",
+                                  "--innodb-buffer-pool-size=16M"])
+        self._wait(lambda: self.sql("SELECT 1", check=False).returncode == 0, "MariaDB to answer")
+        # slurmdbd reads the slurmdbd.conf beside SLURM_CONF's slurm.conf.
+        self._daemon("slurmdbd", ["slurmdbd", "-D"])
+        self._wait(lambda: self.run("sacctmgr", "-n", "show", "cluster", check=False).returncode == 0,
+                   "slurmdbd to answer sacctmgr")
+        self.run("sacctmgr", "-i", "add", "cluster", CLUSTER_NAME)
+        self.run("sacctmgr", "-i", "add", "account", ACCOUNT, f"cluster={CLUSTER_NAME}")
+        self.run("sacctmgr", "-i", "add", "user", getpass.getuser(), f"account={ACCOUNT}", f"cluster={CLUSTER_NAME}")
 
     def stop(self) -> None:
         """Every job cancelled (and gone from squeue), then the daemons: slurmd, slurmctld, munged."""
@@ -125,7 +164,7 @@ class SlurmCluster:
                     self.run("scancel", *jobs, check=False)
                     self._wait(lambda: not self.job_ids(), "every job gone at teardown", STOP_TIMEOUT_S)
         finally:
-            for name in [*NODES, "slurmctld", "munged"]:
+            for name in [*self.nodes, "slurmctld", "slurmdbd", "mariadbd", "munged"]:
                 process = self.processes.pop(name, None)
                 if process is not None:
                     _stop(process)
@@ -165,13 +204,20 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         process.wait(STOP_TIMEOUT_S)
 
 
-def slurm_conf(root: Path, ports: dict[str, int], munge_socket: Path, topology: str | None = None) -> str:
+def slurm_conf(root: Path, ports: dict[str, int], munge_socket: Path, topology: str | None = None,
+               node_names: tuple[str, ...] = NODES, accounting: bool = False) -> str:
+    """accounting: the jobs' accounts go to slurmdbd (ports['slurmdbd']), which enforces the users' associations."""
     nodes = "\n".join(
         f"NodeName={node} NodeAddr=127.0.0.1 NodeHostname=localhost Port={ports[node]} CPUs={CPUS_PER_NODE} "
-        f"RealMemory=1000 Gres=gpu:{GPUS_PER_NODE} Feature={FEATURES} State=UNKNOWN" for node in NODES)
-    node_list = f"gpu[1-{len(NODES)}]"
+        f"RealMemory=1000 Gres=gpu:{GPUS_PER_NODE} Feature={FEATURES} State=UNKNOWN" for node in node_names)
+    node_list = ",".join(node_names)
+    storage = (f"AccountingStorageType=accounting_storage/slurmdbd\nAccountingStorageHost=localhost\n"
+               f"AccountingStoragePort={ports['slurmdbd']}\nAccountingStorageEnforce=associations\n"
+               # For slurmdbd AccountingStoragePass names the munge socket its connections authenticate with.
+               f"AccountingStoragePass={munge_socket}"
+               if accounting else "AccountingStorageType=accounting_storage/none")
     return f"""\
-ClusterName=trainpipe-test
+ClusterName={CLUSTER_NAME}
 SlurmctldHost=localhost
 SlurmctldPort={ports['slurmctld']}
 SlurmUser=root
@@ -188,10 +234,10 @@ SlurmdLogFile={root / 'log'}/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
+{storage}
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
-# The configured CPUs and memory, not what this machine has: three nodes share it.
+# The configured CPUs and memory, not what this machine has: the nodes share it.
 SlurmdParameters=config_overrides
 GresTypes=gpu
 MpiDefault=none
@@ -210,9 +256,28 @@ PartitionName={URGENT} Nodes={node_list} PriorityTier=2 PreemptMode=OFF MaxTime=
 """
 
 
-def gres_conf(root: Path) -> str:
+def slurmdbd_conf(root: Path, ports: dict[str, int], munge_socket: Path) -> str:
+    """slurmdbd storing into this site's MariaDB as its root (passwordless over TCP: mariadb-install-db's
+    normal root authentication)."""
+    return f"""\
+AuthType=auth/munge
+AuthInfo=socket={munge_socket}
+DbdHost=localhost
+DbdPort={ports['slurmdbd']}
+SlurmUser=root
+PidFile={root / 'run' / 'slurmdbd.pid'}
+LogFile={root / 'log' / 'slurmdbd.log'}
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort={ports['mariadbd']}
+StorageUser=root
+StorageLoc=slurm_acct_db
+"""
+
+
+def gres_conf(root: Path, node_names: tuple[str, ...]) -> str:
     lines = []
-    for node in NODES:
+    for node in node_names:
         for index in range(GPUS_PER_NODE):
             device = root / "dev" / f"{node}-gpu{index}"
             device.symlink_to("/dev/null")
@@ -220,32 +285,46 @@ def gres_conf(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _prepare(root: Path, topology: str | None) -> dict[str, int]:
+def _prepare(root: Path, topology: str | None, node_names: tuple[str, ...], accounting: bool) -> dict[str, int]:
     for sub in ("munge", "state", "spool", "log", "run", "dev"):
         (root / sub).mkdir()
     # munged wants its socket's dir (and every dir above it) searchable by all, and its key readable by itself only.
     for directory in (root, root / "munge"):
         directory.chmod(0o755)
     subprocess.run(["mungekey", "-c", "-k", str(root / "munge" / "munge.key")], check=True, capture_output=True)
-    ports = {"slurmctld": free_port(), **{node: free_port() for node in NODES}}
-    (root / "slurm.conf").write_text(slurm_conf(root, ports, root / "munge" / "munge.socket", topology))
+    ports = {"slurmctld": free_port(), **{node: free_port() for node in node_names}}
+    munge_socket = root / "munge" / "munge.socket"
+    if accounting:
+        ports.update(slurmdbd=free_port(), mariadbd=free_port())
+        dbd_conf = root / "slurmdbd.conf"
+        dbd_conf.touch(mode=0o600)  # slurmdbd refuses a configuration others can read (it may hold a password)
+        dbd_conf.write_text(slurmdbd_conf(root, ports, munge_socket))
+        made = subprocess.run(["mariadb-install-db", "--no-defaults", f"--datadir={root / 'db'}", "--user=root",
+                               "--auth-root-authentication-method=normal", "--skip-test-db"],
+                              capture_output=True, text=True, timeout=START_TIMEOUT_S)
+        if made.returncode != 0:
+            raise RuntimeError(f"test Slurm: mariadb-install-db exited {made.returncode}: {made.stdout}{made.stderr}")
+    (root / "slurm.conf").write_text(slurm_conf(root, ports, munge_socket, topology, node_names, accounting))
     if topology is not None:  # topology.conf beside slurm.conf, where slurmctld looks for it
         (root / "topology.conf").write_text(topology)
-    (root / "gres.conf").write_text(gres_conf(root))
+    (root / "gres.conf").write_text(gres_conf(root, node_names))
     return ports
 
 
 @contextmanager
-def slurm_cluster(attempts: int = 3, topology: str | None = None) -> Iterator[SlurmCluster]:
+def slurm_cluster(attempts: int = 3, topology: str | None = None, nodes: tuple[str, ...] = NODES,
+                  accounting: bool = False) -> Iterator[SlurmCluster]:
     """A running test Slurm; stopped (every job cancelled first) and its dir removed afterwards. A start that fails
     (a port taken between probe and bind) is retried with new ports. topology: a topology.conf's text, for a site
-    with a switch tree (TopologyPlugin=topology/tree); none by default."""
-    require_slurm()
+    with a switch tree (TopologyPlugin=topology/tree); none by default. nodes: the node names (each with the same
+    features and GPUs). accounting: slurmdbd enforcing associations, the account ACCOUNT registered for this user."""
+    require_slurm(accounting)
     for attempt in range(1, attempts + 1):
         # Not under pytest's tmp dir: munged refuses a socket below a dir others cannot search (pytest's is 0700), and
         # unix socket paths are short.
         root = Path(tempfile.mkdtemp(prefix="tp-slurm-", dir="/tmp"))
-        cluster = SlurmCluster(root=root, ports=_prepare(root, topology))
+        cluster = SlurmCluster(root=root, ports=_prepare(root, topology, nodes, accounting), nodes=nodes,
+                               accounting=accounting)
         try:
             cluster.start()
         except RuntimeError:
