@@ -6,8 +6,10 @@ default) must exist and hold cluster.nodes nodes that have every feature of the 
 state now: a node down for maintenance comes back, and the wait for it is bounded by queue_timeout_s.
 
 An account is checked where the site checks accounts: with slurmdbd (AccountingStorageType accounting_storage/slurmdbd)
-enforcing associations (AccountingStorageEnforce), the account must be one of the user's associations (sacctmgr);
-elsewhere Slurm takes any account name (sbatch accepts --account=anything) and there is nothing to refuse.
+enforcing associations (AccountingStorageEnforce), the account must be one of the user's associations on this cluster
+(sacctmgr; one slurmdbd often serves several clusters, and an association on another is refused here by sbatch as an
+invalid account); elsewhere Slurm takes any account name (sbatch accepts --account=anything) and there is nothing to
+refuse.
 """
 
 from __future__ import annotations
@@ -77,21 +79,25 @@ def enforces_associations(config: dict[str, str]) -> bool:
 
 
 def accounts_of(associations: str, user: str) -> set[str]:
-    """The accounts `sacctmgr -nP show associations format=account,user` lists for user."""
+    """The accounts `sacctmgr -nP show associations ... format=account,user` lists for user."""
     rows = (line.split("|") for line in associations.splitlines())
     return {row[0] for row in rows if len(row) == 2 and row[1] == user and row[0]}
 
 
 def check_account(login: Login, account: str) -> None:
     """SiteMismatch when the site enforces associations and the account is not one of the user's."""
-    if not enforces_associations(parse_config(cli.run(login, ["scontrol", "show", "config"]).stdout)):
+    config = parse_config(cli.run(login, ["scontrol", "show", "config"]).stdout)
+    if not enforces_associations(config):
         return  # the site takes any account name: nothing to refuse
     user = login.endpoint.user if login.remote else getpass.getuser()
-    listed = cli.run(login, ["sacctmgr", "-nP", "show", "associations", "format=account,user"]).stdout
+    # This cluster's associations only: ClusterName is what slurmctld checks the job's account against.
+    where = [f"users={user}", *([f"clusters={config['ClusterName']}"] if config.get("ClusterName") else [])]
+    listed = cli.run(login, ["sacctmgr", "-nP", "show", "associations", "where", *where, "format=account,user"]).stdout
     accounts = accounts_of(listed, user)
     if account not in accounts:
         raise SiteMismatch(f"cluster.slurm.account '{account}': {user} has no such account at the site: use one of "
-                           f"{', '.join(sorted(accounts)) or '(none)'} (sacctmgr show associations user={user})")
+                           f"{', '.join(sorted(accounts)) or '(none)'} (sacctmgr show associations where "
+                           f"{' '.join(where)})")
 
 
 def check_site(config: SlurmClusterSpec, nodes: int) -> None:
