@@ -11,6 +11,7 @@ without plan) is an InvalidRequestError.
 from __future__ import annotations
 
 import getpass
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -90,7 +91,7 @@ def test_an_allocation_charged_to_the_users_account_is_accepted_and_accounted(si
         return rows[0] if rows and rows[0][1] not in ("PENDING", "RUNNING") else None
 
     wait_for(lambda: ended_record() is not None, DEADLINE_S, "slurmdbd's record of the job's end")
-    assert ended_record() == [ACCOUNT, "CANCELLED by 0"]
+    assert ended_record() == [ACCOUNT, f"CANCELLED by {os.getuid()}"]
 
     # What the real sbatch says of the accounts plan refuses: the provider's InvalidRequestError, nothing left queued.
     for account in (UNKNOWN, FAR):
