@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +26,30 @@ REPO = Path(__file__).resolve().parent.parent
 TRAINPIPE = str(Path(sys.executable).with_name("trainpipe"))
 # Below pytest's own timeout (pyproject: 600 s), which kills the test without a word of what the command printed.
 CLI_TIMEOUT_S = 540.0
+
+
+PREFECT_DB = "prefect.db"
+
+
+@functools.cache
+def _migrated_prefect_db() -> Path:
+    """A Prefect database at the installed Prefect's schema, made once a session: in a fresh PREFECT_HOME every
+    `trainpipe run` would have its temporary server migrate a new database first (seconds of CPU each time)."""
+    home = Path(tempfile.mkdtemp(prefix="prefect-template-"))
+    atexit.register(shutil.rmtree, home, True)
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("PREFECT_API_URL", "PREFECT_API_DATABASE_CONNECTION_URL", "PREFECT_PROFILES_PATH")}
+    subprocess.run([str(Path(sys.executable).with_name("prefect")), "server", "database", "upgrade", "-y"],
+                   env={**env, "PREFECT_HOME": str(home)}, check=True, capture_output=True, timeout=300)
+    return home / PREFECT_DB
+
+
+def prefect_home(path: Path) -> str:
+    """A PREFECT_HOME of a test's own for `trainpipe run` (its temporary server keeps its database there), with the
+    database already migrated, as a user's is from their second run on."""
+    path.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(_migrated_prefect_db(), path / PREFECT_DB)
+    return str(path)
 
 
 def run_trainpipe(*args: str, env: dict[str, str] | None = None, cwd: Path = REPO,

@@ -18,7 +18,7 @@ from typing import Any
 
 import pandas as pd
 import pytest
-from conftest import REPO, TRAINPIPE, cannot_run_here
+from conftest import REPO, TRAINPIPE, cannot_run_here, prefect_home
 from jobs import job_config, write_config
 from polling import Polling
 from test_cli import error_line, invoke
@@ -147,7 +147,7 @@ def test_nulls_and_out_of_range_values_stop_run_and_plan_with_exit_2_naming_them
     dataset_url = f"{s3_url}/teams/churn"
     make_dataset(dataset_url, bad=True)
     config = write_config(tmp_path / "job.yaml", config_for(tmp_path, dataset_url))
-    env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": str(tmp_path / "prefect")}
+    env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": prefect_home(tmp_path / "prefect")}
 
     run = subprocess.run([TRAINPIPE, "run", str(config), "--run-id", "bad-run"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=300)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, run_trainpipe
+from conftest import REPO, prefect_home, run_trainpipe
 
 from infra.checkpoints.store import CheckpointStore
 from infra.node.events import Event, NodeEvent, parse
@@ -60,7 +60,7 @@ def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 def test_an_example_preempted_once_resumes_on_both_nodes_and_commits(
     example: str, s3_url: str, workspace: Path, tmp_path: Path
 ) -> None:
-    env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": str(tmp_path / "prefect"),
+    env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": prefect_home(tmp_path / "prefect"),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     data, job = tmp_path / "data", JOBS[example]
     subprocess.run([sys.executable, str(EXAMPLES / example / "make_data.py"), str(data)], check=True)

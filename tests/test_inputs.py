@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_trainpipe
+from conftest import REPO, prefect_home, run_trainpipe
 from jobs import COMMIT_TINY_CHECKPOINT, job_config, make_dataset, probe_project, write_config
 from test_dataset_stage import failure_line, tree
 
@@ -84,7 +84,7 @@ def test_an_input_is_staged_verified_to_every_node_and_reused_from_the_cache(wor
     config = _config(tmp_path, ["probe.py", "--model", "{input_base}"], {"base": _base(tmp_path / "base")})
     config["training"].update(code=str(code), env={"PROBE_OUT": str(probes)})
     config["dataset"]["fanout"] = "on"  # the dataset and the input: each node fetches a share, the peers the rest
-    env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": str(tmp_path / "prefect"),
+    env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": prefect_home(tmp_path / "prefect"),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     path = write_config(tmp_path / "job.yaml", config)
     want = {name: hashlib.sha256(data).hexdigest() for name, data in BASE.items()}

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, TRAINPIPE, cannot_run_here
+from conftest import REPO, TRAINPIPE, cannot_run_here, prefect_home
 from jobs import job_config, make_dataset, write_config
 from provider_checks import assert_replaces_only_the_lost
 from test_cluster_bench import bench_task_failure
@@ -313,7 +313,7 @@ def test_sigkilled_run_on_netns_is_swept_with_its_namespaces(provider: NetnsProv
                                                               tmp_path: Path) -> None:
     config = netns_job_config(tmp_path, make_dataset(tmp_path / "dataset"), link_mbit=1000, steps=4000)
     config_path = write_config(tmp_path / "job.yaml", config)
-    env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": str(tmp_path / "prefect"),
+    env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": prefect_home(tmp_path / "prefect"),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     gid = provider.group("tp-kill-run")
     log = tmp_path / "orchestrator.log"

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_trainpipe
+from conftest import prefect_home, run_trainpipe
 from jobs import COMMIT_TINY_CHECKPOINT, job_config, make_dataset, probe_project, write_config
 
 PROBE = COMMIT_TINY_CHECKPOINT + """
@@ -33,7 +33,7 @@ if os.environ["RANK"] == "0":
 
 
 def run(config: dict, tmp_path: Path, workspace: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": str(tmp_path / "prefect"),
+    env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": prefect_home(tmp_path / "prefect"),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     path = write_config(tmp_path / "job.yaml", config)
     return run_trainpipe("run", str(path), *args, env=env)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, TRAINPIPE
+from conftest import REPO, TRAINPIPE, prefect_home
 from jobs import job_config, make_dataset, write_config
 from test_pipeline_e2e import tagged_processes
 
@@ -105,9 +105,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     port = _free_port()
     logs = tmp / "logs"
     logs.mkdir()
-    env = {**os.environ, "PREFECT_HOME": str(tmp / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "TRAINPIPE_HOME": str(tmp / "home"),
-           "DO_NOT_TRACK": "1"}
+    env = {**os.environ, "PREFECT_HOME": prefect_home(tmp / "prefect-home"),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+           "TRAINPIPE_HOME": str(tmp / "home"), "DO_NOT_TRACK": "1"}
     env.pop("PREFECT_PROFILES_PATH", None)
     server = subprocess.Popen(["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                               env={**env, "PATH": f"{Path(TRAINPIPE).parent}:{env['PATH']}"}, cwd=tmp,

@@ -23,7 +23,7 @@ import pytest
 import yaml
 from cloud_env import wait_for
 from cmdline_scan import CommandLineScan
-from conftest import REPO, TRAINPIPE, run_trainpipe
+from conftest import REPO, TRAINPIPE, prefect_home, run_trainpipe
 from pydantic import ValidationError
 from slurm_cluster import GPUS_PER_NODE, URGENT, SlurmCluster, slurm_cluster
 from sshd import ssh_servers
@@ -289,10 +289,10 @@ def test_preemption_by_a_higher_tier_raises_the_notice_on_every_node(slurm: Slur
 
 
 def example_job(slurm: SlurmCluster, workspace: Path, tmp_path: Path, steps: int,
-                lease_ttl_s: float = 120.0) -> dict[str, str]:
-    """examples/slurm.yaml as tmp_path/job.yaml, shortened to steps and pointed at local stores and this host's
-    nodes; the environment to run it in."""
-    env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": str(tmp_path / "prefect"),
+                lease_ttl_s: float = 120.0, nodes: int = 3) -> dict[str, str]:
+    """examples/slurm.yaml as tmp_path/job.yaml, shortened to steps, on nodes of this host's Slurm, pointed at local
+    stores; the environment to run it in."""
+    env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": prefect_home(tmp_path / "prefect"),
            "SLURM_CONF": str(slurm.conf)}
     data = tmp_path / "data"
     run_trainpipe("dataset", "synth", str(data), "--tokens", "200000", env=env)
@@ -300,6 +300,7 @@ def example_job(slurm: SlurmCluster, workspace: Path, tmp_path: Path, steps: int
     job["dataset"]["url"] = str(data)
     job["checkpoints"]["url"] = str(tmp_path / "checkpoints")
     job["cluster"]["lease_ttl_s"] = lease_ttl_s
+    job["cluster"]["nodes"] = nodes
     job["cluster"]["slurm"].update(scratch=f"{tmp_path}/scratch/{{node}}", python=sys.executable)
     command = job["training"]["command"]
     command[command.index("--steps") + 1] = str(steps)
@@ -338,7 +339,8 @@ def test_allocation_of_a_killed_orchestrator_ends_within_the_lease(slurm: SlurmC
     nothing of the run within the lease TTL + 30 s; `trainpipe run --run-id` then resumes from the last commit on a
     new allocation and completes."""
     ttl = 15.0
-    env = example_job(slurm, workspace, tmp_path, steps=100_000, lease_ttl_s=ttl)
+    # Two of the site's three nodes: the three-node run is the example's own test; this one is about the lease.
+    env = example_job(slurm, workspace, tmp_path, steps=100_000, lease_ttl_s=ttl, nodes=2)
     with (tmp_path / "run.log").open("w") as out:
         run = subprocess.Popen([TRAINPIPE, "run", str(tmp_path / "job.yaml"), "--run-id", "slurm-kill"], env=env,
                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -407,22 +409,27 @@ def last_step(metrics: Path) -> int:
     return max(steps, default=0)
 
 
+STEPS_PREEMPTED = 160
+
+
 def test_preemption_by_a_higher_tier_mid_training_resumes_on_a_new_allocation(slurm: SlurmCluster, workspace: Path,
                                                                               tmp_path: Path) -> None:
     """A job in the urgent partition preempts the run's allocation mid-training: the holder's notice reaches the
     nodes, the run recovers on a new allocation (same partition and constraint) and completes from its commit."""
-    env = example_job(slurm, workspace, tmp_path, steps=300)
+    # Two of the site's three nodes: the new allocation finds two free (the third, and the one the urgent job did not
+    # take) without waiting for the urgent job to end.
+    env = example_job(slurm, workspace, tmp_path, steps=STEPS_PREEMPTED, nodes=2)
     with (tmp_path / "run.log").open("w") as out:
         run = subprocess.Popen([TRAINPIPE, "run", str(tmp_path / "job.yaml"), "--run-id", "slurm-preempt"], env=env,
                                cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         metrics = tmp_path / "scratch" / "gpu1" / "metrics.jsonl"
-        wait_for(lambda: last_step(metrics) >= 60, 400, "step 60 on gpu1")
+        wait_for(lambda: last_step(metrics) >= 40, 400, "step 40 on gpu1")
         first_job = slurm.job_ids()
         reached = last_step(metrics)
         committed_before = committed_steps(tmp_path / "checkpoints" / "slurm-preempt")
         preempted, signalled_at = time.monotonic(), time.time()
-        slurm.run("sbatch", "-p", URGENT, "-N1", "-o", "/dev/null", "--wrap", "sleep 15")
+        slurm.run("sbatch", "-p", URGENT, "-N1", "-w", "gpu1", "-o", "/dev/null", "--wrap", "sleep 15")
         run.wait(500)
     finally:
         if run.poll() is None:
@@ -433,7 +440,7 @@ def test_preemption_by_a_higher_tier_mid_training_resumes_on_a_new_allocation(sl
     print(f"preemption to run end: {time.monotonic() - preempted:.1f}s")
     summary = json.loads((workspace / "runs" / "slurm-preempt" / "summary.json").read_text())
     assert summary["status"] == "completed"
-    assert summary["checkpoint"].endswith("step-00000300")
+    assert summary["checkpoint"].endswith(step_name(STEPS_PREEMPTED))
     assert summary["recoveries"], output[-4000:]
     assert len(summary["attempts"]) >= 2  # a new allocation after the preempted one
     assert first_job[0] not in [attempt["zone"].split()[2] for attempt in summary["attempts"][1:]]

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CLI_TIMEOUT_S, REPO, TRAINPIPE, run_trainpipe
+from conftest import CLI_TIMEOUT_S, REPO, TRAINPIPE, prefect_home, run_trainpipe
 from jobs import job_config, make_dataset, write_config
 from servers import S3Server, free_port, rclone_s3
 
@@ -108,7 +108,7 @@ def test_a_killed_syncer_is_restarted_and_a_rank_hanging_at_exit_costs_the_grace
                                                          "--kill-syncer-at", "3"],
                           "timeout_s": 900, "exit_grace_s": grace_s}
     config["checkpoints"].update(format="hf", keep=10)
-    env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": str(tmp_path / "prefect"),
+    env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": prefect_home(tmp_path / "prefect"),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     started = time.monotonic()
     result = run_trainpipe("run", str(write_config(tmp_path / "job.yaml", config)), "--run-id", "hangs", env=env)
@@ -160,7 +160,7 @@ def test_after_a_rank_fails_what_completed_is_committed_within_final_upload_time
                                  final_upload_timeout_s=upload_s, store_outage_s=upload_s)
     for name, value in S3Server(f"http://127.0.0.1:{port}", root).env().items():
         monkeypatch.setenv(name, value)  # the run, its nodes and this test's own reads of the store
-    env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": str(tmp_path / "prefect"),
+    env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": prefect_home(tmp_path / "prefect"),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     path = write_config(tmp_path / "job.yaml", config)
     run = subprocess.Popen([TRAINPIPE, "run", str(path), "--run-id", "fails"], env=env, cwd=REPO,
