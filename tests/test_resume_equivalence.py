@@ -73,16 +73,23 @@ def interrupted(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Che
                 agent.kill()
                 agent.communicate()
     stop.touch()
-    assert [syncer.finish() for syncer in syncers] == [0, 0]
+    finished = [syncer.finish() for syncer in syncers]
+    # What both sides said, for a failure below: trainers' and syncers' stderr, and each node's checkpoint dir.
+    said = "\n".join([*(f"--- trainer {rank} stderr:\n{err[-2500:]}" for rank, (_, err) in enumerate(outputs)),
+                      *(f"--- syncer {rank} stderr:\n{syncer.err.read_text()[-1500:]}"
+                        for rank, syncer in enumerate(syncers)),
+                      *(f"--- node {rank} ckpt: {sorted(str(p.relative_to(node)) for p in (node / 'ckpt').rglob('*'))}"
+                        for rank, node in enumerate(nodes))])
+    assert finished == [0, 0], said
 
     stopped = [line for _, err in outputs for line in err.splitlines() if "stopped by SIGTERM after step" in line]
-    assert len(stopped) == 2, outputs[0][1][-3000:]
+    assert len(stopped) == 2, said
     step = int(stopped[0].split("after step ")[1].split(":")[0])
     assert 0 < step < STEPS, "SIGTERM came too late to interrupt anything"
     assert all(line.endswith((f"after step {step}: saved step {step}", f"after step {step}: step {step} is saved"))
-               for line in stopped), stopped
+               for line in stopped), said
     latest = checkpoints.latest()
-    assert latest is not None and latest.step == step, "the last save on SIGTERM was not committed"
+    assert latest is not None and latest.step == step, f"the last save on SIGTERM was not committed:\n{said}"
     return checkpoints
 
 
