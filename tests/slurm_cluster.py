@@ -5,9 +5,10 @@ login node has. Each cluster writes its own slurm.conf (ports picked free at sta
 its own state, spool and log dirs) in a fresh dir, so it never touches /etc/slurm or a Slurm the machine may run.
 Every node has NodeAddr=127.0.0.1 and its own Port; SlurmdSpoolDir and the pid and log files carry %n so the three
 slurmd do not share them. Two partitions cover one set of nodes: `batch` (the default) and `urgent`, a higher
-priority tier that preempts batch jobs (preempt/partition_prio, REQUEUE, a GraceTime, and the job's --signal sent
-when preemption starts: preempt_send_user_signal). Each node has the features ib,nvme and two GRES gpus whose
-device files are links to /dev/null (slurmd only checks that they are character devices; nothing opens them).
+priority tier that preempts batch jobs (preempt/partition_prio, REQUEUE, a GraceTime, and, unless the Site says
+otherwise, the job's --signal sent when preemption starts: preempt_send_user_signal). Each node has the features
+ib,nvme and two GRES gpus whose device files are links to /dev/null (slurmd only checks that they are character
+devices; nothing opens them).
 
 A site with accounting (accounting=True) adds what a site that checks accounts runs: MariaDB (a fresh datadir made
 by mariadb-install-db, its own port and socket), slurmdbd on its own DbdPort storing into it, and a slurmctld with
@@ -74,12 +75,23 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class Site:
+    """What one test Slurm's configuration differs in from another's."""
+
+    nodes: tuple[str, ...] = NODES  # the node names, each with the same features and GPUs
+    topology: str | None = None  # a topology.conf's text: a switch tree (TopologyPlugin=topology/tree)
+    accounting: bool = False  # slurmdbd enforcing associations, the account ACCOUNT registered for this user
+    # preempt_send_user_signal: a preempted job gets its --signal when the preemption starts; without it, as on many
+    # sites, the job only gets SIGTERM when GraceTime ends (then SIGKILL after KillWait).
+    early_signal: bool = True
+
+
 @dataclass
 class SlurmCluster:
     root: Path
     ports: dict[str, int]  # slurmctld and each node; with accounting slurmdbd and mariadbd too
-    nodes: tuple[str, ...] = NODES
-    accounting: bool = False
+    site: Site = Site()
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     started_in_s: float = 0.0  # from the first daemon's start to every node idle
 
@@ -127,13 +139,13 @@ class SlurmCluster:
                                 f"--seed-file={self.root / 'munge' / 'munged.seed'}",
                                 f"--log-file={self.root / 'log' / 'munged.log'}"])
         self._wait(lambda: self._munge_socket.exists(), "munged's socket")
-        if self.accounting:
+        if self.site.accounting:
             self._start_accounting()
         self._daemon("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)])
         self._wait(lambda: self.run("scontrol", "ping", check=False).returncode == 0, "slurmctld to answer")
-        for node in self.nodes:
+        for node in self.site.nodes:
             self._daemon(node, ["slurmd", "-D", "-N", node, "-f", str(self.conf)])
-        self._wait(lambda: set(self.node_states().values()) == {"idle"} and len(self.node_states()) == len(self.nodes),
+        self._wait(lambda: sorted(self.node_states().items()) == [(node, "idle") for node in sorted(self.site.nodes)],
                    "every node idle")
         self.started_in_s = time.monotonic() - started
 
@@ -164,7 +176,7 @@ class SlurmCluster:
                     self.run("scancel", *jobs, check=False)
                     self._wait(lambda: not self.job_ids(), "every job gone at teardown", STOP_TIMEOUT_S)
         finally:
-            for name in [*self.nodes, "slurmctld", "slurmdbd", "mariadbd", "munged"]:
+            for name in [*self.site.nodes, "slurmctld", "slurmdbd", "mariadbd", "munged"]:
                 process = self.processes.pop(name, None)
                 if process is not None:
                     _stop(process)
@@ -204,9 +216,10 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         process.wait(STOP_TIMEOUT_S)
 
 
-def slurm_conf(root: Path, ports: dict[str, int], munge_socket: Path, topology: str | None = None,
-               node_names: tuple[str, ...] = NODES, accounting: bool = False) -> str:
-    """accounting: the jobs' accounts go to slurmdbd (ports['slurmdbd']), which enforces the users' associations."""
+def slurm_conf(root: Path, ports: dict[str, int], munge_socket: Path, site: Site) -> str:
+    """With site.accounting the jobs' accounts go to slurmdbd (ports['slurmdbd']), which enforces the users'
+    associations."""
+    node_names = site.nodes
     nodes = "\n".join(
         f"NodeName={node} NodeAddr=127.0.0.1 NodeHostname=localhost Port={ports[node]} CPUs={CPUS_PER_NODE} "
         f"RealMemory=1000 Gres=gpu:{GPUS_PER_NODE} Feature={FEATURES} State=UNKNOWN" for node in node_names)
@@ -215,7 +228,7 @@ def slurm_conf(root: Path, ports: dict[str, int], munge_socket: Path, topology: 
                f"AccountingStoragePort={ports['slurmdbd']}\nAccountingStorageEnforce=associations\n"
                # For slurmdbd AccountingStoragePass names the munge socket its connections authenticate with.
                f"AccountingStoragePass={munge_socket}"
-               if accounting else "AccountingStorageType=accounting_storage/none")
+               if site.accounting else "AccountingStorageType=accounting_storage/none")
     return f"""\
 ClusterName={CLUSTER_NAME}
 SlurmctldHost=localhost
@@ -248,8 +261,8 @@ MinJobAge=5
 InactiveLimit=0
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
-SlurmctldParameters=preempt_send_user_signal
-{'TopologyPlugin=topology/tree' if topology is not None else ''}
+{'SlurmctldParameters=preempt_send_user_signal' if site.early_signal else ''}
+{'TopologyPlugin=topology/tree' if site.topology is not None else ''}
 {nodes}
 PartitionName={PARTITION} Nodes={node_list} Default=YES PriorityTier=1 GraceTime={GRACE_TIME_S} State=UP
 PartitionName={URGENT} Nodes={node_list} PriorityTier=2 PreemptMode=OFF MaxTime=INFINITE State=UP
@@ -285,7 +298,8 @@ def gres_conf(root: Path, node_names: tuple[str, ...]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _prepare(root: Path, topology: str | None, node_names: tuple[str, ...], accounting: bool) -> dict[str, int]:
+def _prepare(root: Path, site: Site) -> dict[str, int]:
+    node_names = site.nodes
     for sub in ("munge", "state", "spool", "log", "run", "dev"):
         (root / sub).mkdir()
     # munged wants its socket's dir (and every dir above it) searchable by all, and its key readable by itself only.
@@ -294,7 +308,7 @@ def _prepare(root: Path, topology: str | None, node_names: tuple[str, ...], acco
     subprocess.run(["mungekey", "-c", "-k", str(root / "munge" / "munge.key")], check=True, capture_output=True)
     ports = {"slurmctld": free_port(), **{node: free_port() for node in node_names}}
     munge_socket = root / "munge" / "munge.socket"
-    if accounting:
+    if site.accounting:
         ports.update(slurmdbd=free_port(), mariadbd=free_port())
         dbd_conf = root / "slurmdbd.conf"
         dbd_conf.touch(mode=0o600)  # slurmdbd refuses a configuration others can read (it may hold a password)
@@ -304,27 +318,23 @@ def _prepare(root: Path, topology: str | None, node_names: tuple[str, ...], acco
                               capture_output=True, text=True, timeout=START_TIMEOUT_S)
         if made.returncode != 0:
             raise RuntimeError(f"test Slurm: mariadb-install-db exited {made.returncode}: {made.stdout}{made.stderr}")
-    (root / "slurm.conf").write_text(slurm_conf(root, ports, munge_socket, topology, node_names, accounting))
-    if topology is not None:  # topology.conf beside slurm.conf, where slurmctld looks for it
-        (root / "topology.conf").write_text(topology)
+    (root / "slurm.conf").write_text(slurm_conf(root, ports, munge_socket, site))
+    if site.topology is not None:  # topology.conf beside slurm.conf, where slurmctld looks for it
+        (root / "topology.conf").write_text(site.topology)
     (root / "gres.conf").write_text(gres_conf(root, node_names))
     return ports
 
 
 @contextmanager
-def slurm_cluster(attempts: int = 3, topology: str | None = None, nodes: tuple[str, ...] = NODES,
-                  accounting: bool = False) -> Iterator[SlurmCluster]:
-    """A running test Slurm; stopped (every job cancelled first) and its dir removed afterwards. A start that fails
-    (a port taken between probe and bind) is retried with new ports. topology: a topology.conf's text, for a site
-    with a switch tree (TopologyPlugin=topology/tree); none by default. nodes: the node names (each with the same
-    features and GPUs). accounting: slurmdbd enforcing associations, the account ACCOUNT registered for this user."""
-    require_slurm(accounting)
+def slurm_cluster(site: Site = Site(), attempts: int = 3) -> Iterator[SlurmCluster]:
+    """A running test Slurm configured as site says; stopped (every job cancelled first) and its dir removed
+    afterwards. A start that fails (a port taken between probe and bind) is retried with new ports."""
+    require_slurm(site.accounting)
     for attempt in range(1, attempts + 1):
         # Not under pytest's tmp dir: munged refuses a socket below a dir others cannot search (pytest's is 0700), and
         # unix socket paths are short.
         root = Path(tempfile.mkdtemp(prefix="tp-slurm-", dir="/tmp"))
-        cluster = SlurmCluster(root=root, ports=_prepare(root, topology, nodes, accounting), nodes=nodes,
-                               accounting=accounting)
+        cluster = SlurmCluster(root=root, ports=_prepare(root, site), site=site)
         try:
             cluster.start()
         except RuntimeError:

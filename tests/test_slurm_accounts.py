@@ -20,7 +20,7 @@ import pytest
 import yaml
 from cloud_env import wait_for
 from conftest import run_trainpipe
-from slurm_cluster import ACCOUNT, CLUSTER_NAME, SlurmCluster, slurm_cluster
+from slurm_cluster import ACCOUNT, CLUSTER_NAME, Site, SlurmCluster, slurm_cluster
 from test_slurm_provider import DEADLINE_S, example_job, spec
 
 from infra.compute.providers import InvalidRequestError, get_provider
@@ -33,7 +33,7 @@ UNKNOWN = "no-such-lab"  # an account the database does not know
 
 @pytest.fixture(scope="module")
 def dbd_site() -> Iterator[SlurmCluster]:
-    with slurm_cluster(nodes=("gpu1",), accounting=True) as cluster:
+    with slurm_cluster(Site(nodes=("gpu1",), accounting=True)) as cluster:
         print(f"test Slurm with slurmdbd started in {cluster.started_in_s:.2f}s")
         cluster.run("sacctmgr", "-i", "add", "cluster", ELSEWHERE)
         cluster.run("sacctmgr", "-i", "add", "account", FAR, f"cluster={ELSEWHERE}")

@@ -25,7 +25,7 @@ from cloud_env import wait_for
 from cmdline_scan import CommandLineScan
 from conftest import REPO, TRAINPIPE, prefect_home, run_trainpipe
 from pydantic import ValidationError
-from slurm_cluster import GPUS_PER_NODE, URGENT, SlurmCluster, slurm_cluster
+from slurm_cluster import GPUS_PER_NODE, URGENT, Site, SlurmCluster, slurm_cluster
 from sshd import ssh_servers
 
 from infra.checkpoints.layout import MANIFEST_NAME
@@ -251,7 +251,7 @@ def test_a_replacement_whose_switch_has_no_free_node_is_unavailable_at_once(work
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """On a topology/tree site a lone node's replacement keeps to the survivors' leaf switch: with none free under
     it, ReplacementUnavailable names the switch before anything is submitted (not the 120 s wait)."""
-    with slurm_cluster(topology=SWITCHES) as tree_site:
+    with slurm_cluster(Site(topology=SWITCHES)) as tree_site:
         monkeypatch.setenv("SLURM_CONF", str(tree_site.conf))
         provider = get_provider("slurm")
         cluster = provider.launch("tp-switch", spec(tmp_path, nodes=2), "run-switch")
@@ -286,6 +286,48 @@ def test_preemption_by_a_higher_tier_raises_the_notice_on_every_node(slurm: Slur
     finally:
         provider.terminate("tp-preempt")
     assert [line.split()[0] for line in slurm.run("squeue", "-h", "-o", "%P").stdout.splitlines()] in ([], [URGENT])
+
+
+@pytest.fixture
+def plain_site(workspace: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SlurmCluster]:
+    """A site that does not send the job's --signal when preemption starts (no preempt_send_user_signal, Slurm's
+    default): a preempted job hears of it only by SIGTERM when the grace time ends, SIGKILL KillWait later."""
+    with slurm_cluster(Site(early_signal=False)) as site:
+        monkeypatch.setenv("SLURM_CONF", str(site.conf))
+        yield site
+
+
+def test_without_the_early_signal_the_holder_asks_slurmctld_and_every_node_has_the_notice(
+        plain_site: SlurmCluster, tmp_path: Path) -> None:
+    """Such a site SIGTERMs a preempted job's steps when the preemption starts and its batch script (the holder) only
+    when the grace time ends, when no step can start any more to carry a notice to the other nodes. The holder asks
+    slurmctld instead, whose PreemptTime is set when the preemption starts: every node has the notice within a poll
+    or two, while the allocation still runs (the orchestrator reads it through a step, and knows why its trainers
+    stopped)."""
+    provider = get_provider("slurm")
+    cluster = provider.launch("tp-plain", spec(tmp_path, signal_lead_s=10), "run-plain")
+    heard = ("import os, signal, threading; stop = threading.Event(); "
+             "signal.signal(signal.SIGTERM, lambda *_: stop.set()); print('READY', flush=True); stop.wait(300); "
+             "open(os.path.join(os.getcwd(), 'heard-sigterm'), 'w').close()")
+    try:
+        steps = [provider.runner(cluster, node).start([sys.executable, "-c", heard]) for node in cluster.nodes]
+        wait_for(lambda: all("READY" in step.tail() for step in steps), DEADLINE_S, "a step on every node")
+        preempted = time.monotonic()
+        plain_site.run("sbatch", "-p", URGENT, "-N1", "-o", "/dev/null", "--wrap", "sleep 2")
+        wait_for(lambda: all(Path(node.path("heard-sigterm")).exists() for node in cluster.nodes), DEADLINE_S,
+                 "every node's step signalled by Slurm as the preemption starts")
+        wait_for(lambda: all(Path(node.path("preemption-notice.json")).exists() for node in cluster.nodes),
+                 DEADLINE_S, "a notice on every node")
+        print(f"plain site: preemption to notice on every node: {time.monotonic() - preempted:.2f}s")
+        assert all(provider.nodes_alive(cluster).values()), "the notice came after the grace time"
+        notices = provider.preemption_notices(cluster)
+        assert [notice.node for notice in notices] == [node.name for node in cluster.nodes]
+        assert "slurm: preempted (slurmctld's PreemptTime" in notices[0].reason, notices[0].reason
+        wait_for(lambda: not any(provider.nodes_alive(cluster).values()), 90, "the preempted allocation gone")
+    finally:
+        provider.terminate("tp-plain")
+    assert [line.split()[0] for line in plain_site.run("squeue", "-h", "-o", "%P").stdout.splitlines()] in (
+        [], [URGENT])
 
 
 def example_job(slurm: SlurmCluster, workspace: Path, tmp_path: Path, steps: int,
@@ -412,10 +454,14 @@ def last_step(metrics: Path) -> int:
 STEPS_PREEMPTED = 160
 
 
-def test_preemption_by_a_higher_tier_mid_training_resumes_on_a_new_allocation(slurm: SlurmCluster, workspace: Path,
-                                                                              tmp_path: Path) -> None:
+@pytest.mark.parametrize(("site", "notice_from"), [("slurm", "slurm: USR1"), ("plain_site", "slurm: preempted")])
+def test_preemption_by_a_higher_tier_mid_training_resumes_on_a_new_allocation(
+        site: str, notice_from: str, workspace: Path, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """A job in the urgent partition preempts the run's allocation mid-training: the holder's notice reaches the
-    nodes, the run recovers on a new allocation (same partition and constraint) and completes from its commit."""
+    nodes, the run recovers on a new allocation (same partition and constraint) and completes from its commit. On a
+    site that sends the early USR1 the notice comes from it; on one that does not (its steps are SIGTERMed as the
+    preemption starts, the holder only when the grace time ends), from slurmctld's PreemptTime."""
+    slurm: SlurmCluster = request.getfixturevalue(site)
     # Two of the site's three nodes: the new allocation finds two free (the third, and the one the urgent job did not
     # take) without waiting for the urgent job to end.
     env = example_job(slurm, workspace, tmp_path, steps=STEPS_PREEMPTED, nodes=2)
@@ -449,7 +495,7 @@ def test_preemption_by_a_higher_tier_mid_training_resumes_on_a_new_allocation(sl
     # The emergency checkpoint: saved on the notice at the step training had reached (nothing lost), committed
     # although Slurm signals every job step (the syncers too) when the preemption starts, and resumed from.
     recovery = summary["recoveries"][0]
-    assert "slurm: USR1" in recovery["reason"]  # the site's early signal (preempt_send_user_signal) raised it
+    assert notice_from in recovery["reason"], recovery
     emergency = recovery["resumed_from_step"]
     assert emergency is not None and emergency >= max(reached, recovery["step_reached"]), (recovery, reached)
     assert emergency not in committed_before and recovery["steps_lost"] == 0, (recovery, committed_before)

@@ -6,8 +6,11 @@ It runs on the allocation's first node and does three things:
   relaunch), then writes READY_FILE in its own;
 - turns the allocation's end into a preemption notice on every node: USR1 (sbatch --signal=B:USR1@N: N s before the
   walltime, or when preemption starts where the site sets preempt_send_user_signal) and SIGTERM (preemption or
-  cancel, KillWait before SIGKILL, where the site sends no early signal) each write infra.node.preemption's notice
-  file into every node's workdir, which the nodes' watchers act on (emergency checkpoint, sync);
+  cancel, KillWait before SIGKILL) each write infra.node.preemption's notice file into every node's workdir, which
+  the nodes' watchers act on (emergency checkpoint, sync). Where the site sends no early signal, the job hears of a
+  preemption only by the SIGTERM at the end of the grace time, when no step can start any more to carry the notice
+  to the other nodes: there the holder asks slurmctld (`scontrol show job`) every poll, and the PreemptTime
+  slurmctld sets when the preemption starts is the notice, the grace time ahead;
 - ends the allocation when the orchestrator has been silent for the lease TTL: the lease file in its node's workdir
   (renewed by the orchestrator's LeaseKeeper with the unix time) not renewed for ttl seconds, counted from the
   holder's start before the first renewal. The batch script's exit ends the job, and Slurm ends every step in it.
@@ -64,10 +67,20 @@ notice() {  # reason, seconds left
 }
 trap 'notice "USR1: the allocation ends (preemption or walltime)" @LEAD@' USR1
 trap 'notice "SIGTERM: the allocation is being ended" @TERM_S@' TERM
+# The preemption slurmctld has started for this job, in $preempted_at.
+preemption_started() {
+  local job
+  job=$(scontrol -o show job "$SLURM_JOB_ID" 2>/dev/null) || return 1
+  [[ "$job" =~ PreemptTime=([0-9][0-9T:-]+) ]] || return 1
+  preempted_at=${BASH_REMATCH[1]}
+}
 
 started=$(date +%s)
 while true; do
   sleep @POLL@ & wait $!
+  if (( @ASK_PREEMPTION@ )) && [ -z "$noticed" ] && preemption_started; then
+    notice "preempted (slurmctld's PreemptTime $preempted_at; this site sends no early signal)" @TERM_S@
+  fi
   now=$(date +%s)
   renewed=$(cut -d. -f1 "$own/@LEASE@" 2>/dev/null)
   [[ "$renewed" =~ ^[0-9]+$ ]] || renewed=$started
@@ -79,14 +92,17 @@ done
 """
 
 
-def holder_script(cluster_name: str, run_id: str, workdir_template: str, ttl_s: float, signal_lead_s: int) -> str:
-    """The batch script; workdir_template is a node's workdir with {node} where its Slurm name goes."""
+def holder_script(cluster_name: str, run_id: str, workdir_template: str, ttl_s: float, signal_lead_s: int,
+                  ask_preemption: bool) -> str:
+    """The batch script; workdir_template is a node's workdir with {node} where its Slurm name goes; ask_preemption:
+    the site sends no early signal, so the holder asks slurmctld whether a preemption has started."""
     values = {
         "@CLUSTER@": cluster_name, "@RUN@": run_id, "@TEMPLATE@": shlex.quote(workdir_template),
         "@PLACEHOLDER@": NODE_PLACEHOLDER.replace("{", r"\{").replace("}", r"\}"), "@HOLDER_LOG@": HOLDER_LOG,
         "@READY@": READY_FILE, "@NOTICE@": NOTICE_FILE, "@SYNC@": SYNC_SUBDIR, "@LEASE@": LEASE_FILE,
         "@LEAD@": str(signal_lead_s),
         "@TERM_S@": str(TERM_NOTICE_S), "@POLL@": str(POLL_S), "@TTL@": str(int(ttl_s)),
+        "@ASK_PREEMPTION@": "1" if ask_preemption else "0",
     }
     script = _SCRIPT
     for key, value in values.items():

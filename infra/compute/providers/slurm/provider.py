@@ -98,8 +98,9 @@ class SlurmProvider(Provider):
         self.root.mkdir(parents=True, exist_ok=True)
         login = login_of(config)
         script = self._script(cluster_name)
+        early = site.signals_preemption_early(site.site_config(login))
         script.write_text(holder_script(cluster_name, run_id, config.node_workdir(NODE_PLACEHOLDER, cluster_name),
-                                        spec.lease_ttl_s, config.signal_lead_s))
+                                        spec.lease_ttl_s, config.signal_lead_s, ask_preemption=not early))
         options = sbatch_options(cluster_name, run_id, spec)
         try:
             job_id = cli.submit(login, options, script.read_text())

@@ -72,6 +72,17 @@ def parse_config(text: str) -> dict[str, str]:
     return {key.strip(): value.strip() for key, value in pairs}
 
 
+def site_config(login: Login) -> dict[str, str]:
+    """The site's slurmctld configuration, as `scontrol show config` prints it."""
+    return parse_config(cli.run(login, ["scontrol", "show", "config"]).stdout)
+
+
+def signals_preemption_early(config: dict[str, str]) -> bool:
+    """Whether slurmctld sends a preempted job its --signal when the preemption starts (preempt_send_user_signal);
+    without it the job hears nothing before the SIGTERM at the end of the grace time."""
+    return "preempt_send_user_signal" in [flag.strip() for flag in config.get("SlurmctldParameters", "").split(",")]
+
+
 def enforces_associations(config: dict[str, str]) -> bool:
     """Whether the site refuses a job whose account is not one of the user's associations (slurmdbd enforcing them)."""
     enforced = [flag.strip() for flag in config.get("AccountingStorageEnforce", "").lower().split(",")]
@@ -86,7 +97,7 @@ def accounts_of(associations: str, user: str) -> set[str]:
 
 def check_account(login: Login, account: str) -> None:
     """SiteMismatch when the site enforces associations and the account is not one of the user's."""
-    config = parse_config(cli.run(login, ["scontrol", "show", "config"]).stdout)
+    config = site_config(login)
     if not enforces_associations(config):
         return  # the site takes any account name: nothing to refuse
     user = login.endpoint.user if login.remote else getpass.getuser()
