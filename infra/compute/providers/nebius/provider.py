@@ -51,7 +51,6 @@ from infra.compute.providers.nebius.labels import (
     LABEL_OWNER,
     LABEL_RANK,
     LABEL_RUN,
-    Stamp,
     address,
     created_time,
     fingerprint_labels,
@@ -60,8 +59,9 @@ from infra.compute.providers.nebius.labels import (
     labels_of,
     rank_of,
     resource_name,
+    stamp_labels,
 )
-from infra.compute.providers.owner import launcher_stamp
+from infra.compute.providers.owner import Stamp, launcher_stamp
 from infra.compute.spec import ClusterSpec
 
 log = logging.getLogger(__name__)
@@ -207,7 +207,7 @@ class NebiusProvider(NebiusApi, CloudProvider):
             self._delete_gpu_cluster(str(existing.metadata.id), doing)
         request = compute.CreateGpuClusterRequest(
             metadata=common.ResourceMetadata(parent_id=project, name=name,
-                                             labels={**stamp.labels(), LABEL_HEARTBEAT: f"{time.time():.0f}"}),
+                                             labels={**stamp_labels(stamp), LABEL_HEARTBEAT: f"{time.time():.0f}"}),
             spec=compute.GpuClusterSpec(infiniband_fabric=fabric))
         operation = self._api(doing, lambda **kw: self.client("gpu_clusters").create(request, **kw))
         return self._finish(operation, doing)
@@ -288,7 +288,7 @@ class NebiusProvider(NebiusApi, CloudProvider):
             log.info("%s rank %d: replacing %s (%s, %s)", stamp.cluster, rank, name, _state(existing),
                      existing.spec.resources.platform)
             self._delete_instance(str(existing.metadata.id), doing)
-        labels = {**stamp.labels(), LABEL_RANK: str(rank), **fingerprint_labels(host_key.fingerprint)}
+        labels = {**stamp_labels(stamp), LABEL_RANK: str(rank), **fingerprint_labels(host_key.fingerprint)}
         request = compute.CreateInstanceRequest(
             metadata=common.ResourceMetadata(parent_id=project, name=name, labels=labels), spec=spec)
         return self._api(doing, lambda **kw: self.client("instances").create(request, **kw))
