@@ -19,7 +19,8 @@ from azure.core.exceptions import ResourceNotFoundError
 from azure.core.polling import LROPoller
 
 from infra.cancel import CANCEL
-from infra.compute.providers.azure.errors import API_ERRORS, InvalidRequestError, LaunchError, classify
+from infra.compute.providers.azure.errors import API_ERRORS, InvalidRequestError, classify
+from infra.compute.providers.cloud_errors import retry_later
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -111,9 +112,7 @@ class ArmApi:
         for poller in pollers:
             while not poller.done():
                 if time.monotonic() > deadline:
-                    error = LaunchError(f"azure: {doing}: an operation was not done after {WAIT_S:.0f}s: retry later")
-                    error.transient = True
-                    raise error
+                    raise retry_later(f"azure: {doing}: an operation was not done after {WAIT_S:.0f}s: retry later")
                 CANCEL.wait(WAIT_STEP_S)
             try:
                 poller.result()
