@@ -30,15 +30,16 @@ import copy
 import itertools
 import json
 import re
-import sys
 import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
+
+from http_stub import Served
 
 PROJECT = "trainpipe-test"
 API = "https://www.googleapis.com/compute/v1"
@@ -143,30 +144,23 @@ class GceServer:
         self._state = _State()
         self._lock = threading.Lock()
         self._ids = itertools.count(1000)
-        self._httpd: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
+        self._httpd: Served | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
     @property
     def endpoint(self) -> str:
         assert self._httpd is not None, "the server is not started"
-        return f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        return f"http://127.0.0.1:{self._httpd.port}"
 
     def start(self) -> GceServer:
         handler = type("Handler", (_Handler,), {"gce": self})
-        self._httpd = _Server(("127.0.0.1", 0), handler)
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="gce-server", daemon=True)
-        self._thread.start()
+        self._httpd = Served(handler, "gce-server")
         return self
 
     def stop(self) -> None:
         if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._httpd.stop()
 
     def __enter__(self) -> GceServer:
         return self.start()
@@ -522,13 +516,6 @@ class GceServer:
         return {"kind": "compute#resourcePolicyAggregatedList",
                 "id": f"projects/{self.project}/aggregated/resourcePolicies", "items": items,
                 "selfLink": self._url("aggregated/resourcePolicies")}
-
-
-class _Server(ThreadingHTTPServer):
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client killed mid-request (tests kill orchestrators) is no error of the server's."""
-        if not isinstance(sys.exc_info()[1], ConnectionError):
-            super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):
