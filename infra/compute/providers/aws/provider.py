@@ -31,7 +31,15 @@ from infra.compute.catalog import Catalog
 from infra.compute.optimizer import Candidate
 from infra.compute.providers.aws.errors import CapacityError, InvalidRequestError, LaunchError, classify, error_code
 from infra.compute.providers.base import Cluster, ClusterRecord, Node, PreemptionNotice, ReplacementUnavailable
-from infra.compute.providers.cloud import HOST_KEYS, LEASE_TTL, MOUNT, CloudProvider, boot_script, lease_alive
+from infra.compute.providers.cloud import (
+    HOST_KEYS,
+    LEASE_TTL,
+    MOUNT,
+    CloudProvider,
+    boot_script,
+    lease_alive,
+    rolled_back,
+)
 from infra.compute.providers.nvme_boot import nvme_script
 from infra.compute.providers.owner import launcher_stamp
 from infra.compute.spec import ClusterSpec
@@ -166,14 +174,8 @@ class AwsProvider(CloudProvider):
             failure = exc
         else:
             return self._cluster(cluster_name, region, self._cluster_instances(region, cluster_name))
-        log.warning("rolling back partial launch of %s in %s: %s", cluster_name, region, failure)
-        try:
-            self._teardown_region(region, cluster_name)
-        except (ClientError, BotoCoreError) as exc:
-            # The launch failure is what the caller must act on; what is left is tagged, so the sweeper finds it.
-            log.error("rollback of %s in %s failed, resources left for `trainpipe sweep`: %s", cluster_name, region,
-                      classify(exc, f"roll back {cluster_name}"))
-        raise failure
+        raise rolled_back(cluster_name, region, failure, lambda: self._call(
+            f"roll back {cluster_name}", lambda: self._teardown_region(region, cluster_name)))
 
     @staticmethod
     def _wait_until(ec2: Any, ids: list[str], state: str) -> None:

@@ -71,7 +71,7 @@ from infra.compute.providers.azure.names import (
     vm_name,
 )
 from infra.compute.providers.base import Cluster, ClusterRecord, Node, PreemptionNotice, ReplacementUnavailable
-from infra.compute.providers.cloud import HOST_KEYS, LEASE_TTL, MOUNT, CloudProvider, lease_alive
+from infra.compute.providers.cloud import HOST_KEYS, LEASE_TTL, MOUNT, CloudProvider, lease_alive, rolled_back
 from infra.compute.providers.owner import Stamp, launcher_stamp
 from infra.compute.spec import ClusterSpec
 
@@ -138,14 +138,7 @@ class AzureProvider(ArmApi, CloudProvider):
             failure: LaunchError = classify(exc, doing)
         except LaunchError as exc:
             failure = exc
-        log.warning("rolling back partial launch of %s in %s: %s", cluster_name, region, failure)
-        try:
-            self._delete_group(group, f"roll back {cluster_name}")
-        except LaunchError as left:
-            # The launch failure is what the caller must act on; the group is tagged, so the sweeper finds it.
-            log.error("rollback of %s in %s failed, resources left for `trainpipe sweep`: %s", cluster_name, region,
-                      left)
-        raise failure
+        raise rolled_back(cluster_name, region, failure, lambda: self._delete_group(group, f"roll back {cluster_name}"))
 
     def _shape(self, spec: ClusterSpec, candidate: Candidate) -> Shape:
         section: AzureClusterSpec = spec.azure

@@ -37,7 +37,7 @@ from infra.compute.access.hostkeys import HostKey
 from infra.compute.catalog import Catalog
 from infra.compute.optimizer import Candidate
 from infra.compute.providers.base import Cluster, ClusterRecord, Node, PreemptionNotice, ReplacementUnavailable
-from infra.compute.providers.cloud import HOST_KEYS, LEASE_TTL, MOUNT, CloudProvider, lease_alive
+from infra.compute.providers.cloud import HOST_KEYS, LEASE_TTL, MOUNT, CloudProvider, lease_alive, rolled_back
 from infra.compute.providers.gcp import api
 from infra.compute.providers.gcp.api import (
     API_ERRORS,
@@ -156,18 +156,14 @@ class GcpProvider(ComputeApi, CloudProvider):
             failure = exc
         else:
             return self._cluster(cluster_name, zone, instances)
-        log.warning("rolling back partial launch of %s in %s: %s", cluster_name, zone, failure)
-        try:
+
+        def undo() -> None:
             # Inserts still in flight would create instances after the teardown looked: let them finish first.
             for error in self._finish(started, f"roll back {cluster_name}"):
                 log.info("rolling back %s: a node insert also failed: %s", cluster_name, error)
             self._teardown(cluster_name, zone)
-        except (*API_ERRORS, LaunchError) as exc:
-            # The launch failure is what the caller must act on; what is left is labelled, so the sweeper finds it.
-            left = exc if isinstance(exc, LaunchError) else classify(exc, f"roll back {cluster_name}")
-            log.error("rollback of %s in %s failed, resources left for `trainpipe sweep`: %s", cluster_name, zone,
-                      left)
-        raise failure
+
+        raise rolled_back(cluster_name, zone, failure, lambda: self._call(f"roll back {cluster_name}", undo))
 
     def _zone(self, candidate: Candidate) -> str:
         """GCE instances live in a zone: the candidate's, else the first TRAINPIPE_GCP_ZONES zone of its region."""

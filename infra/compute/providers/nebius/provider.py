@@ -31,7 +31,7 @@ from infra.compute.access.hostkeys import HostKey
 from infra.compute.catalog import Catalog
 from infra.compute.optimizer import Candidate
 from infra.compute.providers.base import Cluster, ClusterRecord, Node, PreemptionNotice, ReplacementUnavailable
-from infra.compute.providers.cloud import HOST_KEYS, LEASE_TTL, SSH_KEY_ENV, CloudProvider, lease_alive
+from infra.compute.providers.cloud import HOST_KEYS, LEASE_TTL, SSH_KEY_ENV, CloudProvider, lease_alive, rolled_back
 from infra.compute.providers.nebius import api
 from infra.compute.providers.nebius.api import PAGE_SIZE, NebiusApi
 from infra.compute.providers.nebius.boot import FILESYSTEM_TAG, NOTICE_S, WORKDIR, user_data
@@ -170,17 +170,14 @@ class NebiusProvider(NebiusApi, CloudProvider):
             failure = exc
         else:
             return self._cluster(cluster_name, region, project, instances)
-        log.warning("rolling back partial launch of %s in %s: %s", cluster_name, region, failure)
-        try:
+
+        def undo() -> None:
             # Creates still in flight would make instances after the teardown looked: let them end first.
             for error in self._finish_all(operations, f"roll back {cluster_name}"):
                 log.info("rolling back %s: a node create also failed: %s", cluster_name, error)
             self._call(f"roll back {cluster_name}", lambda: self._teardown(cluster_name, project))
-        except LaunchError as left:
-            # The launch failure is what the caller must act on; what is left is labelled, so the sweeper finds it.
-            log.error("rollback of %s in %s failed, resources left for `trainpipe sweep`: %s", cluster_name, region,
-                      left)
-        raise failure
+
+        raise rolled_back(cluster_name, region, failure, undo)
 
     def _finish_all(self, operations: list[Any], doing: str) -> list[LaunchError]:
         failures = []
