@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from infra.cancel import CANCEL
+from infra.compute.providers.base import LaunchError
 from infra.compute.providers.cloud_errors import retry_later
 
 log = logging.getLogger(__name__)
@@ -49,3 +50,11 @@ def wait_done(operation: T, done: Callable[[T], bool], refresh: Callable[[T], T]
         delay = min(delay * 2, max_s)
         operation = refresh(operation)
     return operation
+
+
+def raise_first(failures: Sequence[LaunchError], doing: str) -> None:
+    """Of operations that ran together (one per node), the first failure raised and the others logged."""
+    for other in failures[1:]:
+        log.warning("%s: another operation failed too: %s", doing, other)
+    if failures:
+        raise failures[0]

@@ -8,7 +8,6 @@ with jitter, honouring Retry-After, logged by azure-core) under the limits set h
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -21,8 +20,8 @@ from azure.core.polling import LROPoller
 from infra.cancel import CANCEL
 from infra.compute.providers.azure.errors import API_ERRORS, InvalidRequestError, classify
 from infra.compute.providers.cloud_errors import retry_later
+from infra.compute.providers.operations import raise_first
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SUBSCRIPTION_ENVS = ("TRAINPIPE_AZURE_SUBSCRIPTION", "AZURE_SUBSCRIPTION_ID")
@@ -122,11 +121,7 @@ class ArmApi:
 
     def _finish(self, pollers: list[LROPoller[Any]], doing: str) -> None:
         """Wait for every operation; the first failure, classified, is raised (the others logged)."""
-        failures = self._wait(pollers, doing)
-        for other in failures[1:]:
-            log.warning("azure: %s: another operation failed too: %s", doing, classify(other, doing))
-        if failures:
-            raise classify(failures[0], doing)
+        raise_first([classify(failure, doing) for failure in self._wait(pollers, doing)], f"azure: {doing}")
 
 
 def json_of(model: Any) -> dict[str, Any]:

@@ -83,6 +83,7 @@ from infra.compute.providers.gcp.labels import (
     stamp_labels,
     stamp_of,
 )
+from infra.compute.providers.operations import raise_first
 from infra.compute.providers.owner import Stamp, launcher_stamp
 from infra.compute.spec import ClusterSpec
 
@@ -145,10 +146,7 @@ class GcpProvider(ComputeApi, CloudProvider):
                     started.append(operation)
             failures = self._finish(started, doing)
             started.clear()  # all finished: a rollback need not wait for them again
-            for other in failures[1:]:
-                log.warning("%s: another node failed too: %s", doing, other)
-            if failures:
-                raise failures[0]
+            raise_first(failures, doing)
             instances = self._wait_running(zone, cluster_name, names, doing)
         except API_ERRORS as exc:
             failure: LaunchError = classify(exc, doing)

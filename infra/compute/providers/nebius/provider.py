@@ -61,6 +61,7 @@ from infra.compute.providers.nebius.labels import (
     resource_name,
     stamp_labels,
 )
+from infra.compute.providers.operations import raise_first
 from infra.compute.providers.owner import Stamp, launcher_stamp
 from infra.compute.spec import ClusterSpec
 
@@ -159,10 +160,7 @@ class NebiusProvider(NebiusApi, CloudProvider):
                         operations.append(operation)
                 failures = self._finish_all(operations, doing)
                 operations.clear()  # all finished: a rollback need not wait for them again
-                for other in failures[1:]:
-                    log.warning("%s: another node failed too: %s", doing, other)
-                if failures:
-                    raise failures[0]
+                raise_first(failures, doing)
                 return self._wait_running(project, cluster_name, names, doing)
 
             instances = self._call(doing, start)
