@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
+from fault_budget import FaultBudget
 from http_stub import Served
 
 SUBSCRIPTION = "00000000-0000-0000-0000-0000000000aa"
@@ -67,7 +68,7 @@ class ArmError(Exception):
 
 
 @dataclass
-class Fault:
+class Fault(FaultBudget):
     """Refuse VM PUTs that match (region; spot, regular or both): the first `after` pass, then `times` (None: all)
     fail with `code`."""
 
@@ -82,13 +83,7 @@ class Fault:
     def fires(self, region: str, spot: bool) -> bool:
         if self.region not in (None, region) or self.spot not in (None, spot):
             return False
-        if self.passed < self.after:
-            self.passed += 1
-            return False
-        if self.times is not None and self.fired >= self.times:
-            return False
-        self.fired += 1
-        return True
+        return self._fires_after(self.after)
 
 
 @dataclass(frozen=True)

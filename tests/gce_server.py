@@ -39,6 +39,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
+from fault_budget import FaultBudget
 from http_stub import Served
 
 PROJECT = "trainpipe-test"
@@ -78,7 +79,7 @@ class ApiError(Exception):
 
 
 @dataclass
-class Fault:
+class Fault(FaultBudget):
     """Refuse instance inserts that match (zone, or every zone of region; spot, on-demand or both): the first
     `after_n_ok_inserts` matching ones pass, then `times` of them (None: all) fail with `code`."""
 
@@ -99,13 +100,7 @@ class Fault:
 
     def fires(self) -> bool:
         """Counts one matching insert; whether this one fails."""
-        if self.passed < self.after_n_ok_inserts:
-            self.passed += 1
-            return False
-        if self.times is not None and self.fired >= self.times:
-            return False
-        self.fired += 1
-        return True
+        return self._fires_after(self.after_n_ok_inserts)
 
 
 @dataclass(frozen=True)
