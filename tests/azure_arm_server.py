@@ -43,7 +43,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from fault_budget import FaultBudget
-from http_stub import Served
+from http_stub import Served, StandIn
 
 SUBSCRIPTION = "00000000-0000-0000-0000-0000000000aa"
 IDENTITY_HEADER = "trainpipe-test-identity-header"
@@ -105,7 +105,7 @@ class _State:
     calls: list[Call] = field(default_factory=list)
 
 
-class ArmServer:
+class ArmServer(StandIn):
     def __init__(self, root: Path, public_prefix: str = "127.77.4.", private_prefix: str = "127.78.4.") -> None:
         self.root = root
         self.public_prefix, self.private_prefix = public_prefix, private_prefix
@@ -152,12 +152,6 @@ class ArmServer:
         for server in (self._httpd, self._imds):
             if server is not None:
                 server.stop()
-
-    def __enter__(self) -> ArmServer:
-        return self.start()
-
-    def __exit__(self, *_: object) -> None:
-        self.stop()
 
     def reset(self) -> None:
         with self._lock:

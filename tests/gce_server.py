@@ -40,7 +40,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from fault_budget import FaultBudget
-from http_stub import Served
+from http_stub import Served, StandIn
 
 PROJECT = "trainpipe-test"
 API = "https://www.googleapis.com/compute/v1"
@@ -125,7 +125,7 @@ class _State:
     calls: list[Call] = field(default_factory=list)
 
 
-class GceServer:
+class GceServer(StandIn):
     def __init__(self, project: str = PROJECT, nat_prefix: str | None = None,
                  network_prefix: str | None = None) -> None:
         self.project = project
@@ -156,12 +156,6 @@ class GceServer:
     def stop(self) -> None:
         if self._httpd is not None:
             self._httpd.stop()
-
-    def __enter__(self) -> GceServer:
-        return self.start()
-
-    def __exit__(self, *_: object) -> None:
-        self.stop()
 
     def reset(self) -> None:
         with self._lock:

@@ -1,13 +1,15 @@
 """Starting and stopping the HTTP(S) servers that stand in for a cloud's API in tests (tests/gce_server.py,
-tests/azure_arm_server.py): on loopback, a port of the kernel's choosing, served from a daemon thread."""
+tests/azure_arm_server.py): on loopback, a port of the kernel's choosing, served from a daemon thread; and the stand-in
+as a context manager."""
 
 from __future__ import annotations
 
 import ssl
 import sys
 import threading
+from abc import ABC, abstractmethod
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Self
 
 STOP_JOIN_S = 5.0
 
@@ -39,3 +41,19 @@ class Served:
         self.httpd.shutdown()
         self.httpd.server_close()
         self.thread.join(timeout=STOP_JOIN_S)
+
+
+class StandIn(ABC):
+    """A stand-in cloud API as a context manager: started on entry, stopped on exit."""
+
+    @abstractmethod
+    def start(self) -> Self: ...
+
+    @abstractmethod
+    def stop(self) -> None: ...
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
