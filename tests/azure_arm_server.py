@@ -37,10 +37,13 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 from email.utils import format_datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
+
+from fault_budget import FaultBudget
+from http_stub import Served, StandIn
 
 SUBSCRIPTION = "00000000-0000-0000-0000-0000000000aa"
 IDENTITY_HEADER = "trainpipe-test-identity-header"
@@ -65,7 +68,7 @@ class ArmError(Exception):
 
 
 @dataclass
-class Fault:
+class Fault(FaultBudget):
     """Refuse VM PUTs that match (region; spot, regular or both): the first `after` pass, then `times` (None: all)
     fail with `code`."""
 
@@ -80,13 +83,7 @@ class Fault:
     def fires(self, region: str, spot: bool) -> bool:
         if self.region not in (None, region) or self.spot not in (None, spot):
             return False
-        if self.passed < self.after:
-            self.passed += 1
-            return False
-        if self.times is not None and self.fired >= self.times:
-            return False
-        self.fired += 1
-        return True
+        return self._fires_after(self.after)
 
 
 @dataclass(frozen=True)
@@ -108,7 +105,7 @@ class _State:
     calls: list[Call] = field(default_factory=list)
 
 
-class ArmServer:
+class ArmServer(StandIn):
     def __init__(self, root: Path, public_prefix: str = "127.77.4.", private_prefix: str = "127.78.4.") -> None:
         self.root = root
         self.public_prefix, self.private_prefix = public_prefix, private_prefix
@@ -116,8 +113,8 @@ class ArmServer:
         self._state = _State()
         self._lock = threading.Lock()
         self._incarnation = itertools.count(1)
-        self._httpd: ThreadingHTTPServer | None = None
-        self._imds: ThreadingHTTPServer | None = None
+        self._httpd: Served | None = None
+        self._imds: Served | None = None
         self.ca_file = root / "arm-ca.pem"
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
@@ -125,14 +122,14 @@ class ArmServer:
     @property
     def endpoint(self) -> str:
         assert self._httpd is not None
-        return f"https://127.0.0.1:{self._httpd.server_address[1]}"
+        return f"https://127.0.0.1:{self._httpd.port}"
 
     @property
     def imds(self) -> str:
         """The instance metadata service's base URL: plain HTTP, as Azure's (http://169.254.169.254) is. It also
         answers the managed-identity token endpoint."""
         assert self._imds is not None
-        return f"http://127.0.0.1:{self._imds.server_address[1]}"
+        return f"http://127.0.0.1:{self._imds.port}"
 
     def env(self) -> dict[str, str]:
         """What an orchestrator of its own needs to reach this ARM as it would reach Azure's."""
@@ -147,26 +144,14 @@ class ArmServer:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.load_cert_chain(self.ca_file, key_file)
         handler = type("Handler", (_Handler,), {"arm": self})
-        self._httpd = _Server(("127.0.0.1", 0), handler)
-        self._httpd.daemon_threads = True
-        self._httpd.socket = context.wrap_socket(self._httpd.socket, server_side=True)
-        threading.Thread(target=self._httpd.serve_forever, name="arm-server", daemon=True).start()
-        self._imds = _Server(("127.0.0.1", 0), handler)
-        self._imds.daemon_threads = True
-        threading.Thread(target=self._imds.serve_forever, name="arm-imds", daemon=True).start()
+        self._httpd = Served(handler, "arm-server", tls=context)
+        self._imds = Served(handler, "arm-imds")
         return self
 
     def stop(self) -> None:
         for server in (self._httpd, self._imds):
             if server is not None:
-                server.shutdown()
-                server.server_close()
-
-    def __enter__(self) -> ArmServer:
-        return self.start()
-
-    def __exit__(self, *_: object) -> None:
-        self.stop()
+                server.stop()
 
     def reset(self) -> None:
         with self._lock:
@@ -566,15 +551,6 @@ def _self_signed(cert_file: Path, key_file: Path) -> None:
     cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                            serialization.NoEncryption()))
-
-
-class _Server(ThreadingHTTPServer):
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client killed mid-request (tests kill orchestrators) is no error of the server's."""
-        import sys
-
-        if not isinstance(sys.exc_info()[1], ConnectionError | ssl.SSLError):
-            super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn
 
@@ -101,6 +101,14 @@ def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 # -- object-store servers (tests/servers.py): one per session, a fresh bucket per test ------------------
 
 
+def _fresh_bucket(env: dict[str, str], monkeypatch: pytest.MonkeyPatch, make: Callable[[str], str],
+                  prefix: str) -> str:
+    """The URL of a new bucket (or container) named `prefix`-random, with the server's environment set for the SDKs."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return make(f"{prefix}-{uuid.uuid4().hex[:12]}")
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     with rclone_s3(tmp_path_factory.mktemp("s3") / "root") as server:
@@ -110,9 +118,7 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
 @pytest.fixture
 def s3_url(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
     """s3:// of a new, empty bucket, with the environment pointing boto3 (and s5cmd/aws) at the server."""
-    for name, value in s3_server.env().items():
-        monkeypatch.setenv(name, value)
-    return s3_server.make_bucket(f"bucket-{uuid.uuid4().hex[:12]}")
+    return _fresh_bucket(s3_server.env(), monkeypatch, s3_server.make_bucket, "bucket")
 
 
 @pytest.fixture(scope="session")
@@ -124,9 +130,7 @@ def gcs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsServer]:
 @pytest.fixture
 def gs_url(gcs_server: GcsServer, monkeypatch: pytest.MonkeyPatch) -> str:
     """gs:// of a new, empty bucket, with STORAGE_EMULATOR_HOST pointing google-cloud-storage at the emulator."""
-    for name, value in gcs_server.env().items():
-        monkeypatch.setenv(name, value)
-    return create_gcs_bucket(gcs_server, f"bucket-{uuid.uuid4().hex[:12]}")
+    return _fresh_bucket(gcs_server.env(), monkeypatch, lambda name: create_gcs_bucket(gcs_server, name), "bucket")
 
 
 @pytest.fixture(scope="session")
@@ -138,6 +142,4 @@ def azurite_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Azurite
 @pytest.fixture
 def az_url(azurite_server: AzuriteServer, monkeypatch: pytest.MonkeyPatch) -> str:
     """az:// of a new, empty container, with AZURE_STORAGE_CONNECTION_STRING pointing the SDK at Azurite."""
-    for name, value in azurite_server.env().items():
-        monkeypatch.setenv(name, value)
-    return azurite_server.make_container(f"container-{uuid.uuid4().hex[:12]}")
+    return _fresh_bucket(azurite_server.env(), monkeypatch, azurite_server.make_container, "container")

@@ -30,15 +30,17 @@ import copy
 import itertools
 import json
 import re
-import sys
 import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
+
+from fault_budget import FaultBudget
+from http_stub import Served, StandIn
 
 PROJECT = "trainpipe-test"
 API = "https://www.googleapis.com/compute/v1"
@@ -77,7 +79,7 @@ class ApiError(Exception):
 
 
 @dataclass
-class Fault:
+class Fault(FaultBudget):
     """Refuse instance inserts that match (zone, or every zone of region; spot, on-demand or both): the first
     `after_n_ok_inserts` matching ones pass, then `times` of them (None: all) fail with `code`."""
 
@@ -98,13 +100,7 @@ class Fault:
 
     def fires(self) -> bool:
         """Counts one matching insert; whether this one fails."""
-        if self.passed < self.after_n_ok_inserts:
-            self.passed += 1
-            return False
-        if self.times is not None and self.fired >= self.times:
-            return False
-        self.fired += 1
-        return True
+        return self._fires_after(self.after_n_ok_inserts)
 
 
 @dataclass(frozen=True)
@@ -129,7 +125,7 @@ class _State:
     calls: list[Call] = field(default_factory=list)
 
 
-class GceServer:
+class GceServer(StandIn):
     def __init__(self, project: str = PROJECT, nat_prefix: str | None = None,
                  network_prefix: str | None = None) -> None:
         self.project = project
@@ -143,36 +139,23 @@ class GceServer:
         self._state = _State()
         self._lock = threading.Lock()
         self._ids = itertools.count(1000)
-        self._httpd: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
+        self._httpd: Served | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
     @property
     def endpoint(self) -> str:
         assert self._httpd is not None, "the server is not started"
-        return f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        return f"http://127.0.0.1:{self._httpd.port}"
 
     def start(self) -> GceServer:
         handler = type("Handler", (_Handler,), {"gce": self})
-        self._httpd = _Server(("127.0.0.1", 0), handler)
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="gce-server", daemon=True)
-        self._thread.start()
+        self._httpd = Served(handler, "gce-server")
         return self
 
     def stop(self) -> None:
         if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-
-    def __enter__(self) -> GceServer:
-        return self.start()
-
-    def __exit__(self, *_: object) -> None:
-        self.stop()
+            self._httpd.stop()
 
     def reset(self) -> None:
         with self._lock:
@@ -522,13 +505,6 @@ class GceServer:
         return {"kind": "compute#resourcePolicyAggregatedList",
                 "id": f"projects/{self.project}/aggregated/resourcePolicies", "items": items,
                 "selfLink": self._url("aggregated/resourcePolicies")}
-
-
-class _Server(ThreadingHTTPServer):
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client killed mid-request (tests kill orchestrators) is no error of the server's."""
-        if not isinstance(sys.exc_info()[1], ConnectionError):
-            super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -122,6 +122,17 @@ class FakeNebius:
         end = start + size
         return items[start:end], (str(end) if end < len(items) else "")
 
+    @staticmethod
+    def _found(found: Any, what: str, context: grpc.ServicerContext) -> Any:
+        """`found`, or the call aborted with NOT_FOUND naming `what`, as the API answers."""
+        if found is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"{what} not found")
+        return found
+
+    def _page_in_project(self, resources: dict[str, Any], request: Any) -> tuple[list[Any], str]:
+        """One page of a List: the resources of the request's project."""
+        return self._page([r for r in resources.values() if r.metadata.parent_id == request.parent_id], request)
+
     # -- instances ------------------------------------------------------------------------------------------------
 
     def instance_create(self, request: Any, context: grpc.ServicerContext) -> Any:
@@ -159,26 +170,18 @@ class FakeNebius:
         return self._operation(instance.metadata.id, Status(code=OK), f"create {name}")
 
     def instance_get(self, request: Any, context: grpc.ServicerContext) -> Any:
-        instance = self.instances.get(request.id)
-        if instance is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"instance {request.id} not found")
-        return instance
+        return self._found(self.instances.get(request.id), f"instance {request.id}", context)
 
     def instance_get_by_name(self, request: Any, context: grpc.ServicerContext) -> Any:
-        instance = self._named(self.instances, request.parent_id, request.name)
-        if instance is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"instance {request.name} not found")
-        return instance
+        return self._found(self._named(self.instances, request.parent_id, request.name), f"instance {request.name}",
+                           context)
 
     def instance_list(self, request: Any, context: grpc.ServicerContext) -> Any:
-        found = [i for i in self.instances.values() if i.metadata.parent_id == request.parent_id]
-        items, token = self._page(found, request)
+        items, token = self._page_in_project(self.instances, request)
         return compute.ListInstancesResponse(items=items, next_page_token=token)
 
     def instance_delete(self, request: Any, context: grpc.ServicerContext) -> Any:
-        instance = self.instances.pop(request.id, None)
-        if instance is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"instance {request.id} not found")
+        instance = self._found(self.instances.pop(request.id, None), f"instance {request.id}", context)
         gpu_cluster = self.gpu_clusters.get(instance.spec.gpu_cluster.id)
         if gpu_cluster is not None:
             gpu_cluster.status.instances = [i for i in gpu_cluster.status.instances if i != request.id]
@@ -186,9 +189,7 @@ class FakeNebius:
 
     def instance_stop(self, request: Any, context: grpc.ServicerContext) -> Any:
         """What a guest powering itself off amounts to (Nebius stops the VM; trainpipe itself never calls it)."""
-        instance = self.instances.get(request.id)
-        if instance is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"instance {request.id} not found")
+        instance = self._found(self.instances.get(request.id), f"instance {request.id}", context)
         instance.status.state = compute.InstanceStatus.InstanceState.STOPPED
         return self._operation(request.id, Status(code=OK), f"stop {instance.metadata.name}")
 
@@ -209,28 +210,21 @@ class FakeNebius:
         return self._operation(gpu_cluster.metadata.id, Status(code=OK), f"create {name}")
 
     def gpu_cluster_get_by_name(self, request: Any, context: grpc.ServicerContext) -> Any:
-        found = self._named(self.gpu_clusters, request.parent_id, request.name)
-        if found is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"gpu cluster {request.name} not found")
-        return found
+        return self._found(self._named(self.gpu_clusters, request.parent_id, request.name),
+                           f"gpu cluster {request.name}", context)
 
     def gpu_cluster_list(self, request: Any, context: grpc.ServicerContext) -> Any:
-        found = [g for g in self.gpu_clusters.values() if g.metadata.parent_id == request.parent_id]
-        items, token = self._page(found, request)
+        items, token = self._page_in_project(self.gpu_clusters, request)
         return compute.ListGpuClustersResponse(items=items, next_page_token=token)
 
     def gpu_cluster_update(self, request: Any, context: grpc.ServicerContext) -> Any:
-        found = self.gpu_clusters.get(request.metadata.id)
-        if found is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"gpu cluster {request.metadata.id} not found")
+        found = self._found(self.gpu_clusters.get(request.metadata.id), f"gpu cluster {request.metadata.id}", context)
         self._check_labels(dict(request.metadata.labels), context)
         found.metadata.labels = dict(request.metadata.labels)
         return self._operation(found.metadata.id, Status(code=OK), f"update {found.metadata.name}")
 
     def gpu_cluster_delete(self, request: Any, context: grpc.ServicerContext) -> Any:
-        found = self.gpu_clusters.get(request.id)
-        if found is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"gpu cluster {request.id} not found")
+        found = self._found(self.gpu_clusters.get(request.id), f"gpu cluster {request.id}", context)
         if found.status.instances:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"gpu cluster {request.id} has instances: "
                           f"{', '.join(found.status.instances)}")
@@ -241,9 +235,7 @@ class FakeNebius:
 
     def operation_get(self, request: Any, context: grpc.ServicerContext) -> Any:
         """An operation ends at its first poll; a create that ended well leaves its instance RUNNING."""
-        found = self.operations.get(request.id)
-        if found is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"operation {request.id} not found")
+        found = self._found(self.operations.get(request.id), f"operation {request.id}", context)
         operation, end = found
         operation.status = end
         instance = self.instances.get(operation.resource_id)

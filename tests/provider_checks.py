@@ -12,6 +12,14 @@ from infra.compute.providers.base import Cluster, Provider
 from infra.node.processes import NODE_TAG, tagged_processes
 
 
+def unreached_key(tmp_path: Path) -> Path:
+    """The key nodes are reached with: launch reads it before anything is paid for; simulated nodes are never reached
+    with it (only stand-ins that answer are)."""
+    key = tmp_path / "id_ed25519"
+    key.write_text("a private key\n")
+    return key
+
+
 def assert_reports_launched_cluster(provider: Provider, cluster: Cluster, name: str, run_id: str) -> None:
     """describe, liveness, the cluster listing and preemption notices all agree with the launch."""
     described = provider.describe(name)

@@ -15,7 +15,7 @@ import boto3
 import pytest
 from aws_server import Ec2Server, moto_ec2
 from botocore.exceptions import ClientError
-from provider_checks import assert_reports_launched_cluster
+from provider_checks import assert_reports_launched_cluster, unreached_key
 
 from infra.compute.catalog import Catalog, shipped_catalog
 from infra.compute.failover import QuotaEverywhere
@@ -60,9 +60,7 @@ def aws(ec2_server: Ec2Server, images: str, monkeypatch: pytest.MonkeyPatch, tmp
     monkeypatch.setenv("TRAINPIPE_AWS_AMI", images)
     # Launch checks the key nodes are reached with before paying for anything; moto's instances are never reached
     # (no machine behind them), so the key is only read, and bootstrap is off (tests/test_cloud_ssh.py covers it).
-    key = tmp_path / "id_ed25519"
-    key.write_text("a private key\n")
-    monkeypatch.setenv("TRAINPIPE_SSH_KEY_FILE", str(key))
+    monkeypatch.setenv("TRAINPIPE_SSH_KEY_FILE", str(unreached_key(tmp_path)))
     return AwsProvider(catalog=small_catalog(), bootstrap=False)
 
 

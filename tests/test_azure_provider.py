@@ -22,7 +22,7 @@ from azure.core.exceptions import HttpResponseError, ServiceRequestError
 from azure_arm_server import SUBSCRIPTION, ArmServer
 from conftest import REPO, run_trainpipe
 from jobs import make_dataset
-from provider_checks import assert_reports_launched_cluster
+from provider_checks import assert_reports_launched_cluster, unreached_key
 
 import infra.compute.providers.azure.arm as azure_arm
 from infra.compute.catalog import Catalog, shipped_catalog
@@ -90,9 +90,7 @@ def azure(arm: ArmServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Az
     arm.reset()
     # Launch checks the key nodes are reached with before paying for anything; nothing answers at the simulated
     # VMs' addresses here, so bootstrap is off (tests/test_replace_cloud.py and test_kill_matrix.py reach them).
-    key = tmp_path / "id_ed25519"
-    key.write_text("a private key\n")
-    monkeypatch.setenv("TRAINPIPE_SSH_KEY_FILE", str(key))
+    monkeypatch.setenv("TRAINPIPE_SSH_KEY_FILE", str(unreached_key(tmp_path)))
     monkeypatch.setenv("TRAINPIPE_AZURE_SSH_PUBLIC_KEY", PUBLIC_KEY)
     use_fake(arm, monkeypatch)
     return azure_provider(arm)

@@ -23,7 +23,7 @@ from google.api_core import exceptions
 from google.auth import exceptions as auth_exceptions
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import compute_v1
-from provider_checks import assert_reports_launched_cluster
+from provider_checks import assert_reports_launched_cluster, unreached_key
 
 import infra.compute.providers.gcp.api as gcp_api
 import infra.compute.providers.gcp.provider as gcp_module
@@ -70,9 +70,7 @@ def gcp(gce: GceServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> GcpP
     gce.reset()
     # Launch checks the key nodes are reached with before paying for anything; the simulated instances are never
     # reached (no machine behind them), so the key is only read, and bootstrap is off (tests/test_cloud_ssh.py).
-    key = tmp_path / "id_ed25519"
-    key.write_text("a private key\n")
-    monkeypatch.setenv("TRAINPIPE_SSH_KEY_FILE", str(key))
+    monkeypatch.setenv("TRAINPIPE_SSH_KEY_FILE", str(unreached_key(tmp_path)))
     # The simulated API answers at once: poll and back off in milliseconds, not in the seconds GCE needs.
     monkeypatch.setattr(gcp_api, "POLL_FIRST_S", 0.005)
     monkeypatch.setattr(gcp_api, "POLL_MAX_S", 0.02)

@@ -190,7 +190,7 @@ def start_slow_stopper(provider: Provider, run_id: str, flag: Path) -> subproces
     code = (f"import signal, sys, time\n"
             f"def stop(*_):\n    open({str(flag)!r}, 'w').write(str(time.time()))\n    time.sleep({SLOW_STOP_S})\n"
             f"    sys.exit(0)\n"
-            f"signal.signal(signal.SIGTERM, stop)\nwhile True:\n    time.sleep(1)\n")
+            f"signal.signal(signal.SIGTERM, stop)\nwhile True:\n    signal.pause()\n")
     env = {**os.environ, CLUSTER_TAG: str(base), NODE_TAG: f"{cluster_name_for(run_id)}-node-0"}
     return subprocess.Popen([sys.executable, "-c", code], env=env, cwd=base, start_new_session=True)
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from nebius_server import PROJECTS, TOKEN, NebiusServer, Refusal
+from provider_checks import unreached_key
 
 import infra.compute.providers.nebius.api as nebius_api
 import infra.compute.providers.nebius.provider as nebius_module
@@ -60,8 +61,7 @@ def nebius_catalog() -> Catalog:
 
 def ssh_key(tmp_path: Path) -> Path:
     """The key nodes are reached with, and its public half the boot script installs (never reached here)."""
-    key = tmp_path / "id_ed25519"
-    key.write_text("a private key\n")
+    key = unreached_key(tmp_path)
     key.with_name("id_ed25519.pub").write_text("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAITEST trainpipe-test\n")
     return key
 

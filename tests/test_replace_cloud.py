@@ -39,6 +39,7 @@ from cloud_nodes import (
 from cloud_nodes import Node as StandIn
 from gce_server import PROJECT, GceServer
 from google.auth.credentials import AnonymousCredentials
+from provider_checks import unreached_key
 from sshd import require_sshd
 from test_cloud_teardown import AWS_PREFIX, GCP_PREFIX, REGION
 
@@ -90,13 +91,6 @@ def gcp_setup(gce: GceServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     return env
-
-
-def unreached_key(tmp_path: Path) -> Path:
-    """The key nodes are reached with: read before anything is paid for; used only where a stand-in answers."""
-    key = tmp_path / "id_ed25519"
-    key.write_text("a private key\n")
-    return key
 
 
 def aws_provider(bootstrap: bool = False) -> AwsProvider:

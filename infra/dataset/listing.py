@@ -42,10 +42,8 @@ def _gcs_listing(store: Any) -> list[Listed]:
 
     found = []
     try:
-        for blob in store.client.list_blobs(store.bucket, prefix=store.keys.search_prefix(""), retry=None):
-            key = store.keys.key(blob.name)
-            if not key or key.endswith("/"):  # "folder" placeholders are not objects
-                continue
+        blobs = store.client.list_blobs(store.bucket, prefix=store.keys.search_prefix(""), retry=None)  # lazy: pages
+        for key, blob in store.keys.objects(blobs):
             md5, crc = _hex(blob.md5_hash), _hex(blob.crc32c)
             checksum = f"md5:{md5}" if md5 else f"crc32c:{crc}" if crc else None
             found.append(Listed(key, int(blob.size or 0), str(blob.generation), checksum))
@@ -64,10 +62,8 @@ def _azure_listing(store: Any) -> list[Listed]:
 
     found = []
     try:
-        for blob in store.container.list_blobs(name_starts_with=store.keys.search_prefix("") or None):
-            key = store.keys.key(blob.name)
-            if not key or key.endswith("/"):  # "folder" placeholders are not objects
-                continue
+        blobs = store.container.list_blobs(name_starts_with=store.keys.search_prefix("") or None)  # lazy: pages
+        for key, blob in store.keys.objects(blobs):
             md5 = blob.content_settings.content_md5
             found.append(Listed(key, int(blob.size or 0), (blob.etag or "").strip('"') or None,
                                 f"md5:{bytes(md5).hex()}" if md5 else None))

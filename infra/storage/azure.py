@@ -178,15 +178,10 @@ class AzureBlobStore(ObjectStore):
         return AzureBlobStore(self.url_for(prefix.strip("/")), self.read_timeout_s)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        found: list[ObjectInfo] = []
         with self._calling(prefix, "list"):
-            for blob in self.container.list_blobs(name_starts_with=self.keys.search_prefix(prefix) or None,
-                                                  include=["metadata"]):
-                key = self.keys.key(blob.name)
-                if key and not key.endswith("/"):  # "folder" placeholders are not objects
-                    found.append(self._info(key, blob))
-        found.sort(key=lambda info: info.key)
-        return iter(found)
+            found = [self._info(key, blob) for key, blob in self.keys.objects(self.container.list_blobs(
+                name_starts_with=self.keys.search_prefix(prefix) or None, include=["metadata"]))]
+        return iter(sorted(found, key=lambda info: info.key))
 
     def head(self, key: str) -> ObjectInfo | None:
         try:

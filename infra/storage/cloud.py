@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import Protocol, TypeVar
 
 from infra.storage.base import StorageError
+
+
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+NamedT = TypeVar("NamedT", bound=_Named)  # an entry of a bucket listing (a blob), which names its object
 
 # Lowercase letters, digits, '.', '-' and '_' (GCS), 3-63 characters: both S3 and GCS accept this set.
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")
@@ -68,3 +77,11 @@ class BucketKeys:
 
     def key(self, name: str) -> str:
         return name[len(self.root):]
+
+    def objects(self, listed: Iterable[NamedT]) -> Iterator[tuple[str, NamedT]]:
+        """(key, entry) of each entry of a bucket listing under the root that is an object ("folder" placeholders,
+        names ending in '/', are not)."""
+        for entry in listed:
+            key = self.key(entry.name)
+            if key and not key.endswith("/"):
+                yield key, entry

@@ -194,14 +194,10 @@ class GcsStore(ObjectStore):
         return GcsStore(self.url_for(prefix.strip("/")))
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
-        found: list[ObjectInfo] = []
         with self._calling(prefix, "list"):
-            for blob in self.client.list_blobs(self.bucket, prefix=self.keys.search_prefix(prefix), **self._one_try):
-                key = self.keys.key(blob.name)
-                if key and not key.endswith("/"):  # "folder" placeholders are not objects
-                    found.append(self._info(key, blob))
-        found.sort(key=lambda info: info.key)
-        return iter(found)
+            found = [self._info(key, blob) for key, blob in self.keys.objects(self.client.list_blobs(
+                self.bucket, prefix=self.keys.search_prefix(prefix), **self._one_try))]
+        return iter(sorted(found, key=lambda info: info.key))
 
     def head(self, key: str) -> ObjectInfo | None:
         with self._calling(key, "stat"):

@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from abc import abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -86,6 +86,18 @@ def lease_alive(heartbeats: Iterable[str | None], ttl_s: str | None, created_at:
     newest = max((beat for beat in beats if beat is not None), default=created_at)
     ttl = _number(ttl_s) or DEFAULT_LEASE_TTL_S
     return (time.time() if now is None else now) - newest <= ttl
+
+
+def rolled_back(cluster_name: str, where: str, failure: LaunchError, undo: Callable[[], object]) -> LaunchError:
+    """`failure`, once undo() has ended what a failed launch started. An undo that fails (a LaunchError) is logged:
+    what is left carries the cluster's tags, so the sweeper finds it, and the launch failure stays what the caller
+    must act on."""
+    log.warning("rolling back partial launch of %s in %s: %s", cluster_name, where, failure)
+    try:
+        undo()
+    except LaunchError as left:
+        log.error("rollback of %s in %s failed, resources left for `trainpipe sweep`: %s", cluster_name, where, left)
+    return failure
 
 
 def _number(text: str | None) -> float | None:

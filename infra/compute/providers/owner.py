@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import getpass
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
 from typing import Any
 
 import psutil
@@ -44,3 +45,36 @@ def launcher_alive(owner: Mapping[str, Any], *, elsewhere: bool) -> bool:
         return abs(process.create_time() - float(owner["create_time"])) < START_TIME_SLACK_S
     except (psutil.NoSuchProcess, KeyError, ValueError, TypeError):
         return False
+
+
+@dataclass(frozen=True)
+class StampKeys:
+    """The tag or label names one cloud files a Stamp's fields under."""
+
+    cluster: str
+    run_id: str
+    owner: str
+    created: str
+    lease_ttl_s: str
+
+
+@dataclass(frozen=True)
+class Stamp:
+    """Who launched a cloud cluster and when, as its resources carry it (each cloud under its own StampKeys)."""
+
+    cluster: str
+    run_id: str
+    owner: str
+    created: str
+    lease_ttl_s: str
+
+    def keyed(self, keys: StampKeys, value: Callable[[str], str] = str) -> dict[str, str]:
+        """The stamp under `keys`, each value passed through `value` (a cloud whose labels restrict the characters
+        gives its sanitiser)."""
+        return {getattr(keys, field.name): value(getattr(self, field.name)) for field in fields(self)}
+
+    @classmethod
+    def read(cls, found: Mapping[str, str], keys: StampKeys, run_id: str = "unknown") -> Stamp:
+        """The stamp filed in `found` under `keys`; a field missing is empty, a missing run id is `run_id`."""
+        return cls(found.get(keys.cluster, ""), found.get(keys.run_id, run_id), found.get(keys.owner, ""),
+                   found.get(keys.created, ""), found.get(keys.lease_ttl_s, ""))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from botocore.exceptions import ClientError, NoCredentialsError, NoRegionError
 
 from infra.compute.providers.base import CapacityError, InvalidRequestError, LaunchError, QuotaError
+from infra.compute.providers.cloud_errors import AuthError, unreachable
 
 # Another zone, region or a later try may have it.
 CAPACITY = frozenset({
@@ -26,10 +27,6 @@ AUTH = frozenset({
 THROTTLED = frozenset({"RequestLimitExceeded", "Throttling", "ThrottlingException", "ServiceUnavailable"})
 
 
-class AuthError(InvalidRequestError):
-    """The credentials cannot do this: nothing elsewhere will succeed either."""
-
-
 def error_code(exc: ClientError) -> str:
     return str(exc.response.get("Error", {}).get("Code", "Unknown"))
 
@@ -42,10 +39,7 @@ def classify(exc: Exception, doing: str) -> LaunchError:
     if isinstance(exc, NoRegionError):
         return InvalidRequestError(f"aws: no region while trying to {doing}: set cluster.regions or AWS_REGION")
     if not isinstance(exc, ClientError):
-        # Connection drops and timeouts that outlived botocore's own retries: worth another try later.
-        error = LaunchError(f"aws: {doing} failed: {type(exc).__name__}: {exc}: check the network and retry")
-        error.transient = True
-        return error
+        return unreachable("aws", doing, f"{type(exc).__name__}: {exc}")
     code = error_code(exc)
     message = " ".join(str(exc.response.get("Error", {}).get("Message", "")).split())
     said = f"aws: {doing}: {code}: {message}"

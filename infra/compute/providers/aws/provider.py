@@ -31,7 +31,16 @@ from infra.compute.catalog import Catalog
 from infra.compute.optimizer import Candidate
 from infra.compute.providers.aws.errors import CapacityError, InvalidRequestError, LaunchError, classify, error_code
 from infra.compute.providers.base import Cluster, ClusterRecord, Node, PreemptionNotice, ReplacementUnavailable
-from infra.compute.providers.cloud import HOST_KEYS, LEASE_TTL, MOUNT, CloudProvider, boot_script, lease_alive
+from infra.compute.providers.cloud import (
+    HOST_KEYS,
+    LEASE_TTL,
+    MOUNT,
+    CloudProvider,
+    boot_script,
+    lease_alive,
+    rolled_back,
+)
+from infra.compute.providers.nvme_boot import nvme_script
 from infra.compute.providers.owner import launcher_stamp
 from infra.compute.spec import ClusterSpec
 
@@ -57,25 +66,8 @@ DELETE_RETRIES = 6  # groups stay "in use" for a short while after their instanc
 # first. Only an order: every region is still asked.
 _known_regions: dict[str, str] = {}
 
-# Instance store NVMe: RAID0 over every device (one device is used as is), one filesystem, mounted at MOUNT. EC2 runs
-# user-data once, at the instance's first boot; it follows the host key install (see user_data).
-NVME_SCRIPT = f"""mkdir -p {MOUNT}
-mapfile -t devices < <(lsblk -dpno NAME,MODEL | awk '/Instance Storage/ {{print $1}}')
-if [ "${{#devices[@]}}" -gt 1 ]; then
-  mdadm --create /dev/md0 --run --force --level=0 --raid-devices="${{#devices[@]}}" "${{devices[@]}}"
-  target=/dev/md0
-elif [ "${{#devices[@]}}" -eq 1 ]; then
-  target="${{devices[0]}}"
-else
-  target=""
-fi
-if [ -n "$target" ]; then
-  mkfs.xfs -f -K "$target"
-  mount -o noatime "$target" {MOUNT}
-fi
-mkdir -p {MOUNT}/trainpipe/data {MOUNT}/trainpipe/ckpt {MOUNT}/trainpipe/logs
-chmod -R 1777 {MOUNT}/trainpipe
-"""
+# Instance store NVMe, as EC2 names its model; EC2 runs user-data once, at the instance's first boot.
+NVME_SCRIPT = nvme_script("mapfile -t devices < <(lsblk -dpno NAME,MODEL | awk '/Instance Storage/ {print $1}')")
 
 
 def user_data(host_key: HostKey) -> str:
@@ -182,14 +174,8 @@ class AwsProvider(CloudProvider):
             failure = exc
         else:
             return self._cluster(cluster_name, region, self._cluster_instances(region, cluster_name))
-        log.warning("rolling back partial launch of %s in %s: %s", cluster_name, region, failure)
-        try:
-            self._teardown_region(region, cluster_name)
-        except (ClientError, BotoCoreError) as exc:
-            # The launch failure is what the caller must act on; what is left is tagged, so the sweeper finds it.
-            log.error("rollback of %s in %s failed, resources left for `trainpipe sweep`: %s", cluster_name, region,
-                      classify(exc, f"roll back {cluster_name}"))
-        raise failure
+        raise rolled_back(cluster_name, region, failure, lambda: self._call(
+            f"roll back {cluster_name}", lambda: self._teardown_region(region, cluster_name)))
 
     @staticmethod
     def _wait_until(ec2: Any, ids: list[str], state: str) -> None:

@@ -8,7 +8,6 @@ with jitter, honouring Retry-After, logged by azure-core) under the limits set h
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -19,9 +18,10 @@ from azure.core.exceptions import ResourceNotFoundError
 from azure.core.polling import LROPoller
 
 from infra.cancel import CANCEL
-from infra.compute.providers.azure.errors import API_ERRORS, InvalidRequestError, LaunchError, classify
+from infra.compute.providers.azure.errors import API_ERRORS, InvalidRequestError, classify
+from infra.compute.providers.cloud_errors import retry_later
+from infra.compute.providers.operations import raise_first
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SUBSCRIPTION_ENVS = ("TRAINPIPE_AZURE_SUBSCRIPTION", "AZURE_SUBSCRIPTION_ID")
@@ -111,9 +111,7 @@ class ArmApi:
         for poller in pollers:
             while not poller.done():
                 if time.monotonic() > deadline:
-                    error = LaunchError(f"azure: {doing}: an operation was not done after {WAIT_S:.0f}s: retry later")
-                    error.transient = True
-                    raise error
+                    raise retry_later(f"azure: {doing}: an operation was not done after {WAIT_S:.0f}s: retry later")
                 CANCEL.wait(WAIT_STEP_S)
             try:
                 poller.result()
@@ -123,11 +121,7 @@ class ArmApi:
 
     def _finish(self, pollers: list[LROPoller[Any]], doing: str) -> None:
         """Wait for every operation; the first failure, classified, is raised (the others logged)."""
-        failures = self._wait(pollers, doing)
-        for other in failures[1:]:
-            log.warning("azure: %s: another operation failed too: %s", doing, classify(other, doing))
-        if failures:
-            raise classify(failures[0], doing)
+        raise_first([classify(failure, doing) for failure in self._wait(pollers, doing)], f"azure: {doing}")
 
 
 def json_of(model: Any) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from azure.core.exceptions import (
 )
 
 from infra.compute.providers.base import CapacityError, InvalidRequestError, LaunchError, PriceError, QuotaError
+from infra.compute.providers.cloud_errors import AuthError, one_line, retry_later, unreachable
 
 # No capacity for this size here now: another region, size or a later try may have it.
 CAPACITY = frozenset({
@@ -36,14 +37,6 @@ NO_CREDENTIALS_FIX = ("sign in (az login), or set AZURE_CLIENT_ID/AZURE_TENANT_I
                       "a managed identity is available")
 
 
-class AuthError(InvalidRequestError):
-    """The credentials cannot do this: nothing elsewhere will succeed either."""
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
 def error_code(exc: BaseException) -> str:
     error = getattr(exc, "error", None)
     return str(getattr(error, "code", None) or "")
@@ -52,20 +45,16 @@ def error_code(exc: BaseException) -> str:
 def _detail(exc: HttpResponseError) -> str:
     error = exc.error
     message = getattr(error, "message", None) if error is not None else None
-    return _one_line(str(message or exc.message or exc))
+    return one_line(str(message or exc.message or exc))
 
 
 def classify(exc: BaseException, doing: str) -> LaunchError:
     """The launch error for an ARM failure; the message is one line: what failed, the code, what to do."""
     if isinstance(exc, ClientAuthenticationError) and not getattr(exc, "status_code", None):
-        return AuthError(f"azure: no usable credentials while trying to {doing} ({_one_line(str(exc))[:300]}): "
+        return AuthError(f"azure: no usable credentials while trying to {doing} ({one_line(str(exc))[:300]}): "
                          f"{NO_CREDENTIALS_FIX}")
     if isinstance(exc, ServiceRequestError | ServiceResponseError) or not isinstance(exc, HttpResponseError):
-        # Connection drops and timeouts that outlived azure-core's own retries: worth another try later.
-        error = LaunchError(f"azure: {doing} failed: {type(exc).__name__}: {_one_line(str(exc))[:300]}: check the "
-                            "network and retry")
-        error.transient = True
-        return error
+        return unreachable("azure", doing, f"{type(exc).__name__}: {one_line(str(exc))[:300]}")
     code = error_code(exc) or str(exc.status_code or "")
     said = f"azure: {doing}: {code}: {_detail(exc)}"
     lowered = said.lower()
@@ -81,9 +70,7 @@ def classify(exc: BaseException, doing: str) -> LaunchError:
     if code in AUTH or exc.status_code in (401, 403):
         return AuthError(f"{said}: {AUTH_FIX}")
     if (exc.status_code or 0) >= 500:
-        error = LaunchError(f"{said}: Azure failed, retry later")
-        error.transient = True
-        return error
+        return retry_later(f"{said}: Azure failed, retry later")
     return InvalidRequestError(f"{said}: fix the request (config or catalog)")
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
+
+from infra.compute.providers.owner import StampKeys
 
 # Tag names: ARM forbids <>%&\?/ in them; values take any text up to 256 characters, so they hold exact values.
 TAG_CLUSTER = "trainpipe-cluster"
@@ -74,21 +75,5 @@ def rank_of(vm: dict[str, Any]) -> int:
     return int(tags_of(vm).get(TAG_RANK, "0"))
 
 
-@dataclass(frozen=True)
-class Stamp:
-    """Who launched a cluster and when: the group's tags, and every VM's."""
-
-    cluster: str
-    run_id: str
-    owner: str
-    created: str
-    lease_ttl_s: str
-
-    def tags(self) -> dict[str, str]:
-        return {TAG_CLUSTER: self.cluster, TAG_RUN: self.run_id, TAG_OWNER: self.owner, TAG_CREATED: self.created,
-                TAG_LEASE_TTL: self.lease_ttl_s}
-
-    @classmethod
-    def of(cls, tags: dict[str, str]) -> Stamp:
-        return cls(tags.get(TAG_CLUSTER, ""), tags.get(TAG_RUN, "unknown"), tags.get(TAG_OWNER, ""),
-                   tags.get(TAG_CREATED, ""), tags.get(TAG_LEASE_TTL, ""))
+# The stamp (owner.Stamp) on the cluster's group and on every VM, exact (tag values take any text).
+STAMP_KEYS = StampKeys(TAG_CLUSTER, TAG_RUN, TAG_OWNER, TAG_CREATED, TAG_LEASE_TTL)

@@ -50,6 +50,7 @@ from infra.compute.providers.azure.names import (
     AVAILABILITY_SET,
     NSG,
     PPG,
+    STAMP_KEYS,
     SUBNET,
     SUBNET_PREFIX,
     TAG_CLUSTER,
@@ -60,7 +61,6 @@ from infra.compute.providers.azure.names import (
     TAG_RANK,
     VNET,
     VNET_PREFIX,
-    Stamp,
     created_time,
     group_name,
     nic_name,
@@ -71,8 +71,8 @@ from infra.compute.providers.azure.names import (
     vm_name,
 )
 from infra.compute.providers.base import Cluster, ClusterRecord, Node, PreemptionNotice, ReplacementUnavailable
-from infra.compute.providers.cloud import HOST_KEYS, LEASE_TTL, MOUNT, CloudProvider, lease_alive
-from infra.compute.providers.owner import launcher_stamp
+from infra.compute.providers.cloud import HOST_KEYS, LEASE_TTL, MOUNT, CloudProvider, lease_alive, rolled_back
+from infra.compute.providers.owner import Stamp, launcher_stamp
 from infra.compute.spec import ClusterSpec
 
 log = logging.getLogger(__name__)
@@ -138,14 +138,7 @@ class AzureProvider(ArmApi, CloudProvider):
             failure: LaunchError = classify(exc, doing)
         except LaunchError as exc:
             failure = exc
-        log.warning("rolling back partial launch of %s in %s: %s", cluster_name, region, failure)
-        try:
-            self._delete_group(group, f"roll back {cluster_name}")
-        except LaunchError as left:
-            # The launch failure is what the caller must act on; the group is tagged, so the sweeper finds it.
-            log.error("rollback of %s in %s failed, resources left for `trainpipe sweep`: %s", cluster_name, region,
-                      left)
-        raise failure
+        raise rolled_back(cluster_name, region, failure, lambda: self._delete_group(group, f"roll back {cluster_name}"))
 
     def _shape(self, spec: ClusterSpec, candidate: Candidate) -> Shape:
         section: AzureClusterSpec = spec.azure
@@ -183,13 +176,13 @@ class AzureProvider(ArmApi, CloudProvider):
                                           "or rename the cluster")
             if existing["location"] != region:
                 self._delete_group(group, doing)
-        tags = {**stamp.tags(), TAG_NODES: str(nodes), TAG_HEARTBEAT: f"{time.time():.0f}"}
+        tags = {**stamp.keyed(STAMP_KEYS), TAG_NODES: str(nodes), TAG_HEARTBEAT: f"{time.time():.0f}"}
         self.resources.resource_groups.create_or_update(group, {"location": region, "tags": tags})
 
     def _fabric(self, group: str, region: str, stamp: Stamp, doing: str) -> None:
         """What the nodes share: SSH only from the orchestrator (all traffic inside the virtual network is allowed by
         Azure's default rules), one subnet, the placement group and the availability set pinned to it."""
-        tags = stamp.tags()
+        tags = stamp.keyed(STAMP_KEYS)
         rule = {"name": "ssh-from-orchestrator", "properties": {
             "protocol": "Tcp", "sourceAddressPrefix": self._ssh_cidr(), "sourcePortRange": "*",
             "destinationAddressPrefix": "*", "destinationPortRange": "22", "access": "Allow", "priority": 100,
@@ -224,7 +217,7 @@ class AzureProvider(ArmApi, CloudProvider):
         todo = [(rank, name) for rank, name in nodes if name not in adopted]
         self._finish([self.compute.virtual_machines.begin_delete(group, name) for _, name in todo
                       if name in existing], doing)  # a failed VM, or one of another shape, holds the name
-        tags = stamp.tags()
+        tags = stamp.keyed(STAMP_KEYS)
         self._finish([self.network.public_ip_addresses.begin_create_or_update(group, public_ip_name(name), {
             "location": region, "tags": tags, "sku": {"name": "Standard"},
             "properties": {"publicIPAllocationMethod": "Static", "deleteOption": "Delete"}}) for _, name in todo],
@@ -264,7 +257,7 @@ class AzureProvider(ArmApi, CloudProvider):
         if shape.spot:
             properties.update(evictionPolicy="Delete", billingProfile={"maxPrice": shape.max_price})
         return {"location": region, "identity": shape.identity, "properties": properties,
-                "tags": {**stamp.tags(), TAG_RANK: str(rank), TAG_HOST_KEY: host_key.fingerprint}}
+                "tags": {**stamp.keyed(STAMP_KEYS), TAG_RANK: str(rank), TAG_HOST_KEY: host_key.fingerprint}}
 
     @staticmethod
     def _fits(vm: dict[str, Any], shape: Shape) -> bool:
@@ -308,12 +301,13 @@ class AzureProvider(ArmApi, CloudProvider):
         ) for rank, name in zip(ranks, names, strict=True))
         size = vms[0]["properties"]["hardwareProfile"]["vmSize"]
         spot = vms[0]["properties"].get("priority") == "Spot"
+        launched = Stamp.read(stamp, STAMP_KEYS)
         # owner also says where the nodes are, so later calls (preemption, liveness) go straight to the group.
-        owner = {"owner": Stamp.of(stamp).owner, "subscription": self.subscription, "resource_group": group,
+        owner = {"owner": launched.owner, "subscription": self.subscription, "resource_group": group,
                  "region": found["location"], "instance_type": size, LEASE_TTL: stamp.get(TAG_LEASE_TTL),
                  "instances": {vm["name"]: vm["properties"].get("vmId", "") for vm in vms},
                  HOST_KEYS: {vm["name"]: tags_of(vm)[TAG_HOST_KEY] for vm in vms if TAG_HOST_KEY in tags_of(vm)}}
-        return Cluster(name=cluster_name, provider=self.name, run_id=Stamp.of(stamp).run_id, nodes=nodes,
+        return Cluster(name=cluster_name, provider=self.name, run_id=launched.run_id, nodes=nodes,
                        created_at=created_time(stamp), owner=owner, instance_type=size,
                        market="spot" if spot else "on-demand")
 
@@ -348,7 +342,7 @@ class AzureProvider(ArmApi, CloudProvider):
                 raise ReplacementUnavailable(f"azure: no node of {cluster.name} survives in {group} to replace "
                                              f"{', '.join(names)} next to: relaunch the cluster")
             found = self._get(lambda: self.resources.resource_groups.get(group))
-            stamp = Stamp.of(tags_of(found or template))
+            stamp = Stamp.read(tags_of(found or template), STAMP_KEYS)
             self._start_nodes(group, template["location"], stamp, _shape_of(template),
                               [(node.rank, node.name) for node in lost], host_keys, doing)
             return self._cluster(cluster.name, group)
@@ -401,7 +395,7 @@ class AzureProvider(ArmApi, CloudProvider):
                 tags = tags_of(group)
                 vms = self._vms(group["name"])
                 records.append(ClusterRecord(
-                    name=tags[TAG_CLUSTER], provider=self.name, run_id=Stamp.of(tags).run_id,
+                    name=tags[TAG_CLUSTER], provider=self.name, run_id=Stamp.read(tags, STAMP_KEYS).run_id,
                     created_at=created_time(tags), nodes=len(vms), processes=len(vms),
                     owner_alive=lease_alive([tags.get(TAG_HEARTBEAT)], tags.get(TAG_LEASE_TTL), created_time(tags))))
             return sorted(records, key=lambda r: r.name)

@@ -5,11 +5,9 @@ operations polled to the end, and where instances and policies are looked for (T
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -21,8 +19,8 @@ from google.api_core import exceptions
 from google.auth import exceptions as auth_exceptions
 from google.auth.credentials import Credentials
 
-from infra.cancel import CANCEL
 from infra.compute.providers.gcp.errors import InvalidRequestError, LaunchError, classify, is_transient, operation_error
+from infra.compute.providers.operations import call_retrying, wait_done
 
 
 class _LazyModule:
@@ -49,7 +47,6 @@ class _LazyModule:
 
 compute_v1: Any = sys.modules.get("google.cloud.compute_v1") or _LazyModule("google.cloud.compute_v1")
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SCOPES = ["https://www.googleapis.com/auth/cloud-platform"]
@@ -137,18 +134,9 @@ class ComputeApi:
     def _api(self, doing: str, call: Callable[[], T]) -> T:
         """One Compute Engine call, repeated with backoff while it fails transiently; every retry is logged. Calls
         pass retry=None so that the library's own silent retries do not stack under these."""
-        attempt = 1
-        while True:
-            try:
-                return call()
-            except API_ERRORS as exc:
-                if attempt >= API_ATTEMPTS or not is_transient(exc):
-                    raise
-                delay = RETRY_FIRST_S * 2 ** (attempt - 1)
-                log.warning("gcp: %s: transient %s (%s): retry %d of %d in %.1fs", doing, type(exc).__name__,
-                            " ".join(str(exc).split())[:300], attempt, API_ATTEMPTS - 1, delay)
-                CANCEL.wait(delay)
-                attempt += 1
+        return call_retrying(call, lambda exc: isinstance(exc, API_ERRORS) and is_transient(exc),
+                             lambda exc: f"{type(exc).__name__} ({' '.join(str(exc).split())})", f"gcp: {doing}",
+                             API_ATTEMPTS, RETRY_FIRST_S)
 
     def _get(self, doing: str, call: Callable[[], T]) -> T | None:
         try:
@@ -166,18 +154,9 @@ class ComputeApi:
         """The finished operation. Polls from 0.2 s up to 3 s apart with its own operations clients: the library's
         ExtendedOperation polls from 1 s up to 20 s (slow for an insert done in seconds), and its poller is built
         without the client's api_endpoint, so it would not even ask the endpoint the provider was given."""
-        deadline = time.monotonic() + WAIT_S
-        delay = POLL_FIRST_S
-        while operation.status != compute_v1.Operation.Status.DONE:
-            if time.monotonic() > deadline:
-                error = LaunchError(f"gcp: {doing}: operation {operation.name} not done after {WAIT_S:.0f}s: "
-                                    "retry later")
-                error.transient = True
-                raise error
-            CANCEL.wait(delay)
-            delay = min(delay * 2, POLL_MAX_S)
-            operation = self._api(doing, lambda op=operation: self._refresh(op))
-        return operation
+        return wait_done(operation, lambda op: op.status == compute_v1.Operation.Status.DONE,
+                         lambda op: self._api(doing, lambda: self._refresh(op)),
+                         f"gcp: {doing}: operation {operation.name}", WAIT_S, POLL_FIRST_S, POLL_MAX_S)
 
     def _refresh(self, operation: compute_v1.Operation) -> compute_v1.Operation:
         if operation.zone:

@@ -8,8 +8,9 @@ import re
 from pathlib import Path
 
 from infra.compute.access.hostkeys import HostKey
-from infra.compute.providers.cloud import MOUNT, boot_script
+from infra.compute.providers.cloud import boot_script
 from infra.compute.providers.gcp.errors import InvalidRequestError
+from infra.compute.providers.nvme_boot import nvme_script
 from infra.node import gce_self_delete
 
 # Deep Learning VM image (NVIDIA driver, CUDA) published by Google; TRAINPIPE_GCP_IMAGE overrides it.
@@ -20,33 +21,8 @@ BOOT_DISK_TYPE = "pd-balanced"
 # request (cloud.google.com/compute/docs/disks/add-local-ssd).
 BUNDLED_SSD_SERIES = ("a2-ultragpu-", "a3-", "a4-", "a4x-", "a5x-", "z3-", "z4d-", "z4m-")
 
-# Local SSDs: RAID0 over every device (one device is used as is), one filesystem, mounted at MOUNT. GCE runs the
-# startup script on every boot, so each step is skipped when already done; it follows the host key install (see
-# startup_script), which is the same key at every boot.
-NVME_SCRIPT = f"""shopt -s nullglob
-mkdir -p {MOUNT}
-if ! mountpoint -q {MOUNT}; then
-  devices=(/dev/disk/by-id/google-local-nvme-ssd-*)
-  target=""
-  if [ -e /dev/md0 ]; then
-    target=/dev/md0
-  elif [ "${{#devices[@]}}" -gt 1 ]; then
-    command -v mdadm >/dev/null || {{ apt-get update -qq && apt-get install -y -qq mdadm; }}
-    mdadm --create /dev/md0 --run --force --level=0 --raid-devices="${{#devices[@]}}" "${{devices[@]}}"
-    target=/dev/md0
-  elif [ "${{#devices[@]}}" -eq 1 ]; then
-    target="${{devices[0]}}"
-  fi
-  if [ -n "$target" ]; then
-    if ! blkid "$target" >/dev/null 2>&1; then
-      if command -v mkfs.xfs >/dev/null; then mkfs.xfs -f -K "$target"; else mkfs.ext4 -F -E nodiscard "$target"; fi
-    fi
-    mount -o noatime "$target" {MOUNT}
-  fi
-fi
-mkdir -p {MOUNT}/trainpipe/data {MOUNT}/trainpipe/ckpt {MOUNT}/trainpipe/logs
-chmod -R 1777 {MOUNT}/trainpipe
-"""
+# Local SSDs, as GCE names them; GCE runs the startup script on every boot, which nvme_script allows for.
+NVME_SCRIPT = nvme_script("devices=(/dev/disk/by-id/google-local-nvme-ssd-*)")
 
 
 SELF_DELETE = "/usr/local/sbin/trainpipe-delete-self"

@@ -19,6 +19,7 @@ from google.api_core import exceptions
 from google.auth import exceptions as auth_exceptions
 
 from infra.compute.providers.base import CapacityError, InvalidRequestError, LaunchError, QuotaError
+from infra.compute.providers.cloud_errors import AuthError, one_line, retry_later, unreachable
 
 # Another zone, region or a later try may have it. UNSUPPORTED_OPERATION is what an insert reports when a Spot VM
 # is preempted while it is being created (SkyPilot observed it and treats it per zone; Google does not document it).
@@ -48,14 +49,6 @@ NO_CREDENTIALS_FIX = ("run `gcloud auth application-default login` or set GOOGLE
                       "service account key")
 
 
-class AuthError(InvalidRequestError):
-    """The credentials cannot do this: nothing elsewhere will succeed either."""
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
 def _item(entry: Any, *names: str) -> str:
     """A field of one entry of `.errors`: a dict from an HTTP error, a compute_v1.Errors from an operation."""
     for name in names:
@@ -77,7 +70,7 @@ def error_codes(exc: BaseException) -> list[str]:
 
 def _detail(exc: exceptions.GoogleAPICallError) -> str:
     messages = [_item(entry, "message") for entry in exc.errors or ()]
-    return _one_line(next((m for m in messages if m), exc.message or str(exc)))
+    return one_line(next((m for m in messages if m), exc.message or str(exc)))
 
 
 def operation_error(operation: Any) -> exceptions.GoogleAPICallError | None:
@@ -106,14 +99,10 @@ def classify(exc: BaseException, doing: str) -> LaunchError:
     if isinstance(exc, auth_exceptions.DefaultCredentialsError):
         return AuthError(f"gcp: no credentials while trying to {doing}: {NO_CREDENTIALS_FIX}")
     if isinstance(exc, auth_exceptions.RefreshError):
-        return AuthError(f"gcp: the credentials were refused while trying to {doing} ({_one_line(str(exc))}): "
+        return AuthError(f"gcp: the credentials were refused while trying to {doing} ({one_line(str(exc))}): "
                          f"{NO_CREDENTIALS_FIX}")
     if not isinstance(exc, exceptions.GoogleAPICallError):
-        # Connection drops and timeouts that outlived the retries: worth another try later.
-        error = LaunchError(f"gcp: {doing} failed: {type(exc).__name__}: {_one_line(str(exc))}: "
-                            "check the network and retry")
-        error.transient = True
-        return error
+        return unreachable("gcp", doing, f"{type(exc).__name__}: {one_line(str(exc))}")
     codes = error_codes(exc)
     status = int(exc.code or 0)
     code = codes[0] if codes else str(status)
@@ -130,9 +119,7 @@ def classify(exc: BaseException, doing: str) -> LaunchError:
     if status in (401, 403) or any(c in AUTH for c in codes):
         return AuthError(f"{said}: {AUTH_FIX}")
     if status >= 500:
-        error = LaunchError(f"{said}: Compute Engine failed, retry later")
-        error.transient = True
-        return error
+        return retry_later(f"{said}: Compute Engine failed, retry later")
     return InvalidRequestError(f"{said}: fix the request (config or catalog)")
 
 

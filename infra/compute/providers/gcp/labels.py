@@ -7,10 +7,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
 from datetime import datetime
 
 from infra.compute.providers.gcp.api import compute_v1
+from infra.compute.providers.owner import Stamp, StampKeys
 
 # Label (and metadata) keys: underscores, not hyphens, so that list filters (`labels.KEY = "…"`) parse them whole.
 LABEL_CLUSTER = "trainpipe_cluster"
@@ -90,19 +90,9 @@ def cluster_address_of(instance: compute_v1.Instance) -> str:
     return str(instance.network_interfaces[0].network_i_p) if instance.network_interfaces else ""
 
 
-@dataclass(frozen=True)
-class Stamp:
-    """Who launched a cluster and when: exact in metadata and policy descriptions, sanitised in labels."""
+# The stamp (owner.Stamp) is exact in metadata and policy descriptions, sanitised (stamp_labels) in labels.
+STAMP_KEYS = StampKeys(LABEL_CLUSTER, LABEL_RUN, LABEL_OWNER, LABEL_CREATED, LABEL_LEASE_TTL)
 
-    cluster: str
-    run_id: str
-    owner: str
-    created: str
-    lease_ttl_s: str
 
-    def exact(self) -> dict[str, str]:
-        return {LABEL_CLUSTER: self.cluster, LABEL_RUN: self.run_id, LABEL_OWNER: self.owner,
-                LABEL_CREATED: self.created, LABEL_LEASE_TTL: self.lease_ttl_s}
-
-    def labels(self) -> dict[str, str]:
-        return {key: label_value(value) for key, value in self.exact().items()}
+def stamp_labels(stamp: Stamp) -> dict[str, str]:
+    return stamp.keyed(STAMP_KEYS, label_value)

@@ -24,6 +24,7 @@ import os
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -36,7 +37,7 @@ from infra.compute.access.hostkeys import HostKey
 from infra.compute.catalog import Catalog
 from infra.compute.optimizer import Candidate
 from infra.compute.providers.base import Cluster, ClusterRecord, Node, PreemptionNotice, ReplacementUnavailable
-from infra.compute.providers.cloud import HOST_KEYS, LEASE_TTL, MOUNT, CloudProvider, lease_alive
+from infra.compute.providers.cloud import HOST_KEYS, LEASE_TTL, MOUNT, CloudProvider, lease_alive, rolled_back
 from infra.compute.providers.gcp import api
 from infra.compute.providers.gcp.api import (
     API_ERRORS,
@@ -64,7 +65,6 @@ from infra.compute.providers.gcp.errors import (
 )
 from infra.compute.providers.gcp.labels import (
     LABEL_CLUSTER,
-    LABEL_CREATED,
     LABEL_HEARTBEAT,
     LABEL_LEASE_TTL,
     LABEL_OWNER,
@@ -72,7 +72,7 @@ from infra.compute.providers.gcp.labels import (
     LABEL_RUN,
     META_HOST_KEY,
     POLICY_MARK,
-    Stamp,
+    STAMP_KEYS,
     address_of,
     cluster_address_of,
     created_time,
@@ -80,9 +80,11 @@ from infra.compute.providers.gcp.labels import (
     policy_stamp,
     rank_of,
     resource_name,
+    stamp_labels,
     stamp_of,
 )
-from infra.compute.providers.owner import launcher_stamp
+from infra.compute.providers.operations import raise_first
+from infra.compute.providers.owner import Stamp, launcher_stamp
 from infra.compute.spec import ClusterSpec
 
 log = logging.getLogger(__name__)
@@ -144,10 +146,7 @@ class GcpProvider(ComputeApi, CloudProvider):
                     started.append(operation)
             failures = self._finish(started, doing)
             started.clear()  # all finished: a rollback need not wait for them again
-            for other in failures[1:]:
-                log.warning("%s: another node failed too: %s", doing, other)
-            if failures:
-                raise failures[0]
+            raise_first(failures, doing)
             instances = self._wait_running(zone, cluster_name, names, doing)
         except API_ERRORS as exc:
             failure: LaunchError = classify(exc, doing)
@@ -155,18 +154,14 @@ class GcpProvider(ComputeApi, CloudProvider):
             failure = exc
         else:
             return self._cluster(cluster_name, zone, instances)
-        log.warning("rolling back partial launch of %s in %s: %s", cluster_name, zone, failure)
-        try:
+
+        def undo() -> None:
             # Inserts still in flight would create instances after the teardown looked: let them finish first.
             for error in self._finish(started, f"roll back {cluster_name}"):
                 log.info("rolling back %s: a node insert also failed: %s", cluster_name, error)
             self._teardown(cluster_name, zone)
-        except (*API_ERRORS, LaunchError) as exc:
-            # The launch failure is what the caller must act on; what is left is labelled, so the sweeper finds it.
-            left = exc if isinstance(exc, LaunchError) else classify(exc, f"roll back {cluster_name}")
-            log.error("rollback of %s in %s failed, resources left for `trainpipe sweep`: %s", cluster_name, zone,
-                      left)
-        raise failure
+
+        raise rolled_back(cluster_name, zone, failure, lambda: self._call(f"roll back {cluster_name}", undo))
 
     def _zone(self, candidate: Candidate) -> str:
         """GCE instances live in a zone: the candidate's, else the first TRAINPIPE_GCP_ZONES zone of its region."""
@@ -190,7 +185,7 @@ class GcpProvider(ComputeApi, CloudProvider):
                                           "delete it or rename the cluster")
             return str(existing.self_link)
         policy = compute_v1.ResourcePolicy(
-            name=name, description=POLICY_MARK + json.dumps(stamp.exact()),
+            name=name, description=POLICY_MARK + json.dumps(stamp.keyed(STAMP_KEYS)),
             group_placement_policy=compute_v1.ResourcePolicyGroupPlacementPolicy(collocation="COLLOCATED"))
         request = compute_v1.InsertResourcePolicyRequest(project=self.project, region=region,
                                                          request_id=str(uuid.uuid4()),
@@ -229,7 +224,7 @@ class GcpProvider(ComputeApi, CloudProvider):
     def _instance(self, name: str, rank: int, machine_type: str, spot: bool, zone: str, policy: str, stamp: Stamp,
                   host_key: HostKey, account: GcpServiceAccount) -> compute_v1.Instance:
         metadata = {"startup-script": startup_script(host_key, self._api_endpoint), "install-nvidia-driver": "True",
-                    **stamp.exact(), LABEL_RANK: str(rank), META_HOST_KEY: host_key.fingerprint}
+                    **stamp.keyed(STAMP_KEYS), LABEL_RANK: str(rank), META_HOST_KEY: host_key.fingerprint}
         if self._ssh_keys:
             metadata["ssh-keys"] = self._ssh_keys
         # GPU VMs cannot live-migrate; a host event ends the node visibly (nodes_alive) instead of rebooting it
@@ -246,7 +241,7 @@ class GcpProvider(ComputeApi, CloudProvider):
             interface.network = f"global/networks/{self._network}"
         return compute_v1.Instance(
             name=name, machine_type=f"zones/{zone}/machineTypes/{machine_type}",
-            labels={**stamp.labels(), LABEL_RANK: str(rank), LABEL_HEARTBEAT: f"{time.time():.0f}"},
+            labels={**stamp_labels(stamp), LABEL_RANK: str(rank), LABEL_HEARTBEAT: f"{time.time():.0f}"},
             metadata=compute_v1.Metadata(items=[compute_v1.Items(key=k, value=v) for k, v in metadata.items()]),
             scheduling=scheduling, disks=self._disks(machine_type, zone, stamp), network_interfaces=[interface],
             resource_policies=[policy], tags=compute_v1.Tags(items=["trainpipe", resource_name(stamp.cluster, "node")]),
@@ -259,7 +254,7 @@ class GcpProvider(ComputeApi, CloudProvider):
                                        initialize_params=compute_v1.AttachedDiskInitializeParams(
                                            source_image=self._image, disk_size_gb=BOOT_DISK_GB,
                                            disk_type=f"zones/{zone}/diskTypes/{BOOT_DISK_TYPE}",
-                                           labels=stamp.labels()))
+                                           labels=stamp_labels(stamp)))
         described = self.catalog.get(self.name, machine_type)
         count = described.local_nvme_count if described else 0
         if bundles_local_ssd(machine_type):
@@ -334,8 +329,7 @@ class GcpProvider(ComputeApi, CloudProvider):
             names = [node.name for node in lost]
             template = self._survivor(cluster, zone, names, doing)
             found = stamp_of(template)
-            stamp = Stamp(cluster.name, found.get(LABEL_RUN, cluster.run_id), found.get(LABEL_OWNER, ""),
-                           found.get(LABEL_CREATED, ""), found.get(LABEL_LEASE_TTL, ""))
+            stamp = replace(Stamp.read(found, STAMP_KEYS, run_id=cluster.run_id), cluster=cluster.name)
             # The survivors' service account and scopes: the replacement reaches the buckets as they do.
             account = GcpServiceAccount()
             if template.service_accounts:

@@ -14,16 +14,13 @@ Settings of the machine that runs trainpipe (a sweeper elsewhere needs them as m
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from infra.cancel import CANCEL
 from infra.compute.providers.nebius.errors import (
     NO_CREDENTIALS_FIX,
     AuthError,
@@ -35,8 +32,8 @@ from infra.compute.providers.nebius.errors import (
     is_sdk_error,
     is_transient,
 )
+from infra.compute.providers.operations import call_retrying, wait_done
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 PROJECTS_ENV = "TRAINPIPE_NEBIUS_PROJECTS"
@@ -54,6 +51,11 @@ WAIT_S = 900.0  # for an operation to finish: an 8-GPU VM can take minutes to be
 POLL_FIRST_S = 0.2
 POLL_MAX_S = 3.0
 PAGE_SIZE = 100
+
+
+def _transient(exc: BaseException) -> bool:
+    """An SDK failure a repeat of the same call may get past (anything else is not the API's answer: raised)."""
+    return is_sdk_error(exc) and is_transient(exc)
 
 
 def parse_projects(text: str) -> dict[str, str]:
@@ -155,18 +157,9 @@ class NebiusApi:
         transiently, under one idempotency key so that a repeat of an accepted call has no second effect. The SDK's
         own retries are off: these are logged, and bounded by the run's cancellation."""
         key = str(uuid.uuid4())
-        attempt = 1
-        while True:
-            try:
-                return call(metadata=[("x-idempotency-key", key)], timeout=CALL_TIMEOUT_S, retries=1).wait()
-            except Exception as exc:
-                if not is_sdk_error(exc) or attempt >= API_ATTEMPTS or not is_transient(exc):
-                    raise
-                delay = RETRY_FIRST_S * 2 ** (attempt - 1)
-                log.warning("nebius: %s: transient %s: retry %d of %d in %.1fs", doing, describe(exc)[:300],
-                            attempt, API_ATTEMPTS - 1, delay)
-                CANCEL.wait(delay)
-                attempt += 1
+        return call_retrying(
+            lambda: call(metadata=[("x-idempotency-key", key)], timeout=CALL_TIMEOUT_S, retries=1).wait(),
+            _transient, describe, f"nebius: {doing}", API_ATTEMPTS, RETRY_FIRST_S)
 
     def _get(self, doing: str, call: Callable[..., Any]) -> Any | None:
         """A Get: None when there is no such resource."""
@@ -190,36 +183,19 @@ class NebiusApi:
 
     def _finish(self, operation: Any, doing: str) -> str:
         """Wait for an operation to end; its resource id. Failed: the launch error it means."""
-        deadline = time.monotonic() + WAIT_S
-        delay = POLL_FIRST_S
-        while not operation.done():
-            if time.monotonic() > deadline:
-                error = LaunchError(f"nebius: {doing}: operation {operation.id} not done after {WAIT_S:.0f}s: "
-                                    "retry later")
-                error.transient = True
-                raise error
-            CANCEL.wait(delay)
-            delay = min(delay * 2, POLL_MAX_S)
-            self._refresh(operation, doing)
+        wait_done(operation, lambda op: op.done(), lambda op: self._refresh(op, doing),
+                  f"nebius: {doing}: operation {operation.id}", WAIT_S, POLL_FIRST_S, POLL_MAX_S)
         if not operation.successful():
             from nebius.aio.operation import OperationError
 
             raise classify(OperationError(operation), doing)
         return str(operation.resource_id)
 
-    def _refresh(self, operation: Any, doing: str) -> None:
-        attempt = 1
-        while True:
-            try:
-                operation.sync_update(timeout=CALL_TIMEOUT_S)
-                return
-            except Exception as exc:
-                if not is_sdk_error(exc) or attempt >= API_ATTEMPTS or not is_transient(exc):
-                    raise
-                log.warning("nebius: %s: polling operation %s: transient %s: retry %d", doing, operation.id,
-                            describe(exc)[:300], attempt)
-                CANCEL.wait(RETRY_FIRST_S * 2 ** (attempt - 1))
-                attempt += 1
+    def _refresh(self, operation: Any, doing: str) -> Any:
+        """The operation, updated in place (the SDK's operation refreshes itself)."""
+        call_retrying(lambda: operation.sync_update(timeout=CALL_TIMEOUT_S), _transient, describe,
+                      f"nebius: {doing}: polling operation {operation.id}", API_ATTEMPTS, RETRY_FIRST_S)
+        return operation
 
     def _pages(self, doing: str, list_call: Callable[[Any], Callable[..., Any]], request: Any) -> Iterator[Any]:
         """Every item of a List, page by page (list_call(request) → the call _api makes)."""

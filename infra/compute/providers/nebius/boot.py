@@ -20,6 +20,7 @@ import shlex
 from infra.compute.access.hostkeys import HostKey
 from infra.compute.providers.cloud import MOUNT, boot_script
 from infra.compute.providers.nebius.errors import InvalidRequestError
+from infra.compute.providers.nvme_boot import nvme_script
 from infra.node.preemption_notice import NOTICE_FILE
 
 FILESYSTEM_MOUNT = "/mnt/filesystem"
@@ -29,26 +30,9 @@ NOTICE_UNIT = "trainpipe-stop-notice.service"
 WORKDIR = f"{MOUNT}/trainpipe"
 USER_NAME = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 
-DISKS_SCRIPT = f"""mkdir -p {MOUNT}
-mapfile -t devices < <(lsblk -dpno NAME,TYPE | awk '$2 == "disk" && $1 ~ /nvme/ {{print $1}}')
-if ! mountpoint -q {MOUNT}; then
-  if [ "${{#devices[@]}}" -gt 1 ]; then
-    command -v mdadm >/dev/null || {{ apt-get update -qq && apt-get install -y -qq mdadm; }}
-    mdadm --create /dev/md0 --run --force --level=0 --raid-devices="${{#devices[@]}}" "${{devices[@]}}"
-    target=/dev/md0
-  elif [ "${{#devices[@]}}" -eq 1 ]; then
-    target="${{devices[0]}}"
-  else
-    target=""
-  fi
-  if [ -n "$target" ]; then
-    if command -v mkfs.xfs >/dev/null; then mkfs.xfs -f -K "$target"; else mkfs.ext4 -F -E nodiscard "$target"; fi
-    mount -o noatime "$target" {MOUNT}
-  fi
-fi
-mkdir -p {WORKDIR}/data {WORKDIR}/ckpt {WORKDIR}/logs
-chmod -R 1777 {WORKDIR}
-"""
+# Nebius passes the local disks through as NVMe devices; the boot disk is virtio, so every NVMe disk is local.
+DISKS_SCRIPT = nvme_script(
+    "mapfile -t devices < <(lsblk -dpno NAME,TYPE | awk '$2 == \"disk\" && $1 ~ /nvme/ {print $1}')")
 
 FILESYSTEM_SCRIPT = f"""mkdir -p {FILESYSTEM_MOUNT}
 mountpoint -q {FILESYSTEM_MOUNT} || mount -t virtiofs {FILESYSTEM_TAG} {FILESYSTEM_MOUNT}

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from infra.compute.providers.base import CapacityError, InvalidRequestError, LaunchError, QuotaError
+from infra.compute.providers.cloud_errors import AuthError, one_line, retry_later, unreachable
 
 CAPACITY_KINDS = frozenset({"not_enough_resources"})
 QUOTA_KINDS = frozenset({"quota_failure"})
@@ -25,14 +26,6 @@ AUTH_FIX = ("give the credentials' service account the editor role on the projec
             "TRAINPIPE_NEBIUS_PROJECTS names the project of each region)")
 NO_CREDENTIALS_FIX = ("set TRAINPIPE_NEBIUS_CREDENTIALS_FILE to a service account's credentials.json (nebius iam "
                       "auth-public-key generate), or NEBIUS_IAM_TOKEN, or log in with the nebius CLI")
-
-
-class AuthError(InvalidRequestError):
-    """The credentials cannot do this: nothing elsewhere will succeed either."""
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
 
 
 def status_code(exc: BaseException) -> str:
@@ -55,7 +48,7 @@ def error_kinds(exc: BaseException) -> list[str]:
 
 def _message(exc: BaseException) -> str:
     status = getattr(exc, "status", None)
-    return _one_line(str(getattr(status, "message", None) or exc))
+    return one_line(str(getattr(status, "message", None) or exc))
 
 
 def is_sdk_error(exc: BaseException) -> bool:
@@ -82,12 +75,10 @@ def classify(exc: BaseException, doing: str) -> LaunchError:
     if not code:
         # Not an API answer (no credentials found, the connection gone): another try later may succeed, unless
         # the SDK says there are no credentials.
-        text = _one_line(f"{type(exc).__name__}: {exc}")
+        text = one_line(f"{type(exc).__name__}: {exc}")
         if "credential" in text.lower() or "token" in text.lower():
             return AuthError(f"nebius: no usable credentials while trying to {doing} ({text}): {NO_CREDENTIALS_FIX}")
-        error = LaunchError(f"nebius: {doing} failed: {text}: check the network and retry")
-        error.transient = True
-        return error
+        return unreachable("nebius", doing, text)
     said = f"nebius: {doing}: {code}{' (' + ', '.join(kinds) + ')' if kinds else ''}: {_message(exc)}"
     exhausted = code == "RESOURCE_EXHAUSTED"
     if set(kinds) & QUOTA_KINDS or (exhausted and not kinds and "quota" in said.lower()):
@@ -100,16 +91,14 @@ def classify(exc: BaseException, doing: str) -> LaunchError:
     if set(kinds) & AUTH_KINDS or code in AUTH_CODES:
         return AuthError(f"{said}: {AUTH_FIX}")
     if code in TRANSIENT_CODES:
-        error = LaunchError(f"{said}: the Nebius API failed, retry later")
-        error.transient = True
-        return error
+        return retry_later(f"{said}: the Nebius API failed, retry later")
     return InvalidRequestError(f"{said}: fix the request (config or catalog)")
 
 
 def describe(exc: Any) -> str:
     """One line for a log: the code and message of an SDK error, else the exception."""
     code = status_code(exc)
-    return f"{code}: {_message(exc)}" if code else _one_line(f"{type(exc).__name__}: {exc}")
+    return f"{code}: {_message(exc)}" if code else one_line(f"{type(exc).__name__}: {exc}")
 
 
 __all__ = ["AuthError", "CapacityError", "InvalidRequestError", "LaunchError", "QuotaError", "classify",

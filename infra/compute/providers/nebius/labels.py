@@ -11,8 +11,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import re
-from dataclasses import dataclass
 from typing import Any
+
+from infra.compute.providers.owner import Stamp, StampKeys
 
 LABEL_CLUSTER = "trainpipe-cluster"
 LABEL_RUN = "trainpipe-run-id"
@@ -81,22 +82,9 @@ def address(interface_address: str) -> str:
     return interface_address.split("/", 1)[0]
 
 
-@dataclass(frozen=True)
-class Stamp:
-    """Who launched a cluster and when: on its GPU cluster and on every instance."""
+# The stamp (owner.Stamp) on the GPU cluster and on every instance.
+STAMP_KEYS = StampKeys(LABEL_CLUSTER, LABEL_RUN, LABEL_OWNER, LABEL_CREATED, LABEL_LEASE_TTL)
 
-    cluster: str
-    run_id: str
-    owner: str
-    created: str
-    lease_ttl_s: str
 
-    def labels(self) -> dict[str, str]:
-        return {LABEL_CLUSTER: label_value(self.cluster), LABEL_RUN: label_value(self.run_id),
-                LABEL_OWNER: label_value(self.owner), LABEL_CREATED: self.created,
-                LABEL_LEASE_TTL: label_value(self.lease_ttl_s)}
-
-    @classmethod
-    def of(cls, labels: dict[str, str], cluster: str) -> Stamp:
-        return cls(cluster, labels.get(LABEL_RUN, "unknown"), labels.get(LABEL_OWNER, ""),
-                   labels.get(LABEL_CREATED, ""), labels.get(LABEL_LEASE_TTL, ""))
+def stamp_labels(stamp: Stamp) -> dict[str, str]:
+    return stamp.keyed(STAMP_KEYS, label_value)

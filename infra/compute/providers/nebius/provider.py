@@ -31,7 +31,7 @@ from infra.compute.access.hostkeys import HostKey
 from infra.compute.catalog import Catalog
 from infra.compute.optimizer import Candidate
 from infra.compute.providers.base import Cluster, ClusterRecord, Node, PreemptionNotice, ReplacementUnavailable
-from infra.compute.providers.cloud import HOST_KEYS, LEASE_TTL, SSH_KEY_ENV, CloudProvider, lease_alive
+from infra.compute.providers.cloud import HOST_KEYS, LEASE_TTL, SSH_KEY_ENV, CloudProvider, lease_alive, rolled_back
 from infra.compute.providers.nebius import api
 from infra.compute.providers.nebius.api import PAGE_SIZE, NebiusApi
 from infra.compute.providers.nebius.boot import FILESYSTEM_TAG, NOTICE_S, WORKDIR, user_data
@@ -51,7 +51,6 @@ from infra.compute.providers.nebius.labels import (
     LABEL_OWNER,
     LABEL_RANK,
     LABEL_RUN,
-    Stamp,
     address,
     created_time,
     fingerprint_labels,
@@ -60,8 +59,10 @@ from infra.compute.providers.nebius.labels import (
     labels_of,
     rank_of,
     resource_name,
+    stamp_labels,
 )
-from infra.compute.providers.owner import launcher_stamp
+from infra.compute.providers.operations import raise_first
+from infra.compute.providers.owner import Stamp, launcher_stamp
 from infra.compute.spec import ClusterSpec
 
 log = logging.getLogger(__name__)
@@ -159,10 +160,7 @@ class NebiusProvider(NebiusApi, CloudProvider):
                         operations.append(operation)
                 failures = self._finish_all(operations, doing)
                 operations.clear()  # all finished: a rollback need not wait for them again
-                for other in failures[1:]:
-                    log.warning("%s: another node failed too: %s", doing, other)
-                if failures:
-                    raise failures[0]
+                raise_first(failures, doing)
                 return self._wait_running(project, cluster_name, names, doing)
 
             instances = self._call(doing, start)
@@ -170,17 +168,14 @@ class NebiusProvider(NebiusApi, CloudProvider):
             failure = exc
         else:
             return self._cluster(cluster_name, region, project, instances)
-        log.warning("rolling back partial launch of %s in %s: %s", cluster_name, region, failure)
-        try:
+
+        def undo() -> None:
             # Creates still in flight would make instances after the teardown looked: let them end first.
             for error in self._finish_all(operations, f"roll back {cluster_name}"):
                 log.info("rolling back %s: a node create also failed: %s", cluster_name, error)
             self._call(f"roll back {cluster_name}", lambda: self._teardown(cluster_name, project))
-        except LaunchError as left:
-            # The launch failure is what the caller must act on; what is left is labelled, so the sweeper finds it.
-            log.error("rollback of %s in %s failed, resources left for `trainpipe sweep`: %s", cluster_name, region,
-                      left)
-        raise failure
+
+        raise rolled_back(cluster_name, region, failure, undo)
 
     def _finish_all(self, operations: list[Any], doing: str) -> list[LaunchError]:
         failures = []
@@ -207,7 +202,7 @@ class NebiusProvider(NebiusApi, CloudProvider):
             self._delete_gpu_cluster(str(existing.metadata.id), doing)
         request = compute.CreateGpuClusterRequest(
             metadata=common.ResourceMetadata(parent_id=project, name=name,
-                                             labels={**stamp.labels(), LABEL_HEARTBEAT: f"{time.time():.0f}"}),
+                                             labels={**stamp_labels(stamp), LABEL_HEARTBEAT: f"{time.time():.0f}"}),
             spec=compute.GpuClusterSpec(infiniband_fabric=fabric))
         operation = self._api(doing, lambda **kw: self.client("gpu_clusters").create(request, **kw))
         return self._finish(operation, doing)
@@ -288,7 +283,7 @@ class NebiusProvider(NebiusApi, CloudProvider):
             log.info("%s rank %d: replacing %s (%s, %s)", stamp.cluster, rank, name, _state(existing),
                      existing.spec.resources.platform)
             self._delete_instance(str(existing.metadata.id), doing)
-        labels = {**stamp.labels(), LABEL_RANK: str(rank), **fingerprint_labels(host_key.fingerprint)}
+        labels = {**stamp_labels(stamp), LABEL_RANK: str(rank), **fingerprint_labels(host_key.fingerprint)}
         request = compute.CreateInstanceRequest(
             metadata=common.ResourceMetadata(parent_id=project, name=name, labels=labels), spec=spec)
         return self._api(doing, lambda **kw: self.client("instances").create(request, **kw))
