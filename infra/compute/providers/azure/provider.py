@@ -37,7 +37,7 @@ from infra.compute.access.hostkeys import HostKey
 from infra.compute.catalog import Catalog
 from infra.compute.optimizer import Candidate
 from infra.compute.providers.azure.arm import ArmApi, json_of
-from infra.compute.providers.azure.boot import custom_data
+from infra.compute.providers.azure.boot import custom_data, user_identity
 from infra.compute.providers.azure.config import AzureClusterSpec
 from infra.compute.providers.azure.errors import (
     API_ERRORS,
@@ -250,7 +250,9 @@ class AzureProvider(ArmApi, CloudProvider):
             "storageProfile": {"imageReference": shape.image, "osDisk": {
                 "createOption": "FromImage", "deleteOption": "Delete", "diskSizeGB": OS_DISK_GB,
                 "managedDisk": {"storageAccountType": "Premium_LRS"}}},
-            "osProfile": {"computerName": name, "adminUsername": shape.user, "customData": custom_data(host_key),
+            # With a user-assigned identity the VM deletes itself as it powers off, through the endpoint we call.
+            "osProfile": {"computerName": name, "adminUsername": shape.user,
+                          "customData": custom_data(host_key, user_identity(shape.identity), self.arm_endpoint),
                           "linuxConfiguration": {"disablePasswordAuthentication": True, "ssh": {"publicKeys": [
                               {"path": f"/home/{shape.user}/.ssh/authorized_keys", "keyData": shape.public_key}]}}},
             "networkProfile": {"networkInterfaces": [{
