@@ -504,7 +504,8 @@ def power_off(program: str, arm: ArmServer, group: str, vm: str, identity: str,
 
 def test_a_node_powering_off_deletes_its_own_vm_with_its_identity_and_its_nic_and_ip_go_with_it(
         azure: AzureProvider, arm: ArmServer, tmp_path: Path) -> None:
-    azure.launch("tp-az-self", spec(regions=("eastus",), spot="never", azure={"identity": IDENTITY}), "run-self")
+    cluster = azure.launch("tp-az-self", spec(regions=("eastus",), spot="never", azure={"identity": IDENTITY}),
+                           "run-self")
     group, going, staying = group_name("tp-az-self"), vm_name("tp-az-self", 1), vm_name("tp-az-self", 0)
     script = boot_script_of(arm, group, going)
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
@@ -529,6 +530,9 @@ def test_a_node_powering_off_deletes_its_own_vm_with_its_identity_and_its_nic_an
     assert delete.path.endswith(f"/resourceGroups/{group}/providers/Microsoft.Compute/virtualMachines/{going}")
     assert delete.query == {"api-version": sdk_vm_api_version(), "forceDeletion": "true"}
     assert delete.authorization.startswith("Bearer imds-"), "with the token IMDS gave the VM's identity"
+    # Its replacement copies the survivor's identity (as ARM returns it), and with it the power-off that deletes it.
+    azure.replace_nodes(cluster, [going])
+    assert f"--identity {IDENTITY} --api {arm.endpoint}'" in boot_script_of(arm, group, going)
     assert azure.terminate("tp-az-self") is True and left(arm, "tp-az-self") == []
 
 

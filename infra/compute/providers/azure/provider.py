@@ -15,7 +15,9 @@ Spot VM (eviction policy Delete) leaves nothing billed behind.
 
 Nodes carry a managed identity (cluster.azure.identity), so they reach the store with tokens from the instance
 metadata service, never with keys; Spot VMs get a max price from cluster.max_price_per_hour (per node), and the nodes'
-watchers read Azure's Scheduled Events (`Preempt`) for the notice (infra.node.preemption_notice).
+watchers read Azure's Scheduled Events (`Preempt`) for the notice (infra.node.preemption_notice). A VM that powers
+itself off is only stopped, and billed: with that identity, the custom data makes a power-off delete the VM
+(infra.node.azure_self_delete), so an expired lease ends the billing without waiting for the sweeper.
 """
 
 from __future__ import annotations
