@@ -38,15 +38,17 @@ TIMEOUT_S = 10.0
 ROLE = "Virtual Machine Contributor"
 
 
-def _json(request: urllib.request.Request) -> Any:
-    with urllib.request.urlopen(request, timeout=TIMEOUT_S) as reply:
+def _json(request: urllib.request.Request, opener: urllib.request.OpenerDirector | None = None) -> Any:
+    with (opener or urllib.request.build_opener()).open(request, timeout=TIMEOUT_S) as reply:
         body = reply.read().decode()
     return json.loads(body) if body.strip() else {}
 
 
 def imds(base: str, path: str, query: dict[str, str]) -> Any:
     url = f"{base.rstrip('/')}{path}?{urllib.parse.urlencode(query)}"
-    return _json(urllib.request.Request(url, headers={"Metadata": "true"}))
+    # IMDS answers on the VM's own link only: never through a proxy the environment names.
+    return _json(urllib.request.Request(url, headers={"Metadata": "true"}),
+                 urllib.request.build_opener(urllib.request.ProxyHandler({})))
 
 
 def delete_self(identity: str, metadata_url: str = METADATA, api_url: str = API) -> str:
