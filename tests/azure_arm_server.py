@@ -20,8 +20,14 @@ with `evict()`: a Scheduled Event `Preempt` appears in the instance metadata ser
 at /metadata/scheduledevents), then `complete_eviction()` deletes it as eviction policy Delete does.
 
 It also answers the managed-identity token endpoint of azure-identity's App Service protocol (IDENTITY_ENDPOINT /
-IDENTITY_HEADER), so an orchestrator started as a command gets a token the way it would on Azure. Public addresses come
-from `public_prefix`, private ones from `private_prefix` (distinct: a test fails if the wrong one is bound).
+IDENTITY_HEADER), so an orchestrator started as a command gets a token the way it would on Azure; and, per VM (under
+`imds_of(group, vm)`, since one server stands in for every VM's 169.254.169.254), IMDS's own endpoints a node calls:
+`/metadata/identity/oauth2/token` (a token of a user-assigned identity the VM carries, named by `msi_res_id` or
+`client_id`; else IMDS's 400 "Identity not found") and `/metadata/instance/compute` (its name, group, subscription).
+A request that carries such a token is checked as ARM would: issued here, for Resource Manager's audience, and of an
+identity granted Virtual Machine Contributor (`grant`), else 401 or 403 AuthorizationFailed; any other token passes.
+Public addresses come from `public_prefix`, private ones from `private_prefix` (distinct: a test fails if the wrong
+one is bound).
 """
 
 from __future__ import annotations
@@ -47,6 +53,9 @@ from http_stub import Served, StandIn
 
 SUBSCRIPTION = "00000000-0000-0000-0000-0000000000aa"
 IDENTITY_HEADER = "trainpipe-test-identity-header"
+MANAGEMENT = "https://management.azure.com/"  # the audience of Resource Manager's tokens
+IMDS_TOKEN_PREFIX = "imds-"  # tokens this fake's IMDS issued to a VM's identity (the only ones it checks)
+VM_IMDS = re.compile(r"^/vms/([^/]+)/([^/]+)(/metadata/.*)$")
 # Types whose PUT is a long-running operation (the SDK's begin_create_or_update); the others answer at once.
 LRO_TYPES = {"microsoft.compute/virtualmachines", "microsoft.network/virtualnetworks",
              "microsoft.network/networksecuritygroups", "microsoft.network/publicipaddresses",
@@ -92,6 +101,8 @@ class Call:
     path: str
     status: int
     body: dict[str, Any] | None
+    query: dict[str, str] = field(default_factory=dict)
+    authorization: str = ""
 
 
 @dataclass
@@ -102,6 +113,8 @@ class _State:
     deletions: dict[str, int] = field(default_factory=dict)  # Location id → polls left
     faults: list[Fault] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)  # Scheduled Events
+    tokens: dict[str, dict[str, str]] = field(default_factory=dict)  # IMDS token → {identity, resource}
+    vm_contributors: set[str] = field(default_factory=set)  # lower identity IDs granted Virtual Machine Contributor
     calls: list[Call] = field(default_factory=list)
 
 
@@ -130,6 +143,10 @@ class ArmServer(StandIn):
         answers the managed-identity token endpoint."""
         assert self._imds is not None
         return f"http://127.0.0.1:{self._imds.port}"
+
+    def imds_of(self, group: str, vm: str) -> str:
+        """The instance metadata service as VM `vm` of `group` sees it (its identity token, its compute metadata)."""
+        return f"{self.imds}/vms/{group}/{vm}"
 
     def env(self) -> dict[str, str]:
         """What an orchestrator of its own needs to reach this ARM as it would reach Azure's."""
@@ -165,6 +182,11 @@ class ArmServer(StandIn):
         with self._lock:
             self._state.faults.append(fault)
         return fault
+
+    def grant(self, identity: str) -> None:
+        """Virtual Machine Contributor for a user-assigned identity (its resource ID), on the subscription."""
+        with self._lock:
+            self._state.vm_contributors.add(identity.lower())
 
     def resources(self, kind: str = "", group: str | None = None) -> list[dict[str, Any]]:
         """Resources whose type ends with kind (e.g. "virtualMachines"), of one group or all."""
@@ -213,7 +235,7 @@ class ArmServer(StandIn):
                 status, answer, extra = self._route(method, parts.path.rstrip("/"), query, body, headers)
             except ArmError as exc:
                 status, answer, extra = exc.status, exc.body(), {}
-            self._state.calls.append(Call(method, parts.path, status, body))
+            self._state.calls.append(Call(method, parts.path, status, body, query, headers.get("authorization", "")))
         return status, answer, extra
 
     def _route(self, method: str, path: str, query: dict[str, str], body: dict[str, Any] | None,
@@ -224,6 +246,9 @@ class ArmServer(StandIn):
             expires = int(datetime.datetime.now(datetime.UTC).timestamp()) + 3600
             return 200, {"access_token": f"fake-{uuid.uuid4().hex}", "expires_on": str(expires),
                          "resource": query.get("resource", ""), "token_type": "Bearer"}, {}
+        vm_imds = VM_IMDS.fullmatch(path)
+        if vm_imds:
+            return self._vm_imds(*vm_imds.groups(), query, headers)
         if path == "/metadata/scheduledevents":
             if headers.get("metadata") != "true":
                 raise ArmError(400, "BadRequest", "Required metadata header not specified")
@@ -240,8 +265,50 @@ class ArmServer(StandIn):
         found = RESOURCE.fullmatch(path)
         if found:
             _, rg, namespace, kind, name = found.groups()
+            self._check_identity_token(headers.get("authorization", ""), method, f"{namespace}/{kind}", path)
             return self._resource(method, rg, f"{namespace}/{kind}", name, body)
         raise ArmError(404, "NotFound", f"no such path: {method} {path}")
+
+    def _vm_imds(self, rg: str, name: str, path: str, query: dict[str, str],
+                 headers: dict[str, str]) -> tuple[int, Any, dict[str, str]]:
+        """IMDS as one VM sees it. Its errors are IMDS's shape (error, error_description), not ARM's."""
+        if headers.get("metadata") != "true":
+            return 400, {"error": "invalid_request", "error_description": "Required metadata header not specified"}, {}
+        vm = self._state.resources.get(_id(rg, "Microsoft.Compute/virtualMachines", name))
+        if vm is None:
+            return 404, {"error": "not_found", "error_description": f"no VM {rg}/{name} behind this address"}, {}
+        if path == "/metadata/instance/compute":
+            return 200, {"name": vm["name"], "resourceGroupName": vm["id"].split("/")[4],
+                         "subscriptionId": SUBSCRIPTION, "location": vm["location"],
+                         "vmId": vm["properties"].get("vmId", ""), "resourceId": vm["id"]}, {}
+        if path != "/metadata/identity/oauth2/token":
+            return 404, {"error": "not_found", "error_description": f"no such IMDS path {path}"}, {}
+        carried = {i.lower() for i in (vm.get("identity") or {}).get("userAssignedIdentities") or {}}
+        wanted = query.get("msi_res_id", "").lower() or next(
+            (i for i in carried if query.get("client_id") and query["client_id"] == _client_id(i)), "")
+        if not query.get("resource") or wanted not in carried:
+            return 400, {"error": "invalid_request", "error_description": "Identity not found"}, {}
+        token = f"{IMDS_TOKEN_PREFIX}{uuid.uuid4().hex}"
+        self._state.tokens[token] = {"identity": wanted, "resource": query["resource"]}
+        return 200, {"access_token": token, "expires_in": "86399", "resource": query["resource"],
+                     "token_type": "Bearer", "client_id": _client_id(wanted)}, {}
+
+    def _check_identity_token(self, authorization: str, method: str, kind: str, path: str) -> None:
+        """A VM identity's token (one this fake's IMDS issued) reaches ARM only with Resource Manager's audience and
+        Virtual Machine Contributor, which covers virtual machines only."""
+        token = authorization.removeprefix("Bearer ")
+        if not token.startswith(IMDS_TOKEN_PREFIX):
+            return
+        issued = self._state.tokens.get(token)
+        if issued is None:
+            raise ArmError(401, "InvalidAuthenticationToken", "The access token is invalid.")
+        if issued["resource"].rstrip("/") != MANAGEMENT.rstrip("/"):
+            raise ArmError(401, "InvalidAuthenticationTokenAudience", "The access token has been obtained for wrong "
+                           f"audience or resource '{issued['resource']}'.")
+        if issued["identity"] not in self._state.vm_contributors or kind.lower() != "microsoft.compute/virtualmachines":
+            action = f"{kind}/{'delete' if method == 'DELETE' else 'write' if method == 'PUT' else 'read'}"
+            raise ArmError(403, "AuthorizationFailed", f"The client '{_client_id(issued['identity'])}' does not have "
+                           f"authorization to perform action '{action}' over scope '{path}' or the scope is invalid.")
 
     def _poll(self, kind: str, key: str) -> tuple[int, Any, dict[str, str]]:
         if kind == "locations":
@@ -491,6 +558,11 @@ def _canonical(kind: str) -> str:
 
 def _id(rg: str, kind: str, name: str) -> str:
     return f"/subscriptions/{SUBSCRIPTION}/resourcegroups/{rg}/providers/{kind}/{name}".lower()
+
+
+def _client_id(identity: str) -> str:
+    """A user-assigned identity's client ID, made up from its resource ID (stable, so a test can name it)."""
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, identity.lower()))
 
 
 def _operation_path(kind: str, key: str) -> str:

@@ -9,7 +9,11 @@ failover, rollback, replacement and teardown run through the real SDK code, long
 from __future__ import annotations
 
 import base64
+import os
 import re
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,13 +25,14 @@ from azure.core.credentials import AccessToken
 from azure.core.exceptions import HttpResponseError, ServiceRequestError
 from azure_arm_server import SUBSCRIPTION, ArmServer
 from conftest import REPO, run_trainpipe
-from jobs import make_dataset
+from jobs import job_config, make_dataset
 from provider_checks import assert_reports_launched_cluster, unreached_key
 
 import infra.compute.providers.azure.arm as azure_arm
 from infra.compute.catalog import Catalog, shipped_catalog
 from infra.compute.failover import QuotaEverywhere
 from infra.compute.providers import get_provider
+from infra.compute.providers.azure.boot import poweroff_deletes_script
 from infra.compute.providers.azure.errors import AuthError, classify
 from infra.compute.providers.azure.names import (
     TAG_CLUSTER,
@@ -36,13 +41,18 @@ from infra.compute.providers.azure.names import (
     TAG_RANK,
     TAG_RUN,
     group_name,
+    nic_name,
+    public_ip_name,
     vm_name,
 )
 from infra.compute.providers.azure.provider import AzureProvider
 from infra.compute.providers.base import CapacityError, InvalidRequestError, LaunchError, PriceError, QuotaError
 from infra.compute.providers.cloud import HOST_KEYS, MOUNT
 from infra.compute.spec import ClusterSpec
+from infra.job.plan import plan_job
+from infra.job.spec import parse_job
 from infra.lifecycle.sweep import sweep_clusters
+from infra.node import azure_self_delete
 from infra.node.preemption_notice import azure_notice
 
 REGIONS = ("eastus", "westeurope")
@@ -465,3 +475,124 @@ def test_a_run_evicted_once_resumes_on_a_replacement_commits_and_leaves_nothing(
     assert arm.groups() == [] and arm.resources() == [], "everything of the cluster is gone"
     print(f"\nazure fake: launch to first step {summary['time_to_first_step_s']:.1f}s, whole run "
           f"{time.monotonic() - started:.0f}s, recovery {recovery}")
+
+
+# -- a VM whose lease expires deletes itself as it powers off (infra/node/azure_self_delete.py) ------------------------
+
+
+SELF_DELETE_PROGRAM = re.compile(r"<<'TRAINPIPE_SELF_DELETE'\n(.*?)TRAINPIPE_SELF_DELETE\n", re.DOTALL)
+UNIT = re.compile(r"<<'TRAINPIPE_UNIT'\n(.*?)TRAINPIPE_UNIT\n", re.DOTALL)
+
+
+def boot_script_of(arm: ArmServer, group: str, vm: str) -> str:
+    [found] = [r for r in arm.resources("virtualMachines", group) if r["name"] == vm]
+    return base64.b64decode(found["properties"]["osProfile"]["customData"]).decode()
+
+
+def power_off(program: str, arm: ArmServer, group: str, vm: str, identity: str,
+              tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """What the unit's stop runs on VM `vm`: the program as the custom data installed it, its IMDS this VM's."""
+    installed = tmp_path / "trainpipe-delete-self"
+    installed.write_text(program)
+    # The simulated ARM's certificate is trusted as a proxy's would be; the node's Python reads SSL_CERT_FILE.
+    return subprocess.run([sys.executable, str(installed), "--identity", identity, "--api", arm.endpoint,
+                           "--metadata", arm.imds_of(group, vm)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "SSL_CERT_FILE": str(arm.ca_file)})
+
+
+def test_a_node_powering_off_deletes_its_own_vm_with_its_identity_and_its_nic_and_ip_go_with_it(
+        azure: AzureProvider, arm: ArmServer, tmp_path: Path) -> None:
+    cluster = azure.launch("tp-az-self", spec(regions=("eastus",), spot="never", azure={"identity": IDENTITY}),
+                           "run-self")
+    group, going, staying = group_name("tp-az-self"), vm_name("tp-az-self", 1), vm_name("tp-az-self", 0)
+    script = boot_script_of(arm, group, going)
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    [program] = SELF_DELETE_PROGRAM.findall(script)
+    assert program == Path(azure_self_delete.__file__).read_text(), "the custom data carries the program verbatim"
+    [unit] = UNIT.findall(script)
+    [stop] = [line for line in unit.splitlines() if line.startswith("ExecStop=")]
+    # At power-off only: the stop of a unit started at boot, skipped when the shutdown is a reboot.
+    assert "ExecStart=/bin/true" in unit and "RemainAfterExit=yes" in unit and "TimeoutStopSec=" in unit
+    assert "grep -q reboot.target ||" in stop
+    assert f"--identity {IDENTITY} --api {arm.endpoint}'" in stop
+    assert "systemctl enable --now trainpipe-delete-on-poweroff.service" in script
+
+    arm.grant(IDENTITY)
+    arm.clear_calls()
+    done = power_off(program, arm, group, going, IDENTITY, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert {r["name"] for r in arm.resources(group=group) if r["type"].startswith("Microsoft.Network/")} == {
+        "trainpipe-vnet", "trainpipe-nsg", nic_name(staying), public_ip_name(staying)}, "its NIC and IP went with it"
+    assert [r["name"] for r in arm.resources("virtualMachines", group)] == [staying]
+    [delete] = arm.calls("DELETE", "/virtualMachines/")
+    assert delete.path.endswith(f"/resourceGroups/{group}/providers/Microsoft.Compute/virtualMachines/{going}")
+    assert delete.query == {"api-version": sdk_vm_api_version(), "forceDeletion": "true"}
+    assert delete.authorization.startswith("Bearer imds-"), "with the token IMDS gave the VM's identity"
+    # Its replacement copies the survivor's identity (as ARM returns it), and with it the power-off that deletes it.
+    azure.replace_nodes(cluster, [going])
+    assert f"--identity {IDENTITY} --api {arm.endpoint}'" in boot_script_of(arm, group, going)
+    assert azure.terminate("tp-az-self") is True and left(arm, "tp-az-self") == []
+
+
+def sdk_vm_api_version() -> str:
+    """The Microsoft.Compute API version the provider's azure-mgmt-compute sends."""
+    from urllib.parse import parse_qs, urlsplit
+
+    from azure.mgmt.compute.operations._operations import build_virtual_machines_delete_request
+
+    return parse_qs(urlsplit(build_virtual_machines_delete_request("g", "v", "s").url).query)["api-version"][0]
+
+
+def test_a_refused_token_or_a_missing_role_is_one_line_naming_the_role_and_the_vm_stays_for_the_sweeper(
+        azure: AzureProvider, arm: ArmServer, tmp_path: Path) -> None:
+    azure.launch("tp-az-refused", spec(regions=("eastus",), spot="never", nodes=1, azure={"identity": IDENTITY}),
+                 "run-refused")
+    group, vm = group_name("tp-az-refused"), vm_name("tp-az-refused", 0)
+    program = Path(azure_self_delete.__file__).read_text()
+    other = IDENTITY.replace("/trainer", "/not-on-this-vm")
+    for identity, why in ((other, "HTTP 400"), (IDENTITY, "HTTP 403")):  # IMDS refuses the token; ARM the delete
+        done = power_off(program, arm, group, vm, identity, tmp_path)
+        assert done.returncode == 1 and done.stdout == ""
+        [line] = done.stderr.splitlines()
+        assert why in line and "Virtual Machine Contributor" in line and "the sweeper deletes this VM" in line, line
+    assert [r["name"] for r in arm.resources("virtualMachines", group)] == [vm]
+    assert [c.status for c in arm.calls("DELETE", "/virtualMachines/")] == [403]
+
+
+def test_a_silent_metadata_service_times_out_into_the_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as silent:  # accepts the connection (the backlog does) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        monkeypatch.setattr(azure_self_delete, "TIMEOUT_S", 0.2)
+        started = time.monotonic()
+        code = azure_self_delete.main(["--identity", IDENTITY, "--metadata",
+                                       f"http://127.0.0.1:{silent.getsockname()[1]}"])
+    assert code == 1 and time.monotonic() - started < 5
+    [line] = capsys.readouterr().err.splitlines()
+    assert "timed out" in line and "Virtual Machine Contributor" in line and "sweeper" in line, line
+
+
+def test_a_vm_without_an_identity_gets_no_unit_and_the_plan_says_the_sweeper_is_the_backstop(
+        azure: AzureProvider, arm: ArmServer, tmp_path: Path, workspace: Path) -> None:
+    azure.launch("tp-az-anon", spec(regions=("eastus",), spot="never", nodes=1), "run-anon")
+    script = boot_script_of(arm, group_name("tp-az-anon"), vm_name("tp-az-anon", 0))
+    assert "mdadm --create /dev/md0" in script
+    assert "trainpipe-delete-on-poweroff" not in script and "TRAINPIPE_SELF_DELETE" not in script
+    assert spec(azure={"identity": IDENTITY}).plan_warnings() == ()
+
+    config = job_config(tmp_path, make_dataset(tmp_path / "dataset", tokens=20_000, shard_tokens=10_000))
+    config["cluster"] = {"provider": "azure", "nodes": 2, "procs_per_node": 1, "regions": ["eastus"]}
+    del config["dataset"]["expectations"]  # a Great Expectations suite would cost seconds and tell nothing here
+    rendered = plan_job(parse_job(config), "az-no-identity").render()
+    [warning] = [line for line in rendered.splitlines() if "cluster.azure.identity is not set" in line]
+    assert warning.startswith("  warning: ") and "sweeper" in warning and "Virtual Machine Contributor" in warning
+
+
+def test_the_identity_must_be_azures_own_characters_to_reach_the_unit() -> None:
+    with pytest.raises(ValueError, match="is not a user-assigned identity's resource ID"):
+        spec(azure={"identity": IDENTITY.replace("identities", "my group'; rm -rf /")})
+    with pytest.raises(InvalidRequestError, match="the nodes' power-off"):
+        poweroff_deletes_script(IDENTITY, "https://arm.example/$(id)")
+    assert '"/subscriptions/s/resourceGroups/rg(1)/' in poweroff_deletes_script(IDENTITY.replace(
+        f"/subscriptions/{SUBSCRIPTION}/resourceGroups/identities/", "/subscriptions/s/resourceGroups/rg(1)/"))

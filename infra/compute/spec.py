@@ -113,3 +113,8 @@ class ClusterSpec(StrictModel):
         if check_fits is not None:
             check_fits(self.nodes)
         return self
+
+    def plan_warnings(self) -> tuple[str, ...]:
+        """What the provider's own section says the plan should warn of (most say nothing)."""
+        warnings = getattr(getattr(self, self.provider, None), "plan_warnings", None)
+        return tuple(warnings()) if warnings is not None else ()

@@ -60,6 +60,7 @@ class Plan:
     parent_fixed: bool = False  # the run already kept its parent (a rerun of the run id): not resolved again
     inputs: dict[str, DatasetPlan] = field(default_factory=dict)  # name -> its plan (snapshot, files, bytes)
     disk: tuple[DiskBudget, ...] = ()  # what each node will hold on its scratch disk, by rank
+    cluster_warnings: tuple[str, ...] = ()  # what the provider's section warns of (e.g. no way to end itself)
 
     @property
     def init_from(self) -> CheckpointTarget | None:
@@ -81,7 +82,7 @@ class Plan:
             *([f"  warm start: {self.parent.url}" + self._parent_note()] if self.parent is not None else []),
             *([f"  disk per node (largest): {max(self.disk, key=lambda b: b.total).render()}"] if self.disk else []),
             self.workload.render(),
-            *(f"  warning: {warning}" for warning in self.workload.warnings),
+            *(f"  warning: {warning}" for warning in (*self.workload.warnings, *self.cluster_warnings)),
             *self._render_candidates(),
         ])
 
@@ -305,6 +306,7 @@ def plan_job(job: JobSpec, run_id: str, secret_blocks: BlockReader | None = None
         checkpoint_url=checkpoint_url, resume_step=latest.step if latest else None, workload=workload,
         candidates=found, parent=parent, parent_fixed=parent_fixed, inputs=inputs,
         disk=disk_budgets(job, dataset.node_bytes, inputs_bytes, checkpoint, warm_start),
+        cluster_warnings=job.cluster.plan_warnings(),
     )
 
 

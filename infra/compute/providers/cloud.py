@@ -128,7 +128,8 @@ class CloudProvider(Provider):
 
     key_hint = "the private key whose public key the nodes accept"  # what TRAINPIPE_SSH_KEY_FILE must name
     # Nodes are launched so that powering off ends them for good (EC2: instance-initiated shutdown terminates;
-    # GCE: a unit the boot script installs deletes the instance as it powers off): an expired lease ends the billing.
+    # GCE, and Azure VMs with a user-assigned identity: a unit the boot script installs deletes the instance as it
+    # powers off): an expired lease ends the billing.
     lease_expiry = "shutdown"
     boot_log = "the boot log"  # where a node's boot script output goes, for error messages
 

@@ -49,6 +49,11 @@ class ArmApi:
             raise InvalidRequestError("azure: no subscription: set AZURE_SUBSCRIPTION_ID (az account show --query id)")
         return found
 
+    @property
+    def arm_endpoint(self) -> str | None:
+        """The Resource Manager endpoint the provider (and its nodes) call; None: Azure's own."""
+        return self._endpoint or os.environ.get(ENDPOINT_ENV) or None
+
     def _has_subscription(self) -> bool:
         """Whether anything of ours can exist, decided locally: without a subscription there is nowhere to look, and
         `trainpipe status` and sweeps ask every provider on machines that never use Azure."""
@@ -63,7 +68,7 @@ class ArmApi:
                     from azure.identity import DefaultAzureCredential
 
                     self._credential = DefaultAzureCredential(exclude_interactive_browser_credential=True)
-                endpoint = self._endpoint or os.environ.get(ENDPOINT_ENV) or None
+                endpoint = self.arm_endpoint
                 options = {"polling_interval": POLL_S, "retry_total": API_RETRIES,
                            "retry_backoff_factor": RETRY_FIRST_S}
                 if kind == "resources":

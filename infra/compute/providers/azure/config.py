@@ -11,22 +11,31 @@ import re
 
 from pydantic import Field, field_validator
 
+from infra.node.azure_self_delete import ROLE
 from infra.strict_model import StrictModel
 
-IDENTITY_ID = re.compile(r"^/subscriptions/[^/]+/resourceGroups/[^/]+/providers/Microsoft\.ManagedIdentity/"
-                         r"userAssignedIdentities/[^/]+$", re.IGNORECASE)
+# Azure's own characters only (a group name may hold . ( ), never a quote or a space): the ID is passed to the
+# nodes' power-off unit.
+IDENTITY_ID = re.compile(r"^/subscriptions/[-\w]+/resourceGroups/[-\w.()]+/providers/Microsoft\.ManagedIdentity/"
+                         r"userAssignedIdentities/[-\w]+$", re.IGNORECASE)
 IMAGE_URN = re.compile(r"^[^:\s]+:[^:\s]+:[^:\s]+:[^:\s]+$")
 # Microsoft's HPC image for Ubuntu 22.04: NVIDIA driver, CUDA, the Mellanox OFED stack that InfiniBand needs.
 DEFAULT_IMAGE = "microsoft-dsvm:ubuntu-hpc:2204:latest"
+NO_IDENTITY = ("cluster.azure.identity is not set: a VM whose lease expires powers off but cannot delete itself (a "
+               "system-assigned identity is born with its VM, so no role can have been granted to it), and a stopped "
+               "VM is billed until the sweeper (`trainpipe sweep`) deletes its cluster: set a user-assigned identity "
+               f"with {ROLE} on the subscription")
 
 
 class AzureClusterSpec(StrictModel):
     identity: str | None = Field(
         None, description="The user-assigned managed identity the VMs carry (its resource ID, /subscriptions/SUB/"
         "resourceGroups/RG/providers/Microsoft.ManagedIdentity/userAssignedIdentities/NAME): grant it Storage Blob "
-        "Data Contributor on the job's storage account, once, and every node reaches the store without a key. "
-        "None: each VM gets a system-assigned identity, which exists only once the VM does, so nothing can have "
-        "been granted to it: az:// stores then are refused at plan.")
+        "Data Contributor on the job's storage account, once, and every node reaches the store without a key; "
+        "and Virtual Machine Contributor on the subscription, and a VM whose lease expires deletes itself as it "
+        "powers off. None: each VM gets a system-assigned identity, which exists only once the VM does, so nothing "
+        "can have been granted to it: az:// stores then are refused at plan, and only the sweeper deletes a VM "
+        "whose lease expired.")
     image: str = Field(DEFAULT_IMAGE, description="The VM image as PUBLISHER:OFFER:SKU:VERSION; the default carries "
                        "the NVIDIA driver and the InfiniBand (OFED) stack the ND-series needs.")
 
@@ -49,6 +58,10 @@ class AzureClusterSpec(StrictModel):
     def image_reference(self) -> dict[str, str]:
         publisher, offer, sku, version = self.image.split(":")
         return {"publisher": publisher, "offer": offer, "sku": sku, "version": version}
+
+    def plan_warnings(self) -> tuple[str, ...]:
+        """What the plan warns of: without an identity, only the sweeper ends a VM whose lease expired."""
+        return (NO_IDENTITY,) if self.identity is None else ()
 
     def vm_identity(self) -> dict[str, object]:
         """The VM's `identity` in ARM's shape."""

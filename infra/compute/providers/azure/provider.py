@@ -15,7 +15,9 @@ Spot VM (eviction policy Delete) leaves nothing billed behind.
 
 Nodes carry a managed identity (cluster.azure.identity), so they reach the store with tokens from the instance
 metadata service, never with keys; Spot VMs get a max price from cluster.max_price_per_hour (per node), and the nodes'
-watchers read Azure's Scheduled Events (`Preempt`) for the notice (infra.node.preemption_notice).
+watchers read Azure's Scheduled Events (`Preempt`) for the notice (infra.node.preemption_notice). A VM that powers
+itself off is only stopped, and billed: with that identity, the custom data makes a power-off delete the VM
+(infra.node.azure_self_delete), so an expired lease ends the billing without waiting for the sweeper.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from infra.compute.access.hostkeys import HostKey
 from infra.compute.catalog import Catalog
 from infra.compute.optimizer import Candidate
 from infra.compute.providers.azure.arm import ArmApi, json_of
-from infra.compute.providers.azure.boot import custom_data
+from infra.compute.providers.azure.boot import custom_data, user_identity
 from infra.compute.providers.azure.config import AzureClusterSpec
 from infra.compute.providers.azure.errors import (
     API_ERRORS,
@@ -243,7 +245,9 @@ class AzureProvider(ArmApi, CloudProvider):
             "storageProfile": {"imageReference": shape.image, "osDisk": {
                 "createOption": "FromImage", "deleteOption": "Delete", "diskSizeGB": OS_DISK_GB,
                 "managedDisk": {"storageAccountType": "Premium_LRS"}}},
-            "osProfile": {"computerName": name, "adminUsername": shape.user, "customData": custom_data(host_key),
+            # With a user-assigned identity the VM deletes itself as it powers off, through the endpoint we call.
+            "osProfile": {"computerName": name, "adminUsername": shape.user,
+                          "customData": custom_data(host_key, user_identity(shape.identity), self.arm_endpoint),
                           "linuxConfiguration": {"disablePasswordAuthentication": True, "ssh": {"publicKeys": [
                               {"path": f"/home/{shape.user}/.ssh/authorized_keys", "keyData": shape.public_key}]}}},
             "networkProfile": {"networkInterfaces": [{

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from infra.compute.access.hostkeys import HostKey
+from infra.compute.providers import poweroff
 from infra.compute.providers.cloud import boot_script
 from infra.compute.providers.gcp.errors import InvalidRequestError
 from infra.compute.providers.nvme_boot import nvme_script
@@ -25,40 +26,15 @@ BUNDLED_SSD_SERIES = ("a2-ultragpu-", "a3-", "a4-", "a4x-", "a5x-", "z3-", "z4d-
 NVME_SCRIPT = nvme_script("devices=(/dev/disk/by-id/google-local-nvme-ssd-*)")
 
 
-SELF_DELETE = "/usr/local/sbin/trainpipe-delete-self"
-POWEROFF_UNIT = "trainpipe-delete-on-poweroff.service"
-
-
 def poweroff_deletes_script(api_endpoint: str | None = None) -> str:
-    """Makes powering the instance off delete it (infra.node.gce_self_delete says why GCE needs this): the program,
-    and a unit whose stop (at shutdown; skipped on a reboot) runs it while the network is still up. Idempotent, as
-    GCE runs the startup script at every boot."""
-    program = Path(gce_self_delete.__file__).read_text()
+    """Makes powering the instance off delete it (infra.node.gce_self_delete says why GCE needs this), with the Compute
+    API the nodes call."""
     api = api_endpoint or gce_self_delete.API
     if not re.fullmatch(r"[A-Za-z0-9:/._-]+", api):
         raise InvalidRequestError(f"gcp: API endpoint {api!r}: give a plain http(s)://host[:port] URL")
-    return f"""cat > {SELF_DELETE} <<'TRAINPIPE_SELF_DELETE'
-{program}TRAINPIPE_SELF_DELETE
-chmod 0755 {SELF_DELETE}
-cat > /etc/systemd/system/{POWEROFF_UNIT} <<'TRAINPIPE_UNIT'
-[Unit]
-Description=trainpipe: delete this instance when it powers off (GCE only stops it, and bills its disks)
-Wants=network-online.target
-After=network-online.target
-
-[Service]
-Type=oneshot
-RemainAfterExit=yes
-ExecStart=/bin/true
-ExecStop=/bin/sh -c 'systemctl list-jobs | grep -q reboot.target || exec /usr/bin/python3 {SELF_DELETE} --api {api}'
-TimeoutStopSec=60
-
-[Install]
-WantedBy=multi-user.target
-TRAINPIPE_UNIT
-systemctl daemon-reload
-systemctl enable --now {POWEROFF_UNIT}
-"""
+    return poweroff.poweroff_deletes_script(
+        Path(gce_self_delete.__file__).read_text(), ["--api", api],
+        "trainpipe: delete this instance when it powers off (GCE only stops it, and bills its disks)")
 
 
 def startup_script(host_key: HostKey, api_endpoint: str | None = None) -> str:
