@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 from conftest import cannot_run_here
 
 DAEMONS = {"munged": "munge", "slurmctld": "slurmctld", "slurmd": "slurmd"}  # program: Debian package
@@ -167,14 +168,25 @@ class SlurmCluster:
         self.run("sacctmgr", "-i", "add", "account", ACCOUNT, f"cluster={CLUSTER_NAME}")
         self.run("sacctmgr", "-i", "add", "user", getpass.getuser(), f"account={ACCOUNT}", f"cluster={CLUSTER_NAME}")
 
+    def cancel_all(self, what: str, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """scancel every job slurmctld shows, and wait until squeue shows none."""
+        jobs = self.job_ids()
+        if jobs:
+            self.run("scancel", *jobs, check=False)
+            self._wait(lambda: not self.job_ids(), what, timeout_s)
+
+    @contextmanager
+    def for_test(self, monkeypatch: pytest.MonkeyPatch) -> Iterator[SlurmCluster]:
+        """This cluster as a test's Slurm (SLURM_CONF); every job the test leaves is cancelled after it."""
+        monkeypatch.setenv("SLURM_CONF", str(self.conf))
+        yield self
+        self.cancel_all("the test's jobs gone", START_TIMEOUT_S)
+
     def stop(self) -> None:
         """Every job cancelled (and gone from squeue), then the daemons: slurmd, slurmctld, munged."""
         try:
             if "slurmctld" in self.processes and self.processes["slurmctld"].poll() is None:
-                jobs = self.job_ids()
-                if jobs:
-                    self.run("scancel", *jobs, check=False)
-                    self._wait(lambda: not self.job_ids(), "every job gone at teardown", STOP_TIMEOUT_S)
+                self.cancel_all("every job gone at teardown")
         finally:
             for name in [*self.site.nodes, "slurmctld", "slurmdbd", "mariadbd", "munged"]:
                 process = self.processes.pop(name, None)

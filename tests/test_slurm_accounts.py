@@ -44,12 +44,8 @@ def dbd_site() -> Iterator[SlurmCluster]:
 @pytest.fixture
 def site(dbd_site: SlurmCluster, workspace: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SlurmCluster]:
     """The module's site as this test's Slurm (SLURM_CONF); every job a test leaves is cancelled after it."""
-    monkeypatch.setenv("SLURM_CONF", str(dbd_site.conf))
-    yield dbd_site
-    left = dbd_site.job_ids()
-    if left:
-        dbd_site.run("scancel", *left)
-        wait_for(lambda: not dbd_site.job_ids(), DEADLINE_S, "the test's jobs gone")
+    with dbd_site.for_test(monkeypatch) as test_site:
+        yield test_site
 
 
 def test_trainpipe_plan_refuses_an_account_the_user_has_not_on_this_cluster(site: SlurmCluster, workspace: Path,

@@ -52,12 +52,8 @@ def slurm_site() -> Iterator[SlurmCluster]:
 @pytest.fixture
 def slurm(slurm_site: SlurmCluster, workspace: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SlurmCluster]:
     """The module's Slurm as this test's site (SLURM_CONF); every job a test leaves is cancelled after it."""
-    monkeypatch.setenv("SLURM_CONF", str(slurm_site.conf))
-    yield slurm_site
-    left = slurm_site.job_ids()
-    if left:
-        slurm_site.run("scancel", *left)
-        wait_for(lambda: not slurm_site.job_ids(), DEADLINE_S, "the test's jobs gone")
+    with slurm_site.for_test(monkeypatch) as site:
+        yield site
 
 
 def spec(tmp_path: Path, nodes: int = 3, **slurm: object) -> ClusterSpec:
@@ -292,8 +288,7 @@ def test_preemption_by_a_higher_tier_raises_the_notice_on_every_node(slurm: Slur
 def plain_site(workspace: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SlurmCluster]:
     """A site that does not send the job's --signal when preemption starts (no preempt_send_user_signal, Slurm's
     default): a preempted job hears of it only by SIGTERM when the grace time ends, SIGKILL KillWait later."""
-    with slurm_cluster(Site(early_signal=False)) as site:
-        monkeypatch.setenv("SLURM_CONF", str(site.conf))
+    with slurm_cluster(Site(early_signal=False)) as site, site.for_test(monkeypatch):
         yield site
 
 
