@@ -469,6 +469,9 @@ def test_a_run_evicted_once_resumes_on_a_replacement_commits_and_leaves_nothing(
     assert summary["status"] == "completed" and summary["steps"] == 400, summary.get("error")
     [recovery] = summary["recoveries"]
     assert recovery["replaced"] == [evicted], recovery
+    # The orchestrator read the notice the node's watcher acted on (before it stopped the trainer): the eviction is
+    # recorded as the Scheduled Event it was, not as a node that vanished.
+    assert recovery["with_notice"] and "azure scheduled event Preempt" in recovery["reason"], recovery
     # The watcher's notice let the trainer save where it stopped: nothing (or at most one interval) is redone.
     assert recovery["resumed_from_step"] >= 40 and recovery["steps_lost"] <= 40, recovery
     assert summary["nodes_left"] == 0 and summary["market"] == "spot"

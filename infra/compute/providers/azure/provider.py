@@ -74,6 +74,7 @@ from infra.compute.providers.azure.names import (
 )
 from infra.compute.providers.base import Cluster, ClusterRecord, Node, PreemptionNotice, ReplacementUnavailable
 from infra.compute.providers.cloud import HOST_KEYS, LEASE_TTL, MOUNT, CloudProvider, lease_alive, rolled_back
+from infra.compute.providers.node_notices import read_node_notices
 from infra.compute.providers.owner import Stamp, launcher_stamp
 from infra.compute.spec import ClusterSpec
 
@@ -430,13 +431,19 @@ class AzureProvider(ArmApi, CloudProvider):
                 for node in cluster.nodes}
 
     def preemption_notices(self, cluster: Cluster) -> list[PreemptionNotice]:
-        """Spot VMs Azure is evicting: trainpipe deletes single VMs only while replacing them, so a Spot VM seen
-        Deleting is being reclaimed. Scheduled Events give it at least 30 s from the notice; the nodes' own watchers
-        read those (the control plane does not show them), so the deadline here counts from now."""
-        return [PreemptionNotice(node=name, deadline=time.time() + SPOT_NOTICE_S, reason="spot evicted")
-                for name, vm in sorted(self._nodes_now(cluster).items())
-                if vm["properties"].get("priority") == "Spot"
-                and vm["properties"].get("provisioningState") == "Deleting"]
+        """Spot VMs Azure is evicting. The control plane does not show Scheduled Events: the nodes' own watchers read
+        them, and each writes the notice it acted on into its workdir (before it stops the trainer), read here over
+        SSH from every VM still standing. Once Azure deletes the VM, a Spot VM seen Deleting is being reclaimed too
+        (trainpipe deletes single VMs only while replacing them), its deadline counted from now."""
+        vms = self._nodes_now(cluster)
+        standing = [node for node in cluster.nodes if node.address and node.name in vms
+                    and vms[node.name]["properties"].get("provisioningState") not in ENDED]
+        told = {notice.node: notice for notice in read_node_notices(standing, lambda node: self.runner(cluster, node))}
+        deleting = {name: PreemptionNotice(node=name, deadline=time.time() + SPOT_NOTICE_S, reason="spot evicted")
+                    for name, vm in vms.items() if vm["properties"].get("priority") == "Spot"
+                    and vm["properties"].get("provisioningState") == "Deleting"}
+        notices = {**deleting, **told}  # a node's own notice, where it wrote one, says what Azure told it
+        return [notices[name] for name in sorted(notices)]
 
 
 def _public_ip(address: dict[str, Any] | None) -> str:

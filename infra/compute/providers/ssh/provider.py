@@ -40,10 +40,10 @@ from infra.compute.providers.base import (
     lost_nodes,
 )
 from infra.compute.providers.hosts import in_parallel, launch_error
+from infra.compute.providers.node_notices import read_node_notices
 from infra.compute.providers.owner import launcher, launcher_alive
 from infra.compute.providers.ssh.config import SshHostSpec
 from infra.compute.spec import ClusterSpec
-from infra.node.preemption_notice import NOTICE_FILE, parse_notice
 from infra.node.processes import CLUSTER_TAG, NODE_TAG
 from infra.workspace import workspace_dir
 
@@ -384,17 +384,7 @@ class SshProvider(Provider):
     def preemption_notices(self, cluster: Cluster) -> list[PreemptionNotice]:
         """The notice files the nodes' watchers act on: nobody reclaims the user's own machines but the chaos
         injector, which raises a node's notice the way a cloud would."""
-        notices = []
-        for node in cluster.nodes:
-            try:
-                notice = parse_notice(self.runner(cluster, node).read_text(node.path(NOTICE_FILE)))
-            except (RemoteError, OSError) as exc:
-                # No notice can be read from a host that does not answer; whether it is gone is nodes_alive's call.
-                log.warning("%s: cannot read its preemption notice: %s", node.name, exc)
-                continue
-            if notice is not None:
-                notices.append(PreemptionNotice(node=node.name, deadline=notice.deadline, reason=notice.reason))
-        return notices
+        return read_node_notices(cluster.nodes, lambda node: self.runner(cluster, node))
 
     def nodes_alive(self, cluster: Cluster) -> dict[str, bool]:
         """Reachable with its cluster dir present. A host teardown could not reach counts as alive: what it still
