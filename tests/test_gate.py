@@ -132,6 +132,33 @@ def test_the_gate_promotes_the_first_run_then_only_a_better_metric(tmp_path: Pat
         decide(spec, Evaluation(first, 20, {"acc": 0.9, "f1": 0.8}, [], 1.0), champion, root)
 
 
+def test_an_input_named_by_an_alias_stays_what_the_first_attempt_resolved(tmp_path: Path, workspace: Path) -> None:
+    """The alias moves between attempts (tonight's promotion, say): a rerun of the run id stages the input its first
+    attempt resolved and froze, a new run the one the alias names now, and a rerun whose job names another alias is
+    refused in one line."""
+    dataset = make_dataset(tmp_path / "data", tokens=20_000, shard_tokens=10_000)
+    config = job_config(tmp_path, dataset)
+    config["inputs"] = {"base": "gpt@production"}
+    job = parse_job(config)
+    root = job.checkpoints.url
+    first, later = _committed(root, "night-1", 10), _committed(root, "night-2", 20)
+    registry = Registry(root)
+    registry.promote("gpt", "production", first, metrics={}, reason="first", who="t")
+
+    plan = plan_job(job, "r1")
+    assert plan.inputs["base"].url.startswith(f"{first}/") and not plan.inputs["base"].frozen
+    keep_with_run(plan)  # what the flow's plan task does at the first attempt
+    registry.promote("gpt", "production", later, metrics={}, reason="moved", who="t")
+
+    again = plan_job(job, "r1")
+    assert again.inputs["base"].frozen and again.inputs["base"].url == plan.inputs["base"].url
+    assert plan_job(job, "r2").inputs["base"].url.startswith(f"{later}/")  # a new run: where the alias is now
+    staging = job.model_copy(update={"inputs": {"base": "gpt@staging"}})
+    with pytest.raises(PlanError, match=r"^inputs\.base is gpt@staging but run r1 resolved its input from "
+                                        r"gpt@production at its first attempt: restore it, or start a new run"):
+        plan_job(staging, "r1")
+
+
 def test_a_model_alias_input_is_the_prefix_of_the_checkpoint_it_points_at(tmp_path: Path) -> None:
     from infra.job.plan import resolve_input_url
 

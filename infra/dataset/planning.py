@@ -124,14 +124,16 @@ def plan_dataset(spec: DatasetSpec, nodes: int, checkpoint_url: str, run_id: str
     return plan_prefix(spec, spec.shard, nodes, checkpoint_url, run_id)
 
 
-def plan_input(name: str, spec: InputSpec, nodes: int, checkpoint_url: str, run_id: str) -> DatasetPlan:
-    """An input's plan (plan_prefix): replicated, its snapshot kept apart from the dataset's."""
+def plan_input(name: str, spec: InputSpec, nodes: int, checkpoint_url: str, run_id: str,
+               ref: str | None = None) -> DatasetPlan:
+    """An input's plan (plan_prefix): replicated, its snapshot kept apart from the dataset's; ref: the model alias
+    spec.url was resolved from, kept in the snapshot."""
     return plan_prefix(spec, "replicate", nodes, checkpoint_url, run_id, label=f"inputs.{name}",
-                       key=input_snapshot_key(name))
+                       key=input_snapshot_key(name), ref=ref)
 
 
 def plan_prefix(spec: PrefixSpec, shard: str, nodes: int, checkpoint_url: str, run_id: str, *,
-                label: str = DATASET, key: str = SNAPSHOT_KEY) -> DatasetPlan:
+                label: str = DATASET, key: str = SNAPSHOT_KEY, ref: str | None = None) -> DatasetPlan:
     """Snapshot (or re-check the run's snapshot), hold it to its own manifests, assign files to nodes and run the
     suite; DatasetError says why not.
 
@@ -145,7 +147,7 @@ def plan_prefix(spec: PrefixSpec, shard: str, nodes: int, checkpoint_url: str, r
             raise DatasetError(f"{differs}: run {run_id} uses its snapshot only: restore the {label} settings, "
                                "or start a new run (a new run id)")
         check_unchanged(frozen, store, f"run {run_id}", what=label)
-    snapshot = frozen or take_snapshot(store, spec.include, spec.exclude, label)
+    snapshot = frozen or take_snapshot(store, spec.include, spec.exclude, label).model_copy(update={"ref": ref})
     held_files = check_held(store, snapshot, label)
     keys = [f.key for f in snapshot.files]
     formats = detect_formats(store, keys)

@@ -52,6 +52,9 @@ class DatasetSnapshot(StrictModel):
     exclude: tuple[str, ...] = ()
     taken_at: float
     files: tuple[SnapshotFile, ...] = Field(min_length=1)
+    # An input named by a model alias (model@alias): the alias, resolved to url at the run's first attempt. Every
+    # later attempt keeps url, wherever the alias points by then.
+    ref: str | None = None
 
     @property
     def bytes(self) -> int:

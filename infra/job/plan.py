@@ -18,6 +18,7 @@ from infra.compute.spec import ClusterSpec
 from infra.dataset.docs import write_data_docs
 from infra.dataset.manifest import DatasetError
 from infra.dataset.planning import CarriesValidation, DatasetPlan, ExpectationsFailed, freeze, plan_dataset, plan_input
+from infra.dataset.snapshot import input_snapshot_key, load_snapshot
 from infra.dataset.spec import InputSpec
 from infra.dataset.stagecache import CACHE_DIR, cached_bytes
 from infra.job.disk_budget import CheckpointSize, DiskBudget, node_budget, size
@@ -207,11 +208,21 @@ def resolve_input_url(ref: str, root_url: str) -> str:
     return f"{target.url}/{manifest.files_prefix}".rstrip("/")
 
 
-def input_specs(job: JobSpec) -> dict[str, InputSpec]:
-    """Every input as a prefix: a model alias resolved to the checkpoint it points at now."""
-    return {name: entry if isinstance(entry, InputSpec)
-            else InputSpec(url=resolve_input_url(entry, job.checkpoints.url))
-            for name, entry in job.inputs.items()}
+def alias_input_url(name: str, ref: str, job: JobSpec, checkpoint_url: str, run_id: str) -> str:
+    """The prefix of the input a model alias names: the one the run resolved it to at its first attempt (kept in its
+    snapshot), else the checkpoint the alias points at now. An alias moves (tonight's promotion may move it to this
+    very run's step), and a rerun must stage what its first attempt did."""
+    try:
+        frozen = load_snapshot(open_store(checkpoint_url), input_snapshot_key(name))
+    except (DatasetError, StorageError) as exc:
+        raise PlanError(f"inputs.{name}: {exc}") from None
+    if frozen is None:
+        return resolve_input_url(ref, job.checkpoints.url)
+    if frozen.ref != ref:
+        raise PlanError(f"inputs.{name} is {ref} but run {run_id} resolved its input from "
+                        f"{frozen.ref or frozen.url} at its first attempt: restore it, or start a new run (a new run "
+                        "id)")
+    return frozen.url
 
 
 def _dataset(job: JobSpec, checkpoint_url: str, run_id: str) -> DatasetPlan:
@@ -219,9 +230,14 @@ def _dataset(job: JobSpec, checkpoint_url: str, run_id: str) -> DatasetPlan:
 
 
 def _inputs(job: JobSpec, checkpoint_url: str, run_id: str) -> dict[str, DatasetPlan]:
-    return {name: _prefix(lambda name=name, spec=spec: plan_input(name, spec, job.cluster.nodes, checkpoint_url,
-                                                                  run_id), run_id)
-            for name, spec in input_specs(job).items()}
+    def planned(name: str, entry: InputSpec | str) -> DatasetPlan:
+        if isinstance(entry, InputSpec):
+            return plan_input(name, entry, job.cluster.nodes, checkpoint_url, run_id)
+        spec = InputSpec(url=alias_input_url(name, entry, job, checkpoint_url, run_id))
+        return plan_input(name, spec, job.cluster.nodes, checkpoint_url, run_id, ref=entry)
+
+    return {name: _prefix(lambda name=name, entry=entry: planned(name, entry), run_id)
+            for name, entry in job.inputs.items()}
 
 
 def _prefix(plan: Callable[[], DatasetPlan], run_id: str) -> DatasetPlan:
