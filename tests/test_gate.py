@@ -3,7 +3,9 @@ checks, and the promotion decision against a champion in a real registry (file:/
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from jobs import job_config, make_dataset
@@ -52,6 +54,18 @@ def test_init_from_that_names_nothing_committed_fails_plan(tmp_path: Path, works
         assert "\n" not in str(caught.value)
 
 
+def _alias_on_first(tmp_path: Path, naming: Callable[[dict[str, Any]], None]) -> tuple[JobSpec, Registry, str, str]:
+    """A job whose config naming() points at gpt@production, two committed steps (night-1's, night-2's) and the
+    alias on the first: the job, the registry, the two steps' URLs."""
+    config = job_config(tmp_path, make_dataset(tmp_path / "data", tokens=20_000, shard_tokens=10_000))
+    naming(config)
+    job = parse_job(config)
+    first, later = _committed(job.checkpoints.url, "night-1", 10), _committed(job.checkpoints.url, "night-2", 20)
+    registry = Registry(job.checkpoints.url)
+    registry.promote("gpt", "production", first, metrics={}, reason="first", who="t")
+    return job, registry, first, later
+
+
 def test_a_run_keeps_the_parent_its_first_attempt_resolved(tmp_path: Path, workspace: Path) -> None:
     """The alias moves and the first parent is deleted between attempts: a rerun of the run id starts from (and its
     lineage names) what the first attempt resolved, and once it has a commit of its own needs that parent no more."""
@@ -59,14 +73,9 @@ def test_a_run_keeps_the_parent_its_first_attempt_resolved(tmp_path: Path, works
     from infra.compute.providers import Cluster
     from infra.job.summary import RunSummary
 
-    dataset = make_dataset(tmp_path / "data", tokens=20_000, shard_tokens=10_000)
-    config = job_config(tmp_path, dataset)
-    config["training"]["init_from"] = "gpt@production"
-    job = parse_job(config)
+    job, registry, first, later = _alias_on_first(tmp_path, lambda config: config["training"].update(
+        init_from="gpt@production"))
     root = job.checkpoints.url
-    first, later = _committed(root, "night-1", 10), _committed(root, "night-2", 20)
-    registry = Registry(root)
-    registry.promote("gpt", "production", first, metrics={}, reason="first", who="t")
 
     plan = plan_job(job, "r1")
     assert plan.init_from is not None and plan.init_from.url == first and not plan.parent_fixed
@@ -136,14 +145,8 @@ def test_an_input_named_by_an_alias_stays_what_the_first_attempt_resolved(tmp_pa
     """The alias moves between attempts (tonight's promotion, say): a rerun of the run id stages the input its first
     attempt resolved and froze, a new run the one the alias names now, and a rerun whose job names another alias is
     refused in one line."""
-    dataset = make_dataset(tmp_path / "data", tokens=20_000, shard_tokens=10_000)
-    config = job_config(tmp_path, dataset)
-    config["inputs"] = {"base": "gpt@production"}
-    job = parse_job(config)
-    root = job.checkpoints.url
-    first, later = _committed(root, "night-1", 10), _committed(root, "night-2", 20)
-    registry = Registry(root)
-    registry.promote("gpt", "production", first, metrics={}, reason="first", who="t")
+    job, registry, first, later = _alias_on_first(tmp_path, lambda config: config.update(
+        inputs={"base": "gpt@production"}))
 
     plan = plan_job(job, "r1")
     assert plan.inputs["base"].url.startswith(f"{first}/") and not plan.inputs["base"].frozen
