@@ -394,6 +394,9 @@ def azure_instances(arm: ArmServer) -> Any:
     return found
 
 
+STEPS_EVICTED = 300
+
+
 def test_a_run_evicted_once_resumes_on_a_replacement_commits_and_leaves_nothing(
         arm: ArmServer, prefect_server: None, workspace: Path, tmp_path: Path) -> None:
     """The installed `trainpipe run`, unmodified, on the simulated ARM; the machines behind its VMs are stand-ins
@@ -422,7 +425,10 @@ def test_a_run_evicted_once_resumes_on_a_replacement_commits_and_leaves_nothing(
     run_id = "azure-evicted"
     cluster = cluster_name_for(run_id)
     group = group_name(cluster)
-    config = job_config(tmp_path, make_dataset(tmp_path / "dataset", tokens=200_000), steps=400, ckpt_every=40)
+    # 50 ms a step: the eviction comes after the commit of step 40 and the watcher reads Scheduled Events every 2 s;
+    # undelayed steps (10 ms on an idle machine) finished all 400 before it (CI failed so).
+    config = job_config(tmp_path, make_dataset(tmp_path / "dataset", tokens=200_000), steps=STEPS_EVICTED,
+                        ckpt_every=40, step_delay_s=0.05)
     config["cluster"] = {"provider": "azure", "nodes": 2, "procs_per_node": 1, "regions": ["eastus"],
                          "spot": "only", "lease_ttl_s": 30, "verify": {"bench": "off"}}
     config["recovery"] = {"confirm_s": 1}
@@ -466,7 +472,7 @@ def test_a_run_evicted_once_resumes_on_a_replacement_commits_and_leaves_nothing(
     [notice] = [e for e in events if e.kind is NodeEvent.PREEMPTION_NOTICE]
     assert notice["source"] == "azure" and "Preempt" in notice["reason"]
     summary = json.loads((workspace / "runs" / run_id / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["steps"] == 400, summary.get("error")
+    assert summary["status"] == "completed" and summary["steps"] == STEPS_EVICTED, summary.get("error")
     [recovery] = summary["recoveries"]
     assert recovery["replaced"] == [evicted], recovery
     # The orchestrator read the notice the node's watcher acted on (before it stopped the trainer): the eviction is
