@@ -122,7 +122,9 @@ class Syncers:
                                 "resumes from its state file", node.name, code, ended, restarts + 1, self.max_restarts)
             try:
                 self._start(node)
-            except RemoteError as exc:
+            except (RemoteError, OSError) as exc:
+                # A node being taken away (its dir going, its host unreachable): the wait loop's watch then names the
+                # preemption; raised as anything else, it skipped the watch and the final flush waited on the part.
                 raise TrainingError(f"{node.name}: checkpoint syncer died (exit {code}) and cannot be restarted: "
                                     f"{exc}") from None
 
@@ -147,8 +149,15 @@ class Syncers:
         of the wait (the preemption watch): what it raises ends the wait, the syncers still flushing stopped; a node
         lost during the final flush is then acted on at once, not after the whole bound."""
         failures = []
-        pending = {name: process for name, process in self.processes.items() if name not in lost}
-        request = stop_request([node.rank for node in self.nodes if node.name in lost])
+        # A syncer already dead (not restarted: training stopped on it) ships nothing more: its node's parts are as
+        # lost as a preempted node's, and the others must not wait the whole bound for them.
+        dead = {name: code for name, process in self.processes.items()
+                if name not in lost and (code := _exit_code(process)) not in (None, 0)}
+        for name, code in dead.items():
+            failures.append(f"{name}: checkpoint syncer exited {code} before the flush: "
+                            f"{_how_it_ended(self.processes[name], code)}")
+        pending = {name: process for name, process in self.processes.items() if name not in lost and name not in dead}
+        request = stop_request([node.rank for node in self.nodes if node.name in lost or node.name in dead])
         for node in self.nodes:
             if node.name not in pending:
                 continue

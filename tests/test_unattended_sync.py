@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -27,6 +28,7 @@ from infra.compute.access.remote import LocalProcess, LocalRunner, RemoteError, 
 from infra.compute.providers import Node
 from infra.lifecycle.preemption_watch import TrainingError
 from infra.node.events import Event, NodeEvent, parse
+from infra.node.processes import tagged_processes
 from infra.node.protocol import REQUEST_ENV, SyncRequest
 from infra.node.sync import EXIT_STORE_FAILED
 from infra.storage import open_store
@@ -277,6 +279,58 @@ def test_a_node_lost_during_the_final_flush_ends_the_wait_at_once(tmp_path: Path
             syncers.stop(timeout_s=600.0, each_round=watch)
         assert time.monotonic() - started < 60, "waited for the lost node's part"
         assert syncers.processes["node-0"].wait(30) is not None, "the head's syncer was left running"
+    finally:
+        for process in syncers.processes.values():
+            process.terminate(grace_s=1.0)
+
+
+# -- a node taken away while its syncer is restarted: the run in CI that waited 600 s on the final flush ----------
+
+
+def test_a_node_whose_dir_is_going_starts_nothing_and_says_so(tmp_path: Path) -> None:
+    """The log was opened after the process started: a dir being removed raised FileNotFoundError (not the runner's
+    RemoteError) and left the process running, unread and unended."""
+    tag = f"tp-test-{os.getpid()}-{time.monotonic_ns()}"
+    runner = LocalRunner("node-1", tmp_path, {"TP_TEST_TAG": tag})
+    with pytest.raises(RemoteError, match=r"node-1: cannot start .*: No such file or directory: .*/gone/sync\.log"):
+        runner.start([sys.executable, "-c", "import time; time.sleep(60)"],
+                     log_path=str(tmp_path / "gone" / "sync.log"))
+    assert tagged_processes("TP_TEST_TAG", tag) == [], "a process was left running"
+
+
+def test_a_syncer_whose_node_is_taken_away_stops_training_through_the_watch(tmp_path: Path) -> None:
+    """Its restart fails: a TrainingError, which the train wait loop hands to the preemption watch to name the
+    lost node; anything else skipped the watch, and the final flush then waited for the lost node's part."""
+    nodes, syncers = watched_syncers(tmp_path, f"file://{tmp_path / 'store' / 'run-1'}")
+    syncers.start()
+    try:
+        victim = syncers.processes["node-1"]
+        shutil.rmtree(Path(nodes[1].workdir) / "logs")  # mid-removal: the node's dir is still there, its logs not
+        victim.terminate(grace_s=0.0)
+        with pytest.raises(TrainingError, match=r"node-1: checkpoint syncer died \(exit -\d+\) and cannot be "
+                                                r"restarted: node-1: cannot start"):
+            poll_until(syncers, lambda: False, timeout=30)
+        assert syncers.processes["node-1"] is victim
+    finally:
+        for process in syncers.processes.values():
+            process.terminate(grace_s=1.0)
+
+
+def test_the_final_flush_does_not_wait_for_the_parts_of_a_dead_syncer(tmp_path: Path) -> None:
+    """A training failure that is no preemption, with a syncer dead: its node's parts never come, so the others are
+    told it is lost and the flush ends with the dead one's exit, not after the whole bound (900 s by default)."""
+    nodes, syncers = watched_syncers(tmp_path, f"file://{tmp_path / 'store'}")
+    make_step(Path(nodes[0].ckpt_dir), 100, 0)  # node 1's part of step 100 will never come
+    syncers.start()
+    try:
+        poll_until(syncers, lambda: any(e.kind is NodeEvent.ANNOUNCED for e in syncers.events))
+        syncers.processes["node-1"].terminate(grace_s=0.0)
+        started = time.monotonic()
+        with pytest.raises(TrainingError, match=r"node-1: checkpoint syncer exited -\d+ before the flush: killed by"):
+            syncers.stop(timeout_s=600.0)
+        assert time.monotonic() - started < 60, "waited for the dead syncer's part"
+        assert syncers.processes["node-0"].wait(5) == 0
+        assert any(e.kind is NodeEvent.UNCOMMITTABLE and e.get("step") == 100 for e in syncers.events)
     finally:
         for process in syncers.processes.values():
             process.terminate(grace_s=1.0)

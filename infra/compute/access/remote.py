@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from infra.cancel import CANCEL, Cancelled
 
@@ -184,12 +185,12 @@ def _last_line(output: str) -> str:
 class _OutputPump:
     """Reads a process's output on a thread so it never blocks on a full pipe, keeps a tail, forwards lines."""
 
-    def __init__(self, stream, on_line: LineSink | None, log_path: str | None, keep: int = 2000) -> None:
+    def __init__(self, stream, on_line: LineSink | None, log: TextIO | None, keep: int = 2000) -> None:
         self._lines: list[str] = []
         self._keep = keep
         self._lock = threading.Lock()
         self._on_line = on_line
-        self._log = open(log_path, "a", buffering=1) if log_path else None  # noqa: SIM115 - closed by the pump
+        self._log = log  # closed by the pump
         self._thread = threading.Thread(target=self._pump, args=(stream,), daemon=True)
         self._thread.start()
 
@@ -284,14 +285,21 @@ class LocalRunner(Runner):
     def start(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, on_line: LineSink | None = None,
               log_path: str | None = None, cwd: str | None = None) -> Process:
         full_env = {**os.environ, **self.tags, **(env or {})}
+        # The log is opened before the process starts: a node whose dir is going (taken away mid-run) then fails to
+        # start anything, rather than leave a process running that nobody reads or ends.
+        log_file = None
         try:
+            log_file = open(log_path, "a", buffering=1) if log_path else None  # noqa: SIM115 - closed by the pump
             popen = subprocess.Popen(
                 list(argv), cwd=cwd or self.workdir, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
             )
         except OSError as exc:
-            raise RemoteError(f"{self.node_name}: cannot start '{_short(argv)}': {exc.strerror}") from None
-        return LocalProcess(popen, _OutputPump(popen.stdout, on_line, log_path))
+            if log_file is not None:
+                log_file.close()
+            raise RemoteError(f"{self.node_name}: cannot start '{_short(argv)}': {exc.strerror}: "
+                              f"{exc.filename or cwd or self.workdir}") from None
+        return LocalProcess(popen, _OutputPump(popen.stdout, on_line, log_file))
 
     def write_text(self, path: str, text: str) -> None:
         target = Path(path)
