@@ -30,6 +30,8 @@ READY_FILE = ".allocation-ready"
 SYNC_SUBDIR = "sync"  # a node's syncer state: Node.sync_dir, relative to its workdir
 HOLDER_LOG = "holder.log"  # in the first node's logs dir
 POLL_S = 2
+# The most one `scontrol show job` may take (its own MessageTimeout is 10 s by default, then it may retry).
+ASK_S = 10
 # A SIGTERM from Slurm is followed by SIGKILL after the site's KillWait (30 s by default): the notice's deadline.
 TERM_NOTICE_S = 30
 
@@ -70,7 +72,8 @@ trap 'notice "SIGTERM: the allocation is being ended" @TERM_S@' TERM
 # The preemption slurmctld has started for this job, in $preempted_at.
 preemption_started() {
   local job
-  job=$(scontrol -o show job "$SLURM_JOB_ID" 2>/dev/null) || return 1
+  # Bounded: a controller that stops answering must not keep the loop from ending the allocation on its lease.
+  job=$(timeout @ASK_S@ scontrol -o show job "$SLURM_JOB_ID" 2>/dev/null) || return 1
   [[ "$job" =~ PreemptTime=([0-9][0-9T:-]+) ]] || return 1
   preempted_at=${BASH_REMATCH[1]}
 }
@@ -101,7 +104,7 @@ def holder_script(cluster_name: str, run_id: str, workdir_template: str, ttl_s: 
         "@PLACEHOLDER@": NODE_PLACEHOLDER.replace("{", r"\{").replace("}", r"\}"), "@HOLDER_LOG@": HOLDER_LOG,
         "@READY@": READY_FILE, "@NOTICE@": NOTICE_FILE, "@SYNC@": SYNC_SUBDIR, "@LEASE@": LEASE_FILE,
         "@LEAD@": str(signal_lead_s),
-        "@TERM_S@": str(TERM_NOTICE_S), "@POLL@": str(POLL_S), "@TTL@": str(int(ttl_s)),
+        "@TERM_S@": str(TERM_NOTICE_S), "@POLL@": str(POLL_S), "@ASK_S@": str(ASK_S), "@TTL@": str(int(ttl_s)),
         "@ASK_PREEMPTION@": "1" if ask_preemption else "0",
     }
     script = _SCRIPT
