@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from infra.cancel import CANCEL
@@ -68,6 +68,7 @@ class Syncers:
         self.max_restarts = max_restarts
         self.processes: dict[str, Process] = {}
         self.restarts: dict[str, int] = {}
+        self.left_to_go: set[str] = set()  # nodes under a preemption notice whose syncer died: not restarted
         self.events: list[Event] = []
 
     def start(self) -> None:
@@ -93,15 +94,22 @@ class Syncers:
                 return None
             CANCEL.wait(min(POLL_S, deadline - time.monotonic()))
 
-    def poll(self) -> None:
+    def poll(self, going: Callable[[], Collection[str]] = frozenset) -> None:
         """One round of the train wait: a syncer that died is restarted, or TrainingError says why training stops.
-        One that exited 0 was asked to stop (the node's preemption watcher flushes it on a notice): left alone."""
+        One that exited 0 was asked to stop (the node's preemption watcher flushes it on a notice): left alone.
+        going: the nodes under a preemption notice, asked only when a syncer died: one that died on such a node is
+        not restarted (its node is going; the preemption watch acts on it)."""
         if (full := self.disk_full()) is not None:
             raise full
         for node in self.nodes:
             process = self.processes.get(node.name)
-            code = None if process is None else _exit_code(process)
+            code = None if process is None or node.name in self.left_to_go else _exit_code(process)
             if process is None or code is None or code == 0:
+                continue
+            if node.name in going():
+                self.left_to_go.add(node.name)
+                self.logger.warning("%s: checkpoint syncer exited %s (%s) on a node under a preemption notice: not "
+                                    "restarted, the node is going", node.name, code, _how_it_ended(process, code))
                 continue
             if code == EXIT_DISK_FULL:
                 raise self.disk_full(POLL_S) or TrainingError(

@@ -180,7 +180,7 @@ def _wait_all(trainers: dict[str, Process], deadline: float, watch: PreemptionWa
         watch.reading(poll.runner.node_name, poll)  # the head gone without notice is the watch's call, not a failure
         watch.poll()
         try:
-            syncers.poll()
+            syncers.poll(going=watch.noticed_now)
         except TrainingError as error:
             raise watch.explain(error) from None  # a syncer on a preempted node dies with it
 

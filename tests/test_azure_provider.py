@@ -482,6 +482,9 @@ def test_a_run_evicted_once_resumes_on_a_replacement_commits_and_leaves_nothing(
     assert recovery["resumed_from_step"] >= 40 and recovery["steps_lost"] <= 40, recovery
     assert summary["nodes_left"] == 0 and summary["market"] == "spot"
     assert arm.groups() == [] and arm.resources() == [], "everything of the cluster is gone"
+    # Its syncer dies with the machine under notice: restarting it waited out the SSH connect bound (60 s) first.
+    assert not re.search(rf"{evicted}: checkpoint syncer exited .*: restarting it", output), \
+        "the evicted node's syncer was started again on the machine being reclaimed"
     print(f"\nazure fake: launch to first step {summary['time_to_first_step_s']:.1f}s, whole run "
           f"{time.monotonic() - started:.0f}s, recovery {recovery}")
 

@@ -334,3 +334,34 @@ def test_the_final_flush_does_not_wait_for_the_parts_of_a_dead_syncer(tmp_path: 
     finally:
         for process in syncers.processes.values():
             process.terminate(grace_s=1.0)
+
+
+class GoingRunner(LocalRunner):
+    """A machine being reclaimed: a new command waits on it as an SSH connect to a dead host does (60 s a try)."""
+
+    def start(self, *args: Any, **kwargs: Any) -> LocalProcess:
+        raise AssertionError(f"{self.node_name}: a command was started on a node under a preemption notice")
+
+
+def test_a_syncer_that_died_on_a_node_under_notice_is_not_restarted(tmp_path: Path) -> None:
+    """Restarted, its start waited out the SSH connect bound on the machine being reclaimed: the Azure eviction run
+    sat 60 s between the syncer's death and the preemption."""
+    nodes, syncers = watched_syncers(tmp_path, f"file://{tmp_path / 'store' / 'run-1'}")
+    syncers.start()
+    try:
+        victim = syncers.processes["node-1"]
+        syncers.runners["node-1"] = GoingRunner("node-1", Path(nodes[1].workdir), {})
+        victim.terminate(grace_s=0.0)
+        asked: list[str] = []
+
+        def going() -> frozenset[str]:
+            asked.append("node-1")
+            return frozenset({"node-1"})
+
+        for _ in range(3):
+            syncers.poll(going=going)
+        assert syncers.processes["node-1"] is victim and syncers.restarts == {}
+        assert asked == ["node-1"], "the notices were looked up again for a syncer already left to its node"
+    finally:
+        for process in syncers.processes.values():
+            process.terminate(grace_s=1.0)

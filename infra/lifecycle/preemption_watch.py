@@ -155,6 +155,15 @@ class PreemptionWatch:
         if preempted is not None:
             raise preempted
 
+    def noticed_now(self) -> frozenset[str]:
+        """The nodes under a preemption notice, looked up now rather than at the next check (a Preempted raised once
+        one is confirmed gone): a sidecar that died on one of them died with its node, and is not started again over
+        a connection to a machine that is going (which waits out the whole SSH connect bound)."""
+        preempted = self._look(self.confirm_s)
+        if preempted is not None:
+            raise preempted
+        return frozenset(self._notices)
+
     def reading(self, node: str, read: Callable[[], None]) -> None:
         """A read from node in the wait loop (the head's metrics file). A connection error is the watch's to judge,
         not the run's end: with the node gone (a new connection fails too) it is a preemption, raised at once, the
