@@ -16,6 +16,7 @@ from infra.compute.providers.azure.config import AzureClusterSpec
 from infra.compute.providers.gcp.config import GcpClusterSpec
 from infra.compute.providers.nebius.config import NebiusClusterSpec
 from infra.compute.providers.netns.config import NetnsClusterSpec
+from infra.compute.providers.section import ProviderSection
 from infra.compute.providers.slurm.config import SlurmClusterSpec
 from infra.compute.providers.ssh.config import SshClusterSpec
 from infra.compute.providers.table import PROVIDER_NAMES
@@ -108,13 +109,15 @@ class ClusterSpec(StrictModel):
 
     @model_validator(mode="after")
     def _provider_section_fits(self) -> ClusterSpec:
-        # A provider's own section is the field named after it (infra.compute.providers.table).
-        check_fits = getattr(getattr(self, self.provider, None), "check_fits", None)
-        if check_fits is not None:
-            check_fits(self.nodes)
+        self.provider_section().check_fits(self.nodes)
         return self
+
+    def provider_section(self) -> ProviderSection:
+        """The job's provider's own section: the field named after it (infra.compute.providers.table); a provider
+        without one (local) has an empty section, which fits any cluster and warns of nothing."""
+        section = getattr(self, self.provider, None)
+        return section if isinstance(section, ProviderSection) else ProviderSection()
 
     def plan_warnings(self) -> tuple[str, ...]:
         """What the provider's own section says the plan should warn of (most say nothing)."""
-        warnings = getattr(getattr(self, self.provider, None), "plan_warnings", None)
-        return tuple(warnings()) if warnings is not None else ()
+        return self.provider_section().plan_warnings()

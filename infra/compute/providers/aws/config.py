@@ -11,14 +11,14 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from infra.strict_model import StrictModel
+from infra.compute.providers.section import ProviderSection
 
 # IAM's own rules for an instance profile's name, and its ARN (a path may come before the name).
 PROFILE_NAME = re.compile(r"^[A-Za-z0-9_+=,.@-]{1,128}$")
 PROFILE_ARN = re.compile(r"^arn:aws[a-z-]*:iam::[0-9]{12}:instance-profile/[A-Za-z0-9_+=,.@/-]{1,640}$")
 
 
-class AwsClusterSpec(StrictModel):
+class AwsClusterSpec(ProviderSection):
     instance_profile: str | None = Field(
         None, description="The IAM instance profile the nodes run with "
         "(its name, or its arn:aws:iam::ACCOUNT:instance-profile/NAME): its role must read the dataset's bucket and "

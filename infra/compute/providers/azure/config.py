@@ -11,8 +11,8 @@ import re
 
 from pydantic import Field, field_validator
 
+from infra.compute.providers.section import ProviderSection
 from infra.node.azure_self_delete import ROLE
-from infra.strict_model import StrictModel
 
 # Azure's own characters only (a group name may hold . ( ), never a quote or a space): the ID is passed to the
 # nodes' power-off unit.
@@ -27,7 +27,7 @@ NO_IDENTITY = ("cluster.azure.identity is not set: a VM whose lease expires powe
                f"with {ROLE} on the subscription")
 
 
-class AzureClusterSpec(StrictModel):
+class AzureClusterSpec(ProviderSection):
     identity: str | None = Field(
         None, description="The user-assigned managed identity the VMs carry (its resource ID, /subscriptions/SUB/"
         "resourceGroups/RG/providers/Microsoft.ManagedIdentity/userAssignedIdentities/NAME): grant it Storage Blob "

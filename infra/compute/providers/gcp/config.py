@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
+from infra.compute.providers.section import ProviderSection
 from infra.strict_model import StrictModel
 
 CLOUD_PLATFORM = "https://www.googleapis.com/auth/cloud-platform"
@@ -35,7 +36,7 @@ class GcpServiceAccount(StrictModel):
         return any(scope in STORAGE_SCOPES for scope in self.scopes)
 
 
-class GcpClusterSpec(StrictModel):
+class GcpClusterSpec(ProviderSection):
     service_account: GcpServiceAccount = Field(
         default_factory=GcpServiceAccount, description="The VMs' service account and access scopes: how the nodes "
         "reach the dataset and checkpoint buckets.")

@@ -11,7 +11,7 @@ import re
 
 from pydantic import Field, field_validator
 
-from infra.strict_model import StrictModel
+from infra.compute.providers.section import ProviderSection
 
 # The fabrics Nebius lists for its 8-GPU presets (docs.nebius.com/compute/clusters/gpu), by region and platform: the
 # fabric a GPU cluster is made in when the job names none for the region.
@@ -34,7 +34,7 @@ def _resource_ids(values: dict[str, str] | str | None, field: str, kind: str) ->
                              "the console or the nebius CLI")
 
 
-class NebiusClusterSpec(StrictModel):
+class NebiusClusterSpec(ProviderSection):
     fabrics: dict[str, str] = Field(
         default_factory=dict, description="The InfiniBand fabric of the GPU cluster, by region (e.g. {eu-north1: "
         "fabric-3}); a region not named uses the fabric Nebius lists for the platform there (eu-north1: fabric-3 "

@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from infra.strict_model import StrictModel
+from infra.compute.providers.section import ProviderSection
 
 
-class NetnsClusterSpec(StrictModel):
+class NetnsClusterSpec(ProviderSection):
     """provider netns: an emulated multi-host cluster on this Linux machine (root), one network namespace a node."""
 
     link_mbit: float | None = Field(None, gt=0, description="Shape every node's link (both directions) to this many "

@@ -12,8 +12,9 @@ import re
 
 from pydantic import Field, field_validator, model_validator
 
+from infra.compute.providers.section import ProviderSection
 from infra.compute.providers.ssh.config import SSH_FINGERPRINT
-from infra.strict_model import StrictModel, readable_file
+from infra.strict_model import readable_file
 
 NAME = r"^[A-Za-z0-9_.+-]+$"  # a partition, account, QOS or reservation name
 CONSTRAINT = r"^[A-Za-z0-9_.&|,*:\[\]()!-]+$"  # features joined by sbatch's operators (&, |, [a|b], a*2)
@@ -65,7 +66,7 @@ def _owned(name: str) -> str | None:
     return matches[0] if matches else None
 
 
-class SlurmClusterSpec(StrictModel):
+class SlurmClusterSpec(ProviderSection):
     """provider slurm: one allocation (an sbatch job holding cluster.nodes nodes) is the cluster; every node agent
     runs in it as a job step (srun --overlap). sbatch, srun, squeue, scontrol and scancel run on this machine, which
     must then be a login node of the site (SLURM_CONF, when set, names its configuration), or over SSH on the login

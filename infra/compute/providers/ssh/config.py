@@ -12,6 +12,7 @@ import socket
 
 from pydantic import Field, field_validator, model_validator
 
+from infra.compute.providers.section import ProviderSection
 from infra.strict_model import StrictModel, readable_file
 
 SSH_FINGERPRINT = r"^SHA256:[A-Za-z0-9+/]{43}$"
@@ -86,7 +87,7 @@ class SshHostSpec(StrictModel):
         return value
 
 
-class SshClusterSpec(StrictModel):
+class SshClusterSpec(ProviderSection):
     hosts: tuple[SshHostSpec, ...] = Field((), description="The machines, in rank order: a cluster of N nodes uses "
                                            "the first N.")
     known_hosts: str | None = Field(None, description="known_hosts file with the hosts' keys (for hosts without "
