@@ -20,8 +20,22 @@ from jobs import job_config, make_dataset, write_config
 from infra.checkpoints.store import CheckpointStore
 from infra.compute.providers.local import CLUSTER_TAG
 from infra.job.spec import parse_job
+from infra.node import processes
 from infra.storage import open_store
 from trainer.checkpoint import inspect_checkpoint
+
+
+def prefect_servers(home: str) -> list[psutil.Process]:
+    """The temporary Prefect server of a `trainpipe run` with this PREFECT_HOME, and its guard (its nodes carry the
+    same environment, and are not counted)."""
+    def is_server(process: psutil.Process) -> bool:
+        try:
+            command = " ".join(process.cmdline())
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            return False
+        return "prefect.server.api.server:create_app" in command or "trainpipe.server_guard" in command
+
+    return [process for process in processes.tagged_processes("PREFECT_HOME", home) if is_server(process)]
 
 
 def tagged_processes(workspace: Path) -> list[psutil.Process]:
@@ -102,7 +116,8 @@ def test_sigkilled_run_is_swept_and_rerun_resumes(workspace: Path, tmp_path: Pat
     # (>= 18 s) well beyond the few seconds of `status` and `sweep`, however fast the machine computes.
     config = job_config(tmp_path, dataset_url, steps=400, step_delay_s=0.05)
     config_path = write_config(tmp_path / "job.yaml", config)
-    env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": prefect_home(tmp_path / "prefect"),
+    home = prefect_home(tmp_path / "prefect")
+    env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": home,
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     checkpoints = CheckpointStore(open_store(f"{config['checkpoints']['url']}/resume-run"))
 
@@ -114,12 +129,18 @@ def test_sigkilled_run_is_swept_and_rerun_resumes(workspace: Path, tmp_path: Pat
         assert orchestrator.poll() is None, "the run ended before its first commit:\n" + log.read_text()[-3000:]
         assert time.monotonic() < deadline, "no checkpoint was committed within 300 s"
         time.sleep(0.5)
-    # The orchestrator and its Prefect server die without any chance to clean up; the nodes run in their own
-    # sessions, as they would on other machines, so they survive as orphans.
+    # The orchestrator dies without any chance to clean up; the nodes run in their own sessions, as they would on
+    # other machines, so they survive as orphans.
+    assert prefect_servers(home), "the run's temporary Prefect server is not running"
     os.killpg(orchestrator.pid, signal.SIGKILL)
     orchestrator.wait()
 
     assert tagged_processes(workspace), "killing the orchestrator should leave the nodes' processes running (orphans)"
+    # Its temporary Prefect server (in a session of its own) is ended by its guard: before, it ran on for good.
+    deadline = time.monotonic() + 30
+    while left := prefect_servers(home):
+        assert time.monotonic() < deadline, f"the killed run's Prefect server outlived it: {left}"
+        time.sleep(0.2)
     status = _run_cli(["status"], env)
     assert "ORPHANED" in status.stdout
     swept = _run_cli(["sweep"], env)

@@ -4,19 +4,21 @@ once on two cores instead of one after the other.
 
 The server runs in a session of its own: a Ctrl-C in the terminal (SIGINT to the whole foreground process group)
 cancels the run, whose teardown and last reports still need the server. Prefect stops it at the command's exit, after
-its log and event queues are drained (those drain at thread shutdown, before atexit)."""
+its log and event queues are drained (those drain at thread shutdown, before atexit); a run killed outright has no
+exit, and the server's guard (trainpipe.server_guard) ends it then."""
 
 from __future__ import annotations
 
 import logging
 import os
 import subprocess
+import sys
 import threading
-from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
 STARTING = "Starting temporary server"
+GUARD = "trainpipe.server_guard"  # ends the server when this process is gone, however it ends
 
 
 class _Quiet(logging.Filter):
@@ -69,16 +71,22 @@ class BackgroundServer:
             raise self._error
 
 
+def _guarded(args: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
+    """The server's command under trainpipe.server_guard, in a session of its own."""
+    return subprocess.Popen([sys.executable, "-m", GUARD, str(os.getpid()), "--", *args], start_new_session=True,
+                            **kwargs)
+
+
 def _in_own_session(server: Any) -> None:
-    """Prefect starts the server with a bare subprocess.Popen (no way to ask for a session): its module sees one that
-    starts a new session, for that call only (its restart on a taken port included)."""
+    """Prefect starts the server with a bare subprocess.Popen (no way to ask for a session or a guard): its module
+    sees one that starts the server guarded, in a new session, for that call only (its restart on a taken port
+    included)."""
     from prefect.server.api import server as api
 
     start = server._run_uvicorn_command
 
     def own_session() -> subprocess.Popen[Any]:
-        api.subprocess = SimpleNamespace(Popen=partial(subprocess.Popen, start_new_session=True),
-                                         TimeoutExpired=subprocess.TimeoutExpired)
+        api.subprocess = SimpleNamespace(Popen=_guarded, TimeoutExpired=subprocess.TimeoutExpired)
         try:
             return start()
         finally:

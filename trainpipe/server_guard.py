@@ -1,0 +1,76 @@
+"""Runs `trainpipe run`'s temporary Prefect server as its child, and ends it when that `trainpipe run` is gone.
+
+Prefect stops its temporary server at the command's exit (atexit). A `trainpipe run` killed outright (SIGKILL, the
+OOM killer) has no exit, and its server, in a session of its own (trainpipe.prefect_server), ran on for good: one
+more uvicorn process and port on the machine for every such night. The guard sits between the two: it watches its
+parent (reparented once the run is gone) and forwards a stop to the server; the server gets SIGTERM from the kernel
+if the guard itself is killed (PR_SET_PDEATHSIG, set in the server's process before it execs: the guard has one
+thread, so the hook is safe there, which it is not in the run's own multi-threaded process).
+
+Stdlib only, started as `python -m trainpipe.server_guard OWNER_PID -- COMMAND...`; it exits with the server's code
+(Prefect reads 3 as a port already taken and starts another)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+from types import FrameType
+
+PARENT_POLL_S = 1.0
+STOP_GRACE_S = 10.0
+PR_SET_PDEATHSIG = 1
+
+
+def _end_with_me() -> None:
+    """In the server's process, before exec: SIGTERM when its parent (this guard) dies, however it dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the parent poll below still ends it
+        return
+
+
+def _stop(server: subprocess.Popen[bytes]) -> int:
+    server.terminate()
+    try:
+        return server.wait(STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        return server.wait()
+
+
+def run(owner: int, command: list[str]) -> int:
+    """owner: the run's pid, this guard's parent (given, not read: the run may be gone by the time this starts)."""
+    # preexec_fn is safe here, unlike in the run's process: this one has a single thread.
+    server = subprocess.Popen(command, preexec_fn=_end_with_me)
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        server.send_signal(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, forward)
+    while True:
+        try:
+            code = server.wait(PARENT_POLL_S)
+            break
+        except subprocess.TimeoutExpired:
+            if os.getppid() != owner:  # the run is gone: nobody will stop its server
+                print(f"trainpipe: the run that started this Prefect server (pid {owner}) is gone: stopping it",
+                      file=sys.stderr)
+                code = _stop(server)
+                break
+    return code if code >= 0 else 128 - code
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 3 or not argv[0].isdigit() or argv[1] != "--":
+        print("usage: python -m trainpipe.server_guard OWNER_PID -- COMMAND...", file=sys.stderr)
+        return 2
+    return run(int(argv[0]), argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
