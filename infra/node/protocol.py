@@ -50,6 +50,37 @@ class NodeCommand(StrEnum):
     TORCHRUN = "torchrun"
 
 
+class EnvironmentKind(StrEnum):
+    """Where the user's training runs on a node (infra/node/trainenv.py builds each kind's command line)."""
+
+    HOST = "host"  # an interpreter on the node itself: training.python, or the node's own python
+    CONTAINER = "container"  # training.image under the node's engine (docker or podman)
+    PYXIS = "pyxis"  # Slurm with Pyxis: srun --container-image
+    OCI = "oci"  # Slurm's own OCI containers (oci.conf, runc): srun --container <bundle>
+
+
+class TrainingEnvironment(BaseModel):
+    """The user's environment a training command runs in (setup, torchrun and the script, evaluate): the agent never
+    imports from it and installs nothing into it; the two meet only in the node's trainpipe dir (mounted at the same
+    paths inside a container) and the TRAINPIPE_* environment."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    kind: EnvironmentKind = EnvironmentKind.HOST
+    python: str = "python3"  # the interpreter inside the environment (its torchrun is torch.distributed.run of it)
+    image: str | None = None  # CONTAINER and PYXIS: the image reference; OCI: the bundle dir on the node
+    engine: Literal["auto", "docker", "podman"] = "auto"  # CONTAINER: the node's engine (auto: docker, else podman)
+    mounts: tuple[str, ...] = ()  # node dirs mounted at the same path (the node's trainpipe dir, the code dir)
+    gpus: bool = False  # pass the node's GPUs (and InfiniBand devices) into the container
+    name: str = "trainpipe"  # CONTAINER: the container's name prefix (node and command added), for cleanup
+
+    @model_validator(mode="after")
+    def _image_for_containers(self) -> TrainingEnvironment:
+        if (self.kind is EnvironmentKind.HOST) != (self.image is None):
+            raise ValueError(f"a {self.kind.value} training environment "
+                             f"{'takes no' if self.kind is EnvironmentKind.HOST else 'needs an'} image")
+        return self
+
+
 class ProtocolError(ValueError):
     """A node command's request is missing or does not match its record: the orchestrator and the node agent are of
     different trainpipe versions, or the command was started by hand without a request."""

@@ -72,16 +72,24 @@ class Node:
     workdir: str
     data_dir: str
     ckpt_dir: str
+    # The agent's interpreter: what runs `python -m infra.node` (stage, sync, restore, watch), in an environment of
+    # its own on the node (infra/compute/access/agent_env.py); never the one that trains.
     python: str
     # The node's address on the cluster's own network (the VPC/subnet private IP, the fabric's address, the netns
     # address): what node-to-node traffic binds and dials (peer servers, replicas, torchrun's rendezvous). `address`
     # is how trainpipe reaches the node (SSH, the orchestrator), possibly a public or NAT address that cannot be bound
     # on the node. Empty means the same as address (a record written before the field, a host with one address).
     cluster_address: str = ""
+    # The node's own interpreter (the one the agent's environment was made from): the training environment when the
+    # job names neither training.image nor training.python. Empty means the same as python (local nodes, records
+    # written before the field).
+    node_python: str = ""
 
     def __post_init__(self) -> None:
         if not self.cluster_address:
             object.__setattr__(self, "cluster_address", self.address)
+        if not self.node_python:
+            object.__setattr__(self, "node_python", self.python)
 
     def path(self, *parts: str) -> str:
         return "/".join([self.workdir.rstrip("/"), *parts])
