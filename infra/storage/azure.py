@@ -271,7 +271,7 @@ class AzureBlobStore(ObjectStore):
                 self._blob(key).upload_blob(data, length=len(data), overwrite=False, validate_content=True,
                                             metadata=self._metadata(checksum_bytes(data)), max_concurrency=1)
         except StorageError as exc:
-            cause = exc.__cause__
+            cause = exc.original
             if isinstance(cause, ResourceExistsError) or (
                     isinstance(cause, HttpResponseError) and cause.status_code in (409, 412)):
                 return False

@@ -7,14 +7,36 @@ that root, so callers never branch on the backend.
 from __future__ import annotations
 
 import os
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+# A URL's query string carries a SAS signature (sig=), a presigned URL's X-Amz-Signature or a token: no message
+# keeps one. Bare credential fields (a connection string's AccountKey=, a SAS token pasted alone) are cut too.
+_QUERY = re.compile(r"\?[A-Za-z0-9_.~-]+=[^\s#'\"<>)]*")
+_SECRET_FIELD = re.compile(r"(?i)\b(sig|X-Amz-Signature|X-Amz-Credential|X-Amz-Security-Token|AccountKey|"
+                           r"SharedAccessSignature|access_token|token)=[^&;\s'\"<>]+")
+REDACTED = "<redacted>"
+
+
+def redact(text: str) -> str:
+    """text without the secrets a store's URLs and connection strings carry (query strings, keys, signatures)."""
+    return _SECRET_FIELD.sub(rf"\1={REDACTED}", _QUERY.sub(f"?{REDACTED}", text))
+
 
 class StorageError(Exception):
-    """An object-store failure; the message names the object and what to do."""
+    """An object-store failure; the message names the object and what to do, and never a secret: a query string or
+    key in it is redacted however it got there (a client library's message copied in, a URL with a SAS token).
+
+    `original` is the client library's exception it stands for, where there is one: kept for the store's own code to
+    look at, never chained, since a traceback prints a cause's message whole, signatures and all."""
+
+    original: BaseException | None = None
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(redact(arg) if isinstance(arg, str) else arg for arg in args))
 
 
 class ObjectNotFound(StorageError):

@@ -44,13 +44,16 @@ def split_bucket_url(url: str, scheme: str) -> tuple[str, str]:
 def translating(errors: tuple[type[BaseException], ...], translate: Callable[[BaseException], StorageError]
                 ) -> Iterator[None]:
     """A client library's errors (of the given types) raised inside, as the store's one-line StorageError; errors
-    the store raised itself pass through as they are."""
+    the store raised itself pass through as they are. The library's error is the StorageError's `original`, not its
+    cause: a logged traceback would print the cause's message, request URL and signature included."""
     try:
         yield
     except StorageError:
         raise
     except errors as exc:
-        raise translate(exc) from exc
+        error = translate(exc)
+        error.original = exc
+        raise error from None
 
 
 def nothing_to_read(url: str, start: int, length: int) -> bool:

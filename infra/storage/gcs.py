@@ -352,7 +352,7 @@ class GcsStore(ObjectStore):
             with self._calling(key, action):
                 call()
         except StorageError as exc:
-            cause = exc.__cause__
+            cause = exc.original
             response = getattr(cause, "response", None)
             if isinstance(cause, InvalidResponse | MediaInvalidResponse) and response is not None and (
                     response.status_code in (404, 405, 501) and "uploads" in str(getattr(response, "url", ""))):
