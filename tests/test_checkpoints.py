@@ -175,6 +175,41 @@ def test_retention_keeps_k_and_never_touches_the_newest_commit_or_newer(
         checkpoints.apply_retention(0)
 
 
+def test_retention_never_deletes_the_current_attempts_steps_in_flight(
+    tmp_path: Path, checkpoints: CheckpointStore
+) -> None:
+    """An attempt that resumed below a newer commit (it could not restore step 400) uploads steps 250 and 300 under
+    its own attempt: those are its work in flight, not leftovers, whatever retention thinks of their step numbers.
+    Before, retention deleted them, and the next commit of 300 listed files no longer in the store."""
+    dirs = node_dirs(tmp_path)
+    for step in (100, 200, 400):
+        commit_step(checkpoints, dirs, step)
+    upload_part(checkpoints, dirs[0], 150, 0)  # a dead attempt's (the legacy one's) leftover
+    for step in (250, 300):
+        checkpoints.upload_node_part(make_step(dirs[0], step, 0), step, 0, node_files(0), attempt="b")
+
+    assert checkpoints.apply_retention(2, attempt="b") == [100, 150]
+    assert [(s.step, s.committed) for s in checkpoints.list_steps()] == [
+        (200, True), (250, False), (300, False), (400, True)]
+    checkpoints.upload_node_part(make_step(dirs[1], 300, 1), 300, 1, node_files(1), attempt="b")
+    manifest = checkpoints.try_commit(300, nodes=2, world_size=2, config_hash=CONFIG_HASH, attempt="b")
+    assert manifest is not None and manifest.attempt == "b"
+    assert checkpoints.verify(300).step == 300
+
+
+def test_a_commit_refuses_a_file_its_record_lists_but_the_store_lost(tmp_path: Path,
+                                                                      checkpoints: CheckpointStore) -> None:
+    dirs = node_dirs(tmp_path)
+    for rank, ckpt_dir in enumerate(dirs):
+        upload_part(checkpoints, ckpt_dir, 100, rank)
+    key = f"{step_name(100)}/{FILES_PREFIX}__1_0.distcp"
+    checkpoints.store.delete(key)
+
+    with pytest.raises(CheckpointError, match=f"{checkpoints.store.url_for(key)} is missing: step 100 is not"):
+        checkpoints.try_commit(100, nodes=2, world_size=2, config_hash=CONFIG_HASH)
+    assert checkpoints.store.head(manifest_key(100)) is None and checkpoints.latest() is None
+
+
 def test_verify_names_a_corrupted_and_a_missing_file(tmp_path: Path, checkpoints: CheckpointStore) -> None:
     commit_step(checkpoints, node_dirs(tmp_path), 100)
     assert checkpoints.verify(100).step == 100

@@ -140,6 +140,7 @@ def try_commit(checkpoints: CheckpointReader, step: int, nodes: int | Sequence[i
             f"{' …' if len(missing) > 5 else ''}: a node lost its part (deleted locally?): step {step} is not "
             "committed"
         )
+    _check_uploaded(checkpoints, step, files, attempt)
     if unreadable is not None:
         set_aside(checkpoints, step, unreadable, keep_prefix=files_prefix(attempt))
     elif existing is not None:
@@ -161,6 +162,20 @@ def try_commit(checkpoints: CheckpointReader, step: int, nodes: int | Sequence[i
     _advance_latest(checkpoints, manifest)
     checkpoints.store.delete(announcement_key(step))
     return manifest
+
+
+def _check_uploaded(checkpoints: CheckpointReader, step: int, files: list[FileEntry], attempt: str) -> None:
+    """Every file the manifest will list is in the store at its recorded size: a record says what a node uploaded,
+    not that it is still there (retention, a lifecycle rule or a person may have deleted it since), and a manifest
+    over a missing file would be a commit that cannot be restored."""
+    under = f"{step_name(step)}/{files_prefix(attempt)}"
+    sizes = {info.key.removeprefix(under): info.size for info in checkpoints.store.list(under)}
+    for entry in files:
+        size = sizes.get(entry.path)
+        if size != entry.bytes:
+            found = "is missing" if size is None else f"has {size} bytes, its record says {entry.bytes}"
+            raise CheckpointError(f"{checkpoints.store.url_for(under + entry.path)} {found}: step {step} is not "
+                                  "committed (a newer commit or the next attempt's is)")
 
 
 def _union(checkpoints: CheckpointReader, step: int, records: list[NodeRecord], attempt: str) -> list[FileEntry]:
@@ -258,9 +273,12 @@ def _repoint_latest_from(checkpoints: CheckpointReader, step: int) -> None:
 
 # ---- retention ---------------------------------------------------------------------------------------------------
 
-def apply_retention(checkpoints: CheckpointReader, keep: int, protected: Collection[int] = ()) -> list[int]:
+def apply_retention(checkpoints: CheckpointReader, keep: int, protected: Collection[int] = (),
+                    attempt: str = "") -> list[int]:
     """Delete committed steps beyond the newest `keep` and uncommitted ones older than the newest committed,
-    never a `protected` one (a step a model alias points at, or pointed at recently: Registry.protected).
+    never a `protected` one (a step a model alias points at, or pointed at recently: Registry.protected), and never
+    an uncommitted step the current `attempt` is writing: an attempt that resumed from below a newer commit (one it
+    could not restore) uploads steps below it, which are its work in flight, not a dead attempt's leftovers.
 
     Returns the deleted steps. Nothing newer than the newest committed step is touched: it may be mid-upload.
     A commit found damaged (unreadable manifest, a file missing or of another size) is set aside first, so it
@@ -275,7 +293,9 @@ def apply_retention(checkpoints: CheckpointReader, keep: int, protected: Collect
         return []
     newest = max(committed)
     keep_steps = set(sorted(committed, reverse=True)[:keep])
-    doomed = sorted(step for step in steps if step < newest and step not in keep_steps and step not in protected)
+    in_flight = _in_flight(checkpoints, steps, committed, attempt) if attempt else set()
+    doomed = sorted(step for step in steps if step < newest and step not in keep_steps and step not in protected
+                    and step not in in_flight)
     kept_keys = {key for note in checkpoints.set_aside_notes() for key in note.keys} if doomed else set()
     deleted: list[int] = []
     for step in doomed:
@@ -295,6 +315,19 @@ def apply_retention(checkpoints: CheckpointReader, keep: int, protected: Collect
         log.info("retention: deleted %s", checkpoints.store.url_for(step_name(step)))
         deleted.append(step)
     return deleted
+
+
+def _in_flight(checkpoints: CheckpointReader, steps: dict[int, StepObjects], committed: list[int],
+               attempt: str) -> set[int]:
+    """The uncommitted steps this attempt has uploaded to or announced above its own newest commit: a step of its
+    own below that is one it gave up on (a newer one was committed in its place)."""
+    own = [step for step in committed if (manifest := checkpoints.read_manifest(step)) and manifest.attempt == attempt]
+    newest_own = max(own, default=-1)
+    prefix = files_prefix(attempt)
+    uploading = {step for step, objects in steps.items()
+                 if not objects.has_manifest and any(key.startswith(prefix) for key in objects.sizes)}
+    announced = {announcement.step for announcement in checkpoints.announcements(attempt)}
+    return {step for step in uploading | announced if step > newest_own}
 
 
 def _uncommit_unless_protected(checkpoints: CheckpointReader, step: int, protected: Collection[int]) -> bool:

@@ -45,8 +45,8 @@ class CheckpointStore(CheckpointReader):
     def record_eval(self, step: int, metrics: dict[str, float], command: str) -> EvalRecord:
         return commit.record_eval(self, step, metrics, command)
 
-    def apply_retention(self, keep: int, protected: Collection[int] = ()) -> list[int]:
-        return commit.apply_retention(self, keep, protected)
+    def apply_retention(self, keep: int, protected: Collection[int] = (), attempt: str = "") -> list[int]:
+        return commit.apply_retention(self, keep, protected, attempt)
 
     def restore(self, dest_dir: Path, step: int | None = None, fill: Fill | None = None) -> Path:
         return restore.restore(self, dest_dir, step, fill)

@@ -458,7 +458,7 @@ class Syncer:
             log.warning("retention skipped: %s", exc)
             emit(NodeEvent.RETENTION_SKIPPED, reason=str(exc))
             return []
-        return self.checkpoints.apply_retention(self.config.keep, protected)
+        return self.checkpoints.apply_retention(self.config.keep, protected, self.config.attempt)
 
     # ---- every other node: ship its part of what the coordinator announced ----------------------------------
 
