@@ -96,6 +96,26 @@ def test_a_stop_reaches_the_server_and_its_exit_code_comes_back() -> None:
     assert taken.returncode == 3
 
 
+def test_a_server_that_ignores_the_stop_is_killed_after_its_grace() -> None:
+    """Before, the guard forwarded the stop and waited on the server for good."""
+    stubborn = [sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print('ready', flush=True); signal.pause()"]
+    guard = subprocess.Popen([*GUARD, str(os.getpid()), "--", *stubborn], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "TRAINPIPE_SERVER_STOP_GRACE_S": "2"})
+    try:
+        assert guard.stdout is not None and guard.stdout.readline().strip() == "ready"
+        stopped_at = time.monotonic()
+        guard.terminate()
+        code = guard.wait(30)
+        took = time.monotonic() - stopped_at
+    finally:
+        guard.kill()
+    assert code == 128 + signal.SIGKILL
+    assert 2 <= took < 20, took
+    assert "did not stop within 2s" in (guard.stderr.read() if guard.stderr else "")
+
+
 def _children_within(pid: int, within_s: float = 30.0) -> list[psutil.Process]:
     deadline = time.monotonic() + within_s
     while not (children := psutil.Process(pid).children()):

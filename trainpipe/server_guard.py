@@ -17,10 +17,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from types import FrameType
 
 PARENT_POLL_S = 1.0
 STOP_GRACE_S = 10.0
+GRACE_ENV = "TRAINPIPE_SERVER_STOP_GRACE_S"  # the server's grace after a stop (tests shorten it)
 PR_SET_PDEATHSIG = 1
 
 
@@ -33,22 +35,26 @@ def _end_with_me() -> None:
         return
 
 
-def _stop(server: subprocess.Popen[bytes]) -> int:
+def _stop(server: subprocess.Popen[bytes], grace_s: float) -> int:
     server.terminate()
     try:
-        return server.wait(STOP_GRACE_S)
+        return server.wait(grace_s)
     except subprocess.TimeoutExpired:
         server.kill()
         return server.wait()
 
 
-def run(owner: int, command: list[str]) -> int:
-    """owner: the run's pid, this guard's parent (given, not read: the run may be gone by the time this starts)."""
+def run(owner: int, command: list[str], grace_s: float = STOP_GRACE_S) -> int:
+    """owner: the run's pid, this guard's parent (given, not read: the run may be gone by the time this starts).
+    A stop forwarded to the server that it has not obeyed within grace_s is made a SIGKILL: a server stuck in its
+    shutdown would otherwise keep its port and this guard for good."""
     # preexec_fn is safe here, unlike in the run's process: this one has a single thread.
     server = subprocess.Popen(command, preexec_fn=_end_with_me)
+    kill_at: list[float] = []  # when a forwarded stop runs out of grace
 
     def forward(signum: int, frame: FrameType | None) -> None:
         server.send_signal(signum)
+        kill_at.append(time.monotonic() + grace_s)
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, forward)
@@ -57,10 +63,16 @@ def run(owner: int, command: list[str]) -> int:
             code = server.wait(PARENT_POLL_S)
             break
         except subprocess.TimeoutExpired:
+            if kill_at and time.monotonic() >= kill_at[0]:
+                print(f"trainpipe: the Prefect server did not stop within {grace_s:g}s of the stop: killing it",
+                      file=sys.stderr)
+                server.kill()
+                code = server.wait()
+                break
             if os.getppid() != owner:  # the run is gone: nobody will stop its server
                 print(f"trainpipe: the run that started this Prefect server (pid {owner}) is gone: stopping it",
                       file=sys.stderr)
-                code = _stop(server)
+                code = _stop(server, grace_s)
                 break
     return code if code >= 0 else 128 - code
 
@@ -69,7 +81,8 @@ def main(argv: list[str]) -> int:
     if len(argv) < 3 or not argv[0].isdigit() or argv[1] != "--":
         print("usage: python -m trainpipe.server_guard OWNER_PID -- COMMAND...", file=sys.stderr)
         return 2
-    return run(int(argv[0]), argv[2:])
+    grace_s = float(os.environ.get(GRACE_ENV) or STOP_GRACE_S)
+    return run(int(argv[0]), argv[2:], grace_s)
 
 
 if __name__ == "__main__":
