@@ -17,6 +17,7 @@ from trainpipe import (
     bench_dataset_command,
     bench_overhead_command,
     bench_repro_command,
+    bench_scale_command,
     bench_staging_command,
 )
 from trainpipe.bench_common import JsonTable, print_report
@@ -58,5 +59,6 @@ bench_app.command("ckpt")(bench_ckpt_command.ckpt)
 bench_app.command("cluster")(bench_cluster_command.cluster)
 bench_app.command("dataset")(bench_dataset_command.dataset)
 bench_app.command("overhead")(bench_overhead_command.overhead)
+bench_app.command("scale")(bench_scale_command.scale)
 bench_app.command("repro")(bench_repro_command.repro)
 bench_app.command("staging")(bench_staging_command.staging)

@@ -22,6 +22,18 @@ JsonTable = Annotated[Path | None, typer.Option("--json", help="also write the t
 Workdir = Annotated[Path | None, typer.Option(help="scratch dir for the bench's data (default: the system temp)")]
 
 
+def node_counts(text: str) -> tuple[int, ...]:
+    """--nodes 2,4,8 as its node counts; a bad list is the option's error."""
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise typer.BadParameter(f"{text!r}: give node counts of at least 1 separated by commas, e.g. 2,4",
+                                 param_hint="--nodes")
+    return counts
+
+
 class Report(Protocol):
     def table(self) -> str: ...
 

@@ -7,16 +7,8 @@ from typing import Annotated
 
 import typer
 
-from trainpipe.bench_common import JsonTable, Workdir, print_report, run_retrain
+from trainpipe.bench_common import JsonTable, Workdir, node_counts, print_report, run_retrain
 from trainpipe.errors import exit_2_on
-
-
-def _node_counts(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise typer.BadParameter(f"{text!r}: give node counts separated by commas, e.g. 2,4",
-                                 param_hint="--nodes") from None
 
 
 @exit_2_on("bench.staging:StagingBenchError", "bench.recovery:RecoveryBenchError")
@@ -44,7 +36,7 @@ def staging(
     from bench.recovery import RecoveryBenchConfig, run_recovery_benchmark
     from bench.staging import StagingBenchConfig, run_staging_benchmark
 
-    config = StagingBenchConfig(_node_counts(nodes), size_mb, store_mbit, node_mbit, workers, workdir)
+    config = StagingBenchConfig(node_counts(nodes), size_mb, store_mbit, node_mbit, workers, workdir)
     recovery_config = RecoveryBenchConfig(nodes=recovery_nodes, paths=tuple(recovery_paths.split(",")),
                                           dataset_mb=recovery_dataset_mb, store_mbit=store_mbit, node_mbit=node_mbit,
                                           workdir=workdir)
