@@ -35,7 +35,7 @@ from infra.workspace import run_dir
 from tasks import fanout
 from tasks.capacity import nodes_held
 from tasks.checkpoint import latest_committed_step, verify_committed_checkpoint
-from tasks.cluster import provision_cluster, teardown_cluster
+from tasks.cluster import provision_cluster, refuse_if_owned, teardown_cluster
 from tasks.evaluate import Evaluation, evaluate_checkpoint
 from tasks.node_output import start_loss_curve
 from tasks.plan import plan_run
@@ -93,6 +93,7 @@ def retrain(job: JobSpec, run_id: str | None = None) -> Any:
 
 def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
     cluster_name = cluster_name_for(run_id)
+    refuse_if_owned(job, cluster_name)  # another live run of this id: touch nothing, write no summary over its own
     summary = RunSummary(run_id=run_id, job=job.name, provider=job.cluster.provider, nodes=job.cluster.nodes,
                          started_at=launched_at())
     recoveries = Recoveries(job.recovery)

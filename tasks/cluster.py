@@ -10,10 +10,19 @@ from prefect.exceptions import MissingContextError
 
 from infra.cancel import CANCEL
 from infra.compute.access.agent import NodeAgent
-from infra.compute.providers import Cluster, Node, Provider, launch_cluster, provider_of, terminate_cluster
+from infra.compute.providers import (
+    Cluster,
+    Node,
+    Provider,
+    launch_cluster,
+    provider_for,
+    provider_of,
+    terminate_cluster,
+)
 from infra.compute.renewal import RENEWALS_PER_TTL
 from infra.job.spec import JobSpec
 from infra.lifecycle.lease import LeaseKeeper
+from infra.lifecycle.ownership import Owner, claim, refuse_live_owner
 from infra.node.protocol import WatchRequest
 from infra.node.sync import STOP_FILE
 from infra.node.watchdog import LEASE_FILE
@@ -33,6 +42,7 @@ def start_lease(provider: Provider, cluster: Cluster, ttl_s: float, nodes: Seque
     _stop_lease(cluster.name)
     _lease_keepers[cluster.name] = LeaseKeeper(provider, cluster, ttl_s / RENEWALS_PER_TTL).start()
     try:
+        claim(provider, cluster, cluster.nodes if nodes is None else nodes, Owner.me(cluster.run_id, ttl_s))
         for node in cluster.nodes if nodes is None else nodes:
             NodeAgent(provider.runner(cluster, node), node.python).start(
                 watch_request(provider, node, ttl_s), log_path=node.path("logs", "watch.log"))
@@ -54,9 +64,18 @@ def _stop_lease(cluster_name: str) -> None:
         keeper.stop()
 
 
+@task(name="check-cluster-owner", **TRANSIENT_RETRIES)
+def refuse_if_owned(job: JobSpec, cluster_name: str) -> None:
+    """Before the run touches anything (its plan, its run folder, the cluster): ClusterInUse when another run's
+    orchestrator owns the cluster and is alive (a cron overlap, a manual resume while the first run trains)."""
+    refuse_live_owner(provider_for(job.cluster), cluster_name)
+
+
 @task(name="provision-cluster", **TRANSIENT_RETRIES)
 def provision_cluster(job: JobSpec, cluster_name: str, run_id: str) -> Cluster:
     logger = get_run_logger()
+    # Asked again right before the teardown below: another orchestrator may have taken the name since the run began.
+    refuse_live_owner(provider_for(job.cluster), cluster_name)
     _stop_lease(cluster_name)
     if terminate_cluster(job.cluster.provider, cluster_name).found:
         # A crashed earlier attempt of this run left it: started clean rather than adopting half-dead processes.

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -26,8 +25,8 @@ import psutil
 import pytest
 from aws_server import Ec2Server, moto_ec2
 from cloud_env import aws_env, aws_left, register_image, wait_for
-from conftest import REPO, TRAINPIPE
 from jobs import job_config, make_dataset, write_config
+from runs import Run
 
 from infra.cancel import CANCEL, Cancelled
 from infra.checkpoints.steps import step_name
@@ -139,38 +138,6 @@ def _cancel_once_there(path: Path) -> None:
 
 
 # -- trainpipe run ----------------------------------------------------------------------------------------------------
-
-
-class Run:
-    """`trainpipe run` in a session of its own (as a terminal's foreground job is its own process group)."""
-
-    def __init__(self, config: Path, run_id: str, env: dict[str, str], logs: Path) -> None:
-        self.stdout, self.stderr = logs / f"{run_id}.out", logs / f"{run_id}.err"
-        self.popen = subprocess.Popen([TRAINPIPE, "run", str(config), "--run-id", run_id], cwd=REPO, env=env,
-                                      stdout=self.stdout.open("w"), stderr=self.stderr.open("w"),
-                                      start_new_session=True)
-
-    def output(self) -> str:
-        return self.stdout.read_text(errors="replace") + self.stderr.read_text(errors="replace")
-
-    def running(self) -> bool:
-        assert self.popen.poll() is None, "the run ended before the signal:\n" + self.output()[-4000:]
-        return True
-
-    def exit_seconds(self, bound_s: float) -> float:
-        """Seconds from now until the command exits; past bound_s (plus a margin to report it) the test fails."""
-        started = time.monotonic()
-        try:
-            self.popen.wait(bound_s + 60)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            pytest.fail(f"trainpipe run still running {bound_s + 60:.0f}s after the signal:\n{self.output()[-4000:]}")
-        return time.monotonic() - started
-
-    def stop(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        self.popen.wait(30)
 
 
 def summary_of(workspace: Path, run_id: str) -> dict:

@@ -36,7 +36,8 @@ app.add_typer(ckpt_app, name="ckpt")
 # By name: imported only once an exception comes through (see trainpipe.errors.exit_on).
 USER_ERRORS = ("infra.job.spec:ConfigError", "infra.job.plan:PlanError", "infra.dataset.manifest:DatasetError",
                "infra.storage:StorageError", "infra.checkpoints.layout:CheckpointError",
-               "infra.compute.providers:LaunchError", "infra.registry.refs:RegistryError")
+               "infra.compute.providers:LaunchError", "infra.registry.refs:RegistryError",
+               "infra.lifecycle.ownership:ClusterInUse")
 user_errors_exit_2 = exit_2_on(*USER_ERRORS)
 
 ConfigArg = Annotated[Path, typer.Argument(help="job config YAML (see examples/local.yaml)")]
@@ -68,10 +69,12 @@ def run(config: ConfigArg, run_id: RunIdOpt = None) -> None:
     """Run the whole pipeline as a Prefect flow and print its summary."""
     import psutil
 
+    from infra.compute.providers import provider_for
     from infra.job.handoff import hand_over
-    from infra.job.plan import plan_job
+    from infra.job.plan import cluster_name_for, plan_job
     from infra.job.spec import load_job
     from infra.job.summary import LAUNCHED_AT_VAR, RunSummary, load_summary
+    from infra.lifecycle.ownership import refuse_live_owner
     from infra.workspace import runs_dir
     from trainpipe.prefect_server import BackgroundServer
 
@@ -80,6 +83,7 @@ def run(config: ConfigArg, run_id: RunIdOpt = None) -> None:
     # Prefect's 20 s default for starting its temporary server is too short on a busy 2-core machine.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     job = load_job(config)
+    resuming = run_id is not None
     run_id = run_id or new_run_id(job)
     # Before and after the flow Ctrl-C and SIGTERM end the command at once; within it they cancel the run (flush,
     # commit, teardown: flows.retrain). Prefect re-sends its SIGTERM here once the flow has unwound.
@@ -87,6 +91,8 @@ def run(config: ConfigArg, run_id: RunIdOpt = None) -> None:
         signal.signal(signum, _exit_on_signal)
     server = BackgroundServer().start()
     try:
+        if resuming:  # another live orchestrator of this run id: one line, nothing touched (not even its plan)
+            refuse_live_owner(provider_for(job.cluster), cluster_name_for(run_id))
         # Fail on bad input before the flow starts, so the user sees one line rather than a flow traceback; the flow's
         # plan task takes this plan rather than list and check the dataset again.
         hand_over(job, plan_job(job, run_id))

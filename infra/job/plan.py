@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -102,7 +103,12 @@ class Plan:
 
 
 def cluster_name_for(run_id: str) -> str:
-    return f"tp-{run_id}".lower().replace("_", "-").replace(".", "-")
+    """The run's cluster name, in the characters every provider's names take (lowercase, digits, '-'). Where that
+    folds the id (Exp_1 and exp-1 would be one name), a short hash of the exact id keeps distinct runs apart."""
+    name = f"tp-{run_id}".lower().replace("_", "-").replace(".", "-")
+    if name == f"tp-{run_id}":
+        return name
+    return f"{name}-{hashlib.sha256(run_id.encode()).hexdigest()[:6]}"
 
 
 def checkpoint_url_for(job: JobSpec, run_id: str) -> str:
