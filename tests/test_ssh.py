@@ -327,3 +327,12 @@ def test_a_booting_node_is_waited_for(servers: tuple[Path, list[SshServer]], cap
         booting.join()
     assert any("retrying" in r.getMessage() for r in caplog.records), "it never had to wait"
     assert wait_for_ssh("127.0.0.1", other.port, timeout=5) < 5
+
+
+def test_a_slow_sink_never_costs_the_ssh_output_its_last_lines(server: SshServer, client_key: Path) -> None:
+    from test_command_output import LINES, PRINT, slow_sink
+
+    seen: list[str] = []
+    result = runner_for(server, client_key).run(PRINT, on_line=slow_sink(seen))
+    assert result.output.splitlines()[-1] == f"line {LINES - 1}"
+    assert len(seen) == LINES

@@ -182,14 +182,71 @@ def _last_line(output: str) -> str:
     return lines[-1] if lines else "(no output)"
 
 
+class OutputLines:
+    """A command's output lines as they are read: the tail kept at once, each line handed to on_line by a thread of
+    its own. The reader never waits on the sink (a log handler on a loaded machine, the Prefect logger under 16
+    nodes' progress), so when the command has exited its tail is whole: before, a reader held up by the sink was
+    still lines behind when the wait gave up on it, and a node's last event (`staged`) was missing from its output."""
+
+    FORWARD_DRAIN_S = 30.0  # how long a finished command's wait lets the sink catch up with what was read
+
+    def __init__(self, on_line: LineSink | None, keep: int = 2000, name: str = "output") -> None:
+        self._lines: list[str] = []
+        self._keep = keep
+        self._on_line = on_line
+        self._changed = threading.Condition()
+        self._added = self._forwarded = 0
+        self._pending: list[str | None] = []
+        if on_line is not None:
+            threading.Thread(target=self._forward, name=f"{name}-lines", daemon=True).start()
+
+    def add(self, line: str) -> None:
+        with self._changed:
+            self._lines.append(line)
+            del self._lines[: -self._keep]
+            if self._on_line is not None:
+                self._added += 1
+                self._pending.append(line)
+                self._changed.notify_all()
+
+    def close(self) -> None:
+        """Nothing more will be read: the forwarder ends once it has handed on every line."""
+        with self._changed:
+            self._pending.append(None)
+            self._changed.notify_all()
+
+    def _forward(self) -> None:
+        assert self._on_line is not None
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: bool(self._pending))
+                line = self._pending.pop(0)
+            if line is None:
+                return
+            try:
+                self._on_line(line)
+            except Exception:  # a broken log sink must not kill the command it watches
+                log.exception("line sink failed on %r", line)
+            with self._changed:
+                self._forwarded += 1
+                self._changed.notify_all()
+
+    def drain(self, timeout: float = FORWARD_DRAIN_S) -> None:
+        """Wait (at most timeout) until every line read so far has been handed to on_line."""
+        with self._changed:
+            target = self._added
+            self._changed.wait_for(lambda: self._forwarded >= target, timeout)
+
+    def tail(self, lines: int) -> str:
+        with self._changed:
+            return "\n".join(self._lines[-lines:])
+
+
 class _OutputPump:
     """Reads a process's output on a thread so it never blocks on a full pipe, keeps a tail, forwards lines."""
 
     def __init__(self, stream, on_line: LineSink | None, log: TextIO | None, keep: int = 2000) -> None:
-        self._lines: list[str] = []
-        self._keep = keep
-        self._lock = threading.Lock()
-        self._on_line = on_line
+        self._lines = OutputLines(on_line, keep)
         self._log = log  # closed by the pump
         self._thread = threading.Thread(target=self._pump, args=(stream,), daemon=True)
         self._thread.start()
@@ -198,17 +255,11 @@ class _OutputPump:
         try:
             for raw in stream:
                 line = raw.rstrip("\n")
-                with self._lock:
-                    self._lines.append(line)
-                    del self._lines[: -self._keep]
+                self._lines.add(line)
                 if self._log:
                     self._write_log(line)
-                if self._on_line:
-                    try:
-                        self._on_line(line)
-                    except Exception:  # a broken log sink must not kill the command it watches
-                        log.exception("line sink failed on %r", line)
         finally:
+            self._lines.close()
             stream.close()
             if self._log:
                 self._log.close()
@@ -227,11 +278,13 @@ class _OutputPump:
                 log_file.close()
 
     def join(self, timeout: float | None = None) -> None:
+        """The output read to its end (at most timeout: a child the command left may hold the pipe open), and what
+        was read handed to the sink."""
         self._thread.join(timeout)
+        self._lines.drain()
 
     def tail(self, lines: int) -> str:
-        with self._lock:
-            return "\n".join(self._lines[-lines:])
+        return self._lines.tail(lines)
 
 
 class LocalProcess(Process):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import paramiko
 
-from infra.compute.access.remote import LineSink, Process, RemoteError, Runner, _short
+from infra.compute.access.remote import LineSink, OutputLines, Process, RemoteError, Runner, _short
 from infra.compute.access.ssh.command import PGID_MARKER, environment_input, wrapped_command
 from infra.compute.access.ssh.connection import (
     CHANNEL_TIMEOUT_S,
@@ -56,9 +56,7 @@ class SshProcess(Process):
         self._runner = runner
         self._channel = channel
         self._argv = list(argv)
-        self._on_line = on_line
-        self._keep = keep
-        self._lines: list[str] = []
+        self._lines = OutputLines(on_line, keep, name=f"ssh-out-{runner.node_name}")
         self._lock = threading.Lock()
         self.pgid: int | None = None
         self._pgid_known = threading.Event()
@@ -84,6 +82,7 @@ class SshProcess(Process):
         except Exception:  # a reader that dies silently would hang wait(): make it loud
             log.exception("%s: reading the output of '%s' failed", self._runner.node_name, _short(self._argv))
         finally:
+            self._lines.close()
             self._pgid_known.set()  # nothing more will come: never make terminate() wait for a marker
 
     def _line(self, line: str) -> None:
@@ -91,20 +90,14 @@ class SshProcess(Process):
             self.pgid = int(line.split()[1])
             self._pgid_known.set()
             return
-        with self._lock:
-            self._lines.append(line)
-            del self._lines[: -self._keep]
-        if self._on_line:
-            try:
-                self._on_line(line)
-            except Exception:  # a broken log sink must not kill the command it watches
-                log.exception("line sink failed on %r", line)
+        self._lines.add(line)
 
     def _finish(self) -> int:
         with self._lock:
             if self._code is not None:
                 return self._code
         self._thread.join(5)
+        self._lines.drain()
         status = self._channel.recv_exit_status()
         code = self._exit_code(status)
         with self._lock:
@@ -183,8 +176,7 @@ class SshProcess(Process):
                       exc)
 
     def tail(self, lines: int = 20) -> str:
-        with self._lock:
-            return "\n".join(self._lines[-lines:])
+        return self._lines.tail(lines)
 
 
 # -- the runner -----------------------------------------------------------------------------------------------------
