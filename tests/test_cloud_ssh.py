@@ -378,7 +378,8 @@ def test_bootstrap_waits_for_the_pinned_key_and_the_boot_script(nodes: Nodes, re
         assert booted.bootstrap == {node.name: report.to_dict()}, "reports travel with the record"
         assert booted.owner[HOST_KEYS] == cluster.owner[HOST_KEYS]
         assert report.node == node.name and report.mount.path == str(workdir.resolve())
-        assert report.installed is False and report.trainpipe_version
+        assert report.agent_python == f"{workdir}/agent-env/bin/python", "the agent's own env, linked in the workdir"
+        assert report.python == node.node_python, "the image's python made it"
 
         # A boot script that failed: bootstrap says so and where to look, and does not go on.
         status.write_text("3\n")

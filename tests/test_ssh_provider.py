@@ -27,9 +27,7 @@ from provider_checks import assert_replaces_only_the_lost
 from sshd import SshServer, ssh_servers
 
 from infra.checkpoints.store import CheckpointStore
-from infra.compute.access.bootstrap import bootstrap_node, build_wheel
 from infra.compute.access.ssh.connection import close_connections
-from infra.compute.access.ssh.runner import SshRunner
 from infra.compute.providers import InvalidRequestError, get_provider
 from infra.compute.providers.base import Cluster, ReplacementUnavailable
 from infra.compute.providers.local import CLUSTER_TAG
@@ -196,7 +194,8 @@ def test_launch_bootstraps_reserves_and_terminate_cleans_every_host(workspace: P
     provider = SshProvider()
     cluster = provider.launch("tp-boot", ssh_spec(servers, workdirs), "boot")
     for node, workdir in zip(cluster.nodes, workdirs, strict=True):
-        assert node.workdir == f"{workdir}/tp-boot" and node.python == sys.executable
+        assert node.workdir == f"{workdir}/tp-boot" and node.node_python == sys.executable
+        assert node.python == provider.last_reports[node.name].agent_python != sys.executable, "the agent's own env"
         assert all((workdir / "tp-boot" / sub).is_dir() for sub in ("data", "ckpt", "logs"))
         holder = json.loads((workdir / RESERVATION).read_text())
         assert holder["cluster"] == "tp-boot" and holder["owner"]["pid"] == os.getpid()
@@ -213,7 +212,7 @@ def test_launch_bootstraps_reserves_and_terminate_cleans_every_host(workspace: P
     assert report.mount.free_bytes > 0 and report.mount.nvme is False
     assert report.gpus == () and report.gpu_error is None, "this machine has no GPUs"
     assert "lo" in [i.name for i in report.interfaces]
-    assert report.trainpipe_version and report.installed is False, "the node's python already had trainpipe"
+    assert report.python == sys.executable and report.agent_python.endswith("/bin/python")
 
     records = provider.list_clusters()
     assert [(r.name, r.nodes, r.owner_alive) for r in records] == [("tp-boot", 2, True)]
@@ -345,37 +344,6 @@ def test_replace_nodes_renews_the_lost_node_on_its_own_host_or_is_unavailable(wo
     finally:
         provider.terminate("tp-renew")
     assert all(list(workdir.iterdir()) == [] for workdir in workdirs)
-
-
-def test_bootstrap_installs_the_wheel_on_a_node_without_trainpipe(servers: Servers, tmp_path: Path) -> None:
-    """A node whose python lacks trainpipe gets the project's wheel over SFTP and pip installs it. The node's venv
-    sees this environment's packages (torch, ...) so pip finds every dependency without a package index, but not
-    trainpipe itself."""
-    key, (server, _) = servers
-    venv = tmp_path / "node-venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    deps = tmp_path / "deps"
-    deps.mkdir()
-    site = Path(psutil.__file__).parent.parent
-    for entry in site.iterdir():
-        if not entry.name.lower().startswith(("trainpipe", "__editable__", "_trainpipe")):
-            (deps / entry.name).symlink_to(entry)
-    venv_site = next((venv / "lib").glob("python3*/site-packages"))
-    (venv_site / "deps.pth").write_text(f"{deps}\n")
-    python = str(venv / "bin" / "python")
-    workdir = tmp_path / "nvme"
-    workdir.mkdir()
-
-    wheel = build_wheel(tmp_path / "wheels")
-    runner = SshRunner(node_name="bare", host=server.host, port=server.port, user="root", key_file=str(key),
-                       host_key=server.fingerprint, workdir=str(workdir))
-    report = bootstrap_node(runner, python, wheel)
-    assert report.installed is True and report.trainpipe_version == "0.1.0"
-    assert report.python == python
-    imported = subprocess.run([python, "-c", "import infra.node, trainer; print(infra.__file__)"], cwd=tmp_path,
-                              capture_output=True, text=True, check=True).stdout
-    assert imported.startswith(str(venv_site)), "trainpipe was not installed into the node's own environment"
-    assert bootstrap_node(runner, python, wheel).installed is False, "a second bootstrap installs nothing"
 
 
 # -- the whole pipeline ---------------------------------------------------------------------------------------------

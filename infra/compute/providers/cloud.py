@@ -4,7 +4,10 @@ nodes over SSH with pinned host keys, node bootstrap, the owner stamp.
 A cloud provider implements `launch_candidate` (every node on one candidate, or none, each booted with the script
 `boot_script` builds) and gets `launch`: the candidates that meet the job's floors, tried in order by
 `infra.compute.failover`, each attempt kept for the summary; then every node is reached over SSH and bootstrapped
-(infra.compute.access.bootstrap), and its report goes into the cluster record for the run summary.
+(infra.compute.access.bootstrap: the node agent's environment made from the image's python3 under
+TRAINPIPE_AGENT_DIR, default ~/.trainpipe/agent), and its report goes into the cluster record for the run summary. A
+node's python is the agent's (agent_env.agent_python: through a link in its workdir, so a node described from the
+cloud's API names it too), its node_python the image's python3.
 
 Nodes are reached as TRAINPIPE_SSH_USER (default ubuntu) with the private key TRAINPIPE_SSH_KEY_FILE. A new instance
 makes up its own host key at boot, which nobody can know in advance, and an unknown key is never accepted: so launch
@@ -29,7 +32,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from infra.cancel import CANCEL
-from infra.compute.access.bootstrap import NodeReport, WheelBuilder, WheelSource, bootstrap_node
+from infra.compute.access.agent_env import DEFAULT_AGENT_DIR
+from infra.compute.access.bootstrap import NodeReport, bootstrap_node
 from infra.compute.access.hostkeys import SSH_DIR, HostKey, generate_host_key, install_script
 from infra.compute.access.remote import RemoteError
 from infra.compute.access.ssh.connection import HostKeyError, SshConnectError, wait_for_ssh
@@ -56,7 +60,6 @@ from infra.compute.providers.hosts import in_parallel, launch_error
 from infra.compute.renewal import RENEWALS_PER_TTL, Renewal
 from infra.compute.spec import ClusterSpec
 from infra.node.processes import CLUSTER_TAG, NODE_TAG
-from infra.workspace import workspace_dir
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,7 @@ MOUNT = "/mnt/trainpipe"
 SSH_PORT = 22
 SSH_USER_ENV = "TRAINPIPE_SSH_USER"
 SSH_KEY_ENV = "TRAINPIPE_SSH_KEY_FILE"
+AGENT_DIR_ENV = "TRAINPIPE_AGENT_DIR"  # where on the nodes the agent's environments live
 DEFAULT_SSH_USER = "ubuntu"  # the login user of the Ubuntu images both providers boot by default
 HOST_KEYS = "host_keys"  # Cluster.owner[HOST_KEYS]: {node name: pinned SHA256 fingerprint}
 LEASE_TTL = "lease_ttl_s"  # Cluster.owner[LEASE_TTL]: the lease TTL its nodes are tagged with (as text)
@@ -133,14 +137,14 @@ class CloudProvider(Provider):
     lease_expiry = "shutdown"
     boot_log = "the boot log"  # where a node's boot script output goes, for error messages
 
-    def __init__(self, catalog: Catalog | None, bootstrap: bool = True, wheel: WheelSource = None) -> None:
+    def __init__(self, catalog: Catalog | None, bootstrap: bool = True) -> None:
         """bootstrap: reach and bootstrap every node after a launch (False only where there are no machines, as
-        against a simulated cloud API). wheel: the project wheel nodes that lack trainpipe get (default
-        TRAINPIPE_WHEEL, else built from this source checkout on first need)."""
+        against a simulated cloud API)."""
         # Nothing here touches the cloud: a provider is built for `plan` and `status` on machines without credentials.
         self._catalog = catalog
         self._bootstrap = bootstrap
-        self._wheel = wheel
+        # On the nodes: where the agent's environments are kept, across runs on an image that keeps its disk.
+        self.agent_dir = os.environ.get(AGENT_DIR_ENV, "").strip() or DEFAULT_AGENT_DIR
         self.last_attempts: list[Attempt] = []  # of the latest launch, for the run summary
         self.last_reports: dict[str, NodeReport] = {}  # of the latest launch's bootstrap
         # Where nodes' sshd listens and where their boot script leaves its status; tests point them at a local sshd.
@@ -311,9 +315,8 @@ class CloudProvider(Provider):
         key, boot script done) and bootstrapped: the cluster with the reports in its bootstrap field, as the ssh
         provider records them. A failure on any node raises the LaunchError that says whether trying again can help,
         naming every node that failed."""
-        wheel = self._wheel_source()
         nodes = [node for node in cluster.nodes if only is None or node.name in only]
-        outcomes = in_parallel(nodes, lambda node: self._bootstrap_node(cluster, node, wheel))
+        outcomes = in_parallel(nodes, lambda node: self._bootstrap_node(cluster, node))
         failures = [(node, error) for node, _, error in outcomes if error is not None]
         if failures:
             unexpected = [error for _, error in failures if not isinstance(error, LaunchError | RemoteError | OSError)]
@@ -326,13 +329,7 @@ class CloudProvider(Provider):
         kept = {} if only is None else {name: r for name, r in cluster.bootstrap.items() if name not in only}
         return replace(cluster, bootstrap={**kept, **reports})
 
-    def _wheel_source(self) -> WheelSource:
-        if self._wheel is not None:
-            return self._wheel
-        env_wheel = os.environ.get("TRAINPIPE_WHEEL")
-        return Path(env_wheel) if env_wheel else WheelBuilder(workspace_dir() / "wheels")
-
-    def _bootstrap_node(self, cluster: Cluster, node: Node, wheel: WheelSource) -> NodeReport:
+    def _bootstrap_node(self, cluster: Cluster, node: Node) -> NodeReport:
         runner = self.runner(cluster, node)
         deadline = time.monotonic() + BOOT_TIMEOUT_S
         try:
@@ -342,7 +339,7 @@ class CloudProvider(Provider):
         log.info("%s: sshd answers at %s after %.0fs", node.name, node.address, waited)
         self._await_host_key(runner, deadline)
         self._await_boot_script(runner, deadline)
-        return bootstrap_node(runner, node.python, wheel, workdir=node.workdir)
+        return bootstrap_node(runner, node.node_python, self.agent_dir, workdir=node.workdir)
 
     def _await_host_key(self, runner: SshRunner, deadline: float) -> None:
         """Connect once sshd serves the pinned key. Until the boot script has installed it, sshd serves the key the

@@ -12,6 +12,7 @@ import socket
 
 from pydantic import Field, field_validator, model_validator
 
+from infra.compute.access.agent_env import DEFAULT_AGENT_DIR, home_or_absolute
 from infra.compute.providers.section import ProviderSection
 from infra.strict_model import StrictModel, readable_file
 
@@ -49,8 +50,13 @@ class SshHostSpec(StrictModel):
     workdir: str = Field(description="Absolute path on the machine's local NVMe: each cluster gets "
                          "<workdir>/<cluster>/{data,ckpt,logs}; the machine's reservation and its dataset cache "
                          "(<workdir>/dataset-cache, kept across runs) live here.")
-    python: str = Field("python3", min_length=1, description="Python interpreter on the machine that has (or gets) "
-                        "trainpipe and torch installed, e.g. /opt/venv/bin/python.")
+    python: str = Field("python3", min_length=1, description="The machine's own Python (CPython >= 3.11): trainpipe "
+                        "makes its node agent's environment from it (a venv under agent_dir; nothing is installed into "
+                        "this interpreter), and it is the training interpreter when the job names neither "
+                        "training.image nor training.python, e.g. /opt/venv/bin/python.")
+    agent_dir: str = Field(DEFAULT_AGENT_DIR, min_length=1, description="Where on the machine the node agent's "
+                           "environments live, one per content hash, kept across runs (the next run installs "
+                           "nothing): an absolute path or one under ~ (the login user's home).")
     host_key: str | None = Field(None, description="Pinned SHA256 fingerprint of the machine's host key "
                                  "(ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub on it); without it the key must "
                                  "be in cluster.ssh.known_hosts.")
@@ -77,6 +83,11 @@ class SshHostSpec(StrictModel):
         if not value.startswith("/"):
             raise ValueError(f"workdir '{value}' is not absolute: give the full path of a dir on the host's NVMe")
         return value.rstrip("/") or "/"
+
+    @field_validator("agent_dir")
+    @classmethod
+    def _agent_dir_shape(cls, value: str) -> str:
+        return home_or_absolute(value, "agent_dir", "~/.trainpipe/agent or /opt/trainpipe/agent")
 
     @field_validator("host_key")
     @classmethod

@@ -2,9 +2,10 @@
 
 launch takes the first `nodes` hosts: it verifies each host key (pinned or in known_hosts, never accepted blindly),
 reserves the host with a lock file in its workdir, creates <workdir>/<cluster>/{data,ckpt,logs} and bootstraps the
-node (trainpipe installed, mount, GPUs and interfaces reported). Any failure rolls back every host. The cluster
-record lives in the workspace (ssh-clusters/<name>.json), with what runners need to reach each host, so describe,
-terminate and the sweeper work from any process on this machine.
+node (the agent's environment made from the host's python, mount, GPUs and interfaces reported): a node's python is
+the agent's (through <workdir>/<cluster>/agent-env), its node_python the host's. Any failure rolls back every host.
+The cluster record lives in the workspace (ssh-clusters/<name>.json), with what runners need to reach each host, so
+describe, terminate and the sweeper work from any process on this machine.
 
 Every process started through the cluster's runners carries TRAINPIPE_CLUSTER (the cluster's dir on that host) and
 TRAINPIPE_NODE in its environment; terminate finds them through /proc on each host with a stdlib-only snippet, so it
@@ -23,7 +24,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from infra.compute.access.bootstrap import NodeReport, WheelBuilder, WheelSource, bootstrap_node
+from infra.compute.access.agent_env import agent_python
+from infra.compute.access.bootstrap import NodeReport, bootstrap_node
 from infra.compute.access.remote import RemoteError, Runner
 from infra.compute.access.ssh.runner import SshRunner
 from infra.compute.providers.base import (
@@ -149,13 +151,9 @@ class SshProvider(Provider):
     name = "ssh"
     notice_source = "file"
 
-    def __init__(self, root: Path | None = None, wheel: WheelSource = None,
-                 teardown_connect_s: float | None = None) -> None:
-        """root: where cluster records live (default <workspace>/ssh-clusters). wheel: the project wheel nodes that
-        lack trainpipe get (default TRAINPIPE_WHEEL, else built from this source checkout on first need)."""
+    def __init__(self, root: Path | None = None, teardown_connect_s: float | None = None) -> None:
+        """root: where cluster records live (default <workspace>/ssh-clusters)."""
         self.root = (root or workspace_dir() / "ssh-clusters").resolve()
-        env_wheel = os.environ.get("TRAINPIPE_WHEEL")
-        self.wheel: WheelSource = wheel or (Path(env_wheel) if env_wheel else WheelBuilder(self.root / "wheels"))
         self.teardown_connect_s = TEARDOWN_CONNECT_S if teardown_connect_s is None else teardown_connect_s
         self.last_reports: dict[str, NodeReport] = {}
         self.last_teardown: dict[str, dict[str, Any]] = {}
@@ -219,7 +217,7 @@ class SshProvider(Provider):
             workdir = f"{host.workdir.rstrip('/')}/{cluster_name}"
             nodes.append(Node(name=f"{cluster_name}-node-{rank}", rank=rank, address=host.host,
                               cluster_address=host.peer_address, workdir=workdir, data_dir=f"{workdir}/data",
-                              ckpt_dir=f"{workdir}/ckpt", python=host.python))
+                              ckpt_dir=f"{workdir}/ckpt", python=agent_python(workdir), node_python=host.python))
         ssh = {"hosts": {node.name: host.model_dump() for node, host in zip(nodes, chosen, strict=True)},
                "known_hosts": spec.ssh.known_hosts}
         # User machines are already paid for: the cluster costs nothing extra while it runs.
@@ -233,7 +231,7 @@ class SshProvider(Provider):
         reserved.add(host.node.name)  # from here on, a failed launch has something to roll back on this host
         for sub in ("data", "ckpt", "logs"):
             runner.makedirs(f"{host.node.workdir}/{sub}")
-        report = bootstrap_node(runner, host.host.python, self.wheel, workdir=host.node.workdir)
+        report = bootstrap_node(runner, host.host.python, host.host.agent_dir, workdir=host.node.workdir)
         _check_fit(report, host, spec)
         return report
 
@@ -319,7 +317,7 @@ class SshProvider(Provider):
                                                    host.node.workdir])
         for sub in ("data", "ckpt", "logs"):
             runner.makedirs(f"{host.node.workdir}/{sub}")
-        report = bootstrap_node(runner, host.host.python, self.wheel, workdir=host.node.workdir)
+        report = bootstrap_node(runner, host.host.python, host.host.agent_dir, workdir=host.node.workdir)
         log.info("%s: replaced on %s (%d processes of the lost node ended)", host.node.name, host.host.host,
                  result["processes"])
         return report
