@@ -26,6 +26,7 @@ from infra.cancel import CANCEL, signals_cancel
 from infra.compute.catalog import load_catalog
 from infra.compute.providers import Cluster, Node
 from infra.dataset.snapshot import snapshot_digest
+from infra.job.environment import training_environment
 from infra.job.plan import Plan, cluster_name_for
 from infra.job.spec import JobSpec
 from infra.job.summary import LAUNCHED_AT_VAR, RunSummary
@@ -54,8 +55,8 @@ from tasks.report import (
 from tasks.results import Restored, Staged, StagedNode
 from tasks.stage import restore_checkpoint, stage_node
 from tasks.train import TrainLaunch, TrainOutcome, run_training
-from tasks.verify import bench_cluster, verify_node
-from tasks.workload import NodeReady, agreed_code_hash, prepare_node, publish_code
+from tasks.verify import bench_cluster, check_training_env, verify_node
+from tasks.workload import NodeReady, agreed_code_hash, agreed_image_digest, prepare_node, publish_code
 
 
 def default_run_id(job_name: str, flow_run_id: str) -> str:
@@ -230,10 +231,14 @@ def verify_nodes(job: JobSpec, plan: Plan, cluster: Cluster, new: list[Node], su
     probing = verify_node.map(unmapped(cluster), new, [budget.total if budget else need
                                                        for budget, need in zip(budgets, need_bytes, strict=True)],
                               [budget.render() if budget else None for budget in budgets])
+    # The training environment of every new node has torch (checked in it, beside the probe): nothing installed.
+    checking = check_training_env.map(unmapped(job), unmapped(cluster), new)
     rejoined = (rejoin_node.map(unmapped(cluster), survivors, unmapped(attempt),
                                 unmapped(resume_step is None)).result() if survivors else [])
     ports = {node.name: port for node, port in zip(survivors, rejoined, strict=True)}
     ports.update({node.name: probe.free_port for node, probe in zip(new, probing.result(), strict=True)})
+    record_training_env(summary, job, cluster, {node.name: found for node, found in zip(new, checking.result(),
+                                                                                        strict=True)})
     if not survivors:
         summary.cluster_bench = bench_cluster(job, cluster)
     return ports
@@ -324,6 +329,11 @@ def record_nodes(summary: RunSummary, plan: Plan, cluster: Cluster, recovery: Re
     if nodes.warm:
         summary.init_from = plan.init_from.url if plan.init_from is not None else None
     record_workload(summary, plan, nodes.ready, agreed_code_hash(nodes.ready))
+    digest = agreed_image_digest(nodes.ready)
+    if digest is not None:  # new nodes pulled the image (a replace-one's survivors hold theirs) and checked it
+        summary.training_env.update(digest=digest, pull_s=max(r.pull_s for r in nodes.ready))
+        summary.training_env.setdefault("nodes", {}).update({r.node: r.environment for r in nodes.ready
+                                                             if r.environment})
     record_inputs(summary, plan, nodes.staged_nodes)
     if nodes.restored:
         record_resume(summary, nodes.restored, initial=recovery is None)
@@ -332,6 +342,16 @@ def record_nodes(summary: RunSummary, plan: Plan, cluster: Cluster, recovery: Re
             i.skipped_bytes for n in nodes.staged_nodes for i in n.inputs.values())
         recovery.restore_bytes = restore_sources(nodes.restored)
         recovery.resumed(nodes.restored[0].step if nodes.restored else None, cluster.price_per_hour)
+
+
+def record_training_env(summary: RunSummary, job: JobSpec, cluster: Cluster, found: dict[str, dict[str, str]]) -> None:
+    """Where the training runs (the summary's training_env): kind, image, python, and what verify found per node."""
+    environment = training_environment(job, cluster, cluster.head)
+    summary.training_env = {"kind": environment.kind.value, "image": environment.image,
+                            "python": environment.python, **{k: v for k, v in summary.training_env.items()
+                                                             if k in ("digest", "pull_s")},
+                            "nodes": {**summary.training_env.get("nodes", {}),
+                                      **{name: facts for name, facts in found.items() if facts}}}
 
 
 def lineage_of(plan: Plan, cluster: Cluster, summary: RunSummary, attempt_id: str) -> dict[str, Any]:
@@ -345,7 +365,17 @@ def lineage_of(plan: Plan, cluster: Cluster, summary: RunSummary, attempt_id: st
         "parent": plan.init_from.url if plan.init_from is not None else None,
         "cluster": {"provider": cluster.provider, "instance_type": cluster.instance_type, "nodes": len(cluster.nodes),
                     "network_gbps": summary.cluster_bench.slowest_link_gbps if summary.cluster_bench else None},
+        "environment": environment_lineage(summary.training_env),
     }
+
+
+def environment_lineage(env: dict[str, Any]) -> dict[str, Any] | None:
+    """The training environment as a manifest's lineage records it (infra.checkpoints.lineage.LineageEnvironment)."""
+    if not env:
+        return None
+    torches = sorted({node["torch"] for node in env.get("nodes", {}).values()})
+    return {"kind": env["kind"], "image": env.get("image"), "digest": env.get("digest"), "python": env.get("python"),
+            "torch": ", ".join(torches) or None}
 
 
 def evaluate_and_promote(job: JobSpec, plan: Plan, cluster: Cluster, launch: TrainLaunch, step: int,

@@ -19,14 +19,17 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
 from infra.checkpoints.store import CheckpointStore
+from infra.compute.access.agent import NodeAgent
 from infra.compute.providers import Cluster, runner_for
+from infra.job.environment import training_environment
 from infra.job.spec import JobSpec
+from infra.node.protocol import ExecRequest
 from infra.registry.refs import step_url
 from infra.storage import open_store
 from infra.workload.contract import render_command
 from tasks.policy import NO_RETRIES
 from tasks.stage import restore_checkpoint
-from tasks.train import TrainLaunch, failure_tail, node_context, workload_env
+from tasks.train import TrainLaunch, failure_tail, node_context, workload_env, workload_env_names
 
 EVAL_FILE_VAR = "TRAINPIPE_EVAL_FILE"
 
@@ -82,10 +85,14 @@ def evaluate_checkpoint(job: JobSpec, cluster: Cluster, launch: TrainLaunch, ste
     command = render_command(job.evaluate.command, context, extra={"checkpoint": restored.path,
                                                                     "eval_file": eval_file})
     runner = runner_for(cluster, head)
-    process = runner.start([head.python, *command], env={**workload_env(job, context), EVAL_FILE_VAR: eval_file},
-                           cwd=head.code_dir if job.training.code is not None else None,
-                           on_line=lambda line: logger.info("%s evaluate: %s", head.name, line.rstrip()),
-                           log_path=head.path("logs", "evaluate.log"))
+    # In the training environment, with its interpreter (the image's, training.python, the node's own).
+    environment = training_environment(job, cluster, head)
+    request = ExecRequest(argv=(environment.python, *command), training_env=environment,
+                          cwd=head.code_dir if job.training.code is not None else head.workdir,
+                          env_names=workload_env_names(job, context, EVAL_FILE_VAR))
+    process = NodeAgent(runner, head.python, {**workload_env(job, context), EVAL_FILE_VAR: eval_file}).start(
+        request, on_line=lambda line: logger.info("%s evaluate: %s", head.name, line.rstrip()),
+        log_path=head.path("logs", "evaluate.log"))
     try:
         code = process.wait(job.evaluate.timeout_s)
     except TimeoutError:

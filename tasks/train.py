@@ -17,6 +17,7 @@ from infra.checkpoints.lineage import Lineage
 from infra.compute.access.agent import NodeAgent
 from infra.compute.access.remote import Process, RemoteError, Runner, stop_all, wait_all
 from infra.compute.providers import Cluster, Node, provider_of
+from infra.job.environment import training_environment
 from infra.job.spec import JobSpec
 from infra.lifecycle.preemption_watch import Preempted, PreemptionWatch, TrainingError
 from infra.node.events import Event, NodeEvent
@@ -81,19 +82,30 @@ def node_context(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch
         inputs={name: input_dir(node.workdir, name) for name in job.inputs})
 
 
+_FIXED_VARS = ("OMP_NUM_THREADS", "PYTHONUNBUFFERED")
+
+
 def workload_env(job: JobSpec, context: NodeContext) -> dict[str, str]:
     """Everything the script's processes (and the setup commands) get in their environment; the job's secrets are
     resolved here, as each node command starts, and kept nowhere else."""
-    return {"OMP_NUM_THREADS": str(job.training.threads_per_proc), "PYTHONUNBUFFERED": "1",
-            **job.training.env, **job_secrets(job), **context.environment()}
+    fixed = dict(zip(_FIXED_VARS, (str(job.training.threads_per_proc), "1"), strict=True))
+    return {**fixed, **job.training.env, **job_secrets(job), **context.environment()}
+
+
+def workload_env_names(job: JobSpec, context: NodeContext, *more: str) -> tuple[str, ...]:
+    """The names of workload_env's variables (no secret resolved): what a container's env file carries."""
+    return tuple(sorted({*_FIXED_VARS, *job.training.env, *job.training.secrets, *context.environment(), *more}))
 
 
 def torchrun_request(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch) -> TorchrunRequest:
-    """torchrun on this node, plus an event once every rank of the node exited 0 (see infra.node.torchrun)."""
+    """torchrun in the job's training environment on this node, plus an event once every rank of the node exited 0
+    (see infra.node.torchrun)."""
+    context = node_context(job, cluster, node, launch)
     return TorchrunRequest(
+        training_env=training_environment(job, cluster, node), env_names=workload_env_names(job, context),
         nnodes=len(cluster.nodes), nproc_per_node=job.cluster.procs_per_node, node_rank=node.rank,
         master_addr=cluster.head.cluster_address, master_port=launch.rendezvous_port, max_restarts=0,
-        script=tuple(render_command(job.training.command, node_context(job, cluster, node, launch))))
+        script=tuple(render_command(job.training.command, context)))
 
 
 def syncer_request(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch) -> SyncRequest:

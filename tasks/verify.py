@@ -1,5 +1,5 @@
-"""Verify: every node answers, its dirs are writable and it has room for the dataset; the cluster delivers the
-network and disk throughput the job pays for."""
+"""Verify: every node answers, its dirs are writable and it has room for the dataset; its training environment has
+torch; the cluster delivers the network and disk throughput the job pays for."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from infra.analysis import clusterbench
 from infra.analysis.clusterbench import BenchResult, VerifyBench
 from infra.compute.providers import Cluster, Node, agent_for
 from infra.dataset.stagecache import node_cache_dir
+from infra.job.environment import training_environment
 from infra.job.spec import JobSpec
-from infra.node.events import NodeEvent
-from infra.node.protocol import ProbeRequest
+from infra.node.events import NodeEvent, event_line, parse
+from infra.node.protocol import EnvironmentKind, ExecRequest, ProbeRequest
 from tasks.node_output import last_event, node_line_sink
 from tasks.policy import TRANSIENT_RETRIES
 from tasks.results import Probe
@@ -22,6 +23,49 @@ from tasks.results import Probe
 
 class NodeCheckError(RuntimeError):
     pass
+
+
+ENV_CHECK_TIMEOUT_S = 600.0  # importing torch on a cold node (and a container's first start) takes a while
+TORCH_FIX = "set training.python to an interpreter with torch, or training.image"
+
+
+def environment_check(python: str) -> tuple[str, ...]:
+    """The check's argv: the interpreter imports torch and prints the TRAINING_ENV event (spelled here, since the
+    training environment cannot import the agent's events module)."""
+    template = event_line(NodeEvent.TRAINING_ENV, python="PY", torch="TORCH")
+    source = ("import json, sys\nimport torch\n"
+              f"line = json.loads({template!r})\n"
+              "line.update(python=sys.executable, torch=torch.__version__)\n"
+              "print(json.dumps(line), flush=True)\n")
+    return (python, "-c", source)
+
+
+@task(name="verify-training-env", **TRANSIENT_RETRIES)
+def check_training_env(job: JobSpec, cluster: Cluster, node: Node) -> dict[str, str]:
+    """probe_training_env on the node, at verify; a container image is checked once it is pulled, beside staging
+    (tasks/workload.prepare_node), so the pull is not paid for here: then {}."""
+    if training_environment(job, cluster, node).kind is EnvironmentKind.CONTAINER:
+        return {}
+    return probe_training_env(job, cluster, node)
+
+
+def probe_training_env(job: JobSpec, cluster: Cluster, node: Node) -> dict[str, str]:
+    """The node's training environment can run the job: its interpreter exists and imports torch. Nothing is
+    installed anywhere; a node that cannot fails in one line naming the node, the interpreter or image and the fix.
+    Returns python (as the environment names itself) and torch (its version)."""
+    environment = training_environment(job, cluster, node)
+    request = ExecRequest(argv=environment_check(environment.python), training_env=environment, cwd=node.workdir,
+                          timeout_s=ENV_CHECK_TIMEOUT_S)
+    result = agent_for(cluster, node).run(request, timeout=ENV_CHECK_TIMEOUT_S + 60, check=False)
+    found = next((event for event in map(parse, reversed(result.output.splitlines()))
+                  if event is not None and event.kind is NodeEvent.TRAINING_ENV), None)
+    if result.returncode != 0 or found is None:
+        lines = [line.strip() for line in result.output.splitlines() if line.strip()]
+        why = next((line for line in reversed(lines) if "Error" in line or "error" in line),
+                   lines[-1] if lines else f"exit {result.returncode}")
+        raise NodeCheckError(f"{node.name}: {environment.label} cannot import torch ({why}): {TORCH_FIX}")
+    get_run_logger().info("%s: training environment %s: torch %s", node.name, environment.label, found["torch"])
+    return {"python": str(found["python"]), "torch": str(found["torch"])}
 
 
 @task(name="verify-node", **TRANSIENT_RETRIES)
@@ -69,6 +113,7 @@ def bench_cluster(job: JobSpec, cluster: Cluster) -> VerifyBench:
         logger.info("cluster bench skipped: cluster.verify.bench is off")
         return VerifyBench(mode)
     result = clusterbench.bench_cluster(cluster, job.cluster, sink_for=lambda label: node_line_sink(logger, label),
+                                        environment=lambda node: training_environment(job, cluster, node),
                                         say=lambda message: logger.info("cluster bench: %s", message))
     enforce_verdict(result, mode, logger)
     return VerifyBench(mode, result)

@@ -32,12 +32,14 @@ from infra.node.protocol import (
     ChaosRequest,
     CheckpointFormatName,
     DiskbenchRequest,
+    EnvironmentKind,
     NetbenchRequest,
     NodeCommand,
     NodeRequest,
     ProtocolError,
     SyncRequest,
     TorchrunRequest,
+    TrainingEnvironment,
     WatchRequest,
     read_request,
     runs_command,
@@ -60,10 +62,12 @@ RECORDS: list[NodeRequest] = [
     NetbenchRequest(mode="server", streams=8, timeout_s=90),
     NetbenchRequest(mode="client", host="10.0.0.2", port=4000, seconds=3, timeout_s=30),
     DiskbenchRequest(dir="/w/data", megabytes=64, buffered=True),
-    AllreduceBenchRequest(sizes_mb=(1, 4), seconds_per_size=0.5, timeout_s=60),
-    TorchrunRequest(nnodes=2, nproc_per_node=2, node_rank=1, master_addr="10.0.0.1", master_port=29500,
+    TorchrunRequest(training_env=TrainingEnvironment(python="/opt/venv/bin/python"), nnodes=2, nproc_per_node=2,
+                    node_rank=1, master_addr="10.0.0.1", master_port=29500,
                     script=("train.py", "--run", "x")),
-    TorchrunRequest(nnodes=2, nproc_per_node=1, node_rank=0, master_addr="10.0.0.1", master_port=29500,
+    TorchrunRequest(training_env=TrainingEnvironment(kind=EnvironmentKind.CONTAINER, image="nvcr.io/x:1",
+                                                     mounts=("/w",), node_dir="/w", gpus=True),
+                    nnodes=2, nproc_per_node=1, node_rank=0, master_addr="10.0.0.1", master_port=29500,
                     worker=AllreduceBenchRequest(sizes_mb=(16,))),
 ]
 
@@ -94,12 +98,13 @@ def test_a_record_reaches_the_node_whole_and_only_in_the_environment(request_: N
 
 def test_every_command_of_this_scope_has_its_record() -> None:
     assert {NodeCommand.SYNC, NodeCommand.WATCH, NodeCommand.CHAOS, NodeCommand.NETBENCH, NodeCommand.DISKBENCH,
-            NodeCommand.ALLREDUCE_BENCH, NodeCommand.TORCHRUN} <= set(REQUESTS)
+            NodeCommand.TORCHRUN, NodeCommand.EXEC, NodeCommand.PULL} <= set(REQUESTS)
     assert set(CheckpointFormatName.__args__) == set(FORMATS)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("command", [NodeCommand.SYNC, NodeCommand.WATCH, NodeCommand.CHAOS, NodeCommand.NETBENCH,
-                                     NodeCommand.DISKBENCH, NodeCommand.ALLREDUCE_BENCH, NodeCommand.TORCHRUN])
+                                     NodeCommand.DISKBENCH, NodeCommand.TORCHRUN, NodeCommand.EXEC,
+                                     NodeCommand.PULL])
 def test_a_command_without_its_request_exits_2_in_one_line(command: NodeCommand) -> None:
     result = node_agent(command, agent_env())
     assert result.returncode == 2
@@ -113,7 +118,7 @@ def test_a_command_without_its_request_exits_2_in_one_line(command: NodeCommand)
     (NodeCommand.WATCH, {"lease": "/w/lease", "ttl_s": 1, "on_expire": "reboot"}, "on_expire"),
     (NodeCommand.NETBENCH, {"mode": "client", "host": "h", "port": 1}, "one of seconds or bytes"),
     (NodeCommand.TORCHRUN, {"nnodes": 1, "nproc_per_node": 1, "node_rank": 0, "master_addr": "a",
-                            "master_port": 1}, "a script or a worker request"),
+                            "master_port": 1, "training_env": {}}, "a script or a worker request"),
 ])
 def test_a_request_that_does_not_match_its_record_exits_2_in_one_line(
         command: NodeCommand, fields: dict[str, Any], field: str) -> None:
@@ -214,7 +219,8 @@ def test_the_syncer_is_told_the_jobs_registry_and_its_retention_keeps_what_an_al
 def test_the_torchrun_command_runs_the_script_and_says_when_its_ranks_exited(tmp_path: Path) -> None:
     script = tmp_path / "script.py"
     script.write_text(f"import os\nprint('rank', os.environ['RANK'], os.environ.get({REQUEST_ENV!r}), flush=True)\n")
-    request = TorchrunRequest(nnodes=1, nproc_per_node=1, node_rank=0, master_addr="127.0.0.1",
+    request = TorchrunRequest(training_env=TrainingEnvironment(python=sys.executable, node_dir=str(tmp_path)),
+                              nnodes=1, nproc_per_node=1, node_rank=0, master_addr="127.0.0.1",
                               master_port=free_port(), script=(str(script),))
     result = subprocess.run(request.command_line(sys.executable), env=request.environment(agent_env()), cwd=REPO,
                             capture_output=True, text=True, timeout=120)
@@ -229,7 +235,8 @@ def test_the_torchrun_command_hands_a_signal_to_torchrun_which_stops_the_ranks(t
     script.write_text("import signal, sys, time\n"
                       "signal.signal(signal.SIGTERM, lambda *_: (print('saving', flush=True), sys.exit(143)))\n"
                       "print('ready', flush=True)\ntime.sleep(120)\n")
-    request = TorchrunRequest(nnodes=1, nproc_per_node=1, node_rank=0, master_addr="127.0.0.1",
+    request = TorchrunRequest(training_env=TrainingEnvironment(python=sys.executable, node_dir=str(tmp_path)),
+                              nnodes=1, nproc_per_node=1, node_rank=0, master_addr="127.0.0.1",
                               master_port=free_port(), script=(str(script),))
     process = subprocess.Popen(request.command_line(sys.executable), env=request.environment(agent_env()), cwd=REPO,
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

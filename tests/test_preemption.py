@@ -29,7 +29,7 @@ from infra.job.spec import ConfigError, parse_job
 from infra.lifecycle.recovery import Recoveries, RecoveryExhausted, narrowed
 from infra.node.events import NodeEvent, parse
 from infra.node.preemption_notice import NOTICE_FILE, aws_notice, gcp_notice, read_notice
-from infra.node.protocol import TorchrunRequest, WatchRequest
+from infra.node.protocol import TorchrunRequest, TrainingEnvironment, WatchRequest
 
 # -- fake metadata services -------------------------------------------------------------------------------------
 
@@ -120,8 +120,8 @@ def test_the_watcher_stops_the_trainer_on_an_aws_notice_then_asks_the_syncer_to_
     metadata: FakeMetadata, tmp_path: Path
 ) -> None:
     env = {**os.environ, NODE_TAG: f"node-{tmp_path.name}"}
-    torchrun = TorchrunRequest(nnodes=1, nproc_per_node=1, node_rank=0, master_addr="127.0.0.1", master_port=29500,
-                               script=("train.py",))
+    torchrun = TorchrunRequest(training_env=TrainingEnvironment(), nnodes=1, nproc_per_node=1, node_rank=0,
+                               master_addr="127.0.0.1", master_port=29500, script=("train.py",))
     trainer = subprocess.Popen([sys.executable, "-c", FAKE_TRAINER, *torchrun.command_line(sys.executable)[1:]],
                                env=env, stdout=subprocess.PIPE, text=True)
     stop_sync = tmp_path / "stop-sync"

@@ -35,6 +35,7 @@ def cluster(
     from infra.compute.access.remote import RemoteError
     from infra.compute.catalog import CatalogError
     from infra.compute.providers import LaunchError, launch_cluster, terminate_cluster
+    from infra.job.environment import training_environment
     from infra.job.plan import cluster_name_for
     from infra.job.spec import ConfigError, load_job
 
@@ -49,7 +50,9 @@ def cluster(
     try:
         typer.echo(f"launching {name} on {job.cluster.provider}: {job.cluster.nodes} nodes")
         launched = launch_cluster(job.cluster, name, bench_id)
-        result = bench_cluster(launched, job.cluster, say=typer.echo, everything=True)
+        # The all-reduce in the job's training environment: its torch and NCCL are what training will use.
+        result = bench_cluster(launched, job.cluster, say=typer.echo, everything=True,
+                               environment=lambda node: training_environment(job, launched, node))
     except (LaunchError, CatalogError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -45,6 +45,7 @@ from infra.node.protocol import (
     NodeRequest,
     ProbeRequest,
     TorchrunRequest,
+    TrainingEnvironment,
 )
 
 log = logging.getLogger(__name__)
@@ -360,11 +361,21 @@ def measure_links(cluster: Cluster, spec: ClusterSpec, sink_for: SinkFactory = _
 # -- all-reduce ---------------------------------------------------------------------------------------------
 
 
+# Where a node's all-reduce bench runs: the job's training environment (infra.job.environment), which has the
+# torch (and NCCL) the training will use; without a job, the node's own Python.
+EnvironmentFor = Callable[[Node], TrainingEnvironment]
+
+
+def node_environment(node: Node) -> TrainingEnvironment:
+    return TrainingEnvironment(python=node.node_python, node_dir=node.workdir)
+
+
 def torchrun_request(cluster: Cluster, node: Node, procs_per_node: int, port: int,
-                     worker: AllreduceBenchRequest) -> TorchrunRequest:
+                     worker: AllreduceBenchRequest, environment: EnvironmentFor = node_environment) -> TorchrunRequest:
     """torchrun with a static rendezvous on the head node: every node knows its rank, nobody waits for a store."""
-    return TorchrunRequest(nnodes=len(cluster.nodes), nproc_per_node=procs_per_node, node_rank=node.rank,
-                           master_addr=cluster.head.cluster_address, master_port=port, max_restarts=0, worker=worker)
+    return TorchrunRequest(training_env=environment(node), nnodes=len(cluster.nodes), nproc_per_node=procs_per_node,
+                           node_rank=node.rank, master_addr=cluster.head.cluster_address, master_port=port,
+                           max_restarts=0, worker=worker)
 
 
 def free_port(cluster: Cluster, node: Node, sink_for: SinkFactory = _log_sink) -> int:
@@ -382,8 +393,8 @@ def _wait_all(processes: dict[str, Process], deadline_s: float, what: str) -> No
                                                 f"{', '.join(pending)}: check the nodes"))
 
 
-def measure_allreduce(cluster: Cluster, spec: ClusterSpec,
-                      sink_for: SinkFactory = _log_sink) -> tuple[AllReduceFigure, ...]:
+def measure_allreduce(cluster: Cluster, spec: ClusterSpec, sink_for: SinkFactory = _log_sink,
+                      environment: EnvironmentFor = node_environment) -> tuple[AllReduceFigure, ...]:
     if len(cluster.nodes) < 2:
         return ()
     provider = provider_of(cluster)
@@ -397,7 +408,7 @@ def measure_allreduce(cluster: Cluster, spec: ClusterSpec,
         for node in cluster.nodes:
             tap = head_tap if node == cluster.head else _tap(sink_for(f"{node.name} allreduce"))
             processes[node.name] = _agent(provider, cluster, node).start(
-                torchrun_request(cluster, node, spec.procs_per_node, port, worker), on_line=tap)
+                torchrun_request(cluster, node, spec.procs_per_node, port, worker, environment), on_line=tap)
         _wait_all(processes, ALLREDUCE_DEADLINE_S, "all-reduce bench")
         processes[cluster.head.name].wait(5)  # the head's last lines are through the pump before they are read
     finally:
@@ -496,7 +507,8 @@ def figures_to_measure(spec: ClusterSpec, entry: InstanceType | None) -> Figures
 
 
 def measure_cluster(cluster: Cluster, spec: ClusterSpec, sink_for: SinkFactory = _log_sink,
-                    say: Callable[[str], None] = log.info, figures: Figures = ALL_FIGURES) -> ClusterMeasurement:
+                    say: Callable[[str], None] = log.info, figures: Figures = ALL_FIGURES,
+                    environment: EnvironmentFor = node_environment) -> ClusterMeasurement:
     """The network figures one at a time (TCP, then the collectives), so neither slows the other; the disks meanwhile,
     which neither uses."""
     started = time.monotonic()
@@ -513,14 +525,15 @@ def measure_cluster(cluster: Cluster, spec: ClusterSpec, sink_for: SinkFactory =
         if figures.allreduce:
             say(f"all-reduce: sizes {', '.join(f'{s} MB' for s in spec.verify.allreduce_sizes_mb)} on "
                 f"{len(cluster.nodes)} nodes × {spec.procs_per_node} processes")
-            allreduce = measure_allreduce(cluster, spec, sink_for)
+            allreduce = measure_allreduce(cluster, spec, sink_for, environment)
         disk_figures = disks.result() if disks is not None else ()
     return ClusterMeasurement(nodes=len(cluster.nodes), instance_type=cluster.instance_type, links=links,
                               allreduce=allreduce, disks=disk_figures, seconds=round(time.monotonic() - started, 2))
 
 
 def bench_cluster(cluster: Cluster, spec: ClusterSpec, sink_for: SinkFactory = _log_sink,
-                  say: Callable[[str], None] = log.info, everything: bool = False) -> BenchResult:
+                  say: Callable[[str], None] = log.info, everything: bool = False,
+                  environment: EnvironmentFor = node_environment) -> BenchResult:
     """Measure the cluster and hold the figures to the job's floors and the catalog (spec.verify.min_fraction).
 
     everything: measure every figure (a bench asked for as such), not only the ones something holds to."""
@@ -529,8 +542,9 @@ def bench_cluster(cluster: Cluster, spec: ClusterSpec, sink_for: SinkFactory = _
     if figures.skipped():
         say(f"not measured, nothing holds them to a figure: {', '.join(figures.skipped())} "
             "(cluster.verify.measure: all measures them anyway)")
-    measurement = measure_cluster(cluster, spec, sink_for, say, figures) if figures.any else ClusterMeasurement(
-        nodes=len(cluster.nodes), instance_type=cluster.instance_type, links=(), allreduce=(), disks=())
+    measurement = (measure_cluster(cluster, spec, sink_for, say, figures, environment) if figures.any else
+                   ClusterMeasurement(nodes=len(cluster.nodes), instance_type=cluster.instance_type, links=(),
+                                      allreduce=(), disks=()))
     verdict = compare(measurement, spec, entry, spec.verify.min_fraction)
     return BenchResult(measurement, verdict, entry.key if entry else None)
 

@@ -324,9 +324,15 @@ def check_loadable(path: Path) -> dict[str, int | str]:
 
 
 def _dcp_report(folder: Path) -> dict[str, int]:
-    # Imported here: only checking a DCP checkpoint needs torch.
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    # Imported here: only checking a DCP checkpoint needs torch, and only `trainpipe ckpt verify` does that, on the
+    # orchestrator. The node agent never calls this (its environment has no torch); torch work on a node runs in the
+    # training environment (infra/node/trainenv.py).
+    try:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    except ImportError as exc:
+        raise ValueError(f"{folder / DCP_METADATA}: reading a DCP checkpoint needs torch ({exc}): run this where "
+                         "torch is installed") from None
 
     try:
         metadata = dcp.FileSystemReader(folder).read_metadata()

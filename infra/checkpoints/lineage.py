@@ -25,6 +25,16 @@ class LineageCluster(StrictModel):
     network_gbps: float | None = None
 
 
+class LineageEnvironment(StrictModel):
+    """The training environment the checkpoint was trained in."""
+
+    kind: str  # host, container, pyxis, oci
+    image: str | None = None  # training.image as the job named it
+    digest: str | None = None  # what the nodes pulled (repo@sha256:..., or a local image's id)
+    python: str | None = None  # the interpreter (training.python, the node's own, the image's python3)
+    torch: str | None = None  # its torch version, as verify found it
+
+
 class Lineage(StrictModel):
     run_id: str
     attempt: str
@@ -34,3 +44,4 @@ class Lineage(StrictModel):
     config_hash: str
     parent: str | None = None  # the init_from checkpoint's step URL; None: trained from scratch
     cluster: LineageCluster
+    environment: LineageEnvironment | None = None  # None: a manifest from before it was recorded

@@ -104,6 +104,17 @@ class TrainingSpec(StrictModel):
         "each names where its value is kept, {env: VARIABLE} (the orchestrator's environment) or {prefect_secret: "
         "block-name} (a Prefect Secret block). Resolved when the run starts the node commands; the value is never a "
         "flow parameter, in the summary or on a command line.")
+    image: str | None = Field(None, description="A container image the setup, torchrun with the command and "
+                              "evaluate run in on every node (e.g. nvcr.io/nvidia/pytorch:24.12-py3): pulled on every "
+                              "node beside staging, run with the node's engine (training.engine) or, on Slurm, "
+                              "cluster.slurm.containers. It needs python3 with torch; trainpipe adds nothing to it.")
+    python: str | None = Field(None, description="An interpreter already on every node that has torch (a venv, a "
+                               "conda env), for nodes without containers, e.g. /opt/conda/envs/train/bin/python. "
+                               "Neither image nor python: the nodes' own python3, which must have torch. trainpipe "
+                               "never installs anything into it.")
+    engine: Literal["auto", "docker", "podman"] = Field("auto", description="The container engine that runs "
+                                                        "training.image on SSH, cloud and local nodes (auto: docker "
+                                                        "if the node has it, else podman).")
     threads_per_proc: int = Field(1, ge=1, description="CPU threads per training process (OMP_NUM_THREADS).")
     timeout_s: float = Field(3600, gt=0, description="Fail training that runs longer than this.")
     exit_grace_s: float = Field(
@@ -143,6 +154,23 @@ class TrainingSpec(StrictModel):
             raise ValueError(f"exit_grace_s {self.exit_grace_s:g}: must be below timeout_s {self.timeout_s:g}: "
                              "lower it (a minute or two is plenty for ranks to exit)")
         return self
+
+    @model_validator(mode="after")
+    def _one_environment(self) -> TrainingSpec:
+        if self.image is not None and self.python is not None:
+            raise ValueError(f"image {self.image} and python {self.python}: name one training environment: the "
+                             "image's own python3 runs in a container")
+        if self.engine != "auto" and self.image is None:
+            raise ValueError(f"engine {self.engine} without image: set training.image or remove training.engine")
+        return self
+
+    @field_validator("image", "python")
+    @classmethod
+    def _no_blanks(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and (not value.strip() or any(c.isspace() for c in value)):
+            raise ValueError(f"{info.field_name} {value!r}: one word, no spaces: an image reference or an "
+                             "interpreter's path")
+        return value
 
     @field_validator("init_from")
     @classmethod

@@ -94,6 +94,9 @@ class RunSummary:
     breakdown: dict[str, Any] = field(default_factory=dict)  # analysis.breakdown.StepBreakdown.summary(): where step
     # time went (T_compute / T_network / T_io)
     workload: dict[str, Any] = field(default_factory=dict)  # code, its sha256, command, config hash, setup_s
+    # Where the training ran: kind, image and the digest every node pulled (pull_s: the slowest node's), python, and
+    # per node what verify found in it (nodes: name -> {python, torch})
+    training_env: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)  # what the script reported about the whole run
     init_from: str | None = None  # training.init_from's step URL when the run warm-started from it
     eval: dict[str, Any] = field(default_factory=dict)  # tasks.evaluate.Evaluation: checkpoint, step, metrics, seconds
@@ -172,6 +175,13 @@ class RunSummary:
             lines.append(f"  workload: {' '.join(self.workload['command'])}"
                          + (f" (code sha256 {code[:12]}…" if code else " (no code shipped")
                          + f", setup {self.workload['setup_s']:.1f}s)")
+        if self.training_env:
+            env = self.training_env
+            torches = sorted({n["torch"] for n in env.get("nodes", {}).values()})
+            where = (f"image {env['image']}" + (f" ({env['digest']})" if env.get("digest") else "")
+                     if env.get("image") else f"python {env.get('python')}")
+            lines.append(f"  training environment: {env.get('kind')}, {where}"
+                         + (f", torch {', '.join(torches)}" if torches else ""))
         if self.initial_loss is not None and self.final_loss is not None:
             floor = f" (floor {self.loss_floor:.3f})" if self.loss_floor is not None else ""
             lines.append(f"  loss: {self.initial_loss:.3f} at step {self.start_step} → {self.final_loss:.3f} "

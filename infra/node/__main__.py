@@ -1,7 +1,8 @@
 """`python -m infra.node COMMAND`: the agent the orchestrator runs on every node.
 
 A command's input is its request record (infra.node.protocol), read from the environment; each command module's
-`main(request)` takes that record.
+`main(request)` takes that record. The all-reduce bench is no command of the agent: it runs as a script in the
+training environment, under the agent's torchrun (infra/node/torchrun.py).
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ COMMANDS: dict[NodeCommand, str] = {
     NodeCommand.WATCH: "infra.node.watchdog",
     NodeCommand.DISKBENCH: "infra.node.diskbench",
     NodeCommand.NETBENCH: "infra.node.netbench",
-    NodeCommand.ALLREDUCE_BENCH: "infra.node.allreduce_bench",
     NodeCommand.CHAOS: "infra.node.chaos",
     NodeCommand.CODE: "infra.node.code",
     NodeCommand.PEER_SERVE: "infra.node.peerserve",
     NodeCommand.UNSHARE: "infra.node.unshare",
     NodeCommand.REJOIN: "infra.node.rejoin",
     NodeCommand.TORCHRUN: "infra.node.torchrun",
+    NodeCommand.EXEC: "infra.node.exec",
+    NodeCommand.PULL: "infra.node.pull",
 }
 
 

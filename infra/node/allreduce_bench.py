@@ -8,19 +8,23 @@ message size, rank 0 prints an `allreduce` event with
 
 where time is the slowest rank's mean over the timed iterations. The backend is the one training uses: nccl when
 CUDA is available, else gloo.
+
+A script, not a node command: it runs in the training environment (the agent writes it beside the launcher, see
+infra/node/torchrun.py), where only torch and the standard library can be imported. Its parameters are an
+AllreduceBenchRequest as plain JSON in TRAINPIPE_ALLREDUCE_BENCH, with the name of the event it reports.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from infra.node.events import NodeEvent, emit, fail
-from infra.node.protocol import AllreduceBenchRequest, NodeRequest, as_request
 
 MB = 1024 * 1024
 MIN_ITERS = 3
@@ -79,10 +83,24 @@ def measure(size_bytes: int, warmup: int, max_iters: int, budget_s: float, devic
             "busbw_gbit_per_s": round(busbw * 8, 3)}
 
 
-def main(request: NodeRequest) -> int:
-    bench = as_request(request, AllreduceBenchRequest)
-    if "RANK" not in os.environ:
-        return fail("allreduce-bench: no RANK in the environment: run it under torchrun")
+PARAMETERS_ENV = "TRAINPIPE_ALLREDUCE_BENCH"
+
+
+def fail(message: str) -> int:
+    print(message, file=sys.stderr, flush=True)
+    return 1
+
+
+def emit(event: str, **fields: Any) -> None:
+    sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> int:
+    if "RANK" not in os.environ or PARAMETERS_ENV not in os.environ:
+        return fail(f"allreduce-bench: no RANK or {PARAMETERS_ENV} in the environment: the node agent's torchrun "
+                    "starts it")
+    bench = json.loads(os.environ[PARAMETERS_ENV])
 
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available()
@@ -92,17 +110,21 @@ def main(request: NodeRequest) -> int:
     backend = "nccl" if use_cuda else "gloo"
     try:
         # device_id binds nccl's communicator to this rank's GPU up front, so barriers never guess the device.
-        dist.init_process_group(backend, timeout=timedelta(seconds=bench.timeout_s),
+        dist.init_process_group(backend, timeout=timedelta(seconds=bench["timeout_s"]),
                                 device_id=device if use_cuda else None)
         try:
             world_size = dist.get_world_size()
-            for size_mb in bench.sizes_mb:
-                figures = measure(size_mb * MB, bench.warmup, bench.iters, bench.seconds_per_size, device, rank,
-                                  world_size)
+            for size_mb in bench["sizes_mb"]:
+                figures = measure(size_mb * MB, bench["warmup"], bench["iters"], bench["seconds_per_size"], device,
+                                  rank, world_size)
                 if rank == 0:
-                    emit(NodeEvent.ALLREDUCE, backend=backend, world_size=world_size, **figures)
+                    emit(bench["event"], backend=backend, world_size=world_size, **figures)
         finally:
             dist.destroy_process_group()
     except RuntimeError as exc:  # torch.distributed's errors are RuntimeErrors; one line beats a traceback per rank
         return fail(f"allreduce-bench: rank {rank} ({backend}): {exc}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

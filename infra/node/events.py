@@ -56,8 +56,12 @@ class NodeEvent(StrEnum):
     REPLICA_SERVER_RESTARTED = "replica-server-restarted"
     REPLICA = "replica"
     REPLICA_FAILED = "replica-failed"
-    # torchrun (infra/node/torchrun.py): torchrun's agent of a node whose ranks all exited 0, before its exit barrier
+    # torchrun (infra/node/rank_launcher.py prints it, as infra/node/torchrun.py hands it the line): torchrun's agent of
+    # a node whose ranks all exited 0, before its exit barrier
     RANKS_EXITED = "ranks-exited"
+    # the training environment (infra/node/pull.py; tasks/verify.py's check runs in it through exec)
+    IMAGE_PULLED = "image-pulled"  # image, digest, engine, seconds, local (pulled: false, present on the node)
+    TRAINING_ENV = "training-env"  # python (sys.executable in the environment), torch (its version)
     # watch (infra/node/watchdog.py)
     WATCHING = "watching"
     REBALANCE_RECOMMENDATION = "rebalance-recommendation"
@@ -117,12 +121,18 @@ class Event(Mapping[str, Any]):
         return f"Event({self.kind.value!r}, {dict(self.fields)!r})"
 
 
-def emit(event: NodeEvent, **fields: Any) -> None:
+def event_line(event: NodeEvent, **fields: Any) -> str:
+    """The line (without its newline) that reports event: also what the agent hands the training environment's
+    launcher to print, so a process that cannot import this module still spells the event this way."""
     if not isinstance(event, NodeEvent):
         raise TypeError(f"emit({event!r}): an event is a NodeEvent member, not {type(event).__name__}")
+    return json.dumps({"event": event.value, **fields})
+
+
+def emit(event: NodeEvent, **fields: Any) -> None:
     # One write per line: a sidecar's background thread (infra/node/replica.py) emits too, and print's separate
     # write of the newline could interleave two events on one line.
-    sys.stdout.write(json.dumps({"event": event.value, **fields}) + "\n")
+    sys.stdout.write(event_line(event, **fields) + "\n")
     sys.stdout.flush()
 
 

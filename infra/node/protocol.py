@@ -46,8 +46,9 @@ class NodeCommand(StrEnum):
     CHAOS = "chaos"
     NETBENCH = "netbench"
     DISKBENCH = "diskbench"
-    ALLREDUCE_BENCH = "allreduce-bench"
     TORCHRUN = "torchrun"
+    EXEC = "exec"
+    PULL = "pull"
 
 
 class EnvironmentKind(StrEnum):
@@ -72,13 +73,30 @@ class TrainingEnvironment(BaseModel):
     mounts: tuple[str, ...] = ()  # node dirs mounted at the same path (the node's trainpipe dir, the code dir)
     gpus: bool = False  # pass the node's GPUs (and InfiniBand devices) into the container
     name: str = "trainpipe"  # CONTAINER: the container's name prefix (node and command added), for cleanup
+    # The node's trainpipe dir: the agent writes the launcher and a container's env file here (mounted, so the
+    # launcher is at the same path inside). Empty: the system's temp dir (a host environment only).
+    node_dir: str = ""
 
     @model_validator(mode="after")
     def _image_for_containers(self) -> TrainingEnvironment:
         if (self.kind is EnvironmentKind.HOST) != (self.image is None):
             raise ValueError(f"a {self.kind.value} training environment "
                              f"{'takes no' if self.kind is EnvironmentKind.HOST else 'needs an'} image")
+        if self.kind is not EnvironmentKind.HOST and not any(
+                self.node_dir == m or self.node_dir.startswith(m.rstrip("/") + "/") for m in self.mounts):
+            raise ValueError(f"a {self.kind.value} training environment needs its node_dir {self.node_dir!r} "
+                             "among its mounts (the launcher is written there)")
         return self
+
+    @property
+    def label(self) -> str:
+        """How an error names it: the image, or the interpreter."""
+        return f"image {self.image}" if self.image is not None else f"python {self.python}"
+
+
+# What a training command's environment carries into the training environment, by name (the values come in the
+# command's own environment, never in a record): besides these, a container gets nothing of the agent's.
+EnvNames = tuple[str, ...]
 
 
 class ProtocolError(ValueError):
@@ -371,10 +389,12 @@ class DiskbenchRequest(NodeRequest):
     buffered: bool = False  # through the page cache, not O_DIRECT
 
 
-class AllreduceBenchRequest(NodeRequest):
-    """All-reduce bandwidth of the cluster, in every rank of a torchrun (TorchrunRequest.worker)."""
+class AllreduceBenchRequest(BaseModel):
+    """All-reduce bandwidth of the cluster, in every rank of a torchrun (TorchrunRequest.worker). No command of the
+    agent: infra/node/allreduce_bench.py runs as a script in the training environment, which gets these fields as
+    plain JSON."""
 
-    command: ClassVar[NodeCommand] = NodeCommand.ALLREDUCE_BENCH
+    model_config = ConfigDict(extra="forbid", frozen=True)
     sizes_mb: tuple[int, ...] = Field((1, 16, 64), min_length=1)  # message sizes in MB, each at least 1
     warmup: int = Field(2, ge=1)  # untimed iterations per size
     iters: int = Field(20, ge=3)  # timed iterations per size, at most (never under 3)
@@ -389,11 +409,15 @@ class AllreduceBenchRequest(NodeRequest):
 
 
 class TorchrunRequest(NodeRequest):
-    """torchrun (torch.distributed.run) with a static rendezvous on the head node, plus one event (RANKS_EXITED)
-    once every rank of this node exited 0. torchrun runs in the command's own process, so the signals the node's
-    runner sends reach it as they would a plain torchrun."""
+    """torchrun (torch.distributed.run of the training environment's Python) with a static rendezvous on the head
+    node, plus one event (RANKS_EXITED) once every rank of this node exited 0. The agent starts it in the training
+    environment through a stdlib launcher (infra/node/rank_launcher.py) and hands it the signals its runner sends;
+    the agent's own stdin pipe to it is its lifeline (the agent gone: the ranks are stopped)."""
 
     command: ClassVar[NodeCommand] = NodeCommand.TORCHRUN
+    # where torchrun and the ranks run (not `environment`: that is NodeRequest's method for the command's env)
+    training_env: TrainingEnvironment
+    env_names: EnvNames = ()  # of this command's environment, what the ranks get (a container gets only these)
     nnodes: int = Field(ge=1)
     nproc_per_node: int = Field(ge=1)
     node_rank: int = Field(ge=0)
@@ -403,7 +427,8 @@ class TorchrunRequest(NodeRequest):
     # What every rank runs, as torchrun's script and its arguments (after `--`, so the script's own options never
     # reach torchrun's parser) ...
     script: tuple[str, ...] = ()
-    # ... or, instead, a node command (its request reaches the ranks in their environment).
+    # ... or, instead, the all-reduce bench (infra/node/allreduce_bench.py, a torch-only script the agent writes
+    # beside the launcher; its parameters reach the ranks as plain JSON in their environment).
     worker: AllreduceBenchRequest | None = None
 
     @model_validator(mode="after")
@@ -417,8 +442,35 @@ class TorchrunRequest(NodeRequest):
         options = ["--nnodes", str(self.nnodes), "--nproc-per-node", str(self.nproc_per_node), "--node-rank",
                    str(self.node_rank), "--master-addr", self.master_addr, "--master-port", str(self.master_port),
                    "--max-restarts", str(self.max_restarts)]
-        program = ["-m", AGENT_MODULE, self.worker.command.value] if self.worker is not None else ["--", *self.script]
-        return [*options, *program]
+        return [*options, "--", *self.script] if self.worker is None else options
+
+
+class ExecRequest(NodeRequest):
+    """One command in the training environment (the job's setup, evaluate, the check verify makes), started by the
+    launcher (infra/node/rank_launcher.py) with the agent's stdin pipe as its lifeline (infra/node/exec.py)."""
+
+    command: ClassVar[NodeCommand] = NodeCommand.EXEC
+    argv: tuple[str, ...] = Field(min_length=1)  # what runs, inside the environment (argv[0] found on its PATH)
+    training_env: TrainingEnvironment
+    cwd: str | None = None  # the working dir (inside a container: the same path, mounted)
+    env_names: EnvNames = ()  # of this command's environment, what the command gets (a container gets only these)
+    timeout_s: float | None = Field(None, gt=0)  # stop it (SIGTERM, then SIGKILL) past this
+
+
+class PullRequest(NodeRequest):
+    """Pull a CONTAINER environment's image with the node's engine and report its digest (IMAGE_PULLED); started
+    beside staging, so the image is there when training starts (infra/node/pull.py)."""
+
+    command: ClassVar[NodeCommand] = NodeCommand.PULL
+    training_env: TrainingEnvironment
+    node: str = "this node"  # the node's name, for the one-line error
+    timeout_s: float = Field(3600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _a_container(self) -> PullRequest:
+        if self.training_env.kind is not EnvironmentKind.CONTAINER:
+            raise ValueError(f"pull: a {self.training_env.kind.value} environment has no image to pull")
+        return self
 
 
 REQUESTS: dict[NodeCommand, type[NodeRequest]] = {

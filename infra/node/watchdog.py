@@ -39,6 +39,7 @@ from infra.node.preemption_notice import (
 )
 from infra.node.processes import NODE_TAG, kill_processes, tagged_processes
 from infra.node.protocol import NodeCommand, NodeRequest, WatchRequest, as_request, runs_command
+from infra.node.trainenv import remove_node_containers
 
 # The lease file in a node's workdir: the orchestrator renews it (infra.lifecycle.lease), this watchdog reads its age,
 # and a Slurm allocation's holder ends the job when it goes stale.
@@ -164,5 +165,7 @@ def main(request: NodeRequest) -> int:
                 return 1
     processes = tagged_processes(NODE_TAG, node_tag)
     kill_processes(processes)
-    emit(NodeEvent.NODE_DOWN, killed=len(processes))
+    # A training container outlives its killed engine client until its launcher sees the lifeline go: not waited for.
+    containers = remove_node_containers(workdir)
+    emit(NodeEvent.NODE_DOWN, killed=len(processes), containers=containers)
     return 1 if failed else 0
