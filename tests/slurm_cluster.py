@@ -56,6 +56,17 @@ START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
 POLL_S = 0.2
 COMMAND_TIMEOUT_S = 30.0
+# The nodes' Python: Debian's, with neither trainpipe nor torch; the node agent runs from an environment made from it.
+NODE_PYTHON = "/usr/bin/python3"
+# The nodes' agent environments, kept by content across sessions as a site's nodes keep them on their disks: the first
+# launch after a change of trainpipe's source makes them, the next finds them ready.
+AGENT_DIR = Path(tempfile.gettempdir()) / "trainpipe-test-slurm-agent"
+
+
+def agent_settings(python: str = NODE_PYTHON) -> dict[str, str]:
+    """cluster.slurm's agent settings for the test sites: one node-local dir for every node (they share this host)
+    and the bundle dir beside it (the login node and the nodes are this host)."""
+    return {"python": python, "agent_dir": str(AGENT_DIR), "agent_bundle_dir": str(AGENT_DIR / "bundles")}
 
 
 def require_slurm(accounting: bool = False) -> None:
@@ -86,6 +97,9 @@ class Site:
     # preempt_send_user_signal: a preempted job gets its --signal when the preemption starts; without it, as on many
     # sites, the job only gets SIGTERM when GraceTime ends (then SIGKILL after KillWait).
     early_signal: bool = True
+    # Slurm's own OCI containers (oci.conf beside slurm.conf, runc run by slurmstepd): `srun --container <bundle>`
+    # runs the step's task in that OCI bundle. Without it slurmstepd ignores --container.
+    oci: bool = False
 
 
 @dataclass
@@ -300,6 +314,21 @@ StorageLoc=slurm_acct_db
 """
 
 
+def oci_conf(root: Path) -> str:
+    """runc run by slurmstepd as the job's user (root here, so not rootless), its state under the site's own dir.
+    RunTimeRun (not create/start): slurmstepd execs it as the task, so the step's signals reach runc, which passes
+    them to the container's first process, and the step ends when the container does. A container's id carries the
+    node, job, step and task: the test nodes share one host and one runc state dir."""
+    runc = f"runc --root={root / 'runc'}"
+    container = "%n.%u.%j.%s.%t"
+    return f"""\
+RunTimeQuery="{runc} state {container}"
+RunTimeKill="{runc} kill -a {container}"
+RunTimeDelete="{runc} delete --force {container}"
+RunTimeRun="{runc} run {container} -b %b"
+"""
+
+
 def gres_conf(root: Path, node_names: tuple[str, ...]) -> str:
     lines = []
     for node in node_names:
@@ -312,7 +341,7 @@ def gres_conf(root: Path, node_names: tuple[str, ...]) -> str:
 
 def _prepare(root: Path, site: Site) -> dict[str, int]:
     node_names = site.nodes
-    for sub in ("munge", "state", "spool", "log", "run", "dev"):
+    for sub in ("munge", "state", "spool", "log", "run", "dev", "runc"):
         (root / sub).mkdir()
     # munged wants its socket's dir (and every dir above it) searchable by all, and its key readable by itself only.
     for directory in (root, root / "munge"):
@@ -334,6 +363,8 @@ def _prepare(root: Path, site: Site) -> dict[str, int]:
     if site.topology is not None:  # topology.conf beside slurm.conf, where slurmctld looks for it
         (root / "topology.conf").write_text(site.topology)
     (root / "gres.conf").write_text(gres_conf(root, node_names))
+    if site.oci:  # slurmstepd reads oci.conf from the dir of the slurm.conf it was started with
+        (root / "oci.conf").write_text(oci_conf(root))
     return ports
 
 

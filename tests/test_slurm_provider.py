@@ -25,11 +25,12 @@ from cloud_env import wait_for
 from cmdline_scan import CommandLineScan
 from conftest import REPO, TRAINPIPE, prefect_home, run_trainpipe
 from pydantic import ValidationError
-from slurm_cluster import GPUS_PER_NODE, URGENT, Site, SlurmCluster, slurm_cluster
+from slurm_cluster import GPUS_PER_NODE, NODE_PYTHON, URGENT, Site, SlurmCluster, agent_settings, slurm_cluster
 from sshd import ssh_servers
 
 from infra.checkpoints.layout import MANIFEST_NAME
 from infra.checkpoints.steps import parse_step_name, step_name
+from infra.compute.access.agent_env import AgentEnvError
 from infra.compute.providers import InvalidRequestError, ReplacementUnavailable, get_provider
 from infra.compute.providers.base import Cluster
 from infra.compute.providers.slurm import topology
@@ -57,7 +58,8 @@ def slurm(slurm_site: SlurmCluster, workspace: Path, monkeypatch: pytest.MonkeyP
 
 
 def spec(tmp_path: Path, nodes: int = 3, **slurm: object) -> ClusterSpec:
-    section = {"partition": "batch", "scratch": f"{tmp_path}/scratch/{{node}}", "queue_timeout_s": 30, **slurm}
+    section = {"partition": "batch", "scratch": f"{tmp_path}/scratch/{{node}}", "queue_timeout_s": 30,
+               **agent_settings(), **slurm}
     return ClusterSpec(provider="slurm", nodes=nodes, slurm=section)
 
 
@@ -163,6 +165,49 @@ def test_a_login_node_over_ssh_runs_every_slurm_command(slurm: SlurmCluster, tmp
         assert slurm.job_ids() == []
         assert provider.list_clusters() == []
     assert "Accepted publickey" in server.log()
+
+
+def test_the_agent_runs_from_its_own_environment_made_once_from_the_nodes_python(slurm: SlurmCluster,
+                                                                                  tmp_path: Path) -> None:
+    """The nodes' Python (Debian's, neither trainpipe nor torch) makes the agent's venv in the node-local agent dir
+    from the bundle the login node put in the shared dir: once (the nodes share this host's dir, the flock lets one
+    install), nothing installed into that Python; the next launch finds it ready and copies nothing."""
+    freeze = [NODE_PYTHON, "-c", "import importlib.metadata as m; print(sorted((d.name, d.version) for d in "
+              "m.distributions()))"]
+    before = subprocess.run(freeze, capture_output=True, text=True, check=True, cwd="/").stdout
+    provider = get_provider("slurm")
+    settings = {"agent_dir": str(tmp_path / "agent"), "agent_bundle_dir": str(tmp_path / "bundles")}
+    reports = []
+    for attempt in range(2):
+        cluster = provider.launch("tp-agent", spec(tmp_path, nodes=2, **settings), f"run-agent-{attempt}")
+        try:
+            assert {node.node_python for node in cluster.nodes} == {NODE_PYTHON}
+            assert all(node.python.startswith(f"{tmp_path}/agent/") for node in cluster.nodes)
+            check = ("import importlib.util as u, infra.node; print('AGENT', sys.executable, u.find_spec('torch'), "
+                     "u.find_spec('prefect'), u.find_spec('great_expectations'))")
+            output = provider.runner(cluster, cluster.head).run([cluster.head.python, "-c", f"import sys; {check}"],
+                                                                cwd="/").output
+            assert f"AGENT {cluster.head.python} None None None" in output, output
+            reports.append(cluster.bootstrap)
+        finally:
+            provider.terminate("tp-agent")
+    first, second = reports
+    print("agent on slurm: " + ", ".join(f"{name} {r['agent_seconds']:.1f}s {r['agent_bytes'] / 1e6:.0f} MB "
+                                         f"installed={r['agent_installed']}" for name, r in first.items())
+          + f"; second launch {max(r['agent_seconds'] for r in second.values()):.1f}s")
+    assert sorted(r["agent_installed"] for r in first.values()) == [False, True]
+    assert sum(r["agent_copied_bytes"] for r in first.values()) > 0
+    assert [r["agent_installed"] for r in second.values()] == [False, False]
+    assert [r["agent_copied_bytes"] for r in second.values()] == [0, 0]
+    assert subprocess.run(freeze, capture_output=True, text=True, check=True, cwd="/").stdout == before
+    assert slurm.job_ids() == []
+
+
+def test_a_nodes_python_that_is_not_there_fails_the_launch_in_one_line(slurm: SlurmCluster, tmp_path: Path) -> None:
+    with pytest.raises(AgentEnvError, match=r"cluster.slurm.python '/nonexistent/python3' did not run there .*: set "
+                                            r"cluster.slurm.python to one on every node"):
+        get_provider("slurm").launch("tp-nopy", spec(tmp_path, nodes=1, python="/nonexistent/python3"), "run-nopy")
+    assert slurm.job_ids() == []
 
 
 def test_pending_allocation_ends_at_queue_timeout_with_its_reason(slurm: SlurmCluster, tmp_path: Path) -> None:
@@ -328,20 +373,23 @@ def test_without_the_early_signal_the_holder_asks_slurmctld_and_every_node_has_t
 def example_job(slurm: SlurmCluster, workspace: Path, tmp_path: Path, steps: int,
                 lease_ttl_s: float = 120.0, nodes: int = 3) -> dict[str, str]:
     """examples/slurm.yaml as tmp_path/job.yaml, shortened to steps, on nodes of this host's Slurm, pointed at local
-    stores; the environment to run it in."""
+    stores; the environment to run it in. Its script runs in the test's python (which has torch): Pyxis, which the
+    example's image needs, cannot be installed here."""
     env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": prefect_home(tmp_path / "prefect"),
            "SLURM_CONF": str(slurm.conf)}
     data = tmp_path / "data"
-    run_trainpipe("dataset", "synth", str(data), "--tokens", "200000", env=env)
     job = yaml.safe_load((REPO / "examples" / "slurm.yaml").read_text())
+    subprocess.run([sys.executable, str(REPO / job["training"]["code"] / "make_data.py"), str(data)], check=True)
+    del job["training"]["image"], job["cluster"]["slurm"]["containers"]
     job["dataset"]["url"] = str(data)
     job["checkpoints"]["url"] = str(tmp_path / "checkpoints")
     job["cluster"]["lease_ttl_s"] = lease_ttl_s
     job["cluster"]["nodes"] = nodes
-    job["cluster"]["slurm"].update(scratch=f"{tmp_path}/scratch/{{node}}", python=sys.executable)
+    job["cluster"]["slurm"].update(scratch=f"{tmp_path}/scratch/{{node}}", **agent_settings(sys.executable))
     command = job["training"]["command"]
     command[command.index("--steps") + 1] = str(steps)
-    command[command.index("--ckpt-every") + 1] = "20"
+    command[command.index("--save-every") + 1] = "20"
+    command += ["--step-delay-s", "0.05"]  # steps as long as a small model's: preemptions land mid-training
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     return env
 
@@ -358,7 +406,7 @@ def test_trainpipe_run_of_the_example_on_the_test_slurm(slurm: SlurmCluster, wor
     assert summary["checkpoint"].endswith("step-00000040")
     assert re.search(r"3× slurm:batch \(on-demand\) in batch, job \d+ on gpu\[1-3\]", result.stdout)
     for node in ("gpu1", "gpu2", "gpu3"):  # each node staged into its own scratch (one host holds all three)
-        assert re.search(rf'\[tp-slurm-e2e-{node}\] {{"event": "{NodeEvent.STAGED}", "files": 2,',
+        assert re.search(rf'\[tp-slurm-e2e-{node}\] {{"event": "{NodeEvent.STAGED}", "files": 3,',
                          result.stdout + result.stderr)
     assert slurm.job_ids() == []
     assert [path.name for path in (tmp_path / "scratch").glob("*/*")] == []  # teardown removed the node dirs
@@ -525,6 +573,19 @@ def test_extra_sbatch_options_pass_through(tmp_path: Path) -> None:
     assert options[-2:] == ["--mail-type=END", "--begin=now"]
     assert {"--account=lab", "--qos=high", "--partition=batch", "--no-requeue", "--nodes=3"} <= set(options)
     assert "--exclusive" not in options
+
+
+@pytest.mark.parametrize(("section", "said"), [
+    ({"agent_dir": "agent"}, "agent_dir 'agent': give an absolute node-local path"),
+    ({"agent_dir": "/tmp/{host}/agent"}, "at most {node}"),
+    ({"agent_bundle_dir": "bundles"}, "agent_bundle_dir 'bundles': give an absolute path or one under ~"),
+    ({"containers": "enroot"}, "containers"),
+])
+def test_the_agent_dirs_and_the_container_kind_are_checked(tmp_path: Path, section: dict[str, str], said: str) -> None:
+    with pytest.raises(ValidationError, match=re.escape(said)):
+        spec(tmp_path, **section)
+    assert spec(tmp_path, agent_dir="/mnt/local/{node}/agent", containers="oci").slurm.node_agent_dir("gpu2") == \
+        "/mnt/local/gpu2/agent"
 
 
 @pytest.mark.parametrize(("scratch", "said"), [("scratch/{node}", "not absolute"), ("/mnt/{host}", "placeholder"),

@@ -9,9 +9,11 @@ options this section has a field for).
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from infra.compute.access.agent_env import home_or_absolute
 from infra.compute.providers.section import ProviderSection
 from infra.compute.providers.ssh.config import SSH_FINGERPRINT
 from infra.strict_model import readable_file
@@ -92,8 +94,22 @@ class SlurmClusterSpec(ProviderSection):
     scratch: str = Field("/tmp/trainpipe/{node}", description="Node-local dir to stage into and checkpoint to "
                          "(absolute, no comma; `{node}` becomes the Slurm node name, needed where several nodes "
                          "share a host): each cluster gets <scratch>/<cluster>/{data,ckpt,logs}.")
-    python: str = Field("python3", min_length=1, description="Python interpreter on the nodes that has trainpipe "
-                        "and torch installed, e.g. /opt/venv/bin/python.")
+    python: str = Field("python3", min_length=1, description="The nodes' Python (CPython >= 3.11 with venv): it "
+                        "makes the node agent's own environment (nothing is installed into it) and is the training's "
+                        "interpreter when the job names neither training.image nor training.python (it then needs "
+                        "torch).")
+    agent_dir: str = Field("/tmp/trainpipe/agent", description="Node-local dir (absolute, `{node}` allowed) where "
+                           "each node keeps the agent's environments by content (made once, found ready by the next "
+                           "run); off the shared filesystem, like SkyPilot's runtime.")
+    agent_bundle_dir: str = Field("~/.cache/trainpipe/agent-bundles", description="Dir the login node and the "
+                                  "nodes share (the same path on both; ~ is the user's home, shared on most sites): "
+                                  "the login node puts the agent's wheels there once, and each node installs from "
+                                  "it, asking no package index.")
+    containers: Literal["pyxis", "oci"] | None = Field(None, description="How a job's training.image runs on "
+                                                       "the nodes: pyxis (srun --container-image, where the site "
+                                                       "has Pyxis and enroot) or oci (Slurm's own OCI containers: "
+                                                       "oci.conf with runc; training.image is then an OCI bundle "
+                                                       "dir on the nodes); none: the job names no image.")
     queue_timeout_s: float = Field(1800.0, gt=0, description="How long the allocation may stay pending (its "
                                    "reason is logged as it changes) before the launch gives up and cancels it.")
     sbatch_options: tuple[str, ...] = Field((), description="Further sbatch options, each one long option with its "
@@ -124,6 +140,20 @@ class SlurmClusterSpec(ProviderSection):
             raise ValueError(f"scratch '{value}': the only placeholder it may hold is {NODE_PLACEHOLDER} (the Slurm "
                              "node name)")
         return value.rstrip("/") or "/"
+
+    @field_validator("agent_dir")
+    @classmethod
+    def _agent_dir_path(cls, value: str) -> str:
+        if not value.startswith("/") or set(re.findall(r"\{[^}]*\}", value)) - {NODE_PLACEHOLDER}:
+            raise ValueError(f"agent_dir '{value}': give an absolute node-local path, with at most {NODE_PLACEHOLDER} "
+                             "in it (e.g. /tmp/trainpipe/agent)")
+        return value.rstrip("/") or "/"
+
+    @field_validator("agent_bundle_dir")
+    @classmethod
+    def _bundle_dir_path(cls, value: str) -> str:
+        return home_or_absolute(value, "agent_bundle_dir", "~/.cache/trainpipe/agent-bundles (a path the login node "
+                                "and the nodes share)")
 
     @field_validator("sbatch_options")
     @classmethod
@@ -160,6 +190,10 @@ class SlurmClusterSpec(ProviderSection):
             raise ValueError(f"cluster.slurm.login {self.login}: its host key cannot be verified: set "
                              "login_host_key (SHA256:...) or login_known_hosts")
         return self
+
+    def node_agent_dir(self, node: str) -> str:
+        """Where node keeps the agent's environments."""
+        return self.agent_dir.replace(NODE_PLACEHOLDER, node)
 
     def node_workdir(self, node: str, cluster_name: str) -> str:
         """Where a node of this cluster works: <scratch with {node}>/<cluster>."""

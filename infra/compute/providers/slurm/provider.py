@@ -5,7 +5,9 @@ account, QOS, reservation, constraint, GRES, exclusivity and walltime; names it 
 comment with the run and the launcher, so `squeue` finds it from any process (the sweeper). It waits, until
 queue_timeout_s and cancellably, for the job to run, logging the pending reason as it changes; then reads the nodes
 (`scontrol show hostnames`, each one's NodeAddr as its cluster address) and waits for the holder to have made every
-node's workdir. Any failure on the way cancels the job and waits until squeue no longer shows it.
+node's workdir, then makes (or finds) the node agent's own environment on every node (agent.py): Node.python is
+its interpreter, Node.node_python cluster.slurm.python. Any failure on the way cancels the job and waits until squeue
+no longer shows it.
 
 Every node command is a job step (runner.SlurmRunner). terminate is scancel plus a wait until squeue no longer shows
 the job; the record (slurm-clusters/<name>.json in the workspace) only remembers the nodes' paths for describe.
@@ -38,7 +40,7 @@ from infra.compute.providers.base import (
     lost_nodes,
 )
 from infra.compute.providers.owner import launcher, launcher_alive, launcher_stamp
-from infra.compute.providers.slurm import cli, site, topology
+from infra.compute.providers.slurm import agent, cli, site, topology
 from infra.compute.providers.slurm.config import NODE_PLACEHOLDER, SlurmClusterSpec
 from infra.compute.providers.slurm.holder import READY_FILE, holder_script
 from infra.compute.providers.slurm.login import Login, login_of
@@ -114,13 +116,18 @@ class SlurmProvider(Provider):
                           owner={**launcher(), "job_id": job_id, "hosts": {}, "login": login.to_dict(),
                                  # what a lost node's one-node replacement asks for (replace_nodes)
                                  "sbatch": options, "queue_timeout_s": config.queue_timeout_s,
-                                 "workdir_template": config.node_workdir(NODE_PLACEHOLDER, cluster_name)})
+                                 "workdir_template": config.node_workdir(NODE_PLACEHOLDER, cluster_name),
+                                 # where and from what each node's agent environment is made (a replacement too)
+                                 "agent": {"python": config.python, "agent_dir": config.agent_dir,
+                                           "bundle_dir": config.agent_bundle_dir}})
         self._write_record(pending)
         try:
             state = self._wait_running(login, job_id, config.queue_timeout_s)
             cluster = self._cluster(pending, state, config, spec.nodes, started)
             self._write_record(cluster)
             self._wait_ready(cluster, cluster.head, job_id)
+            cluster = self._with_agents(cluster, cluster.nodes)
+            self._write_record(cluster)
         except BaseException:
             with CANCEL.shield():
                 self._end(cluster_name, [job_id], login)
@@ -165,7 +172,7 @@ class SlurmProvider(Provider):
             address = addresses.get(host, host)
             nodes.append(Node(name=f"{pending.name}-{host}", rank=rank, address=address, cluster_address=address,
                               workdir=workdir, data_dir=f"{workdir}/data", ckpt_dir=f"{workdir}/ckpt",
-                              python=config.python))
+                              python=config.python, node_python=config.python))
         # The zone is what the run summary says the cluster ran "in": the partition, the job and its nodes.
         attempt = Attempt(candidate=self.name, instance_type=f"slurm:{state.partition}", region=state.partition,
                           zone=f"{state.partition}, job {state.job_id} on {state.nodes}", market="on-demand",
@@ -195,6 +202,23 @@ class SlurmProvider(Provider):
                 raise LaunchError(f"slurm job {job_id}: the nodes' workdirs were not made within "
                                   f"{READY_TIMEOUT_S:g}s: see the holder's log in {head.path('logs')}")
             CANCEL.wait(POLL_S)
+
+    def _with_agents(self, cluster: Cluster, nodes: Sequence[Node]) -> Cluster:
+        """cluster with the agent's environment made (or found) on nodes: each one's python is the agent's, its
+        node_python cluster.slurm.python; what it took goes into the record's bootstrap."""
+        owner = cluster.owner["agent"]
+        runners = [self.runner(cluster, node) for node in nodes]
+        roots = [owner["agent_dir"].replace(NODE_PLACEHOLDER, cluster.owner["hosts"][node.name]) for node in nodes]
+        envs = agent.ensure_agents(runners, owner["python"], roots, _login(cluster), owner["bundle_dir"])
+        made = {node.name: replace(node, python=env.python, node_python=owner["python"])
+                for node, env in zip(nodes, envs, strict=True)}
+        reports = {node.name: {"agent_python": env.python, "agent_installed": env.installed,
+                               "agent_seconds": env.seconds, "agent_install_seconds": env.install_seconds,
+                               "agent_bytes": env.bytes, "agent_copied_bytes": env.copied_bytes,
+                               "python": env.node_python, "python_version": env.node_python_version}
+                   for node, env in zip(nodes, envs, strict=True)}
+        return replace(cluster, nodes=tuple(made.get(node.name, node) for node in cluster.nodes),
+                       bootstrap={**cluster.bootstrap, **reports})
 
     # -- replacing a lost node --------------------------------------------------------------------------------------
 
@@ -246,6 +270,8 @@ class SlurmProvider(Provider):
                               owner={**pending.owner, "hosts": {**cluster.owner["hosts"], node.name: host}})
             self._write_record(updated)
             self._wait_ready(updated, new, job_id)
+            updated = self._with_agents(updated, [new])
+            self._write_record(updated)
         except BaseException as exc:
             with CANCEL.shield():
                 self._cancel_and_wait(cluster.name, [job_id], login)

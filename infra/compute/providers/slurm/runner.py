@@ -66,7 +66,13 @@ class SlurmStep(Process):
             try:
                 step_id = cli.step_id(self._login, self._job_id, self.step_name)
                 if step_id is not None:
-                    cli.signal_step(self._login, step_id, "TERM")
+                    try:
+                        cli.signal_step(self._login, step_id, "TERM")
+                    except cli.SlurmError as exc:
+                        # Slurm 22.05's scancel answers "Invalid job id" for a step on one node of a job of several
+                        # once it signalled it (the other nodes have no such step): the signal went out.
+                        if "invalid job id" not in str(exc).lower():
+                            raise
                     return self.wait(grace_s)
             except TimeoutError:
                 log.warning("slurm step %s still running %.0fs after SIGTERM: cancelling it", self.step_name, grace_s)
