@@ -7,7 +7,9 @@ then shows. Two more of EC2's ways are
 added on request (moto_ec2's arguments): public addresses from a given prefix (where tests run a stand-in for the
 instances' machines, tests/cloud_nodes.py) and private (subnet) addresses from another, so that a node-to-node
 service bound to the wrong one is seen (tests/cloud_nodes.py), and instances that stay `shutting-down` for a while after
-TerminateInstances, as EC2's do, before `terminated`. Everything else is moto's.
+TerminateInstances, as EC2's do, before `terminated`. AWS's public SSM parameters under /aws/service/deeplearning (the
+Deep Learning AMIs), which moto does not ship and refuses to have put, can be published per region (public_parameters).
+Everything else is moto's.
 Run as a script it is the server itself: `python tests/aws_server.py PORT`.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import os
 import sys
 import threading
@@ -44,17 +47,20 @@ class Ec2Server:
 PUBLIC_IP_PREFIX_ENV = "TRAINPIPE_TEST_EC2_PUBLIC_IP_PREFIX"
 PRIVATE_IP_PREFIX_ENV = "TRAINPIPE_TEST_EC2_PRIVATE_IP_PREFIX"
 SHUTTING_DOWN_ENV = "TRAINPIPE_TEST_EC2_SHUTTING_DOWN_S"
+PUBLIC_PARAMETERS_ENV = "TRAINPIPE_TEST_SSM_PUBLIC_PARAMETERS"  # JSON {region: {name: value}}
 
 
 @contextmanager
 def moto_ec2(log_dir: Path, public_ip_prefix: str | None = None, shutting_down_s: float = 0.0,
-             private_ip_prefix: str | None = None) -> Iterator[Ec2Server]:
+             private_ip_prefix: str | None = None,
+             public_parameters: dict[str, dict[str, str]] | None = None) -> Iterator[Ec2Server]:
     """public_ip_prefix: instances get public addresses prefix+1, prefix+2, ... (e.g. "127.77.1."); private_ip_prefix:
     their subnet addresses the same way (e.g. "127.79.1."); shutting_down_s: how long a terminated instance stays
-    shutting-down."""
+    shutting-down; public_parameters: AWS's public SSM parameters by region ({region: {name: value}})."""
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, SHUTTING_DOWN_ENV: str(shutting_down_s)}
+    env = {**os.environ, SHUTTING_DOWN_ENV: str(shutting_down_s),
+           PUBLIC_PARAMETERS_ENV: json.dumps(public_parameters or {})}
     if public_ip_prefix:
         env[PUBLIC_IP_PREFIX_ENV] = public_ip_prefix
     if private_ip_prefix:
@@ -106,6 +112,24 @@ def _slow_shutdown(seconds: float) -> None:
         return previous
 
     Instance.terminate = shutting_down
+
+
+def _publish_public_parameters(by_region: dict[str, dict[str, str]]) -> None:
+    """AWS's own parameters, as moto loads its bundled ones: on the first read of a region's parameters."""
+    from moto.ssm.models import Parameter, ParameterDict
+
+    check = ParameterDict._check_loading_status
+
+    def loading(self: Any, key: str) -> None:
+        check(self, key)
+        if not getattr(self, "trainpipe_public_loaded", False):
+            self.trainpipe_public_loaded = True
+            for name, value in by_region.get(self.region_name, {}).items():
+                dict.setdefault(self, name, []).append(Parameter(
+                    account_id=self.account_id, name=name, value=value, parameter_type="String", description=None,
+                    allowed_pattern=None, keyid=None, last_modified_date=0.0, version=1, data_type="aws:ec2:image"))
+
+    ParameterDict._check_loading_status = loading
 
 
 def _add_placement_groups() -> None:
@@ -170,6 +194,8 @@ def _add_placement_groups() -> None:
 
 if __name__ == "__main__":
     _add_placement_groups()
+    if json.loads(os.environ.get(PUBLIC_PARAMETERS_ENV) or "{}"):
+        _publish_public_parameters(json.loads(os.environ[PUBLIC_PARAMETERS_ENV]))
     if os.environ.get(PUBLIC_IP_PREFIX_ENV):
         _public_ips_from(os.environ[PUBLIC_IP_PREFIX_ENV])
     if os.environ.get(PRIVATE_IP_PREFIX_ENV):

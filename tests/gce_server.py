@@ -7,6 +7,8 @@ the provider calls, with the JSON shapes of the real API (kinds, selfLinks, oper
 - zones/{zone}/instances: insert, get, list, delete, setLabels (guarded by labelFingerprint); aggregated/instances
 - regions/{region}/resourcePolicies: insert, get, delete; aggregated/resourcePolicies
 - zones/{zone}/operations/{name} and regions/{region}/operations/{name}: get and wait
+- global/images/family/{family} of the public image projects (images.getFromFamily): `public_images`, by default the
+  Deep Learning VM family the provider boots when told no image
 
 Operations come back PENDING and are DONE from their first poll; instances go PROVISIONING → STAGING → RUNNING, one
 step per read. The rules of GCE that the provider must respect are enforced: RFC 1035 names, label keys and values,
@@ -43,6 +45,9 @@ from fault_budget import FaultBudget
 from http_stub import Served, StandIn
 
 PROJECT = "trainpipe-test"
+# (project, family) → the newest image's name, as Google publishes them.
+PUBLIC_IMAGES = {("deeplearning-platform-release", "common-cu128-ubuntu-2204-nvidia-570"):
+                 "common-cu128-ubuntu-2204-nvidia-570-v20250101"}
 API = "https://www.googleapis.com/compute/v1"
 NAME = re.compile(r"^[a-z](?:[-a-z0-9]{0,61}[a-z0-9])?$")
 LABEL_KEY = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
@@ -127,8 +132,9 @@ class _State:
 
 class GceServer(StandIn):
     def __init__(self, project: str = PROJECT, nat_prefix: str | None = None,
-                 network_prefix: str | None = None) -> None:
+                 network_prefix: str | None = None, public_images: dict[tuple[str, str], str] | None = None) -> None:
         self.project = project
+        self.public_images = dict(PUBLIC_IMAGES if public_images is None else public_images)
         self.nat_prefix = nat_prefix
         # The first interface's VPC address (networkIP) from this prefix, where tests run stand-ins: distinct from the
         # NAT address, so that a node-to-node service bound to the wrong one is seen (tests/cloud_nodes.py).
@@ -219,6 +225,9 @@ class GceServer(StandIn):
         match = re.match(r"^/compute/v1/projects/([^/]+)/(.*)$", path)
         if not match:
             raise ApiError(404, "notFound", f"no such path: {path}")
+        family = re.fullmatch(r"global/images/family/([^/]+)", match.group(2))
+        if family and method == "GET":
+            return self._image_from_family(match.group(1), family.group(1))
         if match.group(1) != self.project:
             raise ApiError(404, "notFound", f"The resource 'projects/{match.group(1)}' was not found")
         rest = match.group(2)
@@ -244,6 +253,14 @@ class GceServer(StandIn):
 
     def _url(self, path: str) -> str:
         return f"{API}/projects/{self.project}/{path}"
+
+    def _image_from_family(self, project: str, family: str) -> dict[str, Any]:
+        name = self.public_images.get((project, family))
+        if name is None:
+            raise ApiError(404, "notFound", f"The resource 'projects/{project}/global/images/family/{family}' was "
+                           "not found")
+        return {"kind": "compute#image", "id": str(abs(hash(name)) % 10**18), "name": name, "family": family,
+                "status": "READY", "selfLink": f"{API}/projects/{project}/global/images/{name}"}
 
     def _operation(self, scope: str, kind: str, target: str, error: dict[str, Any] | None = None) -> dict[str, Any]:
         name = f"operation-{next(self._ids)}-{uuid.uuid4().hex[:12]}"

@@ -72,8 +72,8 @@ def test_plan_refuses_the_aws_example_without_its_instance_profile(tmp_path: Pat
     result = run_trainpipe("plan", str(tmp_path / "aws.yaml"))
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.strip().splitlines() == [
-        "error: dataset.url s3://my-training-bucket/datasets/markov-v256: the aws nodes have no AWS credentials: set "
-        "cluster.aws.instance_profile to an instance profile whose role may read and write it"]
+        "error: dataset.url s3://my-training-bucket/datasets/regression-csv: the aws nodes have no AWS credentials: "
+        "set cluster.aws.instance_profile to an instance profile whose role may read and write it"]
 
 
 @pytest.mark.parametrize("value", ["has space", "arn:aws:iam::12:instance-profile/x", ""])

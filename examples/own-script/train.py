@@ -61,13 +61,18 @@ def main() -> None:
     args = parse_args()
     stop = {"requested": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True))  # a spot notice: save and leave
-    dist.init_process_group("gloo")
+    # One GPU per rank where there are GPUs (NCCL), else the CPU (gloo): the same script on a laptop and a GPU node.
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     node = os.environ.get("GROUP_RANK", "0")
     torch.manual_seed(0)
-    x, y = load_rows(Path(args.data_dir))
-    model = torch.nn.Sequential(torch.nn.Linear(x.shape[1], 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
-    ddp = DistributedDataParallel(model)
+    x, y = (t.to(device) for t in load_rows(Path(args.data_dir)))
+    model = torch.nn.Sequential(torch.nn.Linear(x.shape[1], 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)).to(device)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     optimizer = torch.optim.Adam(ddp.parameters(), lr=args.lr)
 
     step = 0
@@ -89,7 +94,7 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         time.sleep(args.step_delay_s)
-        flags = torch.tensor([loss.item(), float(stop["requested"])])
+        flags = torch.tensor([loss.item(), float(stop["requested"])], device=device)
         dist.all_reduce(flags)  # every rank stops after the same step
         if rank == 0 and args.metrics_file and (step % 10 == 0 or step == 1):
             with open(args.metrics_file, "a") as metrics:

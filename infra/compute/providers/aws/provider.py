@@ -25,11 +25,12 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from infra.cancel import CANCEL
-from infra.compute.access.bootstrap import WheelSource
+from infra.compute.access.agent_env import agent_python
 from infra.compute.access.hostkeys import HostKey
 from infra.compute.catalog import Catalog
 from infra.compute.optimizer import Candidate
 from infra.compute.providers.aws.errors import CapacityError, InvalidRequestError, LaunchError, classify, error_code
+from infra.compute.providers.aws.images import AMI_ENV, boot_image
 from infra.compute.providers.base import Cluster, ClusterRecord, Node, PreemptionNotice, ReplacementUnavailable
 from infra.compute.providers.cloud import (
     HOST_KEYS,
@@ -56,8 +57,6 @@ TAG_HOST_KEY = "trainpipe:host-key"  # the SHA256 fingerprint of the host key th
 TAG_HEARTBEAT = "trainpipe:heartbeat"  # unix time of the orchestrator's latest renewal (cloud.lease_alive)
 TAG_LEASE_TTL = "trainpipe:lease-ttl-s"  # how old the heartbeat may get before the run counts as gone
 LIVE_STATES = ("pending", "running", "stopping", "stopped")
-# Deep Learning AMI (NVIDIA driver, EFA installer) published by AWS as a public SSM parameter.
-DEFAULT_AMI_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
 SPOT_NOTICE_CODES = ("marked-for-termination", "marked-for-stop", "instance-terminated-by-price")
 SPOT_NOTICE_S = 120.0  # EC2 gives a spot instance two minutes between the notice and the reclaim
 WAIT_S = 600.0  # for instances to reach running / terminated
@@ -110,12 +109,12 @@ class AwsProvider(CloudProvider):
 
     def __init__(self, catalog: Catalog | None = None, regions: tuple[str, ...] | None = None,
                  endpoint_url: str | None = None, ami: str | None = None, ssh_cidr: str | None = None,
-                 key_name: str | None = None, bootstrap: bool = True, wheel: WheelSource = None) -> None:
-        super().__init__(catalog, bootstrap=bootstrap, wheel=wheel)
+                 key_name: str | None = None, bootstrap: bool = True) -> None:
+        super().__init__(catalog, bootstrap=bootstrap)
         env_regions = tuple(r for r in os.environ.get("TRAINPIPE_AWS_REGIONS", "").split(",") if r)
         self._regions = regions or env_regions or None
         self._endpoint_url = endpoint_url
-        self._ami = ami or os.environ.get("TRAINPIPE_AWS_AMI")
+        self._ami = ami or os.environ.get(AMI_ENV)  # cluster.aws.ami wins over it (images.boot_image)
         self._ssh_cidr = ssh_cidr or os.environ.get("TRAINPIPE_SSH_CIDR")
         self._key_name = key_name or os.environ.get("TRAINPIPE_AWS_KEY_NAME")
         self._clients: dict[str, Any] = {}
@@ -160,7 +159,7 @@ class AwsProvider(CloudProvider):
                 TAG_LEASE_TTL: f"{spec.lease_ttl_s:g}"}
         try:
             ec2 = self.client(region)
-            image = self._image(region)
+            image = boot_image(spec.aws, self._ami, ec2, region, candidate.instance_type)
             subnet = self._subnet(ec2, candidate.zone)
             group_id = self._security_group(ec2, cluster_name, subnet["VpcId"], tags)
             placement = self._placement_group(ec2, cluster_name, tags)
@@ -195,21 +194,6 @@ class AwsProvider(CloudProvider):
                 raise CapacityError(f"aws: {', '.join(ids)} not {state} after {WAIT_S:.0f}s: trying elsewhere")
             CANCEL.wait(delay)
             delay = min(delay * 2, 15.0)
-
-    def _image(self, region: str) -> str:
-        """TRAINPIPE_AWS_AMI: one AMI id, or per region `us-east-1=ami-1,us-west-2=ami-2` (AMI ids are regional);
-        else the latest Deep Learning AMI of the region."""
-        if self._ami and "=" not in self._ami:
-            return self._ami
-        per_region = dict(item.split("=", 1) for item in (self._ami or "").split(",") if "=" in item)
-        if region in per_region:
-            return per_region[region]
-        ssm = boto3.session.Session().client("ssm", region_name=region)
-        try:
-            return str(ssm.get_parameter(Name=DEFAULT_AMI_PARAMETER)["Parameter"]["Value"])
-        except (ClientError, BotoCoreError) as exc:
-            raise InvalidRequestError(f"aws: cannot resolve the Deep Learning AMI in {region} ({exc}): "
-                                      "set TRAINPIPE_AWS_AMI to an AMI id") from None
 
     def _subnet(self, ec2: Any, zone: str | None) -> dict[str, Any]:
         filters = [{"Name": "default-for-az", "Values": ["true"]}]
@@ -331,7 +315,7 @@ class AwsProvider(CloudProvider):
             address=i.get("PublicIpAddress") or i.get("PrivateIpAddress", ""),
             cluster_address=i.get("PrivateIpAddress", ""),
             workdir=f"{MOUNT}/trainpipe", data_dir=f"{MOUNT}/trainpipe/data", ckpt_dir=f"{MOUNT}/trainpipe/ckpt",
-            python="python3",
+            python=agent_python(f"{MOUNT}/trainpipe"), node_python="python3",
         ) for i in instances)
         created = datetime.fromisoformat(tags[TAG_CREATED]).timestamp()
         _known_regions[cluster_name] = region

@@ -19,8 +19,10 @@ from infra.node.azure_self_delete import ROLE
 IDENTITY_ID = re.compile(r"^/subscriptions/[-\w]+/resourceGroups/[-\w.()]+/providers/Microsoft\.ManagedIdentity/"
                          r"userAssignedIdentities/[-\w]+$", re.IGNORECASE)
 IMAGE_URN = re.compile(r"^[^:\s]+:[^:\s]+:[^:\s]+:[^:\s]+$")
-# Microsoft's HPC image for Ubuntu 22.04: NVIDIA driver, CUDA, the Mellanox OFED stack that InfiniBand needs.
+# Microsoft's HPC/AI image for Ubuntu 22.04 (the DSVM publisher's ubuntu-hpc): NVIDIA driver, CUDA, the Mellanox
+# OFED stack that InfiniBand needs, Docker and the NVIDIA container toolkit. `latest` is resolved by Azure at creation.
 DEFAULT_IMAGE = "microsoft-dsvm:ubuntu-hpc:2204:latest"
+IMAGE_ENV = "TRAINPIPE_AZURE_IMAGE"
 NO_IDENTITY = ("cluster.azure.identity is not set: a VM whose lease expires powers off but cannot delete itself (a "
                "system-assigned identity is born with its VM, so no role can have been granted to it), and a stopped "
                "VM is billed until the sweeper (`trainpipe sweep`) deletes its cluster: set a user-assigned identity "
@@ -36,8 +38,10 @@ class AzureClusterSpec(ProviderSection):
         "powers off. None: each VM gets a system-assigned identity, which exists only once the VM does, so nothing "
         "can have been granted to it: az:// stores then are refused at plan, and only the sweeper deletes a VM "
         "whose lease expired.")
-    image: str = Field(DEFAULT_IMAGE, description="The VM image as PUBLISHER:OFFER:SKU:VERSION; the default carries "
-                       "the NVIDIA driver and the InfiniBand (OFED) stack the ND-series needs.")
+    image: str | None = Field(None, description="The VM image as PUBLISHER:OFFER:SKU:VERSION (VERSION may be "
+                              "latest). It needs the NVIDIA driver and, for training.image, a container engine and the "
+                              f"NVIDIA container toolkit. None: {IMAGE_ENV}, else {DEFAULT_IMAGE} (Microsoft's HPC/AI "
+                              "image: those, and the InfiniBand (OFED) stack the ND-series needs).")
 
     @field_validator("identity")
     @classmethod
@@ -50,13 +54,19 @@ class AzureClusterSpec(ProviderSection):
 
     @field_validator("image")
     @classmethod
-    def _image_urn(cls, value: str) -> str:
-        if not IMAGE_URN.match(value):
+    def _image_urn(cls, value: str | None) -> str | None:
+        if value is not None and not IMAGE_URN.match(value):
             raise ValueError(f"image {value!r}: give PUBLISHER:OFFER:SKU:VERSION (az vm image list)")
         return value
 
-    def image_reference(self) -> dict[str, str]:
-        publisher, offer, sku, version = self.image.split(":")
+    def image_reference(self, env_value: str | None = None) -> dict[str, str]:
+        """ARM's imageReference of this section's image, else of env_value (TRAINPIPE_AZURE_IMAGE's), else of the
+        HPC/AI image."""
+        urn = self.image or env_value or DEFAULT_IMAGE
+        if not IMAGE_URN.match(urn):
+            raise ValueError(f"{IMAGE_ENV} {urn!r}: give PUBLISHER:OFFER:SKU:VERSION (az vm image list), or set "
+                             "cluster.azure.image")
+        publisher, offer, sku, version = urn.split(":")
         return {"publisher": publisher, "offer": offer, "sku": sku, "version": version}
 
     def plan_warnings(self) -> tuple[str, ...]:

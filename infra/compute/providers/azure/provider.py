@@ -34,13 +34,13 @@ from typing import Any
 
 from azure.core.exceptions import ResourceNotFoundError
 
-from infra.compute.access.bootstrap import WheelSource
+from infra.compute.access.agent_env import agent_python
 from infra.compute.access.hostkeys import HostKey
 from infra.compute.catalog import Catalog
 from infra.compute.optimizer import Candidate
 from infra.compute.providers.azure.arm import ArmApi, json_of
 from infra.compute.providers.azure.boot import custom_data, user_identity
-from infra.compute.providers.azure.config import AzureClusterSpec
+from infra.compute.providers.azure.config import IMAGE_ENV, AzureClusterSpec
 from infra.compute.providers.azure.errors import (
     API_ERRORS,
     CapacityError,
@@ -108,9 +108,9 @@ class AzureProvider(ArmApi, CloudProvider):
     boot_log = "/var/log/cloud-init-output.log"
 
     def __init__(self, catalog: Catalog | None = None, subscription: str | None = None, credential: Any = None,
-                 endpoint: str | None = None, bootstrap: bool = True, wheel: WheelSource = None) -> None:
+                 endpoint: str | None = None, bootstrap: bool = True) -> None:
         # The subscription and the credential are resolved on first use, never here.
-        super().__init__(catalog, bootstrap=bootstrap, wheel=wheel)
+        super().__init__(catalog, bootstrap=bootstrap)
         self._subscription = subscription
         self._credential = credential
         self._endpoint = endpoint
@@ -147,8 +147,12 @@ class AzureProvider(ArmApi, CloudProvider):
         section: AzureClusterSpec = spec.azure
         # Azure's max price is per VM; the job's cap is for the whole cluster.
         max_price = spec.max_price_per_hour / spec.nodes if spec.max_price_per_hour and candidate.spot else -1.0
-        return Shape(candidate.instance_type, candidate.spot, round(max_price, 5), section.vm_identity(),
-                     section.image_reference(), self.ssh_access()[0], self._public_key())
+        try:
+            image = section.image_reference(os.environ.get(IMAGE_ENV))
+        except ValueError as exc:
+            raise InvalidRequestError(f"azure: {exc}") from None
+        return Shape(candidate.instance_type, candidate.spot, round(max_price, 5), section.vm_identity(), image,
+                     self.ssh_access()[0], self._public_key())
 
     def _public_key(self) -> str:
         """The public key the VMs' admin user accepts: Azure takes one at creation (no keyless Linux VM)."""
@@ -302,7 +306,8 @@ class AzureProvider(ArmApi, CloudProvider):
         nodes = tuple(Node(
             name=name, rank=rank, address=_public_ip(ips.get(public_ip_name(name))),
             cluster_address=_private_ip(nics.get(nic_name(name))), workdir=f"{MOUNT}/trainpipe",
-            data_dir=f"{MOUNT}/trainpipe/data", ckpt_dir=f"{MOUNT}/trainpipe/ckpt", python="python3",
+            data_dir=f"{MOUNT}/trainpipe/data", ckpt_dir=f"{MOUNT}/trainpipe/ckpt",
+            python=agent_python(f"{MOUNT}/trainpipe"), node_python="python3",
         ) for rank, name in zip(ranks, names, strict=True))
         size = vms[0]["properties"]["hardwareProfile"]["vmSize"]
         spot = vms[0]["properties"].get("priority") == "Spot"

@@ -106,6 +106,10 @@ class ComputeApi:
         return self._client(compute_v1.InstancesClient)
 
     @property
+    def images(self) -> compute_v1.ImagesClient:
+        return self._client(compute_v1.ImagesClient)
+
+    @property
     def policies(self) -> compute_v1.ResourcePoliciesClient:
         return self._client(compute_v1.ResourcePoliciesClient)
 

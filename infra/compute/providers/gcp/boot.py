@@ -1,6 +1,7 @@
-"""What a GCP node boots with: the Deep Learning VM image, its boot disk, its local SSDs (attached by GCE itself on
-the series that bundle them) mounted as one filesystem, the cluster's host key, and a power-off that deletes the
-instance; all from the startup-script, which GCE runs at every boot."""
+"""What a GCP node boots with: an image (cluster.gcp.image, else TRAINPIPE_GCP_IMAGE, else the newest of Google's Deep
+Learning VM family, looked up at launch), its boot disk, its local SSDs (attached by GCE itself on the series that
+bundle them) mounted as one filesystem, the cluster's host key, and a power-off that deletes the instance; all from
+the startup-script, which GCE runs at every boot."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from infra.compute.providers.gcp.errors import InvalidRequestError
 from infra.compute.providers.nvme_boot import nvme_script
 from infra.node import gce_self_delete
 
-# Deep Learning VM image (NVIDIA driver, CUDA) published by Google; TRAINPIPE_GCP_IMAGE overrides it.
-DEFAULT_IMAGE = "projects/deeplearning-platform-release/global/images/family/common-cu128-ubuntu-2204-nvidia-570"
+IMAGE_ENV = "TRAINPIPE_GCP_IMAGE"
+# Google's Deep Learning VM images: the default boot image is the newest of this family (images.getFromFamily).
+DLVM_PROJECT = "deeplearning-platform-release"
+DLVM_FAMILY = "common-cu128-ubuntu-2204-nvidia-570"
 BOOT_DISK_GB = 200
 BOOT_DISK_TYPE = "pd-balanced"
 # Series that come with their local SSDs attached; earlier ones (A2 standard, N1, G2) take SCRATCH disks in the

@@ -37,6 +37,12 @@ class GcpServiceAccount(StrictModel):
 
 
 class GcpClusterSpec(ProviderSection):
+    image: str | None = Field(None, min_length=1, description="The image the nodes boot (projects/P/global/images/"
+                              "NAME, or an image family: projects/P/global/images/family/FAMILY). It needs the NVIDIA "
+                              "driver and, for training.image, a container engine and the NVIDIA container toolkit. "
+                              "None: TRAINPIPE_GCP_IMAGE, else the newest image of Google's Deep Learning VM family "
+                              "common-cu128-ubuntu-2204-nvidia-570 (project deeplearning-platform-release), looked "
+                              "up at launch.")
     service_account: GcpServiceAccount = Field(
         default_factory=GcpServiceAccount, description="The VMs' service account and access scopes: how the nodes "
         "reach the dataset and checkpoint buckets.")

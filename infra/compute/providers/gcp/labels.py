@@ -24,6 +24,7 @@ LABEL_LEASE_TTL = "trainpipe_lease_ttl_s"  # how old the heartbeat may get befor
 LABEL_HEARTBEAT = "trainpipe_heartbeat"
 # Metadata only (a fingerprint is no label value): the SHA256 fingerprint of the host key the startup-script installs.
 META_HOST_KEY = "trainpipe_host_key"
+META_BOOT_IMAGE = "trainpipe_boot_image"  # the image the cluster's nodes booted: what a replacement boots
 POLICY_MARK = "trainpipe cluster placement "  # + the cluster's stamp as JSON: how our policies are recognised
 
 

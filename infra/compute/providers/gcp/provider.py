@@ -32,7 +32,7 @@ from google.api_core import exceptions
 from google.auth.credentials import Credentials
 
 from infra.cancel import CANCEL
-from infra.compute.access.bootstrap import WheelSource
+from infra.compute.access.agent_env import agent_python
 from infra.compute.access.hostkeys import HostKey
 from infra.compute.catalog import Catalog
 from infra.compute.optimizer import Candidate
@@ -50,7 +50,9 @@ from infra.compute.providers.gcp.api import (
 from infra.compute.providers.gcp.boot import (
     BOOT_DISK_GB,
     BOOT_DISK_TYPE,
-    DEFAULT_IMAGE,
+    DLVM_FAMILY,
+    DLVM_PROJECT,
+    IMAGE_ENV,
     bundles_local_ssd,
     startup_script,
 )
@@ -70,6 +72,7 @@ from infra.compute.providers.gcp.labels import (
     LABEL_OWNER,
     LABEL_RANK,
     LABEL_RUN,
+    META_BOOT_IMAGE,
     META_HOST_KEY,
     POLICY_MARK,
     STAMP_KEYS,
@@ -107,17 +110,16 @@ class GcpProvider(ComputeApi, CloudProvider):
     def __init__(self, catalog: Catalog | None = None, zones: tuple[str, ...] | None = None,
                  project: str | None = None, credentials: Credentials | None = None, api_endpoint: str | None = None,
                  image: str | None = None, network: str | None = None, subnetwork: str | None = None,
-                 service_account: str | None = None, ssh_keys: str | None = None, bootstrap: bool = True,
-                 wheel: WheelSource = None) -> None:
+                 service_account: str | None = None, ssh_keys: str | None = None, bootstrap: bool = True) -> None:
         # The project and the credentials are resolved on first use, never here.
-        super().__init__(catalog, bootstrap=bootstrap, wheel=wheel)
+        super().__init__(catalog, bootstrap=bootstrap)
         env_zones = tuple(z for z in os.environ.get("TRAINPIPE_GCP_ZONES", "").split(",") if z)
         self._zones = zones or env_zones or None
         self._project = project or os.environ.get("TRAINPIPE_GCP_PROJECT") or None
         self._credentials = credentials
         # A Private Service Connect endpoint, say; the nodes call the same one to delete themselves.
         self._api_endpoint = api_endpoint or os.environ.get("TRAINPIPE_GCP_ENDPOINT") or None
-        self._image = image or os.environ.get("TRAINPIPE_GCP_IMAGE") or DEFAULT_IMAGE
+        self._image = image or os.environ.get(IMAGE_ENV) or None  # cluster.gcp.image wins over it (_boot_image)
         self._network = network or os.environ.get("TRAINPIPE_GCP_NETWORK") or "default"
         self._subnetwork = subnetwork or os.environ.get("TRAINPIPE_GCP_SUBNETWORK")
         self._service_account = service_account or os.environ.get("TRAINPIPE_GCP_SERVICE_ACCOUNT") or "default"
@@ -137,11 +139,12 @@ class GcpProvider(ComputeApi, CloudProvider):
                        f"{spec.lease_ttl_s:g}")
         started: list[compute_v1.Operation] = []
         try:
+            image = self._boot_image(spec.gcp.image, doing)
             policy = self._placement_policy(cluster_name, region_of(zone), stamp, doing)
             names = [resource_name(cluster_name, f"node-{rank}") for rank in range(spec.nodes)]
             for rank, name in enumerate(names):
                 operation = self._node(name, rank, candidate.instance_type, candidate.spot, zone, policy, stamp,
-                                       host_key, spec.gcp.service_account, doing)
+                                       host_key, spec.gcp.service_account, image, doing)
                 if operation is not None:
                     started.append(operation)
             failures = self._finish(started, doing)
@@ -173,6 +176,21 @@ class GcpProvider(ComputeApi, CloudProvider):
                                       f"{candidate.region}: add its zones to the catalog or set TRAINPIPE_GCP_ZONES")
         return configured[0]
 
+    def _boot_image(self, configured: str | None, doing: str) -> str:
+        """cluster.gcp.image, else TRAINPIPE_GCP_IMAGE, else the newest image of the Deep Learning VM family: one
+        image for every node, so a family that moves on mid-launch (or before a replacement) splits no cluster."""
+        if configured or self._image:
+            return str(configured or self._image)
+        try:
+            found = self._api(doing, lambda: self.images.get_from_family(
+                project=DLVM_PROJECT, family=DLVM_FAMILY, retry=None, timeout=API_TIMEOUT_S))
+        except API_ERRORS as exc:
+            reason = error_codes(exc)[0] if error_codes(exc) else type(exc).__name__
+            raise InvalidRequestError(f"gcp: cannot look up the newest image of family {DLVM_FAMILY} in project "
+                                      f"{DLVM_PROJECT} ({reason}): set cluster.gcp.image (or {IMAGE_ENV}) to an "
+                                      "image (projects/P/global/images/NAME)") from None
+        return str(found.self_link)
+
     def _placement_policy(self, cluster_name: str, region: str, stamp: Stamp, doing: str) -> str:
         """COLLOCATED: every node in one low-latency block of the zone (GCE's compact placement)."""
         name = resource_name(cluster_name, "compact")
@@ -195,7 +213,7 @@ class GcpProvider(ComputeApi, CloudProvider):
         return f"projects/{self.project}/regions/{region}/resourcePolicies/{name}"
 
     def _node(self, name: str, rank: int, machine_type: str, spot: bool, zone: str, policy: str, stamp: Stamp,
-              host_key: HostKey, account: GcpServiceAccount, doing: str) -> compute_v1.Operation | None:
+              host_key: HostKey, account: GcpServiceAccount, image: str, doing: str) -> compute_v1.Operation | None:
         """Start one node; None when a live node of this very launch already runs (adopted as it is, with the host
         key, and the metadata naming it, of the try that started it)."""
         existing = self._get(doing, lambda: self.instances.get(
@@ -217,14 +235,16 @@ class GcpProvider(ComputeApi, CloudProvider):
                 self._done(deleting, doing)
         request = compute_v1.InsertInstanceRequest(
             project=self.project, zone=zone, request_id=str(uuid.uuid4()),
-            instance_resource=self._instance(name, rank, machine_type, spot, zone, policy, stamp, host_key, account))
+            instance_resource=self._instance(name, rank, machine_type, spot, zone, policy, stamp, host_key, account,
+                                             image))
         return self._api(doing, lambda: self.instances.insert_unary(request=request, retry=None,
                                                                     timeout=API_TIMEOUT_S))
 
     def _instance(self, name: str, rank: int, machine_type: str, spot: bool, zone: str, policy: str, stamp: Stamp,
-                  host_key: HostKey, account: GcpServiceAccount) -> compute_v1.Instance:
+                  host_key: HostKey, account: GcpServiceAccount, image: str) -> compute_v1.Instance:
         metadata = {"startup-script": startup_script(host_key, self._api_endpoint), "install-nvidia-driver": "True",
-                    **stamp.keyed(STAMP_KEYS), LABEL_RANK: str(rank), META_HOST_KEY: host_key.fingerprint}
+                    **stamp.keyed(STAMP_KEYS), LABEL_RANK: str(rank), META_HOST_KEY: host_key.fingerprint,
+                    META_BOOT_IMAGE: image}
         if self._ssh_keys:
             metadata["ssh-keys"] = self._ssh_keys
         # GPU VMs cannot live-migrate; a host event ends the node visibly (nodes_alive) instead of rebooting it
@@ -243,16 +263,16 @@ class GcpProvider(ComputeApi, CloudProvider):
             name=name, machine_type=f"zones/{zone}/machineTypes/{machine_type}",
             labels={**stamp_labels(stamp), LABEL_RANK: str(rank), LABEL_HEARTBEAT: f"{time.time():.0f}"},
             metadata=compute_v1.Metadata(items=[compute_v1.Items(key=k, value=v) for k, v in metadata.items()]),
-            scheduling=scheduling, disks=self._disks(machine_type, zone, stamp), network_interfaces=[interface],
+            scheduling=scheduling, disks=self._disks(machine_type, zone, stamp, image), network_interfaces=[interface],
             resource_policies=[policy], tags=compute_v1.Tags(items=["trainpipe", resource_name(stamp.cluster, "node")]),
             # The nodes' own credentials for the dataset and checkpoints (cluster.gcp.service_account).
             service_accounts=[compute_v1.ServiceAccount(email=account.email or self._service_account,
                                                         scopes=list(account.scopes))])
 
-    def _disks(self, machine_type: str, zone: str, stamp: Stamp) -> list[compute_v1.AttachedDisk]:
+    def _disks(self, machine_type: str, zone: str, stamp: Stamp, image: str) -> list[compute_v1.AttachedDisk]:
         boot = compute_v1.AttachedDisk(boot=True, auto_delete=True,
                                        initialize_params=compute_v1.AttachedDiskInitializeParams(
-                                           source_image=self._image, disk_size_gb=BOOT_DISK_GB,
+                                           source_image=image, disk_size_gb=BOOT_DISK_GB,
                                            disk_type=f"zones/{zone}/diskTypes/{BOOT_DISK_TYPE}",
                                            labels=stamp_labels(stamp)))
         described = self.catalog.get(self.name, machine_type)
@@ -290,7 +310,8 @@ class GcpProvider(ComputeApi, CloudProvider):
         nodes = tuple(Node(
             name=i.name, rank=rank_of(i), address=address_of(i), cluster_address=cluster_address_of(i),
             workdir=f"{MOUNT}/trainpipe",
-            data_dir=f"{MOUNT}/trainpipe/data", ckpt_dir=f"{MOUNT}/trainpipe/ckpt", python="python3",
+            data_dir=f"{MOUNT}/trainpipe/data", ckpt_dir=f"{MOUNT}/trainpipe/ckpt",
+            python=agent_python(f"{MOUNT}/trainpipe"), node_python="python3",
         ) for i in instances)
         machine_type = short_name(instances[0].machine_type)
         spot = instances[0].scheduling.provisioning_model == "SPOT"
@@ -335,13 +356,15 @@ class GcpProvider(ComputeApi, CloudProvider):
             if template.service_accounts:
                 account = GcpServiceAccount(email=template.service_accounts[0].email,
                                             scopes=tuple(template.service_accounts[0].scopes) or account.scopes)
+            # The image the survivors booted (a cluster launched before it was recorded: looked up as at launch).
+            image = found.get(META_BOOT_IMAGE) or self._boot_image(None, doing)
             started: list[compute_v1.Operation] = []
             try:
                 for node in lost:
                     operation = self._node(
                         node.name, node.rank, short_name(template.machine_type),
                         template.scheduling.provisioning_model == "SPOT", zone, template.resource_policies[0],
-                        stamp, host_keys[node.name], account, doing)
+                        stamp, host_keys[node.name], account, image, doing)
                     if operation is not None:
                         started.append(operation)
             finally:

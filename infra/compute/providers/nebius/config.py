@@ -23,6 +23,10 @@ DEFAULT_FABRICS = {
 }
 # A Nebius resource id: a prefix naming the kind (project, subnet, computefilesystem, serviceaccount) and an id.
 RESOURCE_ID = re.compile(r"^[a-z][a-z0-9]*-[a-z0-9]{4,}$")
+# Nebius's public CUDA image family (NVIDIA driver, CUDA, Docker and the NVIDIA container toolkit); Nebius makes the
+# boot disk from its newest image (SourceImageFamily), so nothing here names a version.
+DEFAULT_IMAGE_FAMILY = "ubuntu22.04-cuda12"
+IMAGE_FAMILY_ENV = "TRAINPIPE_NEBIUS_IMAGE_FAMILY"
 DISK_TYPES = ("network_ssd", "network_ssd_non_replicated", "network_ssd_io_m3", "network_hdd")
 
 
@@ -45,8 +49,10 @@ class NebiusClusterSpec(ProviderSection):
     boot_disk_gb: int = Field(200, ge=50, le=8192, description="Size of each node's boot disk (network SSD) in GiB; "
                               "without local disks the job's data and checkpoints live on it.")
     boot_disk_type: str = Field("network_ssd", description=f"The boot disk's type: one of {', '.join(DISK_TYPES)}.")
-    image_family: str = Field("ubuntu22.04-cuda12", min_length=1, description="The public image family the boot "
-                              "disk is made from (its newest image; NVIDIA driver and CUDA included).")
+    image_family: str | None = Field(None, min_length=1, description="The public image family the boot disk is "
+                                     "made from (its newest image). It needs the NVIDIA driver and, for "
+                                     "training.image, a container engine and the NVIDIA container toolkit. None: "
+                                     f"{IMAGE_FAMILY_ENV}, else {DEFAULT_IMAGE_FAMILY} (those included).")
     filesystem_id: str | None = Field(None, description="An existing shared filesystem (computefilesystem id) "
                                       "attached read-write to every node and mounted at /mnt/filesystem; none: no "
                                       "shared filesystem.")
@@ -79,6 +85,10 @@ class NebiusClusterSpec(ProviderSection):
     def _service_account_id(cls, value: str | None) -> str | None:
         _resource_ids(value, "service_account_id", "serviceaccount")
         return value
+
+    def boot_image_family(self, env_value: str | None = None) -> str:
+        """This section's image family, else env_value (TRAINPIPE_NEBIUS_IMAGE_FAMILY's), else the CUDA family."""
+        return self.image_family or env_value or DEFAULT_IMAGE_FAMILY
 
     def fabric(self, region: str, platform: str) -> str | None:
         """The fabric a GPU cluster of this platform is made in, in region: the job's, else Nebius's listed one."""

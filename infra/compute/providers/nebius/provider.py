@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.cancel import CANCEL
-from infra.compute.access.bootstrap import WheelSource
+from infra.compute.access.agent_env import agent_python
 from infra.compute.access.hostkeys import HostKey
 from infra.compute.catalog import Catalog
 from infra.compute.optimizer import Candidate
@@ -35,7 +35,7 @@ from infra.compute.providers.cloud import HOST_KEYS, LEASE_TTL, SSH_KEY_ENV, Clo
 from infra.compute.providers.nebius import api
 from infra.compute.providers.nebius.api import PAGE_SIZE, NebiusApi
 from infra.compute.providers.nebius.boot import FILESYSTEM_TAG, NOTICE_S, WORKDIR, user_data
-from infra.compute.providers.nebius.config import NebiusClusterSpec
+from infra.compute.providers.nebius.config import IMAGE_FAMILY_ENV, NebiusClusterSpec
 from infra.compute.providers.nebius.errors import (
     CapacityError,
     InvalidRequestError,
@@ -112,10 +112,9 @@ class NebiusProvider(NebiusApi, CloudProvider):
     boot_log = "/var/log/cloud-init-output.log"
 
     def __init__(self, catalog: Catalog | None = None, projects: dict[str, str] | None = None,
-                 endpoint: str | None = None, credentials: Any = None, bootstrap: bool = True,
-                 wheel: WheelSource = None) -> None:
+                 endpoint: str | None = None, credentials: Any = None, bootstrap: bool = True) -> None:
         # Nothing here touches the API: a provider is built for `plan` and `status` on machines without credentials.
-        super().__init__(catalog, bootstrap=bootstrap, wheel=wheel)
+        super().__init__(catalog, bootstrap=bootstrap)
         self._init_api(projects, endpoint, credentials)
 
     @property
@@ -240,7 +239,8 @@ class NebiusProvider(NebiusApi, CloudProvider):
             attach_mode=compute.AttachedDiskSpec.AttachMode.READ_WRITE,
             managed_disk=compute.ManagedDisk(name=f"{name}-boot", spec=compute.DiskSpec(
                 size_gibibytes=section.boot_disk_gb, type=disk_type,
-                source_image_family=compute.SourceImageFamily(image_family=section.image_family))))
+                source_image_family=compute.SourceImageFamily(
+                    image_family=section.boot_image_family(os.environ.get(IMAGE_FAMILY_ENV))))))
         spec = compute.InstanceSpec(
             resources=compute.ResourcesSpec(platform=platform, preset=preset),
             gpu_cluster=compute.InstanceGpuClusterSpec(id=gpu_cluster),
@@ -316,7 +316,8 @@ class NebiusProvider(NebiusApi, CloudProvider):
             public = address(interface.public_ip_address.address) if interface is not None else ""
             nodes.append(Node(name=str(instance.metadata.name), rank=rank_of(instance), address=public or private,
                               cluster_address=private, workdir=WORKDIR, data_dir=f"{WORKDIR}/data",
-                              ckpt_dir=f"{WORKDIR}/ckpt", python="python3"))
+                              ckpt_dir=f"{WORKDIR}/ckpt", python=agent_python(WORKDIR),
+                              node_python="python3"))
         first = instances[0].spec
         instance_type = f"{first.resources.platform}-{first.resources.preset}"
         gpu_cluster = str(first.gpu_cluster.id)
