@@ -21,6 +21,12 @@ from servers import GcsServer, S3Server, create_gcs_bucket, gcs_emulator, rclone
 # No telemetry from tests: the machines have no network and the tests must not try.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+# The cloud stand-ins' nodes each have a HOME of their own: one agent environment for all of them on this machine
+# (made once, under its lock), as one real node keeps it across runs, instead of one per node per test.
+os.environ.setdefault("TRAINPIPE_AGENT_DIR", str(Path.home() / ".trainpipe" / "agent"))
+
+# Container engines and the test image (tests/containers.py): session fixtures shared by every test file.
+pytest_plugins = ["containers"]
 
 REPO = Path(__file__).resolve().parent.parent
 TRAINPIPE = str(Path(sys.executable).with_name("trainpipe"))

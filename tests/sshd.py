@@ -138,7 +138,9 @@ LogLevel VERBOSE
 def _write_config(root: Path, port: int, host_key: Path, authorized_keys: Path,
                   session_env: Mapping[str, str] | None = None) -> None:
     # SetEnv: what every session gets besides sshd's own few variables (sshd passes none of its own environment on).
-    more = "".join(f"SetEnv {name}={value}\n" for name, value in (session_env or {}).items())
+    # One line: sshd takes only its first SetEnv directive.
+    pairs = " ".join(f'"{name}={value}"' for name, value in (session_env or {}).items())
+    more = f"SetEnv {pairs}\n" if pairs else ""
     (root / "sshd_config").write_text(sshd_config(port, host_key, authorized_keys, root / "sshd.pid", more=more))
 
 
