@@ -480,3 +480,29 @@ def forward_policy() -> str:
     """The host's FORWARD chain policy and rules (iptables), which no engine here may change."""
     return _run(["iptables", "-S", "FORWARD"]).stdout
 
+
+# -- a venv with torch and nothing of trainpipe: `training.python` on a host ----------------------------------------
+
+
+def base_python() -> str:
+    """The interpreter this session's venv was made from: the venvs made here are its siblings, not its children."""
+    return str(Path(sys.base_prefix) / "bin" / "python3")
+
+
+@pytest.fixture(scope="session")
+def torch_venv() -> Path:
+    """A venv with torch and numpy and nothing of trainpipe, made once and kept under a content-keyed dir."""
+    local = Path(os.environ.get(WHEELS_ENV, str(DEFAULT_WHEELS)))
+    wheels = sorted(p.name for p in local.glob("*.whl")) if local.is_dir() else []
+    key = hashlib.sha256(json.dumps([sys.version, base_python(), REQUIREMENTS, wheels]).encode()).hexdigest()[:16]
+    venv = cache_root() / "venvs" / f"torch-{key}"
+    with _locked(venv.with_name(f"{venv.name}.lock")):
+        if not (venv / ".ready").exists():
+            shutil.rmtree(venv, ignore_errors=True)
+            _run([base_python(), "-m", "venv", str(venv)], timeout=BUILD_TIMEOUT_S)
+            find_links = ["--find-links", str(local)] if local.is_dir() else []
+            _run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", *find_links, *REQUIREMENTS],
+                 timeout=BUILD_TIMEOUT_S)
+            _run([str(venv / "bin" / "python"), "-c", "import torch, numpy"])
+            (venv / ".ready").write_text("")
+    return venv / "bin" / "python"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 import uuid
@@ -147,9 +148,9 @@ def digests(engine: DockerEngine | PodmanEngine, image: TrainImage) -> set[str]:
     return {image.id, *json.loads(found)}
 
 
-def run_in_image(hosts: ContainerHosts, tmp_path: Path, workspace: Path, engine: DockerEngine | PodmanEngine,
-                 image: TrainImage, run_id: str, command: list[str], **extra: object) -> tuple[dict, str]:
-    """`trainpipe run` of the own-script example in the image on both hosts; returns the summary and the output."""
+def run_on_hosts(hosts: ContainerHosts, tmp_path: Path, workspace: Path, run_id: str, training: dict[str, object],
+                 env: dict[str, str] | None = None, **extra: object) -> subprocess.CompletedProcess[str]:
+    """`trainpipe run` of a job with this training section on both hosts."""
     hosts_config = [{"host": server.host, "port": server.port, "user": "root", "key_file": str(hosts.key),
                      "workdir": str(tmp_path / f"nvme-{index}"), "python": str(hosts.node_python),
                      "host_key": server.fingerprint}
@@ -161,13 +162,20 @@ def run_in_image(hosts: ContainerHosts, tmp_path: Path, workspace: Path, engine:
                           "ssh": {"hosts": hosts_config}},
               "dataset": {"url": str(hosts.dataset)},
               "checkpoints": {"url": f"file://{tmp_path}/store/ckpt", "format": "dcp", "keep": 2},
-              "training": {"code": str(OWN_SCRIPT), "command": command, "image": image.reference,
-                           "engine": engine.name},
+              "training": training,
               **extra}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
-    env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": prefect_home(tmp_path / "prefect"),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    result = run_trainpipe("run", str(tmp_path / "job.yaml"), "--run-id", run_id, env=env)
+    run_env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": prefect_home(tmp_path / "prefect"),
+               "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **(env or {})}
+    return run_trainpipe("run", str(tmp_path / "job.yaml"), "--run-id", run_id, env=run_env)
+
+
+def run_in_image(hosts: ContainerHosts, tmp_path: Path, workspace: Path, engine: DockerEngine | PodmanEngine,
+                 image: TrainImage, run_id: str, command: list[str], **extra: object) -> tuple[dict, str]:
+    """`trainpipe run` of the own-script example in the image on both hosts; returns the summary and the output."""
+    result = run_on_hosts(hosts, tmp_path, workspace, run_id, {"code": str(OWN_SCRIPT), "command": command,
+                                                               "image": image.reference, "engine": engine.name},
+                          **extra)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     summary = json.loads((workspace / "runs" / run_id / "summary.json").read_text())
@@ -211,3 +219,45 @@ def test_a_run_in_the_image_under_podman_completes(container_hosts: ContainerHos
                                     "in-podman", ["train.py", "--steps", "40", "--save-every", "20"])
     assert summary["checkpoint_step"] == 40 and summary["recoveries"] == []
     assert podman_engine.cli("ps", "--all", "--quiet").stdout == "", "a container outlived the run"
+
+
+# -- the hosts' own Python for the agent, the training in another interpreter or refused --------------------------
+
+
+def test_training_python_on_bare_ssh_hosts_trains_and_the_script_cannot_import_trainpipe(
+        container_hosts: ContainerHosts, torch_venv: Path, workspace: Path, tmp_path: Path) -> None:
+    """training.python naming a venv with torch and no trainpipe, on hosts whose own Python has neither: the agent
+    runs from its own env, the script from that venv, and sees neither trainpipe nor infra."""
+    from test_training_env import SECRET, seen_by_node, user_project, user_training
+
+    before = pip_freeze(container_hosts.node_python), pip_freeze(torch_venv)
+    result = run_on_hosts(container_hosts, tmp_path, workspace, "ssh-python",
+                          user_training(user_project(tmp_path), python=str(torch_venv)),
+                          env={"TRAINENV_TEST_SECRET": SECRET},
+                          checkpoints={"url": f"file://{tmp_path}/store/ckpt", "format": "auto", "keep": 2})
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    seen = seen_by_node(output)
+    assert len(seen) == 2, output[-3000:]
+    for node in seen.values():
+        assert node["python"] == str(torch_venv) and node["secret"], node
+        assert node["importable"] == {"trainpipe": False, "infra": False, "prefect": False}, node
+    summary = json.loads((workspace / "runs" / "ssh-python" / "summary.json").read_text())
+    assert (summary["training_env"]["kind"], summary["training_env"]["python"]) == ("host", str(torch_venv))
+    assert (pip_freeze(container_hosts.node_python), pip_freeze(torch_venv)) == before, "nothing is installed"
+
+
+def test_a_node_python_without_torch_and_no_image_fails_at_verify_in_one_line(
+        container_hosts: ContainerHosts, workspace: Path, tmp_path: Path) -> None:
+    """Neither training.image nor training.python: the hosts' own Python trains, and this one has no torch."""
+    before = pip_freeze(container_hosts.node_python)
+    result = run_on_hosts(container_hosts, tmp_path, workspace, "ssh-no-torch",
+                          {"code": str(OWN_SCRIPT), "command": ["train.py", "--steps", "10"]})
+    assert result.returncode == 1, (result.stdout + result.stderr)[-4000:]
+    lines = [line for line in result.stderr.splitlines() if "cannot import torch" in line]
+    assert lines, result.stderr[-3000:]
+    assert f"python {container_hosts.node_python} cannot import torch" in lines[-1], lines[-1]
+    assert "set training.python to an interpreter with torch, or training.image" in lines[-1]
+    summary = json.loads((workspace / "runs" / "ssh-no-torch" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "train" not in summary["phases"]
+    assert pip_freeze(container_hosts.node_python) == before, "nothing is installed into the node's python"

@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
 import os
 import re
@@ -28,7 +26,7 @@ import psutil
 import pytest
 import yaml
 from conftest import REPO, prefect_home, run_trainpipe
-from containers import VENV, DockerEngine, TrainImage, engine_env
+from containers import VENV, DockerEngine, TrainImage, base_python, engine_env
 from jobs import make_dataset
 
 from infra.checkpoints.store import CheckpointStore
@@ -75,40 +73,11 @@ dist.destroy_process_group()
 """
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("TRAINPIPE_TEST_CACHE", "/var/cache/trainpipe-tests"))
-
-
-def _base_python() -> str:
-    """The interpreter this session's venv was made from: the venvs made here are its siblings, not its children."""
-    return str(Path(sys.base_prefix) / "bin" / "python3")
-
-
-@pytest.fixture(scope="session")
-def torch_venv() -> Path:
-    """A venv with torch and numpy and nothing of trainpipe, made once and kept under a content-keyed dir."""
-    wheels = sorted(p.name for p in WHEELS.glob("*.whl")) if WHEELS.is_dir() else []
-    key = hashlib.sha256(json.dumps([sys.version, _base_python(), REQUIREMENTS, wheels]).encode()).hexdigest()[:16]
-    venv = _cache_root() / "venvs" / f"torch-{key}"
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    with (venv.parent / f"{venv.name}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (venv / ".ready").exists():
-            shutil.rmtree(venv, ignore_errors=True)
-            subprocess.run([_base_python(), "-m", "venv", str(venv)], check=True, timeout=BUILD_TIMEOUT_S)
-            find_links = ["--find-links", str(WHEELS)] if WHEELS.is_dir() else []
-            subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", *find_links,
-                            *REQUIREMENTS], check=True, timeout=BUILD_TIMEOUT_S)
-            subprocess.run([str(venv / "bin" / "python"), "-c", "import torch, numpy"], check=True, timeout=300)
-            (venv / ".ready").write_text("")
-    return venv / "bin" / "python"
-
-
 @pytest.fixture
 def bare_venv(tmp_path: Path) -> Path:
     """A venv with pip and nothing else: no torch."""
     venv = tmp_path / "bare"
-    subprocess.run([_base_python(), "-m", "venv", str(venv)], check=True, timeout=300)
+    subprocess.run([base_python(), "-m", "venv", str(venv)], check=True, timeout=300)
     return venv / "bin" / "python"
 
 
