@@ -243,7 +243,8 @@ def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOu
     progress = TrainingProgress(cluster.run_id)
     provider = provider_of(cluster)
     runners = {node.name: provider.runner(cluster, node) for node in cluster.nodes}
-    watch = PreemptionWatch(provider, cluster, runners, progress, job.recovery.confirm_s, logger)
+    watch = PreemptionWatch(provider, cluster, runners, progress, job.recovery.confirm_s, logger,
+                            job.recovery.control_plane_outage_s)
     metrics = _MetricsPoll(progress, runners[cluster.head.name], cluster.head.metrics_file)
     syncers = Syncers(runners, cluster.nodes, lambda node: syncer_request(job, cluster, node, launch),
                       lambda node, on_event: node_line_sink(logger, f"{node.name} sync", on_event), logger,

@@ -60,3 +60,95 @@ def test_a_node_that_still_answers_is_read_again_a_few_rounds_then_stops_the_run
     with pytest.raises(TrainingError, match=f"reads failed {UNREADABLE_ROUNDS} times in a row") as stopped:
         watch.reading(cluster.head.name, unreachable)
     assert not isinstance(stopped.value, Preempted)
+
+
+# -- a control plane that does not answer is unknown, not dead ---------------------------------------------------
+
+
+class SilentControlPlane(LocalProvider):
+    """The local provider whose liveness and notice calls fail, as a cloud API past its SDK's retries does (a 5xx,
+    then a throttle), until told to answer again."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.failing: Exception | None = None
+        self.calls = 0
+
+    def _maybe_fail(self) -> None:
+        self.calls += 1
+        if self.failing is not None:
+            raise self.failing
+
+    def nodes_alive(self, cluster: Cluster) -> dict[str, bool]:
+        self._maybe_fail()
+        return super().nodes_alive(cluster)
+
+    def preemption_notices(self, cluster: Cluster) -> list:
+        self._maybe_fail()
+        return super().preemption_notices(cluster)
+
+
+@pytest.fixture
+def silent(tmp_path: Path) -> Iterator[tuple[SilentControlPlane, Cluster]]:
+    provider = SilentControlPlane(tmp_path / "clusters")
+    cluster = provider.launch("tp-silent", ClusterSpec(nodes=2), "silent-run")
+    yield provider, cluster
+    provider.terminate(cluster.name)
+
+
+def _watch(provider: SilentControlPlane, cluster: Cluster, outage_s: float) -> PreemptionWatch:
+    runners = {node.name: provider.runner(cluster, node) for node in cluster.nodes}
+    return PreemptionWatch(provider, cluster, runners, Progress(), confirm_s=0.0, logger=logging.getLogger("t.cp"),
+                           control_plane_outage_s=outage_s)
+
+
+def test_an_unanswered_control_plane_stops_nothing_and_is_asked_again_with_backoff(
+        silent: tuple[SilentControlPlane, Cluster], caplog: pytest.LogCaptureFixture) -> None:
+    """Before, the first error raised through the wait and stopped a healthy run."""
+    provider, cluster = silent
+    watch = _watch(provider, cluster, outage_s=600)
+    provider.failing = RuntimeError("503 Service Unavailable")
+    with caplog.at_level(logging.WARNING):
+        assert watch._look(confirm_s=0.0) is None  # unknown: no node gone, nothing raised
+        asked = provider.calls
+        for _ in range(5):
+            assert watch._look(confirm_s=0.0) is None
+    assert provider.calls == asked, "asked again before its backoff"
+    assert "did not answer preemption notices (RuntimeError: 503 Service Unavailable): unknown, not dead" in caplog.text
+    provider.failing = None
+    watch.control_plane._ask_at = 0.0  # the backoff's time has come
+    with caplog.at_level(logging.WARNING):
+        assert watch._look(confirm_s=0.0) is None
+    assert "control plane answers again" in caplog.text and watch.control_plane.silent_since is None
+
+
+def test_a_node_gone_while_the_control_plane_is_silent_is_seen_once_it_answers(
+        silent: tuple[SilentControlPlane, Cluster]) -> None:
+    provider, cluster = silent
+    watch = _watch(provider, cluster, outage_s=600)
+    Path(cluster.nodes[1].workdir, NODE_MARKER).unlink()
+    provider.failing = RuntimeError("429 Too Many Requests")
+    assert watch._look(confirm_s=0.0) is None, "unknown is not dead"
+    provider.failing = None
+    watch.control_plane._ask_at = 0.0
+    preempted = watch._look(confirm_s=0.0)
+    assert preempted is not None and preempted.nodes == (cluster.nodes[1].name,)
+
+
+def test_past_the_outage_bound_the_run_stops_naming_the_control_plane(
+        silent: tuple[SilentControlPlane, Cluster]) -> None:
+    provider, cluster = silent
+    watch = _watch(provider, cluster, outage_s=0.0)
+    provider.failing = TimeoutError("read timed out")
+    with pytest.raises(TrainingError, match=r"the local control plane has not answered the watch's preemption "
+                                             r"notices for 0s \(recovery.control_plane_outage_s 0; last: "
+                                             r"TimeoutError: read timed out\)"):
+        watch._look(confirm_s=0.0)
+
+
+def test_a_bug_in_a_provider_call_is_raised_as_it_is(silent: tuple[SilentControlPlane, Cluster]) -> None:
+    provider, cluster = silent
+    watch = _watch(provider, cluster, outage_s=600)
+    provider.failing = AttributeError("'NoneType' object has no attribute 'instances'")
+    with pytest.raises(AttributeError):
+        watch._look(confirm_s=0.0)

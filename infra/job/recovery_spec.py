@@ -22,6 +22,11 @@ class RecoverySpec(StrictModel):
         "take a new node; cluster: relaunch the whole cluster after every preemption.")
     confirm_s: float = Field(5.0, ge=0, le=300, description="A node that vanishes without notice counts as "
                              "preempted after it stays gone this long.")
+    control_plane_outage_s: float = Field(
+        600.0, ge=0, le=86400, description="During training, a provider's control plane that does not answer the "
+        "liveness and notice calls (an error, a throttle, a timeout) is unknown, not dead: training goes on while the "
+        "nodes' own signals (trainers running, their output read) say so, for up to this long; past it the run "
+        "stops, naming the control plane. 0: the first unanswered call stops it.")
 
 
 class PreemptSpec(StrictModel):

@@ -26,6 +26,10 @@ CHECK_INTERVAL_S = 2.0
 # Reads from a node that still answers a new connection, failing this many rounds in a row: not a lost node, a broken
 # one, and the run stops with the reason rather than train on unseen.
 UNREADABLE_ROUNDS = 5
+# A control plane that does not answer is asked again after this, doubling up to the cap, and said so once a step.
+UNKNOWN_RETRY_S, UNKNOWN_RETRY_MAX_S = 2.0, 60.0
+# A provider call that fails with one of these is a bug of ours, not an outage of theirs: it is raised as it is.
+BUGS = (TypeError, AttributeError, NameError, AssertionError, KeyError, IndexError)
 
 
 class TrainingProgress(Protocol):
@@ -69,11 +73,59 @@ class _Injection:
     fired: bool = False
 
 
+class _ControlPlane:
+    """The provider's answers to the watch's liveness and notice calls. One that fails (an API error past the SDK's
+    own retries, a throttle, a timeout) is unknown, not dead: logged when it starts, then at each doubling of the
+    backoff, asked again after that backoff, and answered with None meanwhile; past outage_s without an answer it
+    stops the run, naming the control plane."""
+
+    def __init__(self, provider: Provider, outage_s: float,
+                 logger: logging.Logger | logging.LoggerAdapter[Any]) -> None:
+        self.provider, self.outage_s, self.logger = provider, outage_s, logger
+        self.silent_since: float | None = None
+        self._retry_s = UNKNOWN_RETRY_S
+        self._ask_at = 0.0
+
+    def ask(self, what: str, call: Callable[[], Any]) -> Any:
+        now = time.monotonic()
+        if self.silent_since is not None and now < self._ask_at:
+            return None
+        try:
+            answer = call()
+        except BUGS:
+            raise
+        except Exception as exc:
+            return self._unanswered(what, exc, now)
+        if self.silent_since is not None:
+            self.logger.warning("%s control plane answers again after %.0fs", self.provider.name,
+                                now - self.silent_since)
+            self.silent_since, self._retry_s = None, UNKNOWN_RETRY_S
+        return answer
+
+    def _unanswered(self, what: str, exc: Exception, now: float) -> None:
+        if self.silent_since is None:
+            self.silent_since = now
+        silent_s = now - self.silent_since
+        if silent_s >= self.outage_s:
+            raise TrainingError(
+                f"the {self.provider.name} control plane has not answered the watch's {what} for {silent_s:.0f}s "
+                f"(recovery.control_plane_outage_s {self.outage_s:g}; last: {type(exc).__name__}: {exc}): training "
+                "stopped unwatched; check the provider's status and credentials, then run again with --run-id")
+        self.logger.warning("%s control plane did not answer %s (%s: %s): unknown, not dead: the nodes' own signals "
+                            "decide; asking again in %.0fs (%.0fs of %gs without an answer)", self.provider.name,
+                            what, type(exc).__name__, exc, self._retry_s, silent_s, self.outage_s)
+        self._ask_at = now + self._retry_s
+        self._retry_s = min(self._retry_s * 2, UNKNOWN_RETRY_MAX_S)
+        return None
+
+
 class PreemptionWatch:
     def __init__(self, provider: Provider, cluster: Cluster, runners: dict[str, Runner], progress: TrainingProgress,
-                 confirm_s: float, logger: logging.Logger | logging.LoggerAdapter[Any]) -> None:
+                 confirm_s: float, logger: logging.Logger | logging.LoggerAdapter[Any],
+                 control_plane_outage_s: float = 600.0) -> None:
         self.provider, self.cluster, self.runners, self.progress = provider, cluster, runners, progress
         self.confirm_s, self.logger = confirm_s, logger
+        self.control_plane = _ControlPlane(provider, control_plane_outage_s, logger)
         self.injections: list[_Injection] = []
         self.started = time.monotonic()
         self._next_check = 0.0
@@ -122,16 +174,19 @@ class PreemptionWatch:
     # -- detection -----------------------------------------------------------------------------------------------
 
     def _look(self, confirm_s: float) -> Preempted | None:
-        """Notices and liveness now; a Preempted once a node has been gone for confirm_s."""
-        for notice in self.provider.preemption_notices(self.cluster):
+        """Notices and liveness now; a Preempted once a node has been gone for confirm_s. While the control plane
+        does not answer, no notice is new and no node is gone: unknown is not dead."""
+        notices = self.control_plane.ask("preemption notices", lambda: self.provider.preemption_notices(self.cluster))
+        alive = self.control_plane.ask("liveness", lambda: self.provider.nodes_alive(self.cluster))
+        for notice in notices or ():
             if notice.node not in self._notices:
                 self._notices[notice.node] = notice.reason
                 self.logger.warning("%s: preemption notice (%s), %.0fs left", notice.node, notice.reason,
                                     notice.deadline - time.time())
         now = time.monotonic()
         gone = []
-        for node, alive in self.provider.nodes_alive(self.cluster).items():
-            if alive:
+        for node, answered_alive in (alive or {}).items():
+            if answered_alive:
                 self._gone_since.pop(node, None)
             else:
                 gone.append(node)
