@@ -3,13 +3,14 @@ for a controller that stopped answering. The real allocation's holder is exercis
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
 from pathlib import Path
 
 from infra.compute.providers.slurm.config import NODE_PLACEHOLDER
-from infra.compute.providers.slurm.holder import ASK_S, HOLDER_LOG, POLL_S, READY_FILE, holder_script
+from infra.compute.providers.slurm.holder import ASK_S, HOLDER_LOG, LEASE_FILE, POLL_S, READY_FILE, holder_script
 
 TTL_S = 3
 # A step's options end where its command begins: the command runs here, as on the only node.
@@ -47,3 +48,36 @@ def test_a_controller_that_stops_answering_does_not_keep_the_holder_past_its_lea
     assert (own / READY_FILE).read_text().strip() == "42"
     assert f"(ttl {TTL_S} s): ending the allocation" in log
     assert time.monotonic() - started < bound
+
+
+def test_a_lease_older_than_the_holder_is_the_last_allocations_and_never_ends_this_one(tmp_path: Path) -> None:
+    """A relaunch on the same node after more than the TTL found the last allocation's lease and ended itself at its
+    first poll ("lease not renewed for 100 s"): the recovery's new allocation, and a rerun's, were gone in seconds."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "srun").write_text(SRUN)
+    (stubs / "srun").chmod(0o755)
+    template = str(tmp_path / NODE_PLACEHOLDER / "trainpipe")
+    own = Path(template.replace(NODE_PLACEHOLDER, "gpu0"))
+    own.mkdir(parents=True)
+    (own / LEASE_FILE).write_text(f"{time.time() - 100:.3f}\n")  # the last allocation's, long lapsed
+    ttl_s = POLL_S * 3 + 4
+    script = tmp_path / "holder.sh"
+    script.write_text(holder_script("tp-c", "run-1", template, ttl_s, signal_lead_s=60, ask_preemption=False))
+    env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "SLURM_JOB_ID": "43", "SLURMD_NODENAME": "gpu0",
+           "SLURM_JOB_NODELIST": "gpu0", "SLURM_JOB_NUM_NODES": "1"}
+    holder = subprocess.Popen(["bash", str(script)], env=env, start_new_session=True)
+    try:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # two polls or more: the old holder ended at the first
+            holder.wait(timeout=POLL_S * 2 + 1)
+        log = (own / "logs" / HOLDER_LOG).read_text() if (own / "logs" / HOLDER_LOG).exists() else ""
+        assert holder.poll() is None, f"the holder ended on the last allocation's lease:\n{log}"
+        # Nobody renews this allocation's lease: it ends a TTL after its own start, as a dead orchestrator's does.
+        code = holder.wait(timeout=ttl_s + POLL_S + 30)
+    finally:
+        if holder.poll() is None:
+            os.killpg(holder.pid, 9)
+            holder.wait()
+    log = (own / "logs" / HOLDER_LOG).read_text()
+    assert code == 0 and f"(ttl {int(ttl_s)} s): ending the allocation" in log, log
+    assert "not renewed for 100 s" not in log and "not renewed for 99 s" not in log, log

@@ -44,6 +44,9 @@ mkdir -p "$own/logs"
 exec >>"$own/logs/@HOLDER_LOG@" 2>&1
 say() { echo "$(date -u +%FT%TZ) holder: $*"; }
 say "job $SLURM_JOB_ID holds $SLURM_JOB_NODELIST (restart ${SLURM_RESTART_COUNT:-0})"
+# A lease older than this start is the last allocation's (a relaunch on the same nodes, a rerun of the run id): it
+# counts from here, so the orchestrator has a whole TTL to write this allocation's first one.
+started=$(date +%s)
 
 # One job step on every node: its workdir. The steps that follow (the run's) overlap with this holder.
 # A step's own node dir, in $d (never an empty template: that would make dirs at /).
@@ -78,7 +81,6 @@ preemption_started() {
   preempted_at=${BASH_REMATCH[1]}
 }
 
-started=$(date +%s)
 while true; do
   sleep @POLL@ & wait $!
   if (( @ASK_PREEMPTION@ )) && [ -z "$noticed" ] && preemption_started; then
@@ -86,7 +88,7 @@ while true; do
   fi
   now=$(date +%s)
   renewed=$(cut -d. -f1 "$own/@LEASE@" 2>/dev/null)
-  [[ "$renewed" =~ ^[0-9]+$ ]] || renewed=$started
+  [[ "$renewed" =~ ^[0-9]+$ ]] && (( renewed >= started )) || renewed=$started
   if (( now - renewed > @TTL@ )); then
     say "lease not renewed for $(( now - renewed )) s (ttl @TTL@ s): ending the allocation"
     exit 0
