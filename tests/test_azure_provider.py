@@ -240,6 +240,18 @@ def test_permission_errors_stop_at_once_and_leave_nothing(azure: AzureProvider, 
     assert left(arm, "tp-az-auth") == []
 
 
+def test_a_users_own_group_of_the_clusters_name_survives_the_refused_launch(azure: AzureProvider,
+                                                                           arm: ArmServer) -> None:
+    """A group named like the cluster's but not tagged as it (the user's own) is refused, and the launch's rollback
+    leaves it: before, the rollback deleted it without the tag check every other delete makes."""
+    group = group_name("tp-az-foreign")
+    azure.resources.resource_groups.create_or_update(group, {"location": "eastus", "tags": {"team": "ml-platform"}})
+    with pytest.raises(InvalidRequestError, match=f"resource group {group} is not cluster tp-az-foreign's"):
+        azure.launch("tp-az-foreign", spec(regions=("eastus",)), "run-foreign")
+    assert [g["name"] for g in arm.groups()] == [group], "the user's own group was deleted"
+    assert arm.calls("DELETE", "/resourcegroups/") == []
+
+
 def test_spot_eviction_notice_then_the_lost_node_is_replaced_alone_in_the_placement_group(
         azure: AzureProvider, arm: ArmServer) -> None:
     cluster = azure.launch("tp-az-evict", spec(nodes=3, regions=("eastus",), spot="only"), "run-evict")

@@ -141,7 +141,9 @@ class AzureProvider(ArmApi, CloudProvider):
             failure: LaunchError = classify(exc, doing)
         except LaunchError as exc:
             failure = exc
-        raise rolled_back(cluster_name, region, failure, lambda: self._delete_group(group, f"roll back {cluster_name}"))
+        # Only this cluster's group (by its tag): a foreign one of the same name that _group refused is not ours.
+        raise rolled_back(cluster_name, region, failure,
+                          lambda: self._delete_group(group, f"roll back {cluster_name}", cluster_name))
 
     def _shape(self, spec: ClusterSpec, candidate: Candidate) -> Shape:
         section: AzureClusterSpec = spec.azure
@@ -182,7 +184,7 @@ class AzureProvider(ArmApi, CloudProvider):
                 raise InvalidRequestError(f"azure: resource group {group} is not cluster {stamp.cluster}'s: delete it "
                                           "or rename the cluster")
             if existing["location"] != region:
-                self._delete_group(group, doing)
+                self._delete_group(group, doing, stamp.cluster)
         tags = {**stamp.keyed(STAMP_KEYS), TAG_NODES: str(nodes), TAG_HEARTBEAT: f"{time.time():.0f}"}
         self.resources.resource_groups.create_or_update(group, {"location": region, "tags": tags})
 
