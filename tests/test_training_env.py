@@ -32,9 +32,9 @@ from jobs import make_dataset
 from infra.checkpoints.store import CheckpointStore
 from infra.node.events import NodeEvent, event_line
 from infra.node.protocol import REQUEST_ENV, EnvironmentKind, ExecRequest, TorchrunRequest, TrainingEnvironment
-from infra.node.rank_launcher import LINE_ENV
 from infra.node.trainenv import container_argv, invocation, write_env_file
 from infra.storage import open_store
+from infra.workload.launcher import LINE_ENV
 
 WHEELS = Path(os.environ.get("TRAINPIPE_TEST_WHEELS", "/opt/wheels"))
 REQUIREMENTS = ("torch==2.13.0", "numpy")

@@ -311,7 +311,7 @@ def ckpt_verify(
     step: Annotated[int | None, typer.Argument(help="default: the step in the URL, else the latest committed")] = None,
 ) -> None:
     """Check every file against the manifest, then open the checkpoint as its framework would."""
-    from infra.checkpoints.formats import check_loadable
+    from infra.analysis.loadable import check_loadable
     from infra.checkpoints.layout import CheckpointError
     from infra.checkpoints.store import CheckpointStore
     from infra.storage import open_store

@@ -56,7 +56,7 @@ class NodeEvent(StrEnum):
     REPLICA_SERVER_RESTARTED = "replica-server-restarted"
     REPLICA = "replica"
     REPLICA_FAILED = "replica-failed"
-    # torchrun (infra/node/rank_launcher.py prints it, as infra/node/torchrun.py hands it the line): torchrun's agent of
+    # torchrun (infra/workload/launcher.py prints it, as infra/node/torchrun.py hands it the line): torchrun's agent of
     # a node whose ranks all exited 0, before its exit barrier
     RANKS_EXITED = "ranks-exited"
     # the training environment (infra/node/pull.py; tasks/verify.py's check runs in it through exec)
@@ -75,7 +75,7 @@ class NodeEvent(StrEnum):
     CHAOS_ARMED = "chaos-armed"
     NOTICE_RAISED = "notice-raised"
     NODE_RECLAIMED = "node-reclaimed"
-    # benches (infra/node/netbench.py, diskbench.py, allreduce_bench.py)
+    # benches (infra/node/netbench.py, diskbench.py; infra/workload/allreduce_bench.py in the training environment)
     NETBENCH_LISTENING = "netbench-listening"
     NETBENCH_SERVER = "netbench-server"
     NETBENCH = "netbench"

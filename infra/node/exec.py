@@ -1,6 +1,6 @@
 """`exec`: one command in the training environment (the job's setup, evaluate, verify's check of the environment).
 
-The command runs under the launcher (infra/node/rank_launcher.py) in the environment trainenv.py enters; this
+The command runs under the launcher (infra/workload/launcher.py) in the environment trainenv.py enters; this
 process stays its supervisor on the host: it hands the child SIGTERM and SIGINT, holds the write end of the child's
 stdin (the lifeline: this process gone, the launcher stops what it started), removes a container's env file once the
 container started, and removes the container at the end, whatever happened.
@@ -19,8 +19,8 @@ from pathlib import Path
 
 from infra.node.events import fail
 from infra.node.protocol import ExecRequest, NodeRequest, TrainingEnvironment, as_request
-from infra.node.rank_launcher import GRACE_ENV, TIMEOUT_ENV
 from infra.node.trainenv import Invocation, TrainEnvError, container_record, install_launcher, invocation
+from infra.workload.launcher import GRACE_ENV, TIMEOUT_ENV
 
 log = logging.getLogger(__name__)
 

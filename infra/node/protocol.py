@@ -391,7 +391,7 @@ class DiskbenchRequest(NodeRequest):
 
 class AllreduceBenchRequest(BaseModel):
     """All-reduce bandwidth of the cluster, in every rank of a torchrun (TorchrunRequest.worker). No command of the
-    agent: infra/node/allreduce_bench.py runs as a script in the training environment, which gets these fields as
+    agent: infra/workload/allreduce_bench.py runs as a script in the training environment, which gets these fields as
     plain JSON."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -411,7 +411,7 @@ class AllreduceBenchRequest(BaseModel):
 class TorchrunRequest(NodeRequest):
     """torchrun (torch.distributed.run of the training environment's Python) with a static rendezvous on the head
     node, plus one event (RANKS_EXITED) once every rank of this node exited 0. The agent starts it in the training
-    environment through a stdlib launcher (infra/node/rank_launcher.py) and hands it the signals its runner sends;
+    environment through a stdlib launcher (infra/workload/launcher.py) and hands it the signals its runner sends;
     the agent's own stdin pipe to it is its lifeline (the agent gone: the ranks are stopped)."""
 
     command: ClassVar[NodeCommand] = NodeCommand.TORCHRUN
@@ -427,7 +427,7 @@ class TorchrunRequest(NodeRequest):
     # What every rank runs, as torchrun's script and its arguments (after `--`, so the script's own options never
     # reach torchrun's parser) ...
     script: tuple[str, ...] = ()
-    # ... or, instead, the all-reduce bench (infra/node/allreduce_bench.py, a torch-only script the agent writes
+    # ... or, instead, the all-reduce bench (infra/workload/allreduce_bench.py, a torch-only script the agent writes
     # beside the launcher; its parameters reach the ranks as plain JSON in their environment).
     worker: AllreduceBenchRequest | None = None
 
@@ -447,7 +447,7 @@ class TorchrunRequest(NodeRequest):
 
 class ExecRequest(NodeRequest):
     """One command in the training environment (the job's setup, evaluate, the check verify makes), started by the
-    launcher (infra/node/rank_launcher.py) with the agent's stdin pipe as its lifeline (infra/node/exec.py)."""
+    launcher (infra/workload/launcher.py) with the agent's stdin pipe as its lifeline (infra/node/exec.py)."""
 
     command: ClassVar[NodeCommand] = NodeCommand.EXEC
     argv: tuple[str, ...] = Field(min_length=1)  # what runs, inside the environment (argv[0] found on its PATH)

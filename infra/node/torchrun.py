@@ -6,7 +6,7 @@ until every node is done: a node whose rank hangs at exit (a stuck process-group
 would keep every node busy. The event lets the orchestrator give the others a bounded grace instead
 (training.exit_grace_s).
 
-This process imports no torch: it runs the launcher (infra/node/rank_launcher.py) in the training environment
+This process imports no torch: it runs the launcher (infra/workload/launcher.py) in the training environment
 (infra/node/trainenv.py), which runs torchrun there; signals the runner sends this process are handed to it, and its
 stdin is this process's lifeline (infra/node/exec.py). The command's name stays on this process's command line: that
 is how a node's watcher finds the trainer (infra.node.protocol.runs_command).
@@ -17,14 +17,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from infra import workload
 from infra.node.events import NodeEvent, event_line
 from infra.node.exec import run_program
 from infra.node.protocol import AllreduceBenchRequest, NodeRequest, TorchrunRequest, as_request
-from infra.node.rank_launcher import LINE_ENV
 from infra.node.trainenv import install_script
+from infra.workload.launcher import LINE_ENV
 
-BENCH_SOURCE = Path(__file__).with_name("allreduce_bench.py")
-BENCH_ENV = "TRAINPIPE_ALLREDUCE_BENCH"  # the bench's parameters, plain JSON (infra/node/allreduce_bench.py)
+# A script of the training environment (it imports torch): read as a file, never imported here.
+BENCH_SOURCE = Path(workload.__file__).with_name("allreduce_bench.py")
+BENCH_ENV = "TRAINPIPE_ALLREDUCE_BENCH"  # the bench's parameters, plain JSON (infra/workload/allreduce_bench.py)
 
 
 def bench_parameters(worker: AllreduceBenchRequest) -> str:

@@ -1,6 +1,6 @@
 """The command line that runs a program in the training environment (infra.node.protocol.TrainingEnvironment).
 
-The agent runs on the host, in its own venv; the program (the launcher, infra/node/rank_launcher.py, and what it
+The agent runs on the host, in its own venv; the program (the launcher, infra/workload/launcher.py, and what it
 starts) runs in the user's environment:
 
 - HOST: [python, launcher, ...] with the agent's environment minus what makes it the agent's (its venv on PATH,
@@ -28,8 +28,9 @@ from pathlib import Path
 
 from infra.node.processes import CLUSTER_TAG, NODE_TAG
 from infra.node.protocol import EnvironmentKind, TrainingEnvironment
+from infra.workload import launcher
 
-LAUNCHER_SOURCE = Path(__file__).with_name("rank_launcher.py")
+LAUNCHER_SOURCE = Path(launcher.__file__)
 ENGINES = ("docker", "podman")
 NODE_LABEL = "trainpipe.node"  # on every container: the node's name, for whoever lists a node's containers
 CONTAINERS_DIR = "trainenv/containers"  # under the node dir: one record per container started and not yet removed

@@ -1,8 +1,8 @@
 """The launcher the node agent starts in the training environment: the standard library only, since it runs under the
 user's Python (a container image's, training.python, the node's own), where nothing of trainpipe is installed.
 
-    python rank_launcher.py torchrun <torch.distributed.run's argv>
-    python rank_launcher.py exec <argv>
+    python launcher.py torchrun <torch.distributed.run's argv>
+    python launcher.py exec <argv>
 
 `torchrun` runs torch.distributed.run in this process (runpy), as `torchrun` itself would, and prints the agent's
 ranks-exited event line (handed over in LINE_ENV, so the event's spelling stays the agent's) when this node's ranks
@@ -185,7 +185,7 @@ def run_exec(argv: list[str], grace_s: float, timeout_s: float | None) -> int:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[0] not in ("torchrun", "exec"):
-        print("usage: rank_launcher.py {torchrun,exec} ARGV...", file=sys.stderr)
+        print("usage: launcher.py {torchrun,exec} ARGV...", file=sys.stderr)
         return 2
     line = os.environ.get(LINE_ENV, "")
     grace_s = float(os.environ.get(GRACE_ENV) or DEFAULT_GRACE_S)
