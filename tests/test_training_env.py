@@ -18,13 +18,13 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 import yaml
+from cloud_env import wait_for
 from conftest import REPO, prefect_home, run_trainpipe
 from containers import VENV, DockerEngine, TrainImage, base_python, engine_env
 from jobs import make_dataset
@@ -284,13 +284,6 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _wait_for(what: str, ready: object, deadline_s: float) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not ready():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"{what} within {deadline_s:g}s"
-        time.sleep(0.1)
-
-
 @pytest.fixture
 def free_port() -> Iterator[int]:
     import socket
@@ -311,15 +304,15 @@ def test_a_killed_agent_leaves_no_rank_running(torch_venv: Path, tmp_path: Path,
     agent = subprocess.Popen(request.command_line(sys.executable), env=request.environment(env), cwd=tmp_path,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_for("the rank started", pid_file.exists, 120)
+        wait_for(pid_file.exists, 120, "the rank started")
         rank = int(pid_file.read_text())
         launcher = [p for p in psutil.Process(agent.pid).children()]
         assert launcher and "torchrun" in launcher[0].cmdline(), "the agent started the launcher in torchrun mode"
         assert REQUEST_ENV not in psutil.Process(rank).environ(), "the agent's request stays the agent's"
         agent.send_signal(signal.SIGKILL)
         agent.wait(10)
-        _wait_for("the rank stopped after its agent was killed", lambda: _gone(rank), 60)
-        _wait_for("the launcher exited", lambda: _gone(launcher[0].pid), 60)
+        wait_for(lambda: _gone(rank), 60, "the rank stopped after its agent was killed")
+        wait_for(lambda: _gone(launcher[0].pid), 60, "the launcher exited")
     finally:
         if agent.poll() is None:
             agent.kill()
@@ -343,14 +336,14 @@ def test_a_killed_agent_leaves_no_container_running(docker_engine: DockerEngine,
         agent = subprocess.Popen(request.command_line(sys.executable), env=request.environment(env), cwd=tmp_path,
                                  stdout=out, stderr=subprocess.STDOUT)
     try:
-        _wait_for("the command started in its container", lambda: pid_file.exists() or agent.poll() is not None, 180)
+        wait_for(lambda: pid_file.exists() or agent.poll() is not None, 180, "the command started in its container")
         assert agent.poll() is None, log.read_text()[-2000:]
         assert docker_engine.cli("ps", "--quiet").stdout.strip(), "no container running"
         assert not list(node.glob(".env-*")), "the env file goes once the container started"
         agent.send_signal(signal.SIGKILL)
         agent.wait(10)
-        _wait_for("the container gone after its agent was killed",
-                  lambda: docker_engine.cli("ps", "--all", "--quiet").stdout.strip() == "", 90)
+        wait_for(lambda: docker_engine.cli("ps", "--all", "--quiet").stdout.strip() == "", 90,
+                 "the container gone after its agent was killed")
     finally:
         if agent.poll() is None:
             agent.kill()
