@@ -62,11 +62,12 @@ PARTITION = ["gpu1", "gpu2", "gpu3", "gpu4", "gpu5", "gpu6"]
 
 
 def test_the_replacement_is_pinned_to_the_survivors_switch_by_excluding_every_other_node() -> None:
+    # every node off the switch, and the survivors' own: the replacement never shares a survivor's host
     assert topology.replacement_excludes(LEAVES, PARTITION, ["gpu3", "gpu4"], "gpu1") == (
-        "s2", ["gpu1", "gpu2", "gpu6"])
+        "s2", ["gpu1", "gpu2", "gpu3", "gpu4", "gpu6"])
     # the lost host is excluded even when it stood under the chosen switch, and listed once
     assert topology.replacement_excludes(LEAVES, PARTITION, ["gpu3"], "gpu4") == ("s2", ["gpu4", "gpu1", "gpu2",
-                                                                                         "gpu6"])
+                                                                                         "gpu3", "gpu6"])
 
 
 def test_survivors_on_several_switches_keep_to_the_one_holding_most_the_heads_on_a_tie() -> None:
@@ -82,6 +83,8 @@ def test_no_free_node_under_the_switch_is_unavailable_at_once_naming_it() -> Non
         topology.replacement_excludes(LEAVES, PARTITION, ["gpu6", "gpu1"], "gpu2")
 
 
-def test_without_topology_or_a_survivor_under_a_switch_only_the_lost_host_is_excluded() -> None:
-    assert topology.replacement_excludes({}, [], ["gpu1", "gpu2"], "gpu3") == (None, ["gpu3"])
-    assert topology.replacement_excludes(LEAVES, PARTITION, ["gpu9"], "gpu3") == (None, ["gpu3"])
+def test_without_topology_or_a_survivor_under_a_switch_the_lost_host_and_the_survivors_are_excluded() -> None:
+    """Before, only the lost host: on a site sharing nodes (exclusive: false) the replacement could land on a
+    survivor's host and share its workdir."""
+    assert topology.replacement_excludes({}, [], ["gpu1", "gpu2"], "gpu3") == (None, ["gpu3", "gpu1", "gpu2"])
+    assert topology.replacement_excludes(LEAVES, PARTITION, ["gpu9"], "gpu3") == (None, ["gpu3", "gpu9"])

@@ -64,15 +64,17 @@ def survivors_switch(leaves: Mapping[str, frozenset[str]], survivors: Sequence[s
 
 def replacement_excludes(leaves: Mapping[str, frozenset[str]], partition: Iterable[str], survivors: Sequence[str],
                          lost_host: str) -> tuple[str | None, list[str]]:
-    """The switch a replacement for lost_host must land under and the hosts to --exclude for it: the lost host and
-    every partition node not under that switch. No topology (or survivors under none of its switches): no switch,
-    the lost host alone. ReplacementUnavailable, naming the switch, when no node under it can be free (every one is
-    the allocation's or lost)."""
+    """The switch a replacement for lost_host must land under and the hosts to --exclude for it: the lost host, the
+    survivors' hosts (on a site that shares nodes, exclusive: false, Slurm would place it beside a survivor, in its
+    workdir) and every partition node not under that switch. No topology (or survivors under none of its switches):
+    no switch, the lost host and the survivors'. ReplacementUnavailable, naming the switch, when no node under it can
+    be free (every one is the allocation's or lost)."""
     switch = survivors_switch(leaves, survivors)
+    taken = set(survivors) - {lost_host}
     if switch is None:
-        return None, [lost_host]
+        return None, [lost_host, *sorted(taken)]
     under = leaves[switch]
     if not under - {*survivors, lost_host}:
         raise ReplacementUnavailable(f"switch {switch} (the survivors' leaf switch) has no node for the replacement "
                                      f"of {lost_host}: {', '.join(sorted(under))} are the allocation's or lost")
-    return switch, [lost_host, *sorted(set(partition) - under - {lost_host})]
+    return switch, [lost_host, *sorted((set(partition) - under | taken) - {lost_host})]
