@@ -121,7 +121,8 @@ def test_a_second_run_of_a_live_run_id_is_refused_and_ids_that_fold_alike_train_
         assert len([line for line in stderr.splitlines() if line.startswith("error:")]) == 1, stderr[-3000:]
         # Folds to the same characters as Exp_1, a run of its own: its own cluster, beside the first, still training.
         assert first.running()
-        third = Run(config, "exp-1", env, tmp_path)
+        short = write_config(tmp_path / "short.yaml", job_config(tmp_path, dataset_url, steps=40, ckpt_every=20))
+        third = Run(short, "exp-1", env, tmp_path)
         third.exit_seconds(400)
         assert third.popen.returncode == 0, third.output()[-3000:]
         first.exit_seconds(400)
@@ -133,4 +134,4 @@ def test_a_second_run_of_a_live_run_id_is_refused_and_ids_that_fold_alike_train_
     latest = checkpoints.latest()
     assert latest is not None and latest.step == 160, "the first run's final step is committed"
     other = json.loads((workspace / "runs" / "exp-1" / "summary.json").read_text())
-    assert other["status"] == "completed" and other["steps"] == 160, other.get("error")
+    assert other["status"] == "completed" and other["steps"] == 40, other.get("error")
