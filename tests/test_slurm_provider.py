@@ -578,7 +578,7 @@ def test_extra_sbatch_options_pass_through(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("section", "said"), [
     ({"agent_dir": "agent"}, "agent_dir 'agent': give an absolute node-local path"),
     ({"agent_dir": "/tmp/{host}/agent"}, "at most {node}"),
-    ({"agent_bundle_dir": "bundles"}, "agent_bundle_dir 'bundles': give an absolute path or one under ~"),
+    ({"agent_bundle_dir": "bundles"}, "agent_bundle_dir 'bundles' is neither absolute nor under ~/"),
     ({"containers": "enroot"}, "containers"),
 ])
 def test_the_agent_dirs_and_the_container_kind_are_checked(tmp_path: Path, section: dict[str, str], said: str) -> None:
