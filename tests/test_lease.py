@@ -58,7 +58,7 @@ def test_without_renewals_every_node_ends_its_processes(cluster: tuple[LocalProv
         assert workload.wait(timeout=10) is not None
     for watchdog in watchdogs:
         down = [e for e in events(watchdog) if e.kind is NodeEvent.NODE_DOWN]
-        assert down == [Event(NodeEvent.NODE_DOWN, {"killed": 1})]
+        assert down == [Event(NodeEvent.NODE_DOWN, {"killed": 1, "containers": 0})]
 
 
 def test_renewed_lease_keeps_nodes_alive_until_renewals_stop(cluster: tuple[LocalProvider, Cluster]) -> None:

@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,7 +47,7 @@ def make_bucket(cloud: str, url: str, request: pytest.FixtureRequest, monkeypatc
 
 
 @pytest.mark.parametrize(("cloud", "cheapest"), [("aws", "p4d.24xlarge"), ("gcp", "a2-highgpu-8g")])
-def test_cloud_example_plans_against_its_bucket(cloud: str, cheapest: str, workspace: Path,
+def test_cloud_example_plans_against_its_bucket(cloud: str, cheapest: str, workspace: Path, tmp_path: Path,
                                                 request: pytest.FixtureRequest,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     example = REPO / "examples" / f"{cloud}.yaml"
@@ -54,8 +55,12 @@ def test_cloud_example_plans_against_its_bucket(cloud: str, cheapest: str, works
     assert (job.cluster.provider, job.cluster.spot, job.cluster.local_nvme) == (cloud, "prefer", True)
     assert job.cluster.min_network_gbps >= 100 and job.cluster.max_price_per_hour is not None
     make_bucket(cloud, job.dataset.url, request, monkeypatch)
-    # The example's dataset, small: the plan validates every shard of it.
-    synthesize(open_store(job.dataset.url), 200_000, vocab_size=256, shard_tokens=100_000, seed=5)
+    # The example's own dataset, the CSV files its make_data.py writes: the plan checks its expectations on them.
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, str(REPO / "examples" / "own-script" / "make_data.py"), str(data)], check=True)
+    store = open_store(job.dataset.url)
+    for part in sorted(data.iterdir()):
+        store.put_file(part, part.name)
 
     result = plan(example, dict(os.environ))
     assert result.returncode == 0, result.stdout + result.stderr
