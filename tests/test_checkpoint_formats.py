@@ -183,3 +183,19 @@ def test_a_folder_deleted_while_its_files_are_listed_lists_what_was_left(tmp_pat
 
     monkeypatch.setattr(os, "scandir", deleted_before_sub_is_read)
     assert part_files(root) in (["a.bin"], [])
+
+
+def test_an_hf_folder_cut_short_by_the_trainers_rotation_is_not_complete(tmp_path: Path) -> None:
+    """A Trainer killed while its rotation (save_total_limit) deleted an old folder file by file leaves that folder
+    with a valid trainer_state.json and its weights gone: it must never be shipped as a checkpoint."""
+    ckpt = tmp_path / "ckpt"
+    for step in (20, 22, 24):
+        folder = ckpt / f"checkpoint-{step}"
+        for name in ("model.safetensors", "config.json", "optimizer.pt", "rng_state.pth"):
+            torch_file(folder / name, step)
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    assert [f.name for f in Detector(ckpt, "hf").scan()] == ["checkpoint-20", "checkpoint-22", "checkpoint-24"]
+    (ckpt / "checkpoint-20" / "model.safetensors").unlink()  # the rotation, cut short by the kill
+    (ckpt / "checkpoint-22" / "optimizer.pt").unlink()
+    assert [f.name for f in Detector(ckpt, "hf").scan()] == ["checkpoint-24"]
+    assert [f.name for f in Detector(ckpt, "auto").scan()] == ["checkpoint-24"]

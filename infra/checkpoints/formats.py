@@ -4,7 +4,9 @@ A training script writes checkpoints into $TRAINPIPE_CHECKPOINT_DIR however its 
 this module what is complete there, and never ships anything half-written:
 
     dcp, torchtitan  a folder holding `.metadata` (DCP's coordinator writes it once every rank's files are on disk)
-    hf               `checkpoint-N/` holding `trainer_state.json` (the Trainer's main process writes it last)
+    hf               `checkpoint-N/` holding `trainer_state.json` (the Trainer's main process writes it last) and
+                     every file name the newest such folder holds (the Trainer's rotation deletes an old folder file
+                     by file: one killed mid-delete keeps its trainer_state.json and loses its weights)
     lightning        a closed `*.ckpt` file (symlinks such as `last.ckpt` resolve to their target)
     marker           any file or folder `X` next to `X.complete` (trainpipe_sdk.mark_complete writes it)
     file             one file overwritten in place (`snapshot.pt`): each new closed version is a checkpoint
@@ -177,7 +179,7 @@ class Detector:
             return []
         writing = files_open_for_writing(self.ckpt_dir)
         found = [c for c in candidates if self._closed(c, writing)]
-        return sorted(found, key=lambda c: c.version)
+        return sorted(_without_rotated_hf(self.ckpt_dir, found), key=lambda c: c.version)
 
     def _closed(self, found: Found, writing: set[Path] | None) -> bool:
         path = found.path(self.ckpt_dir).resolve()
@@ -237,6 +239,22 @@ class Detector:
         if version is None:
             return None
         return Found(rel, kind, fmt, step_from_name(rel) if step == -1 else step, version)
+
+
+def _without_rotated_hf(ckpt_dir: Path, found: list[Found]) -> list[Found]:
+    """HF folders missing a file name that the newest HF folder beside them holds are left out.
+
+    The Trainer saves the same files at every step (the weights, optimizer, scheduler and RNG states, then
+    trainer_state.json) and its rotation (save_total_limit) deletes the oldest folders with rmtree, in directory
+    order: a Trainer killed mid-rotation leaves a folder with a valid trainer_state.json and some of its files gone.
+    Rotation only deletes folders older than a complete save, so the newest complete folder is the reference."""
+    folders = [f for f in found if f.format == "hf"]
+    if len(folders) < 2:
+        return found
+    newest = max(folders, key=lambda f: f.version)
+    reference = set(part_files(newest.path(ckpt_dir)))
+    torn = {f.name for f in folders if not reference <= set(part_files(f.path(ckpt_dir)))}
+    return [f for f in found if f.name not in torn]
 
 
 # -- a non-coordinator node's part ------------------------------------------------------------------------------
