@@ -30,6 +30,7 @@ from infra.job.environment import training_environment
 from infra.job.plan import Plan, cluster_name_for
 from infra.job.spec import JobSpec
 from infra.job.summary import LAUNCHED_AT_VAR, RunSummary
+from infra.lifecycle.hang import Hung
 from infra.lifecycle.preemption_watch import Preempted
 from infra.lifecycle.recovery import RECOVERY_PHASES, Recoveries, RecoveryRecord, narrowed
 from infra.workspace import run_dir
@@ -126,7 +127,8 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
             except Preempted as preempted:
                 _trained(summary, recovery, preempted.first_step_at, preempted.steps_s)
                 recovery = recoveries.begin(preempted.nodes, preempted.reason, preempted.with_notice,
-                                            preempted.step_reached, preempted.detected_at)
+                                            preempted.step_reached, preempted.detected_at,
+                                            hung=isinstance(preempted, Hung))
                 resume_step = latest_committed_step(plan.checkpoint_url)
                 # Only the lost nodes replaced, the survivors kept as they are ...
                 with Phases(summary, recovery)("provision"):

@@ -12,6 +12,7 @@ from prefect import get_run_logger, task
 
 from infra.compute.providers import Cluster, Node, ReplacementUnavailable, agent_for, provider_of
 from infra.job.spec import JobSpec
+from infra.lifecycle.hang import Hung
 from infra.lifecycle.preemption_watch import CHAOS_TRIGGER, Preempted
 from infra.lifecycle.recovery import RecoveryRecord
 from infra.node.events import NodeEvent
@@ -54,6 +55,9 @@ def replace_lost_nodes(lost_from: Cluster, lost: Sequence[str], lease_ttl_s: flo
 def replace_or_relaunch(job: JobSpec, preempted: Preempted, recovery: RecoveryRecord) -> Replaced | None:
     """Replace only the lost nodes unless recovery.replace is cluster; None: relaunch the whole cluster (the record
     says why when a replacement was tried)."""
+    if isinstance(preempted, Hung):
+        recovery.restarted_in_place()  # every node is there: the ranks start again where they are
+        return Replaced(preempted.cluster, ())
     if job.recovery.replace == "cluster":
         return None
     try:

@@ -136,6 +136,10 @@ class Syncers:
                 raise TrainingError(f"{node.name}: checkpoint syncer died (exit {code}) and cannot be restarted: "
                                     f"{exc}") from None
 
+    def checkpoints_found(self) -> int:
+        """How many complete checkpoints the coordinator's syncer has found so far (each announced once)."""
+        return sum(1 for event in list(self.events) if event.kind is NodeEvent.ANNOUNCED)
+
     def newest_settled(self) -> int | None:
         """The newest committed step when every step announced so far is committed or given up, else None."""
         committed = [e["step"] for e in self.events if e.kind is NodeEvent.COMMITTED and "step" in e]

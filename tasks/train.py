@@ -27,6 +27,7 @@ from infra.workload.contract import NodeContext, input_dir, render_command
 from infra.workload.progress import Point
 from tasks.chaos import arm_chaos
 from tasks.fanout import peer_credentials, replica_fields
+from tasks.hang import HangCheck
 from tasks.node_output import TrainingProgress, node_line_sink
 from tasks.policy import NO_RETRIES
 from tasks.results import CheckpointSave, Committed, Uploaded, checkpoint_saves, sync_results
@@ -82,13 +83,14 @@ def node_context(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch
         inputs={name: input_dir(node.workdir, name) for name in job.inputs})
 
 
-_FIXED_VARS = ("OMP_NUM_THREADS", "PYTHONUNBUFFERED")
+# PYTHONFAULTHANDLER: a rank's stacks on SIGABRT (and on a crash), which a hang's dump asks for (infra/node/stacks.py).
+_FIXED_VARS = ("OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER")
 
 
 def workload_env(job: JobSpec, context: NodeContext) -> dict[str, str]:
     """Everything the script's processes (and the setup commands) get in their environment; the job's secrets are
     resolved here, as each node command starts, and kept nowhere else."""
-    fixed = dict(zip(_FIXED_VARS, (str(job.training.threads_per_proc), "1"), strict=True))
+    fixed = dict(zip(_FIXED_VARS, (str(job.training.threads_per_proc), "1", "1"), strict=True))
     return {**fixed, **job.training.env, **job_secrets(job), **context.environment()}
 
 
@@ -184,10 +186,10 @@ class _ExitGrace:
 
 
 def _wait_all(trainers: dict[str, Process], deadline: float, watch: PreemptionWatch, syncers: Syncers,
-              poll: Any, exit_grace: _ExitGrace) -> list[str]:
-    """Wait for every trainer; the first failure, a dead syncer that cannot be restarted, a preemption or the
-    deadline stops the rest and raises. Returns the nodes whose ranks still ran exit_grace_s after another node's
-    all exited 0 with the newest checkpoint committed."""
+              poll: Any, exit_grace: _ExitGrace, hang: HangCheck) -> list[str]:
+    """Wait for every trainer; the first failure, a dead syncer that cannot be restarted, a preemption, a hang or
+    the deadline stops the rest and raises. Returns the nodes whose ranks still ran exit_grace_s after another
+    node's all exited 0 with the newest checkpoint committed."""
     def each_round() -> None:
         watch.reading(poll.runner.node_name, poll)  # the head gone without notice is the watch's call, not a failure
         watch.poll()
@@ -195,6 +197,7 @@ def _wait_all(trainers: dict[str, Process], deadline: float, watch: PreemptionWa
             syncers.poll(going=watch.noticed_now)
         except TrainingError as error:
             raise watch.explain(error) from None  # a syncer on a preempted node dies with it
+        hang()
 
     def failed(name: str, code: int, process: Process) -> TrainingError:
         tail = failure_tail(process)
@@ -253,6 +256,8 @@ def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOu
     upload_s = job.checkpoints.final_upload_timeout_s
     started = time.monotonic()
     trainers: dict[str, Process] = {}
+    hang = HangCheck(job.training.hang_timeout_s, cluster, runners, trainers, progress, syncers.checkpoints_found,
+                     launch.attempt, logger)
     warnings: list[str] = []
     code_dir = {node.name: node.code_dir if job.training.code is not None else None for node in cluster.nodes}
     try:
@@ -267,7 +272,7 @@ def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOu
                                        follow=progress.follow if node == cluster.head else None),
                 log_path=node.path("logs", "train.log"))
         arm_chaos(job, launch.attempt, watch)  # tests and drills only: nothing without the job's `chaos:` section
-        pending = _wait_all(trainers, started + job.training.timeout_s, watch, syncers, metrics, exit_grace)
+        pending = _wait_all(trainers, started + job.training.timeout_s, watch, syncers, metrics, exit_grace, hang)
         if pending:
             warnings.append(_hung_at_exit(job, cluster, exit_grace.hung(pending), exit_grace.step))
             logger.warning("%s", warnings[-1])
@@ -286,7 +291,7 @@ def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOu
         # ... then the syncers upload and commit what completed (final_upload_timeout_s, however long the save
         # deadline): committed checkpoints are what the next attempt resumes from. A lost node's part never comes:
         # then only the save deadline, and the others are told not to wait for its part at all.
-        lost = failure.nodes if isinstance(failure, Preempted) else ()
+        lost = failure.lost if isinstance(failure, Preempted) else ()
         timeout_s, grace_s = (deadline_s, 0.0) if lost else (upload_s, STOP_GRACE_S)
         try:
             syncers.stop(timeout_s, grace_s, lost=lost)

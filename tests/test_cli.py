@@ -153,6 +153,7 @@ def test_plan_prints_the_plan_and_launches_nothing(workspace: Path, tmp_path: Pa
             "keep_local 2 × 0.0 MB) + peer replicas 0.0 MB (2 × a node's part 0.0 MB) + share dir 0.0 MB (links to "
             "the above, unlinked after each exchange) = 0.4 MB") not in out, "no checkpoint size is known"
     assert "; checkpoints not counted: no size known: set checkpoints.size_bytes" in out
+    assert "hang detection: no new step and no new checkpoint for 1800s" in out and "reports neither" in out
     assert not (workspace / "clusters").exists() or not any((workspace / "clusters").iterdir()), "plan launched"
 
 

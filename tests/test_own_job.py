@@ -96,7 +96,8 @@ def test_a_failing_setup_ends_the_run_with_its_output_and_no_retry(workspace: Pa
     assert "training.setup exited 3" in result.stderr and "no such package: torchh" in result.stderr
     assert result.stdout.count("installing requirements") <= 2 * 2, "the setup was retried"
     summary = json.loads((workspace / "runs" / "setup-fails" / "summary.json").read_text())
-    assert summary["status"] == "failed" and summary["nodes_left"] == 0 and "train" not in summary["phases"]
+    assert summary["status"] == "failed" and summary["nodes_left"] == 0 and "train" not in summary["phases"], (
+        summary.get("teardown_error"), result.stderr[-3000:])
 
 
 def test_a_script_that_writes_no_checkpoint_fails_saying_so(workspace: Path, tmp_path: Path,

@@ -63,6 +63,7 @@ class Plan:
     inputs: dict[str, DatasetPlan] = field(default_factory=dict)  # name -> its plan (snapshot, files, bytes)
     disk: tuple[DiskBudget, ...] = ()  # what each node will hold on its scratch disk, by rank
     cluster_warnings: tuple[str, ...] = ()  # what the provider's section warns of (e.g. no way to end itself)
+    hang_timeout_s: float = 0.0  # training.hang_timeout_s (0: off)
 
     @property
     def init_from(self) -> CheckpointTarget | None:
@@ -84,9 +85,18 @@ class Plan:
             *([f"  warm start: {self.parent.url}" + self._parent_note()] if self.parent is not None else []),
             *([f"  disk per node (largest): {max(self.disk, key=lambda b: b.total).render()}"] if self.disk else []),
             self.workload.render(),
+            self._render_hang(),
             *(f"  warning: {warning}" for warning in (*self.workload.warnings, *self.cluster_warnings)),
             *self._render_candidates(),
         ])
+
+    def _render_hang(self) -> str:
+        if self.hang_timeout_s <= 0:
+            return "  hang detection: off (training.hang_timeout_s 0)"
+        return (f"  hang detection: no new step and no new checkpoint for {self.hang_timeout_s:g}s → every rank's "
+                "stacks, then a restart from the latest commit; armed by the script's first step "
+                "(TRAINPIPE_METRICS_FILE or its framework's log lines) or checkpoint: a script that reports neither "
+                "is not watched")
 
     def _parent_note(self) -> str:
         notes = ([f"{self.parent.init_from} at the run's first attempt"] if self.parent_fixed else []) + (
@@ -328,7 +338,7 @@ def plan_job(job: JobSpec, run_id: str, secret_blocks: BlockReader | None = None
         checkpoint_url=checkpoint_url, resume_step=latest.step if latest else None, workload=workload,
         candidates=found, parent=parent, parent_fixed=parent_fixed, inputs=inputs,
         disk=disk_budgets(job, dataset.node_bytes, inputs_bytes, checkpoint, warm_start),
-        cluster_warnings=job.cluster.plan_warnings(),
+        cluster_warnings=job.cluster.plan_warnings(), hang_timeout_s=job.training.hang_timeout_s,
     )
 
 

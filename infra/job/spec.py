@@ -117,6 +117,12 @@ class TrainingSpec(StrictModel):
                                                         "if the node has it, else podman).")
     threads_per_proc: int = Field(1, ge=1, description="CPU threads per training process (OMP_NUM_THREADS).")
     timeout_s: float = Field(3600, gt=0, description="Fail training that runs longer than this.")
+    hang_timeout_s: float = Field(
+        1800.0, ge=0, description="A hung training: no rank reported a new step (TRAINPIPE_METRICS_FILE or the "
+        "framework's log lines) and no new complete checkpoint appeared for this long. Every rank prints its Python "
+        "stacks into the run folder, the ranks are stopped on every node and restarted on the same nodes from the "
+        "latest commit (a recovery, counted against recovery.max_recoveries); a second hang at the same step fails "
+        "the run. Armed by the attempt's first step or checkpoint. 0: off.")
     exit_grace_s: float = Field(
         120.0, ge=0, description="Once every rank of one node has exited 0 and the newest checkpoint is committed: "
         "seconds the other nodes get to exit too; past it their ranks are stopped and the run completes, naming "

@@ -62,6 +62,11 @@ class Preempted(TrainingError):
     def node(self) -> str:
         return self.nodes[0]
 
+    @property
+    def lost(self) -> tuple[str, ...]:
+        """The nodes that are gone (whose parts of a checkpoint will never come)."""
+        return self.nodes
+
 
 @dataclass
 class _Injection:

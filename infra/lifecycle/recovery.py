@@ -24,6 +24,7 @@ from infra.job.summary import timed_into
 RECOVERY_PHASES = ("teardown", "provision", "verify", "stage", "restore")
 REPLACED = "replaced-nodes"  # only the lost nodes replaced, the survivors kept
 RELAUNCHED = "relaunched-cluster"  # the whole cluster torn down and launched again
+RESTARTED = "restarted-in-place"  # nothing lost (a hang): the same nodes train again from the commit
 
 
 class RecoveryExhausted(RuntimeError):
@@ -51,9 +52,13 @@ class RecoveryRecord:
     path: str = RELAUNCHED  # REPLACED or RELAUNCHED
     replaced: list[str] = field(default_factory=list)  # the nodes replaced on their own (path REPLACED)
     fallback: str | None = None  # why the lost nodes could not be replaced alone (ReplacementUnavailable)
+    hung: bool = False  # training hung (infra/lifecycle/hang.py): the nodes are the ones stopped, none lost
 
     def replaced_nodes(self, names: Sequence[str]) -> None:
         self.path, self.replaced = REPLACED, list(names)
+
+    def restarted_in_place(self) -> None:
+        self.path = RESTARTED
 
     def fell_back(self, why: str) -> None:
         self.path, self.fallback = RELAUNCHED, why
@@ -87,18 +92,22 @@ class Recoveries:
         self._preempted_in: list[tuple[str, str | None]] = []
 
     def begin(self, nodes: Sequence[str], reason: str, with_notice: bool, step_reached: int,
-              detected_at: float) -> RecoveryRecord:
-        """A new recovery, or RecoveryExhausted naming why not."""
-        node = ", ".join(nodes)
+              detected_at: float, hung: bool = False) -> RecoveryRecord:
+        """A new recovery, or RecoveryExhausted naming why not. hung: training hung (nothing lost); a second hang
+        at the same step is not recovered, since restarting from the same commit would hang there again."""
+        what = f"training {reason}" if hung else f"{', '.join(nodes)} preempted ({reason})"
+        if hung and any(r.hung and r.step_reached == step_reached for r in self.records):
+            raise RecoveryExhausted(f"{what}, the second time at step {step_reached}: the script hangs there; its "
+                                    "ranks' stacks are in the run folder (stacks/)")
         if len(self.records) >= self.policy.max_recoveries:
-            raise RecoveryExhausted(f"{node} preempted ({reason}) after {len(self.records)} recoveries: "
+            raise RecoveryExhausted(f"{what} after {len(self.records)} recoveries: "
                                     "recovery.max_recoveries is spent: raise it or rerun with the same run id")
         elapsed = time.monotonic() - self.started
         if elapsed >= self.policy.deadline_s:
-            raise RecoveryExhausted(f"{node} preempted ({reason}) {elapsed:.0f}s into the run, past "
+            raise RecoveryExhausted(f"{what} {elapsed:.0f}s into the run, past "
                                     "recovery.deadline_s: raise it or rerun with the same run id")
         record = RecoveryRecord(len(self.records) + 1, nodes[0], reason, with_notice, step_reached, detected_at,
-                                nodes=list(nodes))
+                                nodes=list(nodes), hung=hung)
         self.records.append(record)
         return record
 

@@ -30,6 +30,7 @@ COMMANDS: dict[NodeCommand, str] = {
     NodeCommand.TORCHRUN: "infra.node.torchrun",
     NodeCommand.EXEC: "infra.node.exec",
     NodeCommand.PULL: "infra.node.pull",
+    NodeCommand.STACKS: "infra.node.stacks",
 }
 
 

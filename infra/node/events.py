@@ -71,6 +71,8 @@ class NodeEvent(StrEnum):
     LEASE_EXPIRED = "lease-expired"
     POWER_OFF_FAILED = "power-off-failed"
     NODE_DOWN = "node-down"
+    # stacks (infra/node/stacks.py)
+    STACKS_DUMPED = "stacks-dumped"  # ranks: the workers signalled, exited: how many ended within the grace
     # chaos (infra/node/chaos.py)
     CHAOS_ARMED = "chaos-armed"
     NOTICE_RAISED = "notice-raised"

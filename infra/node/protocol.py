@@ -49,6 +49,7 @@ class NodeCommand(StrEnum):
     TORCHRUN = "torchrun"
     EXEC = "exec"
     PULL = "pull"
+    STACKS = "stacks"
 
 
 class EnvironmentKind(StrEnum):
@@ -353,6 +354,15 @@ class ChaosRequest(NodeRequest):
     workdir: str  # the node's directory, deleted at the end
     notice_s: float = Field(0.0, ge=0)  # notice before the node goes (0: none)
     poll_s: float = Field(0.2, gt=0)
+
+
+class StacksRequest(NodeRequest):
+    """Make this node's training ranks print their Python stacks and end: each torchrun worker of the node (with
+    PYTHONFAULTHANDLER=1, which the workload environment sets) gets SIGABRT, which faulthandler turns into every
+    thread's stack on the rank's stderr, then the abort. The orchestrator reads the stacks from the trainer's output."""
+
+    command: ClassVar[NodeCommand] = NodeCommand.STACKS
+    grace_s: float = Field(10.0, gt=0)  # how long the ranks get to print and exit
 
 
 class NetbenchRequest(NodeRequest):
