@@ -29,6 +29,7 @@ from jobs import job_config, make_dataset
 from provider_checks import assert_reports_launched_cluster, unreached_key
 
 import infra.compute.providers.azure.arm as azure_arm
+import infra.compute.providers.azure.provider as provider_module
 from infra.compute.catalog import Catalog, shipped_catalog
 from infra.compute.failover import QuotaEverywhere
 from infra.compute.providers import get_provider
@@ -309,6 +310,25 @@ def test_without_capacity_in_the_placement_group_the_replacement_is_unavailable_
     assert [vm["name"] for vm in arm.resources("virtualMachines", group)] == [cluster.nodes[1].name]
     assert sorted(r["name"] for r in arm.resources("networkInterfaces", group)) == [f"{cluster.nodes[1].name}-nic"]
     assert azure.terminate("tp-az-full") and left(arm, "tp-az-full") == []
+
+
+def test_a_round_of_the_watch_is_one_arm_listing(azure: AzureProvider, arm: ArmServer,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The preemption watch asks for notices, then liveness, every 2 s: one VM listing answers both (ARM's read
+    limits are the subscription's, shared by every run in it); the next round lists again."""
+    cluster = azure.launch("tp-az-round", spec(nodes=2, regions=("eastus",)), "run-round")
+    listings = f"/resourceGroups/{cluster.owner['resource_group']}/providers/Microsoft.Compute/virtualMachines$"
+    arm.clear_calls()
+    assert azure.preemption_notices(cluster) == []
+    assert azure.nodes_alive(cluster) == {node.name: True for node in cluster.nodes}
+    assert len(arm.calls("GET", listings)) == 1
+    assert azure.nodes_alive(cluster) == {node.name: True for node in cluster.nodes}  # not the watch's pair: asks
+    assert len(arm.calls("GET", listings)) == 2
+    azure.preemption_notices(cluster)
+    monkeypatch.setattr(provider_module, "LISTING_REUSE_S", -1.0)  # a listing too old to answer for now
+    azure.nodes_alive(cluster)
+    assert len(arm.calls("GET", listings)) == 4
+    assert azure.terminate("tp-az-round")
 
 
 def test_the_sweeper_takes_the_cluster_whose_heartbeat_expired_and_leaves_the_live_one(

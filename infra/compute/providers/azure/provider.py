@@ -83,6 +83,7 @@ log = logging.getLogger(__name__)
 COMPUTE, NETWORK = "Microsoft.Compute", "Microsoft.Network"
 ENDED = ("Failed", "Deleting")  # provisioning states of a VM that is gone or going
 SPOT_NOTICE_S = 30.0  # the least notice Azure's Scheduled Events give a Spot VM before the eviction
+LISTING_REUSE_S = 1.0  # the notices' VM listing answers the liveness asked right after it (the watch asks every 2 s)
 OS_DISK_GB = 256
 SSH_CIDR_ENV = "TRAINPIPE_SSH_CIDR"
 PUBLIC_KEY_ENV = "TRAINPIPE_AZURE_SSH_PUBLIC_KEY"
@@ -118,6 +119,7 @@ class AzureProvider(ArmApi, CloudProvider):
         self._lock = threading.Lock()
         # Where the nodes' watchers read Scheduled Events: Azure's instance metadata service unless told otherwise.
         self.notice_url = os.environ.get(METADATA_ENV) or None
+        self._notice_listing: dict[str, tuple[float, dict[str, dict[str, Any]]]] = {}  # cluster: (when, its VMs)
 
     # -- launch -------------------------------------------------------------------------------------------------
 
@@ -416,6 +418,13 @@ class AzureProvider(ArmApi, CloudProvider):
 
     # -- nodes --------------------------------------------------------------------------------------------------
 
+    def _listed_for_notices(self, cluster: Cluster) -> dict[str, dict[str, Any]] | None:
+        """The listing preemption_notices made less than LISTING_REUSE_S ago, used once."""
+        listed = self._notice_listing.pop(cluster.name, None)
+        if listed is None or time.monotonic() - listed[0] > LISTING_REUSE_S:
+            return None
+        return listed[1]
+
     def _nodes_now(self, cluster: Cluster) -> dict[str, dict[str, Any]]:
         doing = f"describe {cluster.name}"
         return self._call(doing, lambda: {vm["name"]: vm for vm in self._vms(cluster.owner["resource_group"])})
@@ -433,7 +442,7 @@ class AzureProvider(ArmApi, CloudProvider):
         self._call(doing, renew)
 
     def nodes_alive(self, cluster: Cluster) -> dict[str, bool]:
-        found = self._nodes_now(cluster)
+        found = self._listed_for_notices(cluster) or self._nodes_now(cluster)
         return {node.name: node.name in found and found[node.name]["properties"].get("provisioningState") not in ENDED
                 for node in cluster.nodes}
 
@@ -443,6 +452,9 @@ class AzureProvider(ArmApi, CloudProvider):
         SSH from every VM still standing. Once Azure deletes the VM, a Spot VM seen Deleting is being reclaimed too
         (trainpipe deletes single VMs only while replacing them), its deadline counted from now."""
         vms = self._nodes_now(cluster)
+        # The watch asks for liveness right after the notices: one ARM list a round, not two (ARM's read limits
+        # are the subscription's, shared by every run in it).
+        self._notice_listing[cluster.name] = (time.monotonic(), vms)
         standing = [node for node in cluster.nodes if node.address and node.name in vms
                     and vms[node.name]["properties"].get("provisioningState") not in ENDED]
         told = {notice.node: notice for notice in read_node_notices(standing, lambda node: self.runner(cluster, node))}
