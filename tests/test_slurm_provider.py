@@ -239,16 +239,28 @@ def test_impossible_request_is_invalid_and_leaves_nothing(slurm: SlurmCluster, t
 
 
 def test_holder_ends_the_allocation_when_the_lease_is_not_renewed(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """And what the ended allocation left in the nodes' scratch goes at the next launch on them, while the dirs of
+    an allocation still running there stay (a site that shares nodes: exclusive false)."""
     provider = get_provider("slurm")
-    cluster_spec = spec(tmp_path, nodes=2).model_copy(update={"lease_ttl_s": 10.0})
+    live_spec = spec(tmp_path, nodes=3, exclusive=False).model_copy(update={"lease_ttl_s": 900.0})
+    live = provider.launch("tp-live", live_spec, "run-live")
+    cluster_spec = spec(tmp_path, nodes=2, exclusive=False).model_copy(update={"lease_ttl_s": 10.0})
     cluster = provider.launch("tp-lease", cluster_spec, "run-lease")
     launched = time.monotonic()
     # Nobody renews the lease (no orchestrator): the holder ends the job ttl seconds after its start.
-    wait_for(lambda: not slurm.job_ids(), 10 + 30, "allocation ended by its holder")
+    wait_for(lambda: slurm.job_ids() == [live.owner["job_id"]], 10 + 30, "allocation ended by its holder")
     print(f"lease expiry to squeue empty: {time.monotonic() - launched:.1f}s after launch (ttl 10 s)")
     assert "lease not renewed" in holder_log(cluster)
     assert provider.nodes_alive(cluster) == {node.name: False for node in cluster.nodes}
-    assert provider.terminate("tp-lease")  # the record is still there until teardown
+    left = [Path(node.workdir) for node in cluster.nodes]
+    assert all(path.is_dir() for path in left), "an allocation ended by its lease removes nothing itself"
+
+    after = provider.launch("tp-after", spec(tmp_path, nodes=3, exclusive=False), "run-after")
+    assert not any(path.exists() for path in left), holder_log(after)
+    assert all(Path(node.workdir).is_dir() for node in live.nodes), "a running allocation's dirs were removed"
+    assert "removed" in holder_log(after) and "its job" in holder_log(after)
+    for name in ("tp-after", "tp-live", "tp-lease"):
+        assert provider.terminate(name)  # the record is still there until teardown
     assert provider.describe("tp-lease") is None
 
 

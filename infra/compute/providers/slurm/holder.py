@@ -3,7 +3,10 @@
 It runs on the allocation's first node and does three things:
 - makes every node's workdir (data, ckpt, logs) with one job step across the nodes, removing the preemption notice
   and the syncer state (its stop request) an earlier allocation of the same cluster left there (a recovery's
-  relaunch), then writes READY_FILE in its own;
+  relaunch), and stamps it with the job's id (ALLOCATION_FILE); then writes READY_FILE in its own. The same step
+  removes, beside it in the node's scratch, the workdirs of other trainpipe clusters whose stamped job has ended (an
+  allocation ended by its lease or its walltime has no teardown to remove them, and they filled the scratch disk):
+  never one whose job is pending or running, and none while slurmctld does not answer (unknown is not ended);
 - turns the allocation's end into a preemption notice on every node: USR1 (sbatch --signal=B:USR1@N: N s before the
   walltime, or when preemption starts where the site sets preempt_send_user_signal) and SIGTERM (preemption or
   cancel, KillWait before SIGKILL) each write infra.node.preemption's notice file into every node's workdir, which
@@ -27,6 +30,7 @@ from infra.node.preemption_notice import NOTICE_FILE
 from infra.node.watchdog import LEASE_FILE
 
 READY_FILE = ".allocation-ready"
+ALLOCATION_FILE = ".allocation"  # in every node's workdir: the id of the job that made it, last
 SYNC_SUBDIR = "sync"  # a node's syncer state: Node.sync_dir, relative to its workdir
 HOLDER_LOG = "holder.log"  # in the first node's logs dir
 POLL_S = 2
@@ -51,11 +55,26 @@ started=$(date +%s)
 # One job step on every node: its workdir. The steps that follow (the run's) overlap with this holder.
 # A step's own node dir, in $d (never an empty template: that would make dirs at /).
 node_dir_step='[ -n "$TP_WORKDIR_TEMPLATE" ] || exit 1; d="${TP_WORKDIR_TEMPLATE//@PLACEHOLDER@/$SLURMD_NODENAME}"'
+# Beside $d: the workdirs of trainpipe clusters (tp-*, stamped) whose job is over. squeue names a live job's state;
+# an ended one's is terminal, or unknown to slurmctld once purged ("Invalid job id"); any other failure keeps the dir.
+sweep_ended='drop() { rm -rf -- "$other" && echo "removed $other: its job $job ended (${state:-gone})"; }
+for other in "${d%/*}"/tp-*; do
+  [ "$other" != "$d" ] && [ -f "$other/@ALLOCATION@" ] || continue
+  job=$(cat "$other/@ALLOCATION@"); state=$(squeue -h -j "$job" -o %T 2>&1); asked=$?
+  case "$asked:$state" in
+    0:PENDING*|0:RUNNING*|0:SUSPENDED*|0:CONFIGURING*|0:COMPLETING*) ;;
+    0:REQUEUE*|0:RESIZING*|0:SIGNALING*|0:STAGE_OUT*|0:STOPPED*) ;;
+    0:|0:COMPLETED*|0:CANCELLED*|0:FAILED*|0:TIMEOUT*|0:PREEMPTED*) drop ;;
+    0:NODE_FAIL*|0:OUT_OF_MEMORY*|0:BOOT_FAIL*|0:DEADLINE*|*"Invalid job id"*) drop ;;
+    *) echo "kept $other: the state of its job $job is unknown ($state)" ;;
+  esac
+done; true'
 every_node() { srun --overlap --export=ALL --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 "$@"; }
 # A relaunch (a recovery) finds the same dirs with what the last allocation left: its notice must not end this one,
 # nor its syncers' state (the stop request the last watcher wrote) stop this one's syncers at their start.
 every_node --kill-on-bad-exit=1 bash -c "$node_dir_step"'; mkdir -p "$d/data" "$d/ckpt" "$d/logs" &&
-  rm -rf "$d/@NOTICE@" "$d/.@NOTICE@.tmp" "$d/@SYNC@"' \
+  rm -rf "$d/@NOTICE@" "$d/.@NOTICE@.tmp" "$d/@SYNC@" && printf "%s\n" "$SLURM_JOB_ID" > "$d/@ALLOCATION@" &&
+  '"$sweep_ended" \
   || { say "cannot make the nodes' workdirs"; exit 1; }
 printf '%s\n' "$SLURM_JOB_ID" > "$own/@READY@"
 
@@ -104,7 +123,8 @@ def holder_script(cluster_name: str, run_id: str, workdir_template: str, ttl_s: 
     values = {
         "@CLUSTER@": cluster_name, "@RUN@": run_id, "@TEMPLATE@": shlex.quote(workdir_template),
         "@PLACEHOLDER@": NODE_PLACEHOLDER.replace("{", r"\{").replace("}", r"\}"), "@HOLDER_LOG@": HOLDER_LOG,
-        "@READY@": READY_FILE, "@NOTICE@": NOTICE_FILE, "@SYNC@": SYNC_SUBDIR, "@LEASE@": LEASE_FILE,
+        "@READY@": READY_FILE, "@ALLOCATION@": ALLOCATION_FILE, "@NOTICE@": NOTICE_FILE, "@SYNC@": SYNC_SUBDIR,
+        "@LEASE@": LEASE_FILE,
         "@LEAD@": str(signal_lead_s),
         "@TERM_S@": str(TERM_NOTICE_S), "@POLL@": str(POLL_S), "@ASK_S@": str(ASK_S), "@TTL@": str(int(ttl_s)),
         "@ASK_PREEMPTION@": "1" if ask_preemption else "0",
