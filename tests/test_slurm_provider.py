@@ -287,6 +287,14 @@ def test_a_lost_node_is_replaced_alone_by_a_one_node_allocation(slurm: SlurmClus
             "STEP", node_job, replaced.nodes[1].workdir]
         assert provider.nodes_alive(replaced) == {head.name: True, lost.name: True}
         assert sorted(slurm.job_ids()) == sorted([cluster.owner["job_id"], node_job])
+        # The allocation's end (its holder told by USR1, as by walltime or preemption): its notice reaches the
+        # replacement too, whose one-node job the holder's steps cannot reach.
+        slurm.run("scancel", "--batch", "--signal=USR1", cluster.owner["job_id"])
+        wait_for(lambda: provider.preemption_notices(replaced) != [], DEADLINE_S, "the allocation's notice")
+        relayed = Path(replaced.nodes[1].path("preemption-notice.json"))
+        assert relayed.is_file() and json.loads(relayed.read_text()) == json.loads(
+            Path(head.path("preemption-notice.json")).read_text())
+        assert "USR1" in json.loads(relayed.read_text())["reason"]
         assert [record.name for record in provider.list_clusters()] == ["tp-replace"]
         assert provider.describe("tp-replace") == replaced
     finally:

@@ -46,7 +46,7 @@ from infra.compute.providers.slurm.holder import READY_FILE, holder_script
 from infra.compute.providers.slurm.login import Login, login_of
 from infra.compute.providers.slurm.runner import SlurmRunner
 from infra.compute.spec import ClusterSpec
-from infra.node.preemption_notice import NOTICE_FILE, parse_notice
+from infra.node.preemption_notice import NOTICE_FILE, Notice, parse_notice
 from infra.node.processes import CLUSTER_TAG, NODE_TAG
 from infra.workspace import workspace_dir
 
@@ -85,6 +85,7 @@ class SlurmProvider(Provider):
 
     def __init__(self, root: Path | None = None) -> None:
         self.root = root or slurm_clusters_dir()
+        self._relayed: set[tuple[str, str, float]] = set()  # (cluster, replacement node, notice deadline)
 
     def _record(self, cluster_name: str) -> Path:
         return self.root / f"{cluster_name}.json"
@@ -408,7 +409,8 @@ class SlurmProvider(Provider):
                            {CLUSTER_TAG: node.workdir, NODE_TAG: node.name}, _login(cluster))
 
     def preemption_notices(self, cluster: Cluster) -> list[PreemptionNotice]:
-        """The holder writes the same notice on every node (the allocation ends as a whole): the head's is read."""
+        """The holder writes the same notice on every node of its allocation (which ends as a whole): the head's is
+        read, and relayed to the replacements, whose one-node jobs the holder's steps cannot reach."""
         if not cluster.nodes:
             return []
         try:
@@ -418,8 +420,25 @@ class SlurmProvider(Provider):
             return []
         if notice is None:
             return []
+        self._relay(cluster, notice)
         return [PreemptionNotice(node=node.name, deadline=notice.deadline, reason=notice.reason)
                 for node in cluster.nodes]
+
+    def _relay(self, cluster: Cluster, notice: Notice) -> None:
+        """The allocation's notice into every replacement's workdir, once: its watcher then stops its ranks (a
+        SIGTERM for the emergency save) as the allocation's nodes' watchers stop theirs."""
+        for name in cluster.owner.get("node_jobs", {}):
+            node = next((n for n in cluster.nodes if n.name == name), None)
+            if node is None or (cluster.name, name, notice.deadline) in self._relayed:
+                continue
+            try:
+                self.runner(cluster, node).write_text(node.path(NOTICE_FILE), notice.to_json())
+            except RemoteError as exc:
+                log.warning("%s: the allocation's preemption notice could not be relayed to it (asked again at the "
+                            "next poll): %s", name, exc)
+                continue
+            self._relayed.add((cluster.name, name, notice.deadline))
+            log.warning("%s: the allocation's preemption notice relayed to it (%s)", name, notice.reason)
 
     def nodes_alive(self, cluster: Cluster) -> dict[str, bool]:
         """A node is alive while its job (the allocation's, or a replacement's) runs on it and Slurm does not hold
