@@ -25,7 +25,9 @@ IDENTITY_HEADER), so an orchestrator started as a command gets a token the way i
 `/metadata/identity/oauth2/token` (a token of a user-assigned identity the VM carries, named by `msi_res_id` or
 `client_id`; else IMDS's 400 "Identity not found") and `/metadata/instance/compute` (its name, group, subscription).
 A request that carries such a token is checked as ARM would: issued here, for Resource Manager's audience, and of an
-identity granted Virtual Machine Contributor (`grant`), else 401 or 403 AuthorizationFailed; any other token passes.
+identity granted a role whose actions cover the request's (`grant`: by default the role trainpipe ships,
+examples/azure-self-delete-role.json, read from that file), else 401 or 403 AuthorizationFailed; any other token
+passes.
 Public addresses come from `public_prefix`, private ones from `private_prefix` (distinct: a test fails if the wrong
 one is bound).
 """
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import fnmatch
 import ipaddress
 import itertools
 import json
@@ -64,6 +67,8 @@ CAPACITY_IN_OPERATION = {"AllocationFailed", "OverconstrainedAllocationRequest",
 RESOURCE = re.compile(r"^/subscriptions/([^/]+)/resourcegroups/([^/]+)/providers/([^/]+)/([^/]+)(?:/([^/]+))?$",
                       re.IGNORECASE)
 GROUP = re.compile(r"^/subscriptions/([^/]+)/resourcegroups(?:/([^/]+))?$", re.IGNORECASE)
+# The custom role trainpipe ships for the nodes' self-delete: what `grant` gives by default.
+SELF_DELETE_ROLE = Path(__file__).resolve().parent.parent / "examples" / "azure-self-delete-role.json"
 PREEMPT_NOTICE_S = 30.0  # Azure gives a Spot VM at least 30 s between the Preempt event and the eviction
 
 
@@ -114,7 +119,8 @@ class _State:
     faults: list[Fault] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)  # Scheduled Events
     tokens: dict[str, dict[str, str]] = field(default_factory=dict)  # IMDS token → {identity, resource}
-    vm_contributors: set[str] = field(default_factory=set)  # lower identity IDs granted Virtual Machine Contributor
+    # lower identity ID -> the actions of the role granted to it on the subscription (ARM's patterns: * matches)
+    roles: dict[str, tuple[str, ...]] = field(default_factory=dict)
     calls: list[Call] = field(default_factory=list)
 
 
@@ -183,10 +189,13 @@ class ArmServer(StandIn):
             self._state.faults.append(fault)
         return fault
 
-    def grant(self, identity: str) -> None:
-        """Virtual Machine Contributor for a user-assigned identity (its resource ID), on the subscription."""
+    def grant(self, identity: str, actions: tuple[str, ...] | None = None) -> None:
+        """A role on the subscription for a user-assigned identity (its resource ID): the actions given, else those
+        of the custom role trainpipe ships for self-delete."""
+        if actions is None:
+            actions = tuple(json.loads(SELF_DELETE_ROLE.read_text())["Actions"])
         with self._lock:
-            self._state.vm_contributors.add(identity.lower())
+            self._state.roles[identity.lower()] = actions
 
     def resources(self, kind: str = "", group: str | None = None) -> list[dict[str, Any]]:
         """Resources whose type ends with kind (e.g. "virtualMachines"), of one group or all."""
@@ -294,8 +303,8 @@ class ArmServer(StandIn):
                      "token_type": "Bearer", "client_id": _client_id(wanted)}, {}
 
     def _check_identity_token(self, authorization: str, method: str, kind: str, path: str) -> None:
-        """A VM identity's token (one this fake's IMDS issued) reaches ARM only with Resource Manager's audience and
-        Virtual Machine Contributor, which covers virtual machines only."""
+        """A VM identity's token (one this fake's IMDS issued) reaches ARM only with Resource Manager's audience and a
+        role granted to its identity whose actions cover the request's."""
         token = authorization.removeprefix("Bearer ")
         if not token.startswith(IMDS_TOKEN_PREFIX):
             return
@@ -305,8 +314,9 @@ class ArmServer(StandIn):
         if issued["resource"].rstrip("/") != MANAGEMENT.rstrip("/"):
             raise ArmError(401, "InvalidAuthenticationTokenAudience", "The access token has been obtained for wrong "
                            f"audience or resource '{issued['resource']}'.")
-        if issued["identity"] not in self._state.vm_contributors or kind.lower() != "microsoft.compute/virtualmachines":
-            action = f"{kind}/{'delete' if method == 'DELETE' else 'write' if method == 'PUT' else 'read'}"
+        action = f"{kind}/{'delete' if method == 'DELETE' else 'write' if method in ('PUT', 'PATCH') else 'read'}"
+        granted = self._state.roles.get(issued["identity"], ())
+        if not any(fnmatch.fnmatchcase(action.lower(), pattern.lower()) for pattern in granted):
             raise ArmError(403, "AuthorizationFailed", f"The client '{_client_id(issued['identity'])}' does not have "
                            f"authorization to perform action '{action}' over scope '{path}' or the scope is invalid.")
 

@@ -9,6 +9,7 @@ failover, rollback, replacement and teardown run through the real SDK code, long
 from __future__ import annotations
 
 import base64
+import json
 import os
 import re
 import socket
@@ -598,9 +599,30 @@ def test_a_refused_token_or_a_missing_role_is_one_line_naming_the_role_and_the_v
         done = power_off(program, arm, group, vm, identity, tmp_path)
         assert done.returncode == 1 and done.stdout == ""
         [line] = done.stderr.splitlines()
-        assert why in line and "Virtual Machine Contributor" in line and "the sweeper deletes this VM" in line, line
+        assert why in line and "trainpipe node self-delete" in line and "the sweeper deletes this VM" in line, line
     assert [r["name"] for r in arm.resources("virtualMachines", group)] == [vm]
     assert [c.status for c in arm.calls("DELETE", "/virtualMachines/")] == [403]
+
+
+def test_self_delete_needs_only_the_shipped_roles_read_and_delete(azure: AzureProvider, arm: ArmServer,
+                                                                  tmp_path: Path) -> None:
+    """The role of examples/azure-self-delete-role.json (virtualMachines/read and /delete, nothing else) is enough;
+    a role without delete is not; the fake checks the token's actions, so a broader role is not what passes."""
+    role = json.loads((REPO / "examples" / "azure-self-delete-role.json").read_text())
+    assert role["Actions"] == ["Microsoft.Compute/virtualMachines/read", "Microsoft.Compute/virtualMachines/delete"]
+    assert role["Name"] == azure_self_delete.ROLE and not role["DataActions"]
+    azure.launch("tp-az-narrow", spec(regions=("eastus",), spot="never", nodes=2, azure={"identity": IDENTITY}),
+                 "run-narrow")
+    group, program = group_name("tp-az-narrow"), Path(azure_self_delete.__file__).read_text()
+    arm.grant(IDENTITY, ("Microsoft.Compute/virtualMachines/read",))
+    refused = power_off(program, arm, group, vm_name("tp-az-narrow", 1), IDENTITY, tmp_path)
+    assert refused.returncode == 1 and "HTTP 403" in refused.stderr
+    assert "Microsoft.Compute/virtualMachines/delete" in refused.stderr, refused.stderr
+    arm.grant(IDENTITY)  # the shipped role
+    done = power_off(program, arm, group, vm_name("tp-az-narrow", 1), IDENTITY, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert [r["name"] for r in arm.resources("virtualMachines", group)] == [vm_name("tp-az-narrow", 0)]
+    assert azure.terminate("tp-az-narrow") and left(arm, "tp-az-narrow") == []
 
 
 def test_a_silent_metadata_service_times_out_into_the_one_line(monkeypatch: pytest.MonkeyPatch,
@@ -614,7 +636,7 @@ def test_a_silent_metadata_service_times_out_into_the_one_line(monkeypatch: pyte
                                        f"http://127.0.0.1:{silent.getsockname()[1]}"])
     assert code == 1 and time.monotonic() - started < 5
     [line] = capsys.readouterr().err.splitlines()
-    assert "timed out" in line and "Virtual Machine Contributor" in line and "sweeper" in line, line
+    assert "timed out" in line and "azure-self-delete-role.json" in line and "sweeper" in line, line
 
 
 def test_a_vm_without_an_identity_gets_no_unit_and_the_plan_says_the_sweeper_is_the_backstop(
@@ -630,7 +652,7 @@ def test_a_vm_without_an_identity_gets_no_unit_and_the_plan_says_the_sweeper_is_
     del config["dataset"]["expectations"]  # a Great Expectations suite would cost seconds and tell nothing here
     rendered = plan_job(parse_job(config), "az-no-identity").render()
     [warning] = [line for line in rendered.splitlines() if "cluster.azure.identity is not set" in line]
-    assert warning.startswith("  warning: ") and "sweeper" in warning and "Virtual Machine Contributor" in warning
+    assert warning.startswith("  warning: ") and "sweeper" in warning and "azure-self-delete-role.json" in warning
 
 
 def test_the_identity_must_be_azures_own_characters_to_reach_the_unit() -> None:

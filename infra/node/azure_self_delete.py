@@ -8,8 +8,10 @@ then ends the VM for good, as on AWS. It asks the instance metadata service (IMD
 identity (`msi_res_id`: the VM may carry several), and for the VM's subscription, resource group and name, and
 DELETEs the VM with `forceDeletion=true` (Azure skips the graceful power-off it would otherwise wait for); its OS
 disk, NIC and public IP are created with deleteOption Delete and go with it. The identity needs
-Microsoft.Compute/virtualMachines/delete on the VM: Virtual Machine Contributor on the subscription (each cluster's
-resource group is created at launch, so a role on the groups must be granted at a scope above them). If the call
+Microsoft.Compute/virtualMachines/delete on the VM: the custom role of examples/azure-self-delete-role.json (read and
+delete of virtual machines, nothing else), assigned on the subscription (each cluster's resource group is created at
+launch, so a role on the groups must be granted at a scope above them; Azure's role assignment conditions do not
+cover Microsoft.Compute's actions, so no condition can narrow it to trainpipe's groups or tags). If the call
 fails the node still powers off, and the sweeper deletes what is left (its heartbeat is gone).
 
 Stdlib only and self-contained: the custom data copies this file verbatim onto the node, where nothing of trainpipe
@@ -35,7 +37,11 @@ COMPUTE_API_VERSION = "2021-02-01"
 # checks they agree).
 VM_API_VERSION = "2026-04-01"
 TIMEOUT_S = 10.0
-ROLE = "Virtual Machine Contributor"
+# The custom role of examples/azure-self-delete-role.json: virtualMachines/read and /delete only. Virtual Machine
+# Contributor would do too, but any process on the node can take the identity's token from IMDS, and that role is
+# write and run-command on every VM of the subscription.
+ROLE = "trainpipe node self-delete"
+ROLE_FILE = "examples/azure-self-delete-role.json"
 
 
 def _json(request: urllib.request.Request, opener: urllib.request.OpenerDirector | None = None) -> Any:
@@ -70,8 +76,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--metadata", default=METADATA, help="instance metadata service base URL")
     parser.add_argument("--api", default=API, help="Azure Resource Manager endpoint")
     args = parser.parse_args(argv)
-    fix = (f"grant identity {args.identity} {ROLE} on the subscription (or on the cluster's resource groups); the "
-           "sweeper deletes this VM otherwise")
+    fix = (f"grant identity {args.identity} the role '{ROLE}' ({ROLE_FILE} in trainpipe: virtualMachines/read and "
+           "/delete) on the subscription; the sweeper deletes this VM otherwise")
     try:
         vm = delete_self(args.identity, args.metadata, args.api)
     except urllib.error.HTTPError as exc:

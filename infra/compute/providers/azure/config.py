@@ -12,7 +12,7 @@ import re
 from pydantic import Field, field_validator
 
 from infra.compute.providers.section import ProviderSection
-from infra.node.azure_self_delete import ROLE
+from infra.node.azure_self_delete import ROLE, ROLE_FILE
 
 # Azure's own characters only (a group name may hold . ( ), never a quote or a space): the ID is passed to the
 # nodes' power-off unit.
@@ -26,7 +26,7 @@ IMAGE_ENV = "TRAINPIPE_AZURE_IMAGE"
 NO_IDENTITY = ("cluster.azure.identity is not set: a VM whose lease expires powers off but cannot delete itself (a "
                "system-assigned identity is born with its VM, so no role can have been granted to it), and a stopped "
                "VM is billed until the sweeper (`trainpipe sweep`) deletes its cluster: set a user-assigned identity "
-               f"with {ROLE} on the subscription")
+               f"with the role '{ROLE}' ({ROLE_FILE}) on the subscription")
 
 
 class AzureClusterSpec(ProviderSection):
@@ -34,10 +34,10 @@ class AzureClusterSpec(ProviderSection):
         None, description="The user-assigned managed identity the VMs carry (its resource ID, /subscriptions/SUB/"
         "resourceGroups/RG/providers/Microsoft.ManagedIdentity/userAssignedIdentities/NAME): grant it Storage Blob "
         "Data Contributor on the job's storage account, once, and every node reaches the store without a key; "
-        "and Virtual Machine Contributor on the subscription, and a VM whose lease expires deletes itself as it "
-        "powers off. None: each VM gets a system-assigned identity, which exists only once the VM does, so nothing "
-        "can have been granted to it: az:// stores then are refused at plan, and only the sweeper deletes a VM "
-        "whose lease expired.")
+        "and the role of examples/azure-self-delete-role.json (virtualMachines/read and /delete only) on the "
+        "subscription, and a VM whose lease expires deletes itself as it powers off. None: each VM gets a "
+        "system-assigned identity, which exists only once the VM does, so nothing can have been granted to it: "
+        "az:// stores then are refused at plan, and only the sweeper deletes a VM whose lease expired.")
     image: str | None = Field(None, description="The VM image as PUBLISHER:OFFER:SKU:VERSION (VERSION may be "
                               "latest). It needs the NVIDIA driver and, for training.image, a container engine and the "
                               f"NVIDIA container toolkit. None: {IMAGE_ENV}, else {DEFAULT_IMAGE} (Microsoft's HPC/AI "
