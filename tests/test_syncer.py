@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from test_checkpoints import CONFIG_HASH, make_step, node_dirs
 
+from infra.checkpoints.formats import Detector
 from infra.checkpoints.layout import Announcement, CheckpointRef
 from infra.checkpoints.steps import step_name
 from infra.checkpoints.store import CheckpointStore
@@ -24,7 +25,7 @@ from infra.node import restore
 from infra.node.events import Event, NodeEvent, parse
 from infra.node.processes import NODE_TAG
 from infra.node.protocol import AGENT_MODULE, NodeCommand, RestoreRequest, SyncRequest
-from infra.node.sync import stop_request
+from infra.node.sync import SyncConfig, Syncer, stop_request
 from infra.storage import open_store
 
 STOP_RECEIVED = "got signal 15: finishing uploads"
@@ -373,3 +374,31 @@ def test_a_signalled_syncer_waits_for_the_save_its_trainer_makes_on_the_same_sig
         late.proc.send_signal(signal.SIGTERM)
         assert late.finish(timeout=10) == 0  # the flush deadline bounds the wait for a trainer that never stops
         stuck.communicate(timeout=30)
+
+
+def test_a_folder_its_framework_starts_deleting_after_it_was_found_is_never_committed_short(
+        tmp_path: Path, checkpoints: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The HF Trainer's rotation (save_total_limit) deletes an old folder file by file; when it starts between the
+    scan that found the folder complete and its upload, the part lists the same before and after its upload, short
+    of what was found. Every file the folder held when found is required: the step is abandoned, not committed."""
+    ckpt = tmp_path / "node-0" / "ckpt"
+    folder = ckpt / "checkpoint-7"
+    folder.mkdir(parents=True)
+    for name in ("model.safetensors", "optimizer.pt", "trainer_state.json"):
+        (folder / name).write_text("{}")
+    config = SyncConfig(ckpt_dir=ckpt, sync_dir=tmp_path / "node-0" / "sync", url=checkpoints.store.url, node_rank=0,
+                        nodes=1, procs_per_node=1, attempt="a1", config_hash=CONFIG_HASH, keep=2, format="hf",
+                        poll_s=0.1, stop_file=None, commit_timeout_s=30.0)
+    config.sync_dir.mkdir(parents=True)
+    syncer = Syncer(config, checkpoints)
+    scan = Detector.scan
+
+    def rotation_starts_after_the_scan(detector: Detector) -> list:
+        found = scan(detector)
+        (folder / "model.safetensors").unlink()
+        return found
+
+    monkeypatch.setattr(Detector, "scan", rotation_starts_after_the_scan)
+    syncer.find_and_ship()
+    assert syncer.commit_pending() == []
+    assert checkpoints.committed() == [], "a checkpoint without its weights was committed"

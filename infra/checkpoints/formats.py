@@ -61,6 +61,9 @@ class Found:
     format: str  # the format whose signal vouched for it (auto resolves to one of the others)
     step: int | None  # from its name or its framework's state; None: the syncer numbers it
     version: int  # mtime_ns of the completion signal: a checkpoint written again is a new version
+    # A folder's files when it was found complete (part_files): each must be in the commit, for a framework's own
+    # retention may start deleting it between this scan and its upload, leaving a short part that lists consistently.
+    files: tuple[str, ...] = ()
 
     def path(self, ckpt_dir: Path) -> Path:
         return ckpt_dir / self.name
@@ -179,7 +182,7 @@ class Detector:
             return []
         writing = files_open_for_writing(self.ckpt_dir)
         found = [c for c in candidates if self._closed(c, writing)]
-        return sorted(_without_rotated_hf(self.ckpt_dir, found), key=lambda c: c.version)
+        return sorted(_without_rotated_hf(found), key=lambda c: c.version)
 
     def _closed(self, found: Found, writing: set[Path] | None) -> bool:
         path = found.path(self.ckpt_dir).resolve()
@@ -238,10 +241,11 @@ class Detector:
         version = _mtime_ns(signal)
         if version is None:
             return None
-        return Found(rel, kind, fmt, step_from_name(rel) if step == -1 else step, version)
+        files = tuple(part_files(self.ckpt_dir / rel)) if kind == "dir" else ()
+        return Found(rel, kind, fmt, step_from_name(rel) if step == -1 else step, version, files)
 
 
-def _without_rotated_hf(ckpt_dir: Path, found: list[Found]) -> list[Found]:
+def _without_rotated_hf(found: list[Found]) -> list[Found]:
     """HF folders missing a file name that the newest HF folder beside them holds are left out.
 
     The Trainer saves the same files at every step (the weights, optimizer, scheduler and RNG states, then
@@ -252,8 +256,7 @@ def _without_rotated_hf(ckpt_dir: Path, found: list[Found]) -> list[Found]:
     if len(folders) < 2:
         return found
     newest = max(folders, key=lambda f: f.version)
-    reference = set(part_files(newest.path(ckpt_dir)))
-    torn = {f.name for f in folders if not reference <= set(part_files(f.path(ckpt_dir)))}
+    torn = {f.name for f in folders if not set(newest.files) <= set(f.files)}
     return [f for f in found if f.name not in torn]
 
 

@@ -389,8 +389,9 @@ class Syncer:
             ref = CheckpointRef(name=found.name, kind=found.kind, format=found.format)
             # Folders are written by every node; a file checkpoint by global rank 0 alone.
             nodes = list(range(self.config.nodes)) if found.kind == "dir" else [0]
-            required = required_files(found.path(self.config.ckpt_dir), self.config.world_size) \
-                if found.kind == "dir" else []
+            # What every node's ranks must contribute, and every file the folder held when it was found complete.
+            required = sorted({*required_files(found.path(self.config.ckpt_dir), self.config.world_size),
+                               *found.files}) if found.kind == "dir" else []
             announcement = Announcement(step=step, checkpoint=ref, attempt=self.config.attempt, nodes=nodes,
                                         required=required, announced_at=time.time())
             call_with_retries(lambda a=announcement: self.checkpoints.announce(a),
