@@ -69,6 +69,9 @@ if dist.get_rank() == 0:
     path = os.path.join(os.environ["TRAINPIPE_CHECKPOINT_DIR"], "model.pt")
     torch.save(model.module.state_dict(), path)
     mark_complete(path)
+# DDP's reducer holds the process group: freed first, or a gloo thread of it can abort the exit
+# ("terminate called without an active exception"), seen once in CI.
+del model, optimizer
 dist.destroy_process_group()
 """
 
