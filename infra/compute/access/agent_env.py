@@ -9,11 +9,15 @@ CPython, architecture and glibc, and pip's own wheel) is downloaded once and kep
 a package index names a dir of pre-downloaded wheels in TRAINPIPE_AGENT_WHEELS.
 
 On the node (stdlib snippets run by its Python): the bundle's files the node lacks are copied to
-<agent_root>/bundles/<bundle key>/, and the env is made at <agent_root>/<env key> under an flock: `python -m venv
---without-pip`, then pip run from its bundled wheel, `--no-index --find-links <bundle>`, asking no package index.
-`.ready` is written last; an env without it is the leftover of an installer that died and is made again. The env key
-covers the bundle's files and the node's interpreter, so the next run on that node (or another node on the same
-machine) finds it ready and installs nothing.
+<agent_root>/bundles/<bundle key>/ over SFTP, or, when ensure_agent is given a BundleSource (a cloud cluster's head:
+infra.compute.access.agent_fanout), fetched from it over the cluster network and checked against the bundle's sha256
+(Bundle.hashes), so that the orchestrator sends the bundle once per cluster; what the source does not deliver (a node of
+another bundle, a fetch that failed: logged with its reason) is copied from the orchestrator as without one.
+AgentEnv.copied_bytes counts what the orchestrator sent, peer_bytes what came from the source. The env is made at
+<agent_root>/<env key> under an flock: `python -m venv --without-pip`, then pip run from its bundled wheel, `--no-index
+--find-links <bundle>`, asking no package index. `.ready` is written last; an env without it is the leftover of an
+installer that died and is made again. The env key covers the bundle's files and the node's interpreter, so the next run
+on that node (or another node on the same machine) finds it ready and installs nothing.
 """
 
 from __future__ import annotations
@@ -33,9 +37,9 @@ import time
 import tomllib
 import uuid
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import infra
 from infra.compute.access.remote import RemoteError
@@ -85,7 +89,8 @@ print(json.dumps({"version": list(sys.version_info[:3]), "implementation": sys.i
 """
 
 # argv: mode (status | install), agent root, env key, bundle dir, requirement, lock wait s, [link]. status prints the
-# env's record when it is ready, else the bundle files the node has (name: size); install makes the env under the lock.
+# bundle files the node has (have: {name: size}), with the env's record when it is ready (a head whose env is ready
+# still tells which files it could serve); install makes the env under the lock.
 # link: a symlink made (atomically replaced) to the ready env, whose bin/python is then the record's python.
 INSTALLER = r"""
 import fcntl, json, os, shutil, subprocess, sys, time
@@ -99,9 +104,16 @@ def answer(record, code=0):
     print(json.dumps(record))
     sys.exit(code)
 
+def bundle_files():
+    if not os.path.isdir(bundle):
+        return {}
+    return {n: os.path.getsize(os.path.join(bundle, n)) for n in os.listdir(bundle) if n.endswith(".whl")}
+
 def made(installed):
     with open(ready) as handle:
         record = {**json.load(handle), "ready": True, "installed": installed}
+    if mode == "status":
+        record["have"] = bundle_files()
     if link:
         os.makedirs(os.path.dirname(link), exist_ok=True)
         tmp = f"{link}.{os.getpid()}.tmp"
@@ -123,10 +135,7 @@ def usage(path):
 if os.path.exists(ready):
     made(False)
 if mode == "status":
-    have = {}
-    if os.path.isdir(bundle):
-        have = {n: os.path.getsize(os.path.join(bundle, n)) for n in os.listdir(bundle) if n.endswith(".whl")}
-    answer({"ready": False, "have": have})
+    answer({"ready": False, "have": bundle_files()})
 
 started = time.monotonic()
 os.makedirs(root, exist_ok=True)
@@ -200,9 +209,51 @@ class AgentEnv:
     seconds: float  # this call's, from probing the node to the agent ready
     install_seconds: float  # what making the env took, when it was made
     bytes: int  # the env's disk usage (du)
-    copied_bytes: int  # bundle bytes this call copied to the node
+    copied_bytes: int  # bundle bytes this call copied to the node from the orchestrator
     node_python: str  # the interpreter it was made from, as the node names it (sys.executable)
     node_python_version: str
+    peer_bytes: int = 0  # bundle bytes the node fetched from its cluster's head (a BundleSource), not from here
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """What a node took from a BundleSource: the bytes verified and in place, and why it stopped short, if it did."""
+
+    bytes: int
+    seconds: float
+    error: str | None = None
+
+
+class BundleSource(Protocol):
+    """Where a node fetches the bundle files it lacks instead of from the orchestrator: its cluster's head
+    (infra.compute.access.agent_fanout). Only a node whose bundle has the source's content fetches from it."""
+
+    node_name: str  # the node that serves, for the log
+    content: str  # Bundle.content of the bundle it serves
+
+    def fetch(self, runner: SshRunner, node_python: str, bundle_dir: str, files: dict[str, tuple[int, str]]
+              ) -> Fetched:
+        """files ({name: (size, sha256)}) into bundle_dir on runner's node, each verified before it is renamed into
+        place; a failure is told in Fetched.error, never raised, so that the caller can copy what is left."""
+        ...
+
+
+@dataclass(frozen=True)
+class NodeBundle:
+    """A node's bundle as the orchestrator sees it: the node's interpreter, the bundle it needs, where the node keeps
+    it and what the installer's status said (the files it has, the env's record when ready)."""
+
+    node: NodePython
+    bundle: Bundle
+    env_key: str
+    dir: str
+    args: list[str]  # the installer's, after its mode
+    status: dict
+
+    def missing(self) -> list[str]:
+        """The bundle's files the node lacks, or holds with another size."""
+        have = self.status.get("have", {})
+        return [name for name in self.bundle.files if have.get(name) != self.bundle.size(name)]
 
 
 def probe(runner: SshRunner, node_python: str, agent_root: str) -> NodePython:
@@ -244,32 +295,65 @@ def agent_python(workdir: str) -> str:
 
 
 def ensure_agent(runner: SshRunner, node_python: str, agent_root: str = DEFAULT_AGENT_DIR,
-                 link: str | None = None) -> AgentEnv:
+                 link: str | None = None, source: BundleSource | None = None) -> AgentEnv:
     """The agent's environment on the node behind runner, made from node_python when the node lacks it; link: a
-    path on the node made a symlink to it (its python is then link/bin/python)."""
+    path on the node made a symlink to it (its python is then link/bin/python). source: where the bundle files the
+    node lacks are fetched from (its cluster's head); what it does not deliver is copied from here, as without one."""
     started = time.monotonic()
+    found = node_bundle(runner, node_python, agent_root, link)
+    status = found.status
+    copied = fetched = 0
+    if not status["ready"]:
+        missing = found.missing()
+        if missing and source is not None:
+            fetched, missing = _from_source(runner, node_python, found, missing, source)
+        copied = copy_files(runner, found.bundle, found.dir, missing)
+        status = installer(runner, node_python, "install", found.args)
+    node = found.node
+    agent = AgentEnv(python=status["python"], key=found.env_key, installed=status["installed"],
+                     seconds=round(time.monotonic() - started, 3), install_seconds=status["seconds"],
+                     bytes=status["bytes"], copied_bytes=copied, node_python=node.executable,
+                     node_python_version=".".join(map(str, node.version)), peer_bytes=fetched)
+    log.info("%s: agent %s at %s (%.1f MB) in %.1fs%s%s", runner.node_name,
+             "installed" if agent.installed else "ready", agent.python, agent.bytes / 1e6, agent.seconds,
+             f", {copied / 1e6:.1f} MB of wheels copied" if copied else "",
+             f", {fetched / 1e6:.1f} MB fetched from {source.node_name}" if fetched and source else "")
+    return agent
+
+
+def node_bundle(runner: SshRunner, node_python: str, agent_root: str, link: str | None = None) -> NodeBundle:
+    """The node's interpreter, its bundle and the installer's status of it there (link: as ensure_agent's)."""
     node = probe(runner, node_python, agent_root)
     bundle = agent_bundle(node.version[:2], node.machine, tuple(node.platforms()))
     key = env_key(bundle, node)
     bundle_dir = f"{node.root}/bundles/{bundle.key}"
     args = [node.root, key, bundle_dir, f"{AGENT_DIST}=={bundle.agent_version}", str(INSTALL_TIMEOUT_S), link or ""]
-    status = installer(runner, node_python, "status", args)
-    copied = 0
-    if not status["ready"]:
-        for name, path in bundle.files.items():
-            size = bundle.size(name)
-            if status["have"].get(name) != size:
-                runner.put_file(path, f"{bundle_dir}/{name}")
-                copied += size
-        status = installer(runner, node_python, "install", args)
-    agent = AgentEnv(python=status["python"], key=key, installed=status["installed"],
-                     seconds=round(time.monotonic() - started, 3), install_seconds=status["seconds"],
-                     bytes=status["bytes"], copied_bytes=copied, node_python=node.executable,
-                     node_python_version=".".join(map(str, node.version)))
-    log.info("%s: agent %s at %s (%.1f MB) in %.1fs%s", runner.node_name,
-             "installed" if agent.installed else "ready", agent.python, agent.bytes / 1e6, agent.seconds,
-             f", {copied / 1e6:.1f} MB of wheels copied" if copied else "")
-    return agent
+    return NodeBundle(node, bundle, key, bundle_dir, args, installer(runner, node_python, "status", args))
+
+
+def copy_files(runner: SshRunner, bundle: Bundle, bundle_dir: str, names: list[str]) -> int:
+    """The named files of the bundle copied over SFTP from here; the bytes copied."""
+    for name in names:
+        runner.put_file(bundle.files[name], f"{bundle_dir}/{name}")
+    return sum(bundle.size(name) for name in names)
+
+
+def _from_source(runner: SshRunner, node_python: str, found: NodeBundle, missing: list[str],
+                 source: BundleSource) -> tuple[int, list[str]]:
+    """(bytes fetched from source, the files still missing after it): all of them when the node's bundle is not the
+    source's (another CPython or architecture), or when the fetch stopped short (the files it verified are kept)."""
+    if found.bundle.content != source.content:
+        log.info("%s: its agent bundle (%s) is not %s's: its wheels are copied from here", runner.node_name,
+                 found.bundle.key, source.node_name)
+        return 0, missing
+    wanted = {name: (found.bundle.size(name), found.bundle.hashes[name]) for name in missing}
+    fetched = source.fetch(runner, node_python, found.dir, wanted)
+    if fetched.error is None:
+        return fetched.bytes, []
+    log.warning("%s: fetching the agent's wheels from %s failed (%s): copying what is missing from here instead",
+                runner.node_name, source.node_name, fetched.error)
+    again = replace(found, status=installer(runner, node_python, "status", found.args))
+    return fetched.bytes, again.missing()
 
 
 def env_key(bundle: Bundle, node: NodePython) -> str:
@@ -419,6 +503,7 @@ class Bundle:
     content: str
     agent_version: str
     files: dict[str, Path]
+    hashes: dict[str, str]  # name -> sha256 (hex) of every file: what a node fetching them from a peer checks
 
     def size(self, name: str) -> int:
         return self.files[name].stat().st_size
@@ -443,8 +528,10 @@ def agent_bundle(python: tuple[int, int], machine: str, platforms: tuple[str, ..
     files = {name: directory / name for name in hashes}
     key = hashlib.sha256(json.dumps(sorted(hashes.items())).encode()).hexdigest()[:16]
     files[wheel.name] = wheel
-    content = hashlib.sha256(json.dumps([key, wheel.name, hashlib.sha256(wheel.read_bytes()).hexdigest()]).encode())
-    return Bundle(key=key, content=content.hexdigest()[:16], agent_version=wheel.name.split("-")[1], files=files)
+    hashes = {**hashes, wheel.name: hashlib.sha256(wheel.read_bytes()).hexdigest()}
+    content = hashlib.sha256(json.dumps([key, wheel.name, hashes[wheel.name]]).encode())
+    return Bundle(key=key, content=content.hexdigest()[:16], agent_version=wheel.name.split("-")[1], files=files,
+                  hashes=hashes)
 
 
 def _dependencies(requirements: list[str], python: tuple[int, int], machine: str, platforms: tuple[str, ...],

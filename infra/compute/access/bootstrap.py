@@ -14,7 +14,14 @@ import time
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from infra.compute.access.agent_env import AGENT_LINK, DEFAULT_AGENT_DIR, AgentEnv, ensure_agent, json_line
+from infra.compute.access.agent_env import (
+    AGENT_LINK,
+    DEFAULT_AGENT_DIR,
+    AgentEnv,
+    BundleSource,
+    ensure_agent,
+    json_line,
+)
 from infra.compute.access.remote import RemoteError
 from infra.compute.access.ssh.runner import SshRunner
 
@@ -138,6 +145,8 @@ class NodeReport:
     agent_installed: bool = False  # made by this bootstrap; False when the node had it (an earlier run, a neighbour)
     agent_seconds: float = 0.0  # from the node answering to the agent ready
     agent_bytes: int = 0  # the agent's environment on disk (du)
+    agent_copied_bytes: int = 0  # of the agent's wheels, copied by this bootstrap from the orchestrator
+    agent_peer_bytes: int = 0  # of the agent's wheels, fetched by this bootstrap from the cluster's head
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-shaped (lists, not tuples), so it equals itself after a round trip through the cluster record."""
@@ -170,18 +179,20 @@ def node_facts(runner: SshRunner, python: str, workdir: str) -> dict[str, Any]:
     return _result(result.output, "the node inspection", runner)
 
 
-def bootstrap_node(runner: SshRunner, python: str, agent_dir: str = DEFAULT_AGENT_DIR, workdir: str | None = None
-                   ) -> NodeReport:
+def bootstrap_node(runner: SshRunner, python: str, agent_dir: str = DEFAULT_AGENT_DIR, workdir: str | None = None,
+                   source: BundleSource | None = None) -> NodeReport:
     """Connect (the runner waits for SSH and verifies the host key), make sure the node has the agent's environment
     (made from `python`, the node's own interpreter, under agent_dir, and linked from <workdir>/agent-env: see
-    agent_env.agent_python), and report it with the mount of workdir (default: the runner's), the GPUs and the
-    network interfaces. Nothing is installed into `python`."""
+    agent_env.agent_python; the wheels it lacks fetched from source when given, else copied from here), and report
+    it with the mount of workdir (default: the runner's), the GPUs and the network interfaces. Nothing is installed
+    into `python`."""
     workdir = workdir or runner.workdir
     if not workdir:
         raise ValueError("bootstrap_node needs the node's workdir (or a runner that has one)")
     started = time.monotonic()
     runner.connect()
-    agent: AgentEnv = ensure_agent(runner, python, agent_dir, link=f"{workdir.rstrip('/')}/{AGENT_LINK}")
+    agent: AgentEnv = ensure_agent(runner, python, agent_dir, link=f"{workdir.rstrip('/')}/{AGENT_LINK}",
+                                   source=source)
     seconds = round(time.monotonic() - started, 3)
     facts = node_facts(runner, agent.python, workdir)
     report = NodeReport(
@@ -189,6 +200,7 @@ def bootstrap_node(runner: SshRunner, python: str, agent_dir: str = DEFAULT_AGEN
         mount=Mount(**facts["mount"]), gpus=tuple(Gpu(**g) for g in facts["gpus"]), gpu_error=facts["gpu_error"],
         interfaces=tuple(Interface(**i) for i in facts["interfaces"]), cpus=facts["cpus"],
         agent_python=agent.python, agent_installed=agent.installed, agent_seconds=seconds, agent_bytes=agent.bytes,
+        agent_copied_bytes=agent.copied_bytes, agent_peer_bytes=agent.peer_bytes,
     )
     log.info("%s: agent %s (%s, %.0f MB, %.1fs); %s on %s (%s%s); %s; interfaces %s", report.node,
              report.agent_python, "installed" if report.agent_installed else "ready", report.agent_bytes / 1e6,

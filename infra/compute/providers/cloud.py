@@ -5,9 +5,10 @@ A cloud provider implements `launch_candidate` (every node on one candidate, or 
 `boot_script` builds) and gets `launch`: the candidates that meet the job's floors, tried in order by
 `infra.compute.failover`, each attempt kept for the summary; then every node is reached over SSH and bootstrapped
 (infra.compute.access.bootstrap: the node agent's environment made from the image's python3 under
-TRAINPIPE_AGENT_DIR, default ~/.trainpipe/agent), and its report goes into the cluster record for the run summary. A
-node's python is the agent's (agent_env.agent_python: through a link in its workdir, so a node described from the
-cloud's API names it too), its node_python the image's python3.
+TRAINPIPE_AGENT_DIR, default ~/.trainpipe/agent; its wheels copied from here to the head only, which serves them to
+the other nodes over the cluster network: infra.compute.access.agent_fanout), and its report goes into the cluster
+record for the run summary. A node's python is the agent's (agent_env.agent_python: through a link in its workdir, so
+a node described from the cloud's API names it too), its node_python the image's python3.
 
 Nodes are reached as TRAINPIPE_SSH_USER (default ubuntu) with the private key TRAINPIPE_SSH_KEY_FILE. A new instance
 makes up its own host key at boot, which nobody can know in advance, and an unknown key is never accepted: so launch
@@ -32,7 +33,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from infra.cancel import CANCEL
-from infra.compute.access.agent_env import DEFAULT_AGENT_DIR
+from infra.compute.access.agent_env import DEFAULT_AGENT_DIR, INSTALL_TIMEOUT_S, PROBE_TIMEOUT_S
+from infra.compute.access.agent_fanout import FETCH_TIMEOUT_S, HeadSource, PendingSource, head_source
 from infra.compute.access.bootstrap import NodeReport, bootstrap_node
 from infra.compute.access.hostkeys import SSH_DIR, HostKey, generate_host_key, install_script
 from infra.compute.access.remote import RemoteError
@@ -76,6 +78,11 @@ LEASE_TTL = "lease_ttl_s"  # Cluster.owner[LEASE_TTL]: the lease TTL its nodes a
 BOOT_STATUS = "/run/trainpipe-boot-status"
 BOOT_TIMEOUT_S = 900.0  # from running to booted: sshd serving our key and the boot script (mdadm, mkfs) done
 BOOT_POLL_S = 5.0
+# How long a node waits for the head to hold the agent's wheels it serves: the head's boot, its probe and status, and
+# the copy from here (bounded as an install is). Past it the node copies its own from here.
+HEAD_WAIT_S = BOOT_TIMEOUT_S + 2 * PROBE_TIMEOUT_S + INSTALL_TIMEOUT_S
+# The head's file server's own bound, should the orchestrator never stop it: the last node's wait, probe and fetch.
+SERVE_S = HEAD_WAIT_S + 2 * PROBE_TIMEOUT_S + FETCH_TIMEOUT_S
 DEFAULT_LEASE_TTL_S = ClusterSpec.model_fields["lease_ttl_s"].default
 
 
@@ -314,9 +321,17 @@ class CloudProvider(Provider):
         """Every node (of only, when given: the others keep their reports) reached over SSH once booted (pinned host
         key, boot script done) and bootstrapped: the cluster with the reports in its bootstrap field, as the ssh
         provider records them. A failure on any node raises the LaunchError that says whether trying again can help,
-        naming every node that failed."""
+        naming every node that failed.
+
+        The agent's wheels cross the orchestrator's uplink once: the head gets them from here, then serves them to
+        the other nodes over the cluster network (infra.compute.access.agent_fanout)."""
         nodes = [node for node in cluster.nodes if only is None or node.name in only]
-        outcomes = in_parallel(nodes, lambda node: self._bootstrap_node(cluster, node))
+        pending = self._head_source(cluster, nodes)
+        try:
+            outcomes = in_parallel(nodes, lambda node: self._bootstrap_node(cluster, node, pending))
+        finally:
+            if pending is not None:
+                pending.stop()
         failures = [(node, error) for node, _, error in outcomes if error is not None]
         if failures:
             unexpected = [error for _, error in failures if not isinstance(error, LaunchError | RemoteError | OSError)]
@@ -325,11 +340,48 @@ class CloudProvider(Provider):
             errors = [launch_error(error) for _, error in failures]
             raise type(errors[0])("; ".join(str(e) for e in errors)) from failures[0][1]
         self.last_reports = {node.name: report for node, report, _ in outcomes}
+        head = self.last_reports.get(cluster.head.name)
+        if head is not None and pending is not None and pending.copied:
+            # Copied before the head's own bootstrap, which then found them there.
+            self.last_reports[head.node] = replace(head, agent_copied_bytes=head.agent_copied_bytes + pending.copied)
         reports = {name: report.to_dict() for name, report in self.last_reports.items()}
         kept = {} if only is None else {name: r for name, r in cluster.bootstrap.items() if name not in only}
         return replace(cluster, bootstrap={**kept, **reports})
 
-    def _bootstrap_node(self, cluster: Cluster, node: Node) -> NodeReport:
+    def _head_source(self, cluster: Cluster, nodes: list[Node]) -> PendingSource | None:
+        """The head as the source of the agent's wheels for the other nodes bootstrapped; None when there are none.
+        A head bootstrapped too is stocked by its own bootstrap (_bootstrap_node); a surviving head (beside
+        replacements) serves the wheels when it holds them all, and any problem with it leaves the new nodes copying
+        theirs from here, as without it."""
+        head = cluster.head
+        if not any(node.name != head.name for node in nodes):
+            return None
+        pending = PendingSource(head.name, HEAD_WAIT_S)
+        if all(node.name != head.name for node in nodes):
+            try:
+                with pending.publishing():
+                    pending.publish(*self._stock_head(self.runner(cluster, head), head, stock=False))
+            except (LaunchError, RemoteError, OSError) as exc:
+                log.warning("%s: the surviving head %s cannot serve the agent's wheels (%s): the new nodes get "
+                            "theirs from here", cluster.name, head.name, exc)
+        return pending
+
+    def _stock_head(self, runner: SshRunner, head: Node, stock: bool) -> tuple[HeadSource | None, int]:
+        return head_source(runner, head.node_python, self.agent_dir, head.cluster_address, SERVE_S, stock=stock)
+
+    def _bootstrap_node(self, cluster: Cluster, node: Node, pending: PendingSource | None) -> NodeReport:
+        if pending is not None and node.name == cluster.head.name:
+            with pending.publishing():  # the others wait for it
+                runner = self._reached(cluster, node)
+                pending.publish(*self._stock_head(runner, node, stock=True))
+            source = None
+        else:
+            runner = self._reached(cluster, node)
+            source = pending.wait(node.name) if pending is not None else None
+        return bootstrap_node(runner, node.node_python, self.agent_dir, workdir=node.workdir, source=source)
+
+    def _reached(self, cluster: Cluster, node: Node) -> SshRunner:
+        """The node's runner, once it is booted: sshd answers with the pinned key and the boot script is done."""
         runner = self.runner(cluster, node)
         deadline = time.monotonic() + BOOT_TIMEOUT_S
         try:
@@ -339,7 +391,7 @@ class CloudProvider(Provider):
         log.info("%s: sshd answers at %s after %.0fs", node.name, node.address, waited)
         self._await_host_key(runner, deadline)
         self._await_boot_script(runner, deadline)
-        return bootstrap_node(runner, node.node_python, self.agent_dir, workdir=node.workdir)
+        return runner
 
     def _await_host_key(self, runner: SshRunner, deadline: float) -> None:
         """Connect once sshd serves the pinned key. Until the boot script has installed it, sshd serves the key the
@@ -370,3 +422,4 @@ class CloudProvider(Provider):
                 raise LaunchError(f"{runner.node_name}: the boot script had not finished {BOOT_TIMEOUT_S:.0f}s after "
                                   f"launch: see {self.boot_log} on the node")
             CANCEL.wait(min(BOOT_POLL_S, deadline - time.monotonic()))
+
