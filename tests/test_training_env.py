@@ -69,8 +69,10 @@ if dist.get_rank() == 0:
     path = os.path.join(os.environ["TRAINPIPE_CHECKPOINT_DIR"], "model.pt")
     torch.save(model.module.state_dict(), path)
     mark_complete(path)
-# DDP's reducer holds the process group: freed first, or a gloo thread of it can abort the exit
-# ("terminate called without an active exception"), seen once in CI.
+# Every rank at teardown together (rank 0 saves first), and DDP's reducer, which holds the process group, freed
+# before it: a rank tearing down alone aborted its exit in a gloo thread ("terminate called without an active
+# exception") twice in CI.
+dist.barrier()
 del model, optimizer
 dist.destroy_process_group()
 """
