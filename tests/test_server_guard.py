@@ -122,3 +122,14 @@ def _children_within(pid: int, within_s: float = 30.0) -> list[psutil.Process]:
         assert time.monotonic() < deadline, f"pid {pid} started nothing"
         time.sleep(0.05)
     return children
+
+
+def test_a_server_whose_guard_died_before_it_asked_for_the_signal_ends_at_once() -> None:
+    """The parent-death signal is asked for in the forked server, before its exec: a guard killed before then (a
+    run killed the instant it started its server) is already gone, and no signal would ever come. Seen in CI: the
+    server outlived a guard killed right after the fork."""
+    code = ("import time\nfrom trainpipe.server_guard import _end_with_me\n"
+            "_end_with_me(1)\n"  # 1 is not this process's parent: its guard is gone
+            "time.sleep(60)\n")
+    orphan = subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=30)
+    assert orphan.returncode == -signal.SIGTERM

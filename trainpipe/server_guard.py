@@ -26,13 +26,16 @@ GRACE_ENV = "TRAINPIPE_SERVER_STOP_GRACE_S"  # the server's grace after a stop (
 PR_SET_PDEATHSIG = 1
 
 
-def _end_with_me() -> None:
-    """In the server's process, before exec: SIGTERM when its parent (this guard) dies, however it dies."""
+def _end_with_me(guard: int) -> None:
+    """In the server's process, before exec: SIGTERM when its parent (this guard) dies, however it dies. A guard
+    killed between the fork and the prctl is gone before the signal was asked for: then the server ends at once."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: the parent poll below still ends it
         return
+    if os.getppid() != guard:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _stop(server: subprocess.Popen[bytes], grace_s: float) -> int:
@@ -49,7 +52,8 @@ def run(owner: int, command: list[str], grace_s: float = STOP_GRACE_S) -> int:
     A stop forwarded to the server that it has not obeyed within grace_s is made a SIGKILL: a server stuck in its
     shutdown would otherwise keep its port and this guard for good."""
     # preexec_fn is safe here, unlike in the run's process: this one has a single thread.
-    server = subprocess.Popen(command, preexec_fn=_end_with_me)
+    guard = os.getpid()
+    server = subprocess.Popen(command, preexec_fn=lambda: _end_with_me(guard))
     kill_at: list[float] = []  # when a forwarded stop runs out of grace
 
     def forward(signum: int, frame: FrameType | None) -> None:
