@@ -142,7 +142,11 @@ def test_bench_transfer_smoke(tmp_path: Path) -> None:
         assert len(row["mb_per_s"]) == runs and min(row["mb_per_s"]) > 0 and not row["note"].startswith("failed"), row
         if key[-1] != "one object":  # a 1 MiB copy's CPU is below the clock tick that counts it
             assert row["client_cpu_s_per_gb"] > 0, row
-            assert (row["server_cpu_s_per_gb"] > 0) == (row["client"] != "local cp"), row
+            assert row["server_cpu_s_per_gb"] >= 0 and (row["server_cpu_s_per_gb"] == 0 or row["client"] != "local cp")
+    # A 5 MB copy can cost the server less than one clock tick (seen on the GCS emulator in CI): each store's server
+    # is counted over all its rows.
+    for store in ("s3", "gcs", "azure"):
+        assert sum(r["server_cpu_s_per_gb"] for k, r in rows.items() if k[0] == store and k[-1] != "one object") > 0
     assert rows[("s3", "download", "s5cmd", "", "tree")]["vs_s5cmd"] == 1.0
     # The native engine on CRC-keeping objects is compared with s5cmd on those same objects.
     crc_row, crc_peer = (rows[("s3", "download", client, engine, "crc")] for client, engine in trainpipe_and_s5cmd)

@@ -2,12 +2,16 @@
 published, the failure recorded in it, and the run's own error is the one raised.
 
 Real Prefect (tasks, retries, a flow run, artifacts) and a real local cluster; the only fault is the provider's
-terminate, which raises the way a cloud's control plane does when it cannot be reached.
+terminate, which raises the way a cloud's control plane does when it cannot be reached (and, last, a node process
+that starts a writer into the node's dir as it is told to stop).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +28,7 @@ from infra.compute.spec import ClusterSpec
 from infra.job.spec import parse_job
 from infra.job.summary import RunSummary
 from infra.lifecycle.recovery import Recoveries
+from infra.node.processes import CLUSTER_TAG, tagged_processes
 from infra.workspace import run_dir
 from tasks.report import record_failure
 
@@ -106,3 +111,36 @@ def test_the_crash_hooks_teardown_runs_outside_any_run_context(workspace: Path, 
     monkeypatch.setattr(infra.compute.providers, "get_provider", lambda name: provider)
     assert tasks.cluster.teardown_cluster.fn("local", cluster.name) == 0
     assert provider.describe(cluster.name) is None
+
+
+# A node process that, told to stop, starts a child which keeps writing into the node's dir: the child was not in
+# the listing teardown killed, and its files appeared while the dir was removed (seen in CI: "Directory not empty").
+SPAWNS_A_WRITER_ON_TERM = """
+import os, signal, subprocess, sys, time
+from pathlib import Path
+out = Path(sys.argv[1])
+WRITER = ("import sys, time\\nfrom pathlib import Path\\nout = Path(sys.argv[1]); out.mkdir(parents=True, "
+          "exist_ok=True)\\ni = 0\\nwhile True:\\n    (out / str(i)).touch(); i += 1\\n")
+def on_term(*_):
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(out)])
+    while not (out / "0").exists():
+        time.sleep(0.01)
+    os._exit(0)
+signal.signal(signal.SIGTERM, on_term)
+print("ready", flush=True)
+signal.pause()
+"""
+
+
+def test_teardown_ends_a_process_started_after_its_listing_and_removes_the_cluster(tmp_path: Path) -> None:
+    provider = LocalProvider(tmp_path / "clusters")
+    cluster = provider.launch("tp-writer", ClusterSpec(nodes=1), "writer")
+    node_dir = Path(cluster.nodes[0].workdir)
+    env = {**os.environ, CLUSTER_TAG: str(provider.root / cluster.name)}
+    parent = subprocess.Popen([sys.executable, "-c", SPAWNS_A_WRITER_ON_TERM, str(node_dir / "logs" / "spawned")],
+                              env=env, stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None and parent.stdout.readline() == "ready\n"
+    assert provider.terminate(cluster.name)
+    parent.wait(timeout=30)
+    assert not (provider.root / cluster.name).exists() and provider.describe(cluster.name) is None
+    assert not tagged_processes(CLUSTER_TAG, str(provider.root / cluster.name))

@@ -7,6 +7,7 @@ started them was killed, and list_clusters lets the sweeper tear down what a dea
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -153,21 +154,17 @@ class LocalProvider(Provider):
 
     def _terminate(self, cluster_name: str, keep_data: bool) -> bool:
         base = self._dir(cluster_name)
-        processes = cluster_processes(base)
-        kill_processes(processes)
         staged = self._staging(cluster_name)
         half_launched = staged.exists()
         if half_launched:
             shutil.rmtree(staged)
             log.info("removed %s, left by a launch that did not finish", staged)
         existed = base.exists()
-        if existed:
-            kept = {path for path in base.glob("node-*/data")} if keep_data else set()
-            _remove_all_but(base, kept)
-        if processes or existed:
-            log.info("terminated local cluster %s (%d processes, dirs %s%s)", cluster_name, len(processes),
+        ended = _end_processes_and_remove(base, keep_data)
+        if ended or existed:
+            log.info("terminated local cluster %s (%d processes, dirs %s%s)", cluster_name, ended,
                      "removed" if existed else "already gone", ", nodes' data kept" if keep_data else "")
-        return bool(processes) or existed or half_launched
+        return bool(ended) or existed or half_launched
 
     def list_clusters(self) -> list[ClusterRecord]:
         if not self.root.is_dir():
@@ -214,6 +211,32 @@ def _node_of(process: psutil.Process) -> str | None:
         return process.environ().get(NODE_TAG)
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return None
+
+
+# A process the listing missed (started by one being killed, after the listing) can still write into the dir while
+# it is removed: the removal then fails with ENOTEMPTY, and the cluster's processes are listed and ended again.
+REMOVAL_ROUNDS = 5
+
+
+def _end_processes_and_remove(base: Path, keep_data: bool) -> int:
+    """End every process of the cluster in base and remove base (but its nodes' data dirs when keep_data); the
+    number of processes ended."""
+    ended = 0
+    for round_ in range(1, REMOVAL_ROUNDS + 1):
+        processes = cluster_processes(base)
+        kill_processes(processes)
+        ended += len(processes)
+        if not base.exists():
+            return ended
+        try:
+            _remove_all_but(base, {path for path in base.glob("node-*/data")} if keep_data else set())
+            return ended
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.ENOENT) or round_ == REMOVAL_ROUNDS:
+                raise
+            log.warning("%s changed while it was removed (%s): ending the cluster's processes again (round %d of "
+                        "%d)", base, exc.strerror, round_ + 1, REMOVAL_ROUNDS)
+    return ended
 
 
 def _write_atomically(path: Path, text: str) -> None:
