@@ -88,12 +88,24 @@ def user_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield cache
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def prefect_server() -> Iterator[None]:
+    """One real Prefect server for the session: the tests' own flows report to it, and so does every command they
+    start (PREFECT_API_URL in the environment), since a `trainpipe run` without one starts a temporary server of its
+    own (seconds of CPU per command). A test of that temporary server takes the variable out of its command's
+    environment (without_prefect_api)."""
+    from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    with prefect_test_harness(server_startup_timeout=120), pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PREFECT_API_URL", str(PREFECT_API_URL.value()))
         yield
+
+
+def without_prefect_api(env: dict[str, str]) -> dict[str, str]:
+    """A command's environment in which `trainpipe run` starts its own temporary Prefect server, as a user's first
+    run does."""
+    return {name: value for name, value in env.items() if name != "PREFECT_API_URL"}
 
 
 @pytest.fixture

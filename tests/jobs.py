@@ -69,14 +69,16 @@ def gpt_command(**options: Any) -> list[str]:
                                       for part in (f"--{key.replace('_', '-')}", str(value))]]
 
 
-def job_config(tmp: Path, dataset_url: str, **options: Any) -> dict[str, Any]:
-    """options: the bundled trainer's (steps, ckpt_every, ckpt_mode, ...) and training fields (timeout_s, ...)."""
+def job_config(tmp: Path, dataset_url: str, expectations: bool = False, **options: Any) -> dict[str, Any]:
+    """options: the bundled trainer's (steps, ckpt_every, ckpt_mode, ...) and training fields (timeout_s, ...).
+    expectations: the token suite checked at plan; off by default, since importing Great Expectations costs seconds
+    of CPU in every `trainpipe run` and the tests of the dataset gate ask for it."""
     training = {key: options.pop(key) for key in TRAINING_FIELDS if key in options}
     return {
         "name": "e2e",
         # The verify-stage bench has its own tests (test_cluster_bench); here it would only add seconds per run.
         "cluster": {"provider": "local", "nodes": 2, "procs_per_node": 1, "verify": {"bench": "off"}},
-        "dataset": {"url": dataset_url, "expectations": token_suite(256)},
+        "dataset": {"url": dataset_url, **({"expectations": token_suite(256)} if expectations else {})},
         "checkpoints": {"url": f"file://{tmp}/store/ckpt", "keep": 2},
         "training": {"command": gpt_command(**options), **training},
     }

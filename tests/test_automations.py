@@ -11,6 +11,9 @@ import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
+
+import pytest
 
 from flows.automations import DEAD_RUNS, SILENT_RUNS
 
@@ -52,6 +55,20 @@ def _named(name: str) -> list[str]:
 
     with get_client(sync_client=True) as client:
         return [str(a.id) for a in client.read_automations_by_name(name)]
+
+
+@pytest.fixture(autouse=True)
+def no_automations_left() -> Iterator[None]:
+    """The session's server also serves every other test's `trainpipe run`: a silent-run automation left on it
+    would mark a long run of another test Crashed."""
+    yield
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        for name in (SILENT_RUNS, DEAD_RUNS):
+            for automation in client.read_automations_by_name(name):
+                client.delete_automation(automation.id)
+    assert _named(SILENT_RUNS) == _named(DEAD_RUNS) == []
 
 
 def test_restarts_with_any_hash_seed_keep_the_same_automations(prefect_server: None) -> None:

@@ -649,7 +649,6 @@ def test_a_vm_without_an_identity_gets_no_unit_and_the_plan_says_the_sweeper_is_
 
     config = job_config(tmp_path, make_dataset(tmp_path / "dataset", tokens=20_000, shard_tokens=10_000))
     config["cluster"] = {"provider": "azure", "nodes": 2, "procs_per_node": 1, "regions": ["eastus"]}
-    del config["dataset"]["expectations"]  # a Great Expectations suite would cost seconds and tell nothing here
     rendered = plan_job(parse_job(config), "az-no-identity").render()
     [warning] = [line for line in rendered.splitlines() if "cluster.azure.identity is not set" in line]
     assert warning.startswith("  warning: ") and "sweeper" in warning and "azure-self-delete-role.json" in warning

@@ -28,7 +28,6 @@ def test_a_run_on_azure_blob_stages_commits_promotes_and_verifies(prefect_server
     rels = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
     upload(local, rels, open_store(dataset_url))
     config = job_config(tmp_path, dataset_url, steps=20, ckpt_every=10)
-    del config["dataset"]["expectations"]  # Great Expectations at plan is another test's subject, and seconds here
     config["checkpoints"]["url"] = f"{az_url}/ckpt"
     config["evaluate"] = {"command": ["-m", "trainer.evaluate", "--checkpoint", "{checkpoint}",
                                       "--seed", str(GPT_DEFAULTS["seed"]), *MODEL], "timeout_s": 300}

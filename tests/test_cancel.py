@@ -25,6 +25,7 @@ import psutil
 import pytest
 from aws_server import Ec2Server, moto_ec2
 from cloud_env import aws_env, aws_left, register_image, wait_for
+from conftest import without_prefect_api
 from jobs import job_config, make_dataset, write_config
 from runs import Run
 
@@ -229,7 +230,7 @@ def test_ctrl_c_cancels_the_run_flushes_and_tears_down_within_the_bound(
         workspace: Path, tmp_path: Path, dataset_url: str) -> None:
     run_id = "cancel-ctrl-c"
     # No PREFECT_API_URL: the command starts its temporary server, which the terminal's SIGINT must not reach.
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env = without_prefect_api(dict(os.environ))
     run, checkpoints = local_run(tmp_path, dataset_url, workspace, run_id, env)
     try:
         os.killpg(run.popen.pid, signal.SIGINT)  # what Ctrl-C in a terminal does

@@ -140,7 +140,7 @@ def test_dataset_synth_and_validate(workspace: Path, tmp_path: Path) -> None:
 
 
 def test_plan_prints_the_plan_and_launches_nothing(workspace: Path, tmp_path: Path, dataset_url: str) -> None:
-    config = write_config(tmp_path / "job.yaml", job_config(tmp_path, dataset_url))
+    config = write_config(tmp_path / "job.yaml", job_config(tmp_path, dataset_url, expectations=True))
     result = invoke("plan", str(config), "--run-id", "plan-run")
     assert result.exit_code == 0, result.output
     out = result.stdout

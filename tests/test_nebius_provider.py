@@ -394,7 +394,6 @@ def test_a_run_on_nebius_is_preempted_once_resumes_commits_and_leaves_nothing(
     run_id = "nebius-e2e"
     config = job_config(tmp_path, make_dataset(tmp_path / "dataset", tokens=200_000), steps=150, ckpt_every=20,
                         step_delay_s=0.05)
-    del config["dataset"]["expectations"]  # the Great Expectations suite has tests of its own: seconds here
     config["cluster"] = {"provider": "nebius", "nodes": 2, "procs_per_node": 1, "regions": ["eu-north1"],
                          "spot": "only", "lease_ttl_s": 60, "verify": {"bench": "off"}}
     config["recovery"] = {"max_recoveries": 2, "confirm_s": 2}

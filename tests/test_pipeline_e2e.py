@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import CLI_TIMEOUT_S, REPO, TRAINPIPE, prefect_home, run_trainpipe
+from conftest import CLI_TIMEOUT_S, REPO, TRAINPIPE, prefect_home, run_trainpipe, without_prefect_api
 from jobs import job_config, make_dataset, write_config
 
 from infra.checkpoints.store import CheckpointStore
@@ -66,7 +66,7 @@ def test_flow_trains_commits_and_tears_down(prefect_server: None, workspace: Pat
                                             dataset_url: str) -> None:
     from flows.retrain import retrain
 
-    config = job_config(tmp_path, dataset_url)
+    config = job_config(tmp_path, dataset_url, expectations=True)
     # The verify stage's bench, kept short: its figures land in the summary (its own tests check the figures).
     config["cluster"]["verify"] = {"bench": "warn", "tcp_seconds": 0.5, "allreduce_sizes_mb": [1], "disk_bytes_mb": 8,
                                    "measure": "all"}
@@ -117,8 +117,9 @@ def test_sigkilled_run_is_swept_and_rerun_resumes(workspace: Path, tmp_path: Pat
     config = job_config(tmp_path, dataset_url, steps=400, step_delay_s=0.05)
     config_path = write_config(tmp_path / "job.yaml", config)
     home = prefect_home(tmp_path / "prefect")
-    env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": home,
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    # The run's own temporary server, which must not outlive it either.
+    env = without_prefect_api({**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": home,
+                               "PREFECT_SERVER_ANALYTICS_ENABLED": "false"})
     checkpoints = CheckpointStore(open_store(f"{config['checkpoints']['url']}/resume-run"))
 
     log = tmp_path / "orchestrator.log"
@@ -186,9 +187,11 @@ def test_sigkilled_run_is_swept_and_rerun_resumes(workspace: Path, tmp_path: Pat
 )
 def test_bad_input_fails_plan_with_one_line_and_exit_2(workspace: Path, tmp_path: Path, dataset_url: str,
                                                        mutate, expected: str) -> None:
-    config = job_config(tmp_path, dataset_url)
+    config = job_config(tmp_path, dataset_url, expectations=True)
     mutate(config)
     env = {**os.environ, "TRAINPIPE_HOME": str(workspace)}
+    if expected.startswith("unknown provider"):  # once with the temporary server: its start adds no line to stderr
+        env = without_prefect_api(env)
     result = _run_cli(["run", str(write_config(tmp_path / "bad.yaml", config))], env, timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr
     error_lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -202,8 +205,8 @@ def test_sigterm_to_the_orchestrator_tears_the_cluster_down(workspace: Path, tmp
     config_path = write_config(tmp_path / "job.yaml", job_config(tmp_path, dataset_url, steps=2000))
     # A new PREFECT_HOME, as on a user's first run: the temporary server migrates its database (the other runs'
     # homes start migrated).
-    env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": str(tmp_path / "prefect"),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env = without_prefect_api({**os.environ, "TRAINPIPE_HOME": str(workspace),
+                               "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"})
     log = tmp_path / "orchestrator.log"
     orchestrator = subprocess.Popen([TRAINPIPE, "run", str(config_path), "--run-id", "term-run"], cwd=REPO, env=env,
                                     stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
