@@ -10,6 +10,7 @@ from prefect.exceptions import MissingContextError
 
 from infra.cancel import CANCEL
 from infra.compute.access.agent import NodeAgent
+from infra.compute.access.agent_store import agent_store_url
 from infra.compute.providers import (
     Cluster,
     Node,
@@ -20,6 +21,7 @@ from infra.compute.providers import (
     terminate_cluster,
 )
 from infra.compute.renewal import RENEWALS_PER_TTL
+from infra.job.plan import checkpoint_url_for
 from infra.job.spec import JobSpec
 from infra.lifecycle.lease import LeaseKeeper
 from infra.lifecycle.ownership import Owner, claim, refuse_live_owner
@@ -80,11 +82,16 @@ def provision_cluster(job: JobSpec, cluster_name: str, run_id: str) -> Cluster:
     if terminate_cluster(job.cluster.provider, cluster_name).found:
         # A crashed earlier attempt of this run left it: started clean rather than adopting half-dead processes.
         logger.warning("cluster %s was left from an earlier attempt: torn down first", cluster_name)
-    cluster = launch_cluster(job.cluster, cluster_name, run_id)
+    cluster = launch_cluster(job.cluster, cluster_name, run_id, run_agent_store(job, run_id))
     provider = provider_of(cluster)
     start_lease(provider, cluster, job.cluster.lease_ttl_s)
     logger.info("launched %s on %s: %s", cluster.name, provider.name, ", ".join(n.name for n in cluster.nodes))
     return cluster
+
+
+def run_agent_store(job: JobSpec, run_id: str) -> str:
+    """Where the run's nodes fetch the agent's wheels from: beside its checkpoints, as its code."""
+    return agent_store_url(checkpoint_url_for(job, run_id))
 
 
 @task(name="teardown-cluster", **TRANSIENT_RETRIES)

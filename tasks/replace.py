@@ -18,7 +18,7 @@ from infra.lifecycle.recovery import RecoveryRecord
 from infra.node.events import NodeEvent
 from infra.node.preemption_notice import NOTICE_FILE
 from infra.node.protocol import RejoinRequest
-from tasks.cluster import start_lease
+from tasks.cluster import run_agent_store, start_lease
 from tasks.node_output import last_event, node_line_sink
 from tasks.policy import NO_RETRIES, TRANSIENT_RETRIES
 
@@ -35,7 +35,8 @@ class Replaced:
 
 
 @task(name="replace-nodes", **NO_RETRIES)
-def replace_lost_nodes(lost_from: Cluster, lost: Sequence[str], lease_ttl_s: float) -> Replaced:
+def replace_lost_nodes(lost_from: Cluster, lost: Sequence[str], lease_ttl_s: float,
+                       agent_store: str | None = None) -> Replaced:
     """The provider's replace_nodes, then the new nodes' lease watchdogs, and the lease keeper on the new membership.
 
     Not retried: a placement without room now is the whole relaunch's to handle (ReplacementUnavailable)."""
@@ -44,7 +45,7 @@ def replace_lost_nodes(lost_from: Cluster, lost: Sequence[str], lease_ttl_s: flo
     cluster = provider.describe(cluster_name)  # its record as the provider keeps it now, not as training began
     if cluster is None:
         raise ReplacementUnavailable(f"{cluster_name}: no cluster record: there is nothing to replace nodes in")
-    replaced = provider.replace_nodes(cluster, lost)
+    replaced = provider.with_agent_store(agent_store).replace_nodes(cluster, lost)
     new = [node for node in replaced.nodes if node.name in lost]
     start_lease(provider, replaced, lease_ttl_s, new)
     get_run_logger().info("replaced %s in %s; %d nodes kept as they were", ", ".join(n.name for n in new),
@@ -63,7 +64,8 @@ def replace_or_relaunch(job: JobSpec, preempted: Preempted, recovery: RecoveryRe
     try:
         replaced = replace_lost_nodes.with_options(task_run_name=f"recovery-{recovery.number}: replace after "
                                                    f"{preempted}")(preempted.cluster, list(preempted.nodes),
-                                                                   job.cluster.lease_ttl_s)
+                                                                   job.cluster.lease_ttl_s,
+                                                                   run_agent_store(job, preempted.cluster.run_id))
     except ReplacementUnavailable as unavailable:
         recovery.fell_back(str(unavailable))
         get_run_logger().warning("recovery %d: the lost nodes cannot be replaced alone (%s): relaunching the whole "

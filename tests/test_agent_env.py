@@ -6,6 +6,7 @@ one machine bootstrap at once; and the bundles of wheels for x86_64 and aarch64 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import time
@@ -19,7 +20,15 @@ from sshd import SshServer, ssh_servers
 
 from infra.compute.access import agent_env
 from infra.compute.access.agent import NodeAgent
-from infra.compute.access.agent_env import AGENT_WHEELS_ENV, AgentEnvError, agent_bundle, ensure_agent
+from infra.compute.access.agent_env import (
+    AGENT_WHEELS_ENV,
+    AgentEnvError,
+    agent_bundle,
+    ensure_agent,
+    fetch_missing,
+    node_bundle,
+)
+from infra.compute.access.agent_store import AGENT_PREFIX, StoreSource
 from infra.compute.access.bootstrap import NodeReport, bootstrap_node
 from infra.compute.access.ssh.connection import close_connections
 from infra.compute.access.ssh.runner import SshRunner
@@ -123,6 +132,26 @@ def test_a_second_bootstrap_installs_nothing(bootstrapped: Bootstrapped) -> None
     assert took < SECOND_RUN_S, f"a ready agent took {took:.1f}s"
     report = bootstrap_node(runner, BARE_PYTHON, str(bootstrapped.agent_root))
     assert report.agent_installed is False and report.agent_bytes == bootstrapped.reports[0].agent_bytes
+
+
+def test_a_host_fetches_its_wheels_from_the_run_store_prefix_by_presigned_urls(
+        bootstrapped: Bootstrapped, s3_url: str, tmp_path: Path) -> None:
+    """What an SSH host does with the run's store (SshProvider._agent_sources): every wheel it lacks from the store,
+    each verified, none copied from here; a second host's fetch puts nothing in the store again."""
+    runner = bootstrapped.runners[0]
+    source = StoreSource(f"{s3_url}/run/{AGENT_PREFIX}")
+    found = node_bundle(runner, BARE_PYTHON, str(tmp_path / "fresh-agent"))
+    total = sum(found.bundle.size(name) for name in found.bundle.files)
+    assert set(found.missing()) == set(found.bundle.files)
+    now, fetched = fetch_missing(runner, BARE_PYTHON, found, [source])
+    assert (fetched.store, fetched.peer, now.missing()) == (total, 0, [])
+    assert source.uploaded_bytes == total
+    for name, sha256 in found.bundle.hashes.items():
+        assert hashlib.sha256(Path(found.dir, name).read_bytes()).hexdigest() == sha256, name
+    other = node_bundle(runner, BARE_PYTHON, str(tmp_path / "another-agent"))
+    second = StoreSource(source.url)
+    _, again = fetch_missing(runner, BARE_PYTHON, other, [second])
+    assert (again.store, second.uploaded_bytes) == (total, 0)
 
 
 def test_a_node_without_that_python_is_one_line(bootstrapped: Bootstrapped) -> None:

@@ -24,12 +24,14 @@ from sshd import require_sshd
 
 from infra.compute.access.agent_env import DEFAULT_AGENT_DIR, node_bundle
 from infra.compute.access.agent_fanout import SERVER_MARKER
+from infra.compute.access.agent_store import AGENT_PREFIX
 from infra.compute.access.bootstrap import NodeReport
 from infra.compute.access.hostkeys import generate_host_key
 from infra.compute.access.ssh.connection import close_connections
 from infra.compute.providers.aws.provider import AwsProvider
 from infra.compute.providers.base import Cluster, Node
 from infra.compute.providers.cloud import HOST_KEYS, boot_script
+from infra.storage import open_store
 
 PREFIX, PRIVATE = "127.81.0.", "127.82.0."  # nobody else's stand-ins use these
 NODES = 3
@@ -106,7 +108,7 @@ def assert_agent_runs(stand: Stand, rank: int, report: NodeReport) -> None:
 
 def figures(reports: dict[str, NodeReport]) -> str:
     return "; ".join(f"{name}: {r.agent_copied_bytes} B from the orchestrator, {r.agent_peer_bytes} B from the head, "
-                     f"{r.agent_seconds:.1f}s" for name, r in reports.items())
+                     f"{r.agent_store_bytes} B from the store, {r.agent_seconds:.1f}s" for name, r in reports.items())
 
 
 def test_the_bundle_leaves_the_orchestrator_once_and_the_others_fetch_it_from_the_head(
@@ -166,3 +168,59 @@ def test_a_head_serving_a_wrong_file_sends_its_peers_to_the_orchestrator(
         assert peer_copy.read_bytes() != bytes(data), "the damaged bytes were kept"
     assert_no_server_left()
     assert not [p for p in os.listdir(bundle_dir) if p.endswith(".part")]
+
+
+def fresh_nodes(stand: Stand) -> None:
+    """Every node without its agent dir, as a new cluster's machines are."""
+    for rank in range(NODES):
+        shutil.rmtree(stand.home(rank) / ".trainpipe", ignore_errors=True)
+
+
+def test_the_head_fetches_the_wheels_from_the_run_store_prefix_once_and_serves_its_peers(
+        stand: Stand, s3_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    prefix = f"{s3_url}/run-fanout/{AGENT_PREFIX}"
+    store = open_store(prefix)
+    stand.provider.with_agent_store(prefix)
+    try:
+        fresh_nodes(stand)
+        with caplog.at_level(logging.INFO):
+            reports = stand.bootstrap()
+        print("from the store:", figures(reports))
+        head, *others = (reports[node.name] for node in stand.cluster.nodes)
+        assert (head.agent_copied_bytes, head.agent_store_bytes, head.agent_peer_bytes) == (0, stand.bundle_bytes, 0)
+        for report in others:
+            assert (report.agent_copied_bytes, report.agent_store_bytes, report.agent_peer_bytes) == (
+                0, 0, stand.bundle_bytes), report.node
+        bundle = node_bundle(stand.provider.runner(stand.cluster, stand.cluster.head), "python3",
+                             stand.provider.agent_dir).bundle
+        stored = {info.key: info for info in store.list()}
+        assert set(stored) == {f"{sha}/{name}" for name, sha in bundle.hashes.items()}, "content-keyed, each once"
+        for rank, node in enumerate(stand.cluster.nodes):
+            assert_agent_runs(stand, rank, reports[node.name])
+        assert "X-Amz-Signature" not in caplog.text, "a presigned URL (a credential) reached the log"
+
+        fresh_nodes(stand)  # a second cluster of the run: the store has every file, nothing is sent again
+        with caplog.at_level(logging.INFO):
+            again = stand.bootstrap()
+        assert again[stand.cluster.head.name].agent_store_bytes == stand.bundle_bytes
+        assert {info.key: info.mtime for info in store.list()} == {key: info.mtime for key, info in stored.items()}
+    finally:
+        stand.provider.with_agent_store(None)
+    assert_no_server_left()
+
+
+def test_a_store_that_cannot_presign_leaves_the_wheels_copied_from_here_said_once(
+        stand: Stand, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    stand.provider.with_agent_store(f"file://{tmp_path}/store/run-fanout/{AGENT_PREFIX}")
+    try:
+        fresh_nodes(stand)
+        with caplog.at_level(logging.INFO):
+            reports = stand.bootstrap()
+    finally:
+        stand.provider.with_agent_store(None)
+    head, *others = (reports[node.name] for node in stand.cluster.nodes)
+    assert (head.agent_copied_bytes, head.agent_store_bytes) == (stand.bundle_bytes, 0)
+    assert all((r.agent_peer_bytes, r.agent_store_bytes) == (stand.bundle_bytes, 0) for r in others)
+    said = [r.getMessage() for r in caplog.records if "store gives no presigned URLs" in r.getMessage()]
+    assert len(said) == 1, said
+    assert not (tmp_path / "store").exists(), "files were put where no node can fetch them"

@@ -22,6 +22,7 @@ import threading
 import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
+from datetime import UTC, datetime, timedelta
 from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
@@ -189,6 +190,32 @@ class AzureBlobStore(ObjectStore):
                 return self._info(key, self._blob(key).get_blob_properties())
         except ObjectNotFound:
             return None
+
+    def presigned_get(self, key: str, expires_s: float) -> str | None:
+        """A read-only SAS for the one blob: signed with the account key, or with a user delegation key where an
+        Azure AD identity reaches the account; None when the credential is a SAS already (it cannot sign another)."""
+        from azure.core.credentials import TokenCredential
+        from azure.storage.blob import BlobSasPermissions, generate_blob_sas
+
+        blob = self._blob(key)
+        now = datetime.now(UTC)
+        expiry = now + timedelta(seconds=expires_s)
+        signing: dict[str, Any]
+        credential = blob.credential
+        with self._calling(key, "sign a URL for"):
+            if account_key := getattr(credential, "account_key", None):
+                signing = {"account_key": account_key}
+            elif isinstance(credential, TokenCredential):
+                # Backdated a little: the service refuses a key whose start is ahead of its own clock.
+                delegation = service_client(self.read_timeout_s).get_user_delegation_key(
+                    now - timedelta(minutes=5), expiry)
+                signing = {"user_delegation_key": delegation}
+            else:
+                return None
+            sas = generate_blob_sas(account_name=blob.account_name, container_name=self.container_name,
+                                    blob_name=blob.blob_name, permission=BlobSasPermissions(read=True), expiry=expiry,
+                                    **signing)
+        return f"{blob.url.split('?', 1)[0]}?{sas}"
 
     def _download(self, key: str, byte_range: str | None) -> tuple[Iterator[bytes], Mapping[str, str]]:
         """One GET of the blob (or a range of it): its body, streamed, and the response's headers.

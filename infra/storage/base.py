@@ -122,6 +122,13 @@ class ObjectStore(ABC):
                 self.delete(probe)
         return self._create_only_honoured
 
+    def presigned_get(self, key: str, expires_s: float) -> str | None:
+        """An https URL that reads the object without credentials until expires_s from now (a node that has no
+        credentials of the store yet fetches with it), or None when this store or its credentials cannot make one
+        (file://, a GCS identity that cannot sign). The URL is a credential: never logged, never put on a command
+        line."""
+        return None
+
     @abstractmethod
     def get_file(self, key: str, path: Path) -> ObjectInfo:
         """Whole object to a local path (written beside it, then renamed)."""

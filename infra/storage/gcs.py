@@ -18,6 +18,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -203,6 +204,17 @@ class GcsStore(ObjectStore):
         with self._calling(key, "stat"):
             blob = self.bucket.get_blob(self.keys.name(key), **self._one_try)
         return None if blob is None else self._info(key, blob)
+
+    def presigned_get(self, key: str, expires_s: float) -> str | None:
+        """A V4 signed URL, where the client's credentials hold a key that signs (a service account's); None for
+        others (a user's login, the metadata server's token, the emulator's anonymous client)."""
+        from google.auth.credentials import Signing
+
+        if not isinstance(self.client._credentials, Signing):
+            return None
+        with self._calling(key, "sign a URL for"):
+            return str(self._blob(key).generate_signed_url(version="v4", expiration=timedelta(seconds=expires_s),
+                                                           method="GET"))
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         if nothing_to_read(self.url_for(key), start, length):

@@ -86,6 +86,7 @@ class _Connection:
     env_credentials: _StaticCredentials | None
     boto: dict[float, Any] = field(default_factory=dict)  # by the read timeout (the stall bound) it was made with
     crt: dict[tuple[Any, ...], Any] = field(default_factory=dict)  # by the tuning the CRT client was made with
+    presigner: Any = None  # the client that signs URLs (_presigner)
     _session: Any = None
 
     def session(self) -> Any:
@@ -163,6 +164,20 @@ def s3_client(read_timeout_s: float = READ_TIMEOUT_S) -> Any:
                 "s3", endpoint_url=connection.endpoint, region_name=connection.region, config=config
             )
         return connection.boto[read_timeout_s]
+
+
+def _presigner() -> Any:
+    """The client that signs URLs: with Signature V4, which every region and S3-compatible server takes (botocore
+    may presign with V2, which both refuse)."""
+    connection = _connection()
+    with _connections_lock:
+        if connection.presigner is None:
+            from botocore.config import Config
+
+            connection.presigner = connection.session().create_client(
+                "s3", endpoint_url=connection.endpoint, region_name=connection.region,
+                config=Config(signature_version="s3v4", s3={"addressing_style": "path"} if connection.endpoint else {}))
+        return connection.presigner
 
 
 def _connection_errors() -> tuple[type[BaseException], ...]:
@@ -291,6 +306,11 @@ class S3Store(ObjectStore):
                 return None
             raise error from None
         return ObjectInfo(key, item.size, item.etag, item.modified, item.checksum)
+
+    def presigned_get(self, key: str, expires_s: float) -> str | None:
+        with self._calling(key, "sign a URL for"):
+            return str(_presigner().generate_presigned_url(
+                "get_object", Params={"Bucket": self.bucket, "Key": self.keys.name(key)}, ExpiresIn=int(expires_s)))
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         if nothing_to_read(self.url_for(key), start, length):

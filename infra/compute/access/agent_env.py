@@ -37,6 +37,7 @@ import time
 import tomllib
 import uuid
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -213,6 +214,7 @@ class AgentEnv:
     node_python: str  # the interpreter it was made from, as the node names it (sys.executable)
     node_python_version: str
     peer_bytes: int = 0  # bundle bytes the node fetched from its cluster's head (a BundleSource), not from here
+    store_bytes: int = 0  # bundle bytes the node fetched from the run's store prefix
 
 
 @dataclass(frozen=True)
@@ -226,15 +228,19 @@ class Fetched:
 
 class BundleSource(Protocol):
     """Where a node fetches the bundle files it lacks instead of from the orchestrator: its cluster's head
-    (infra.compute.access.agent_fanout). Only a node whose bundle has the source's content fetches from it."""
+    (infra.compute.access.agent_fanout) or the run's store prefix (infra.compute.access.agent_store)."""
 
-    node_name: str  # the node that serves, for the log
-    content: str  # Bundle.content of the bundle it serves
+    node_name: str  # what serves, for the log
+    from_store: bool  # the bytes it delivers count as the store's (AgentEnv.store_bytes), else as a peer's
 
-    def fetch(self, runner: SshRunner, node_python: str, bundle_dir: str, files: dict[str, tuple[int, str]]
+    def serves(self, bundle: Bundle) -> bool:
+        """Whether it can deliver this bundle's files (a head serves only the bundle it holds)."""
+        ...
+
+    def fetch(self, runner: SshRunner, node_python: str, bundle: Bundle, bundle_dir: str, names: list[str]
               ) -> Fetched:
-        """files ({name: (size, sha256)}) into bundle_dir on runner's node, each verified before it is renamed into
-        place; a failure is told in Fetched.error, never raised, so that the caller can copy what is left."""
+        """The named files of bundle into bundle_dir on runner's node, each verified before it is renamed into
+        place; a failure is told in Fetched.error, never raised, so that the caller can get what is left elsewhere."""
         ...
 
 
@@ -295,30 +301,71 @@ def agent_python(workdir: str) -> str:
 
 
 def ensure_agent(runner: SshRunner, node_python: str, agent_root: str = DEFAULT_AGENT_DIR,
-                 link: str | None = None, source: BundleSource | None = None) -> AgentEnv:
+                 link: str | None = None, sources: Sequence[BundleSource] = ()) -> AgentEnv:
     """The agent's environment on the node behind runner, made from node_python when the node lacks it; link: a
-    path on the node made a symlink to it (its python is then link/bin/python). source: where the bundle files the
-    node lacks are fetched from (its cluster's head); what it does not deliver is copied from here, as without one."""
+    path on the node made a symlink to it (its python is then link/bin/python). sources: where the bundle files the
+    node lacks are fetched from, in order (its cluster's head, the run's store prefix); what none delivers is copied
+    from here, as without them."""
     started = time.monotonic()
     found = node_bundle(runner, node_python, agent_root, link)
     status = found.status
-    copied = fetched = 0
+    copied = 0
+    fetched = Counted()
     if not status["ready"]:
-        missing = found.missing()
-        if missing and source is not None:
-            fetched, missing = _from_source(runner, node_python, found, missing, source)
-        copied = copy_files(runner, found.bundle, found.dir, missing)
+        found, fetched = fetch_missing(runner, node_python, found, sources)
+        copied = copy_files(runner, found.bundle, found.dir, found.missing())
         status = installer(runner, node_python, "install", found.args)
     node = found.node
     agent = AgentEnv(python=status["python"], key=found.env_key, installed=status["installed"],
                      seconds=round(time.monotonic() - started, 3), install_seconds=status["seconds"],
                      bytes=status["bytes"], copied_bytes=copied, node_python=node.executable,
-                     node_python_version=".".join(map(str, node.version)), peer_bytes=fetched)
-    log.info("%s: agent %s at %s (%.1f MB) in %.1fs%s%s", runner.node_name,
+                     node_python_version=".".join(map(str, node.version)), peer_bytes=fetched.peer,
+                     store_bytes=fetched.store)
+    log.info("%s: agent %s at %s (%.1f MB) in %.1fs%s%s%s", runner.node_name,
              "installed" if agent.installed else "ready", agent.python, agent.bytes / 1e6, agent.seconds,
              f", {copied / 1e6:.1f} MB of wheels copied" if copied else "",
-             f", {fetched / 1e6:.1f} MB fetched from {source.node_name}" if fetched and source else "")
+             f", {fetched.peer / 1e6:.1f} MB fetched from its head" if fetched.peer else "",
+             f", {fetched.store / 1e6:.1f} MB fetched from the store" if fetched.store else "")
     return agent
+
+
+@dataclass(frozen=True)
+class Counted:
+    """Bundle bytes a node fetched, by where from."""
+
+    peer: int = 0
+    store: int = 0
+
+    def plus(self, source: BundleSource, nbytes: int) -> Counted:
+        return Counted(self.peer, self.store + nbytes) if source.from_store else Counted(self.peer + nbytes, self.store)
+
+
+def fetch_missing(runner: SshRunner, node_python: str, found: NodeBundle, sources: Sequence[BundleSource]
+                  ) -> tuple[NodeBundle, Counted]:
+    """The files the node lacks fetched from each source in turn, for what the ones before did not deliver: the node's
+    bundle as it is now (its status read again when a source stopped short), and the bytes fetched."""
+    counted = Counted()
+    for source in sources:
+        missing = found.missing()
+        if not missing:
+            break
+        if not source.serves(found.bundle):
+            if not source.from_store:  # a store that serves nothing said so itself, once
+                log.info("%s: its agent bundle (%s) is not the one %s serves", runner.node_name, found.bundle.key,
+                         source.node_name)
+            continue
+        fetched = source.fetch(runner, node_python, found.bundle, found.dir, missing)
+        counted = counted.plus(source, fetched.bytes)
+        if fetched.error is None:
+            found = replace(found, status={**found.status, "have": {**found.status.get("have", {}), **{
+                name: found.bundle.size(name) for name in missing}}})
+            continue
+        later = sources[sources.index(source) + 1:]
+        log.warning("%s: fetching the agent's wheels from %s failed (%s): %s", runner.node_name, source.node_name,
+                    fetched.error, f"fetching what is missing from {later[0].node_name}" if later
+                    else "copying what is missing from here instead")
+        found = replace(found, status=installer(runner, node_python, "status", found.args))
+    return found, counted
 
 
 def node_bundle(runner: SshRunner, node_python: str, agent_root: str, link: str | None = None) -> NodeBundle:
@@ -336,24 +383,6 @@ def copy_files(runner: SshRunner, bundle: Bundle, bundle_dir: str, names: list[s
     for name in names:
         runner.put_file(bundle.files[name], f"{bundle_dir}/{name}")
     return sum(bundle.size(name) for name in names)
-
-
-def _from_source(runner: SshRunner, node_python: str, found: NodeBundle, missing: list[str],
-                 source: BundleSource) -> tuple[int, list[str]]:
-    """(bytes fetched from source, the files still missing after it): all of them when the node's bundle is not the
-    source's (another CPython or architecture), or when the fetch stopped short (the files it verified are kept)."""
-    if found.bundle.content != source.content:
-        log.info("%s: its agent bundle (%s) is not %s's: its wheels are copied from here", runner.node_name,
-                 found.bundle.key, source.node_name)
-        return 0, missing
-    wanted = {name: (found.bundle.size(name), found.bundle.hashes[name]) for name in missing}
-    fetched = source.fetch(runner, node_python, found.dir, wanted)
-    if fetched.error is None:
-        return fetched.bytes, []
-    log.warning("%s: fetching the agent's wheels from %s failed (%s): copying what is missing from here instead",
-                runner.node_name, source.node_name, fetched.error)
-    again = replace(found, status=installer(runner, node_python, "status", found.args))
-    return fetched.bytes, again.missing()
 
 
 def env_key(bundle: Bundle, node: NodePython) -> str:

@@ -1,6 +1,6 @@
-"""The agent's bundle sent once per cluster: the orchestrator copies it to the head node, and the other nodes fetch
-the files they lack from the head over the cluster network, so the orchestrator's uplink carries one copy of the
-wheels (~66 MB), not one per node.
+"""The agent's bundle sent once per cluster: the head gets it from the run's store prefix (agent_store) or, where the
+store cannot serve it, from the orchestrator, and the other nodes fetch the files they lack from the head over the
+cluster network, so the orchestrator's uplink carries at most one copy of the wheels (~66 MB), not one per node.
 
 On the head (stdlib, run by the head's own Python: the agent's env may not be made yet): SERVE, an HTTP server of the
 bundle dir alone (GET/HEAD of the wheel files it held when it started, nothing else, nothing written), bound to the
@@ -9,15 +9,13 @@ requests that carry the per-bootstrap token (which travels in the environment, n
 started the first time a node lacks a file, stopped when the bootstrap ends, and ends on its own at a deadline that
 covers the bootstrap's own bounds, should the orchestrator be gone.
 
-On each other node: FETCH, each missing file to a temp name beside its place, checked against the size and sha256 of
-the bundle's manifest, then renamed into place; transient errors are retried with backoff, all within a deadline. A
-file the head holds with other bytes (or a head that cannot be reached) ends the fetch: the node then copies what it
-still lacks from the orchestrator, as without a head (agent_env.ensure_agent logs why).
+On each other node: agent_fetch.FETCH of the files it lacks, each verified by size and sha256. A file the head holds
+with other bytes (or a head that cannot be reached) ends the fetch: the node then gets what it still lacks from the
+store, else from the orchestrator, as without a head (agent_env.fetch_missing logs why).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import secrets
@@ -25,25 +23,29 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from infra.cancel import CANCEL
 from infra.compute.access.agent_env import (
     AgentEnvError,
+    Bundle,
+    BundleSource,
+    Counted,
     Fetched,
     NodeBundle,
     copy_files,
+    fetch_missing,
     json_line,
     node_bundle,
     one_line,
 )
+from infra.compute.access.agent_fetch import TOKEN_ENV, WantedFile, fetch_files
 from infra.compute.access.remote import Process, RemoteError
 from infra.compute.access.ssh.runner import SshRunner
 
 log = logging.getLogger(__name__)
 
-TOKEN_ENV = "TRAINPIPE_BUNDLE_TOKEN"
 SERVER_MARKER = "trainpipe-agent-bundle-server"  # in SERVE's first line: the server's command line names it
-FETCH_TIMEOUT_S = 600.0  # one node's fetch of the whole bundle, retries included
 START_TIMEOUT_S = 120.0  # from starting SERVE to its port line: one python start on a loaded node
 STOP_GRACE_S = 5.0
 
@@ -96,77 +98,6 @@ print(json.dumps({"port": server.server_address[1]}), flush=True)
 threading.Event().wait(serve_s)
 """
 
-# argv: head URL, bundle dir, {name: [size, sha256]} (JSON), seconds at most. Prints one JSON line: the bytes fetched
-# and seconds, or an error (with the bytes fetched before it) and exit 3.
-FETCH = r"""
-import hashlib, http.client, json, os, sys, time, urllib.error, urllib.request
-
-url, bundle, wanted, limit_s = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), float(sys.argv[4])
-headers = {"Authorization": "Bearer " + os.environ.pop("TRAINPIPE_BUNDLE_TOKEN")}
-ATTEMPTS, FIRST_DELAY_S, READ_TIMEOUT_S = 4, 0.5, 30.0
-started = time.monotonic()
-deadline = started + limit_s
-
-class Refused(Exception):
-    pass  # the head's answer is final (not the manifest's bytes, no such file): asking again cannot help
-
-def left():
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        raise Refused(f"not done within {limit_s:.0f}s")
-    return remaining
-
-def get(name, size, sha256):
-    tmp = os.path.join(bundle, f".{name}.{os.getpid()}.part")
-    request = urllib.request.Request(f"{url}/{name}", headers=headers)
-    digest, got = hashlib.sha256(), 0
-    try:
-        with urllib.request.urlopen(request, timeout=min(READ_TIMEOUT_S, left())) as answer, open(tmp, "wb") as out:
-            offered = answer.headers.get("Content-Length")
-            if offered is not None and int(offered) != size:
-                raise Refused(f"{name}: the head has {offered} bytes, the manifest {size}")
-            while chunk := answer.read(1 << 20):
-                left()
-                got += len(chunk)
-                digest.update(chunk)
-                out.write(chunk)
-        if got != size:
-            raise ConnectionError(f"{name}: {got} of {size} bytes came")
-        if digest.hexdigest() != sha256:
-            raise Refused(f"{name}: sha256 {digest.hexdigest()} is not the manifest's {sha256}")
-        os.replace(tmp, os.path.join(bundle, name))
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return size
-
-def fetch(name, size, sha256):
-    for attempt in range(ATTEMPTS):
-        try:
-            return get(name, size, sha256)
-        except urllib.error.HTTPError as exc:
-            if exc.code < 500:
-                raise Refused(f"{name}: HTTP {exc.code} from the head") from None
-            problem = f"{name}: HTTP {exc.code} from the head"
-        except (OSError, http.client.HTTPException) as exc:
-            problem = f"{name}: {type(exc).__name__}: {exc}"
-        delay = FIRST_DELAY_S * 2 ** attempt
-        if attempt + 1 == ATTEMPTS or time.monotonic() + delay >= deadline:
-            raise Refused(f"{problem} ({attempt + 1} attempts)")
-        time.sleep(delay)
-
-fetched = 0
-try:
-    os.makedirs(bundle, exist_ok=True)
-    for name, (size, sha256) in sorted(wanted.items()):
-        fetched += fetch(name, size, sha256)
-except (Refused, OSError) as exc:
-    print(json.dumps({"error": str(exc), "bytes": fetched, "seconds": round(time.monotonic() - started, 3)}))
-    sys.exit(3)
-print(json.dumps({"bytes": fetched, "seconds": round(time.monotonic() - started, 3)}))
-"""
-
-
 def url_host(address: str) -> str:
     return f"[{address}]" if ":" in address else address
 
@@ -175,6 +106,8 @@ class HeadSource:
     """The head's bundle files served to the other nodes of its cluster (an agent_env.BundleSource). The server is
     started the first time a node lacks a file (nodes that have every file cost the head nothing) and stopped by
     stop(); serve_s bounds it on the head should stop() never come."""
+
+    from_store = False
 
     def __init__(self, runner: SshRunner, node_python: str, found: NodeBundle, address: str, serve_s: float) -> None:
         self.node_name = runner.node_name
@@ -188,23 +121,16 @@ class HeadSource:
         self._url: str | None = None
         self._problem: str | None = None  # why it serves nothing: it could not start, or it was stopped
 
-    def fetch(self, runner: SshRunner, node_python: str, bundle_dir: str, files: dict[str, tuple[int, str]]
+    def serves(self, bundle: Bundle) -> bool:
+        return bundle.content == self.content
+
+    def fetch(self, runner: SshRunner, node_python: str, bundle: Bundle, bundle_dir: str, names: list[str]
               ) -> Fetched:
         url = self._serving()
         if url is None:
             return Fetched(0, 0.0, self._problem)
-        argv = [node_python, "-c", FETCH, url, bundle_dir, json.dumps(files), str(FETCH_TIMEOUT_S)]
-        try:
-            result = runner.run(argv, env={TOKEN_ENV: self._token}, timeout=FETCH_TIMEOUT_S + 60, check=False)
-        except RemoteError as exc:
-            return Fetched(0, 0.0, str(exc))
-        found = json_line(result.output) or {}
-        if result.returncode != 0 or "error" in found:
-            problem = found.get("error") or one_line(result.output) or f"exit {result.returncode}"
-            return Fetched(found.get("bytes", 0), found.get("seconds", 0.0), problem)
-        log.info("%s: %.1f MB of the agent's wheels fetched from %s in %.1fs", runner.node_name,
-                 found["bytes"] / 1e6, self.node_name, found["seconds"])
-        return Fetched(found["bytes"], found["seconds"])
+        wanted = {name: WantedFile(bundle.size(name), bundle.hashes[name], f"{url}/{name}") for name in names}
+        return fetch_files(runner, node_python, bundle_dir, wanted, self.node_name, self._token)
 
     def _serving(self) -> str | None:
         """The server's URL, started on the first call; None (the reason in _problem) when it could not start."""
@@ -246,23 +172,36 @@ class HeadSource:
                         self.node_name)
 
 
+@dataclass(frozen=True)
+class Stocked:
+    """The head as its cluster's source of the bundle (None: it holds too few of the wheels to serve), and how its
+    files got there: copied from here, or fetched from the run's store prefix."""
+
+    source: HeadSource | None
+    copied: int = 0
+    store_bytes: int = 0
+
+
 def head_source(runner: SshRunner, node_python: str, agent_root: str, address: str, serve_s: float,
-                stock: bool) -> tuple[HeadSource | None, int]:
-    """The head as its cluster's source of the bundle, and the bytes copied to it. stock: copy the files it lacks
-    from here first (a launch); otherwise (a replacement beside a surviving head) the head serves only when it holds
-    every file already, and None says it does not."""
+                stock: bool, store: BundleSource | None = None) -> Stocked:
+    """The head as its cluster's source of the bundle. stock: get the files it lacks first (a launch), from store
+    when given, what is left copied from here; otherwise (a replacement beside a surviving head) the head serves only
+    when it holds every file already."""
     found = node_bundle(runner, node_python, agent_root)
     missing = found.missing()
     if missing and not stock:
-        log.info("%s: lacks %d of the agent's wheels: the new nodes get theirs from here", runner.node_name,
+        log.info("%s: lacks %d of the agent's wheels: the new nodes get theirs from elsewhere", runner.node_name,
                  len(missing))
-        return None, 0
+        return Stocked(None)
     started = time.monotonic()
-    copied = copy_files(runner, found.bundle, found.dir, missing)
-    if copied:
-        log.info("%s: %.1f MB of the agent's wheels copied to the head in %.1fs, for its peers too", runner.node_name,
-                 copied / 1e6, time.monotonic() - started)
-    return HeadSource(runner, node_python, found, address, serve_s), copied
+    fetched = Counted()
+    if missing and store is not None:
+        found, fetched = fetch_missing(runner, node_python, found, [store])
+    copied = copy_files(runner, found.bundle, found.dir, found.missing())
+    if copied or fetched.store:
+        log.info("%s: the head has the agent's wheels for its peers too in %.1fs (%.1f MB from the store, %.1f MB "
+                 "copied from here)", runner.node_name, time.monotonic() - started, fetched.store / 1e6, copied / 1e6)
+    return Stocked(HeadSource(runner, node_python, found, address, serve_s), copied, fetched.store)
 
 
 class PendingSource:
@@ -271,7 +210,7 @@ class PendingSource:
 
     def __init__(self, head_name: str, wait_s: float) -> None:
         self.head_name = head_name
-        self.copied = 0  # bytes copied to the head to serve them
+        self.stocked = Stocked(None)  # how the head got the wheels it serves
         self._wait_s = wait_s
         self._ready = threading.Event()
         self._lock = threading.Lock()
@@ -292,11 +231,10 @@ class PendingSource:
             if not self._ready.is_set():
                 self._publish(None, "the head's bootstrap published none")
 
-    def publish(self, source: HeadSource | None, copied: int) -> None:
-        """What head_source returned: the head's source (None: it holds too few of the wheels) and the bytes copied
-        to it."""
-        self.copied = copied
-        self._publish(source, "it lacks some of the agent's wheels")
+    def publish(self, stocked: Stocked) -> None:
+        """What head_source returned."""
+        self.stocked = stocked
+        self._publish(stocked.source, "it lacks some of the agent's wheels")
 
     def _publish(self, source: HeadSource | None, problem: str) -> None:
         with self._lock:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -147,6 +148,7 @@ class NodeReport:
     agent_bytes: int = 0  # the agent's environment on disk (du)
     agent_copied_bytes: int = 0  # of the agent's wheels, copied by this bootstrap from the orchestrator
     agent_peer_bytes: int = 0  # of the agent's wheels, fetched by this bootstrap from the cluster's head
+    agent_store_bytes: int = 0  # of the agent's wheels, fetched by this bootstrap from the run's store prefix
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-shaped (lists, not tuples), so it equals itself after a round trip through the cluster record."""
@@ -180,19 +182,19 @@ def node_facts(runner: SshRunner, python: str, workdir: str) -> dict[str, Any]:
 
 
 def bootstrap_node(runner: SshRunner, python: str, agent_dir: str = DEFAULT_AGENT_DIR, workdir: str | None = None,
-                   source: BundleSource | None = None) -> NodeReport:
+                   sources: Sequence[BundleSource] = ()) -> NodeReport:
     """Connect (the runner waits for SSH and verifies the host key), make sure the node has the agent's environment
     (made from `python`, the node's own interpreter, under agent_dir, and linked from <workdir>/agent-env: see
-    agent_env.agent_python; the wheels it lacks fetched from source when given, else copied from here), and report
-    it with the mount of workdir (default: the runner's), the GPUs and the network interfaces. Nothing is installed
-    into `python`."""
+    agent_env.agent_python; the wheels it lacks fetched from sources, in order, what is left copied from here), and
+    report it with the mount of workdir (default: the runner's), the GPUs and the network interfaces. Nothing is
+    installed into `python`."""
     workdir = workdir or runner.workdir
     if not workdir:
         raise ValueError("bootstrap_node needs the node's workdir (or a runner that has one)")
     started = time.monotonic()
     runner.connect()
     agent: AgentEnv = ensure_agent(runner, python, agent_dir, link=f"{workdir.rstrip('/')}/{AGENT_LINK}",
-                                   source=source)
+                                   sources=sources)
     seconds = round(time.monotonic() - started, 3)
     facts = node_facts(runner, agent.python, workdir)
     report = NodeReport(
@@ -200,7 +202,7 @@ def bootstrap_node(runner: SshRunner, python: str, agent_dir: str = DEFAULT_AGEN
         mount=Mount(**facts["mount"]), gpus=tuple(Gpu(**g) for g in facts["gpus"]), gpu_error=facts["gpu_error"],
         interfaces=tuple(Interface(**i) for i in facts["interfaces"]), cpus=facts["cpus"],
         agent_python=agent.python, agent_installed=agent.installed, agent_seconds=seconds, agent_bytes=agent.bytes,
-        agent_copied_bytes=agent.copied_bytes, agent_peer_bytes=agent.peer_bytes,
+        agent_copied_bytes=agent.copied_bytes, agent_peer_bytes=agent.peer_bytes, agent_store_bytes=agent.store_bytes,
     )
     log.info("%s: agent %s (%s, %.0f MB, %.1fs); %s on %s (%s%s); %s; interfaces %s", report.node,
              report.agent_python, "installed" if report.agent_installed else "ready", report.agent_bytes / 1e6,

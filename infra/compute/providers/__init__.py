@@ -69,9 +69,10 @@ def provider_for(spec: ClusterSpec) -> Provider:
     return get_provider(spec.provider)
 
 
-def launch_cluster(spec: ClusterSpec, cluster_name: str, run_id: str) -> Cluster:
-    """Launch a cluster on the provider its spec names (every node or none; LaunchError says why not)."""
-    return provider_for(spec).launch(cluster_name, spec, run_id)
+def launch_cluster(spec: ClusterSpec, cluster_name: str, run_id: str, agent_store: str | None = None) -> Cluster:
+    """Launch a cluster on the provider its spec names (every node or none; LaunchError says why not); agent_store:
+    see Provider.agent_store."""
+    return provider_for(spec).with_agent_store(agent_store).launch(cluster_name, spec, run_id)
 
 
 def check_site(spec: ClusterSpec) -> None:

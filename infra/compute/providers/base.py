@@ -192,6 +192,16 @@ class Provider(ABC):
     # What a node's lease watchdog (infra.node watch --on-expire) does once its orchestrator has been silent for the
     # lease TTL: end every process of the node, or power the machine off (a cloud then ends the instance for good).
     lease_expiry: str = "kill-node"
+    # Where a provider that installs the agent on its nodes (ssh, the clouds) puts the agent's wheels for them to
+    # fetch (infra.compute.access.agent_store): the run's store prefix; None, or a store that cannot presign: the
+    # wheels are copied from the orchestrator.
+    agent_store: str | None = None
+
+    def with_agent_store(self, url: str | None) -> Provider:
+        """This provider, its nodes' agent wheels going through url (agent_store.agent_store_url of the run's
+        prefix)."""
+        self.agent_store = url
+        return self
 
     @abstractmethod
     def launch(self, cluster_name: str, spec: ClusterSpec, run_id: str) -> Cluster:

@@ -33,8 +33,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from infra.cancel import CANCEL
-from infra.compute.access.agent_env import DEFAULT_AGENT_DIR, INSTALL_TIMEOUT_S, PROBE_TIMEOUT_S
-from infra.compute.access.agent_fanout import FETCH_TIMEOUT_S, HeadSource, PendingSource, head_source
+from infra.compute.access.agent_env import DEFAULT_AGENT_DIR, INSTALL_TIMEOUT_S, PROBE_TIMEOUT_S, BundleSource
+from infra.compute.access.agent_fanout import PendingSource, Stocked, head_source
+from infra.compute.access.agent_fetch import FETCH_TIMEOUT_S
+from infra.compute.access.agent_store import StoreSource
 from infra.compute.access.bootstrap import NodeReport, bootstrap_node
 from infra.compute.access.hostkeys import SSH_DIR, HostKey, generate_host_key, install_script
 from infra.compute.access.remote import RemoteError
@@ -323,12 +325,14 @@ class CloudProvider(Provider):
         provider records them. A failure on any node raises the LaunchError that says whether trying again can help,
         naming every node that failed.
 
-        The agent's wheels cross the orchestrator's uplink once: the head gets them from here, then serves them to
-        the other nodes over the cluster network (infra.compute.access.agent_fanout)."""
+        The agent's wheels cross the orchestrator's uplink once at most: the head gets them from the run's store
+        prefix (agent_store), or from here where the store cannot serve them, then serves them to the other nodes
+        over the cluster network (infra.compute.access.agent_fanout)."""
         nodes = [node for node in cluster.nodes if only is None or node.name in only]
-        pending = self._head_source(cluster, nodes)
+        store = StoreSource(self.agent_store) if self.agent_store else None
+        pending = self._head_source(cluster, nodes, store)
         try:
-            outcomes = in_parallel(nodes, lambda node: self._bootstrap_node(cluster, node, pending))
+            outcomes = in_parallel(nodes, lambda node: self._bootstrap_node(cluster, node, pending, store))
         finally:
             if pending is not None:
                 pending.stop()
@@ -341,18 +345,21 @@ class CloudProvider(Provider):
             raise type(errors[0])("; ".join(str(e) for e in errors)) from failures[0][1]
         self.last_reports = {node.name: report for node, report, _ in outcomes}
         head = self.last_reports.get(cluster.head.name)
-        if head is not None and pending is not None and pending.copied:
-            # Copied before the head's own bootstrap, which then found them there.
-            self.last_reports[head.node] = replace(head, agent_copied_bytes=head.agent_copied_bytes + pending.copied)
+        if head is not None and pending is not None:
+            # Got before the head's own bootstrap, which then found them there.
+            stocked = pending.stocked
+            self.last_reports[head.node] = replace(
+                head, agent_copied_bytes=head.agent_copied_bytes + stocked.copied,
+                agent_store_bytes=head.agent_store_bytes + stocked.store_bytes)
         reports = {name: report.to_dict() for name, report in self.last_reports.items()}
         kept = {} if only is None else {name: r for name, r in cluster.bootstrap.items() if name not in only}
         return replace(cluster, bootstrap={**kept, **reports})
 
-    def _head_source(self, cluster: Cluster, nodes: list[Node]) -> PendingSource | None:
+    def _head_source(self, cluster: Cluster, nodes: list[Node], store: StoreSource | None) -> PendingSource | None:
         """The head as the source of the agent's wheels for the other nodes bootstrapped; None when there are none.
         A head bootstrapped too is stocked by its own bootstrap (_bootstrap_node); a surviving head (beside
-        replacements) serves the wheels when it holds them all, and any problem with it leaves the new nodes copying
-        theirs from here, as without it."""
+        replacements) serves the wheels when it holds them all, and any problem with it leaves the new nodes getting
+        theirs from the store or from here, as without it."""
         head = cluster.head
         if not any(node.name != head.name for node in nodes):
             return None
@@ -360,25 +367,30 @@ class CloudProvider(Provider):
         if all(node.name != head.name for node in nodes):
             try:
                 with pending.publishing():
-                    pending.publish(*self._stock_head(self.runner(cluster, head), head, stock=False))
+                    pending.publish(self._stock_head(self.runner(cluster, head), head, stock=False, store=store))
             except (LaunchError, RemoteError, OSError) as exc:
                 log.warning("%s: the surviving head %s cannot serve the agent's wheels (%s): the new nodes get "
-                            "theirs from here", cluster.name, head.name, exc)
+                            "theirs from elsewhere", cluster.name, head.name, exc)
         return pending
 
-    def _stock_head(self, runner: SshRunner, head: Node, stock: bool) -> tuple[HeadSource | None, int]:
-        return head_source(runner, head.node_python, self.agent_dir, head.cluster_address, SERVE_S, stock=stock)
+    def _stock_head(self, runner: SshRunner, head: Node, stock: bool, store: StoreSource | None) -> Stocked:
+        return head_source(runner, head.node_python, self.agent_dir, head.cluster_address, SERVE_S, stock=stock,
+                           store=store)
 
-    def _bootstrap_node(self, cluster: Cluster, node: Node, pending: PendingSource | None) -> NodeReport:
+    def _bootstrap_node(self, cluster: Cluster, node: Node, pending: PendingSource | None,
+                        store: StoreSource | None) -> NodeReport:
+        sources: list[BundleSource] = []
         if pending is not None and node.name == cluster.head.name:
             with pending.publishing():  # the others wait for it
                 runner = self._reached(cluster, node)
-                pending.publish(*self._stock_head(runner, node, stock=True))
-            source = None
+                pending.publish(self._stock_head(runner, node, stock=True, store=store))
         else:
             runner = self._reached(cluster, node)
-            source = pending.wait(node.name) if pending is not None else None
-        return bootstrap_node(runner, node.node_python, self.agent_dir, workdir=node.workdir, source=source)
+            head = pending.wait(node.name) if pending is not None else None
+            sources = [head] if head is not None else []
+        # What the head could not give (or, alone, everything) from the store, before anything is copied from here.
+        sources += [store] if store is not None else []
+        return bootstrap_node(runner, node.node_python, self.agent_dir, workdir=node.workdir, sources=sources)
 
     def _reached(self, cluster: Cluster, node: Node) -> SshRunner:
         """The node's runner, once it is booted: sshd answers with the pinned key and the boot script is done."""

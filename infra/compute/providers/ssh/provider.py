@@ -24,7 +24,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from infra.compute.access.agent_env import agent_python
+from infra.compute.access.agent_env import BundleSource, agent_python
+from infra.compute.access.agent_store import StoreSource
 from infra.compute.access.bootstrap import NodeReport, bootstrap_node
 from infra.compute.access.remote import RemoteError, Runner
 from infra.compute.access.ssh.runner import SshRunner
@@ -191,7 +192,8 @@ class SshProvider(Provider):
         self._write_record(cluster)  # first: a launch that dies half way is still found and torn down
         hosts = self._hosts(cluster)
         reserved: set[str] = set()
-        outcomes = in_parallel(hosts, lambda host: self._prepare(host, cluster, spec, reserved))
+        sources = self._agent_sources()
+        outcomes = in_parallel(hosts, lambda host: self._prepare(host, cluster, spec, reserved, sources))
         failures = [(host, error) for host, _, error in outcomes if error is not None]
         if failures:
             self._roll_back(cluster, [host for host in hosts if host.node.name in reserved])
@@ -224,14 +226,21 @@ class SshProvider(Provider):
         return Cluster(name=cluster_name, provider=self.name, run_id=run_id, nodes=tuple(nodes),
                        created_at=time.time(), owner={**launcher(), "ssh": ssh}, instance_type=SSH_TYPE)
 
-    def _prepare(self, host: _Host, cluster: Cluster, spec: ClusterSpec, reserved: set[str]) -> NodeReport:
+    def _agent_sources(self) -> list[BundleSource]:
+        """Where each host fetches the agent's wheels it lacks: the run's store prefix, when there is one (each host
+        from the store, not one copy per host over the orchestrator's uplink), else nowhere (copied from here)."""
+        return [StoreSource(self.agent_store)] if self.agent_store else []
+
+    def _prepare(self, host: _Host, cluster: Cluster, spec: ClusterSpec, reserved: set[str],
+                 sources: list[BundleSource]) -> NodeReport:
         runner = host.runner(LAUNCH_CONNECT_S)
         runner.connect()
         self._reserve(runner, host, cluster)
         reserved.add(host.node.name)  # from here on, a failed launch has something to roll back on this host
         for sub in ("data", "ckpt", "logs"):
             runner.makedirs(f"{host.node.workdir}/{sub}")
-        report = bootstrap_node(runner, host.host.python, host.host.agent_dir, workdir=host.node.workdir)
+        report = bootstrap_node(runner, host.host.python, host.host.agent_dir, workdir=host.node.workdir,
+                                sources=sources)
         _check_fit(report, host, spec)
         return report
 
@@ -294,7 +303,8 @@ class SshProvider(Provider):
         if self.describe(cluster.name) is None:
             raise ReplacementUnavailable(f"{cluster.name}: its record is gone: the cluster was torn down")
         hosts = [host for host in self._hosts(cluster) if host.node.name in names]
-        outcomes = in_parallel(hosts, lambda host: self._renew(host, cluster))
+        sources = self._agent_sources()
+        outcomes = in_parallel(hosts, lambda host: self._renew(host, cluster, sources))
         failures = [(host, error) for host, _, error in outcomes if error is not None]
         unexpected = [error for _, error in failures if not isinstance(error, LaunchError | RemoteError | OSError)]
         if unexpected:
@@ -307,7 +317,7 @@ class SshProvider(Provider):
         self._write_record(updated)
         return updated
 
-    def _renew(self, host: _Host, cluster: Cluster) -> NodeReport:
+    def _renew(self, host: _Host, cluster: Cluster, sources: list[BundleSource]) -> NodeReport:
         """The lost node's host again: still reserved for this cluster, what the node left ended and removed, its
         dirs made and the host bootstrapped as at launch."""
         runner = host.runner(self.teardown_connect_s)
@@ -317,7 +327,8 @@ class SshProvider(Provider):
                                                    host.node.workdir])
         for sub in ("data", "ckpt", "logs"):
             runner.makedirs(f"{host.node.workdir}/{sub}")
-        report = bootstrap_node(runner, host.host.python, host.host.agent_dir, workdir=host.node.workdir)
+        report = bootstrap_node(runner, host.host.python, host.host.agent_dir, workdir=host.node.workdir,
+                                sources=sources)
         log.info("%s: replaced on %s (%d processes of the lost node ended)", host.node.name, host.host.host,
                  result["processes"])
         return report
