@@ -220,7 +220,7 @@ def prefect_servers_of(workspace: Path) -> list[psutil.Process]:
     found = []
     for process in psutil.process_iter(["cmdline", "environ"]):
         with contextlib.suppress(psutil.Error):
-            if ("prefect.server.api.server:create_app" in " ".join(process.info["cmdline"] or [])
+            if (" server start " in " ".join(process.info["cmdline"] or [])
                     and (process.info["environ"] or {}).get("TRAINPIPE_HOME") == str(workspace)):
                 found.append(process)
     return found

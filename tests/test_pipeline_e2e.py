@@ -33,7 +33,7 @@ def prefect_servers(home: str) -> list[psutil.Process]:
             command = " ".join(process.cmdline())
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             return False
-        return "prefect.server.api.server:create_app" in command or "trainpipe.server_guard" in command
+        return " server start " in command or "trainpipe.server_guard" in command
 
     return [process for process in processes.tagged_processes("PREFECT_HOME", home) if is_server(process)]
 
@@ -132,7 +132,9 @@ def test_sigkilled_run_is_swept_and_rerun_resumes(workspace: Path, tmp_path: Pat
         time.sleep(0.5)
     # The orchestrator dies without any chance to clean up; the nodes run in their own sessions, as they would on
     # other machines, so they survive as orphans.
-    assert prefect_servers(home), "the run's temporary Prefect server is not running"
+    # Prefect's public command, under the guard (not its private uvicorn launcher, which an upgrade may change).
+    assert any(" server start " in " ".join(p.cmdline()) for p in prefect_servers(home)), (
+        "the run's temporary Prefect server is not running `prefect server start`")
     os.killpg(orchestrator.pid, signal.SIGKILL)
     orchestrator.wait()
 

@@ -76,12 +76,10 @@ def run(config: ConfigArg, run_id: RunIdOpt = None) -> None:
     from infra.job.summary import LAUNCHED_AT_VAR, RunSummary, load_summary
     from infra.lifecycle.ownership import refuse_live_owner
     from infra.workspace import runs_dir
-    from trainpipe.prefect_server import BackgroundServer
+    from trainpipe.prefect_server import BackgroundServer, ServerStartError
 
     # The run's overhead counts from this command's start (the interpreter and its imports included).
     os.environ.setdefault(LAUNCHED_AT_VAR, str(psutil.Process().create_time()))
-    # Prefect's 20 s default for starting its temporary server is too short on a busy 2-core machine.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     job = load_job(config)
     resuming = run_id is not None
     run_id = run_id or new_run_id(job)
@@ -100,7 +98,11 @@ def run(config: ConfigArg, run_id: RunIdOpt = None) -> None:
         typer.echo(f"error: {exc}", err=True)
         server.stop()  # after the line: the user need not wait for it
         raise typer.Exit(2) from None
-    server.wait()
+    try:
+        server.wait()
+    except ServerStartError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
     from flows.retrain import retrain
     from infra.cancel import CANCEL
 

@@ -1,95 +1,123 @@
-"""The temporary Prefect server `trainpipe run` needs when no PREFECT_API_URL is set, started while the run is
-planned: its start (a uvicorn process importing Prefect's server) takes longer than planning, and both can go on at
-once on two cores instead of one after the other.
+"""The temporary Prefect server `trainpipe run` needs when no PREFECT_API_URL is set: Prefect's own public command,
+`prefect server start`, run as this process's child on a free loopback port, started while the run is planned (its
+start, a process importing Prefect's server, takes longer than planning, and both go on at once on two cores).
+
+PREFECT_API_URL is set to it before Prefect is imported (Prefect reads its settings then), so every client of this
+process, the flow's and its log and event workers', talks to it. Its scheduler, late-runs and foreman services are
+off (documented settings): a run of the command needs none of them.
 
 The server runs in a session of its own: a Ctrl-C in the terminal (SIGINT to the whole foreground process group)
-cancels the run, whose teardown and last reports still need the server. Prefect stops it at the command's exit, after
-its log and event queues are drained (those drain at thread shutdown, before atexit); a run killed outright has no
-exit, and the server's guard (trainpipe.server_guard) ends it then."""
+cancels the run, whose teardown and last reports still need the server. It is stopped at the command's exit (atexit,
+registered before Prefect's own handlers, so after Prefect has drained its log and event queues); a run killed
+outright has no exit, and the server's guard (trainpipe.server_guard) ends it then. A server that ignores its stop is
+killed by the guard after its grace."""
 
 from __future__ import annotations
 
-import logging
+import atexit
 import os
+import socket
 import subprocess
 import sys
-import threading
-from types import SimpleNamespace
-from typing import Any
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 
-STARTING = "Starting temporary server"
 GUARD = "trainpipe.server_guard"  # ends the server when this process is gone, however it ends
+START_TIMEOUT_S = 120.0  # a busy 2-core machine takes ~10 s; Prefect's own 20 s bound was too short there
+STOP_TIMEOUT_S = 30.0  # the guard's grace for the server (server_guard.STOP_GRACE_S) and its own exit
+HEALTH_POLL_S = 0.2
+# Prefect's documented server settings: the services a single run does not use.
+QUIET_SERVICES = {"PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
+                  "PREFECT_SERVER_SERVICES_LATE_RUNS_ENABLED": "false",
+                  "PREFECT_SERVER_SERVICES_FOREMAN_ENABLED": "false",
+                  "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                  "PREFECT_UI_ENABLED": "false"}
 
 
-class _Quiet(logging.Filter):
-    """Prefect announces its temporary server on stderr: `trainpipe run` promises one line there for bad input."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(STARTING)
+class ServerStartError(RuntimeError):
+    """The temporary server did not come up: one line naming why and where its log is."""
 
 
 class BackgroundServer:
     def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._guard: subprocess.Popen[bytes] | None = None
+        self._health = ""
+        self._log: Path | None = None
 
     def start(self) -> BackgroundServer:
-        """Start the temporary server on a thread, unless a server is configured (PREFECT_API_URL)."""
+        """Start the temporary server, unless a server is configured (PREFECT_API_URL). Must run before Prefect is
+        imported in this process."""
         if os.environ.get("PREFECT_API_URL"):
             return self
-        logging.getLogger("prefect").addFilter(_Quiet())
-        self._thread = threading.Thread(target=self._start, name="prefect-server-start", daemon=True)
-        self._thread.start()
+        if "prefect" in sys.modules:
+            raise RuntimeError("BackgroundServer.start() after Prefect's import: Prefect would not see its URL")
+        port = _free_port()
+        api = f"http://127.0.0.1:{port}/api"
+        self._health = f"{api}/health"
+        home = Path(os.environ.get("PREFECT_HOME") or Path.home() / ".prefect").expanduser()
+        home.mkdir(parents=True, exist_ok=True)
+        self._log = home / f"trainpipe-server-{port}.log"
+        prefect = str(Path(sys.executable).with_name("prefect"))
+        command = [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui", "--log-level",
+                   "WARNING"]
+        with self._log.open("wb") as log:
+            self._guard = subprocess.Popen(
+                [sys.executable, "-m", GUARD, str(os.getpid()), "--", *command], start_new_session=True,
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, **QUIET_SERVICES})
+        os.environ["PREFECT_API_URL"] = api
+        atexit.register(self.stop)
         return self
 
-    def _start(self) -> None:
-        try:
-            from prefect.server.api.server import SubprocessASGIServer
-
-            # The same instance Prefect's client finds later: it reuses the running server instead of starting one.
-            server = SubprocessASGIServer()
-            _in_own_session(server)
-            server.start()
-        except BaseException as exc:  # handed to the caller's thread by wait()
-            self._error = exc
+    def wait(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Block until the server answers its health check; ServerStartError when it exits or stays silent."""
+        if self._guard is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(self._health, timeout=5) as answer:
+                    if answer.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            code = self._guard.poll()
+            if code is not None:
+                raise ServerStartError(f"the temporary Prefect server exited {code} before it answered: "
+                                       f"{self._tail()} (log: {self._log}); or set PREFECT_API_URL to a server")
+            if time.monotonic() >= deadline:
+                self.stop()
+                raise ServerStartError(f"the temporary Prefect server did not answer within {timeout_s:.0f}s (log: "
+                                       f"{self._log}); or set PREFECT_API_URL to a server")
+            time.sleep(HEALTH_POLL_S)
 
     def stop(self) -> None:
-        """Not needed after all: wait for the start to end, then stop the server."""
-        if self._thread is None:
+        """Stop the server (through its guard, which kills it after its grace) and wait for it; idempotent."""
+        guard, self._guard = self._guard, None
+        if guard is None:
             return
-        self._thread.join()
-        from prefect.server.api.server import SubprocessASGIServer
+        if guard.poll() is None:
+            guard.terminate()
+            try:
+                guard.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                guard.kill()  # the server then gets its SIGTERM from the kernel (server_guard._end_with_me)
+                guard.wait()
+        if guard.returncode in (0, 128 + 15) and self._log is not None:  # stopped as asked (143: by SIGTERM)
+            self._log.unlink(missing_ok=True)  # kept only when the server ended badly
 
-        SubprocessASGIServer().stop()
-
-    def wait(self) -> None:
-        """Block until the server answers; its start's failure is raised here."""
-        if self._thread is None:
-            return
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-
-
-def _guarded(args: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
-    """The server's command under trainpipe.server_guard, in a session of its own."""
-    return subprocess.Popen([sys.executable, "-m", GUARD, str(os.getpid()), "--", *args], start_new_session=True,
-                            **kwargs)
-
-
-def _in_own_session(server: Any) -> None:
-    """Prefect starts the server with a bare subprocess.Popen (no way to ask for a session or a guard): its module
-    sees one that starts the server guarded, in a new session, for that call only (its restart on a taken port
-    included)."""
-    from prefect.server.api import server as api
-
-    start = server._run_uvicorn_command
-
-    def own_session() -> subprocess.Popen[Any]:
-        api.subprocess = SimpleNamespace(Popen=_guarded, TimeoutExpired=subprocess.TimeoutExpired)
+    def _tail(self) -> str:
         try:
-            return start()
-        finally:
-            api.subprocess = subprocess
+            lines = [line for line in (self._log.read_text(errors="replace") if self._log else "").splitlines()
+                     if line.strip()]
+        except OSError:
+            return "no output"
+        return lines[-1].strip()[:300] if lines else "no output"
 
-    server._run_uvicorn_command = own_session
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
