@@ -20,7 +20,7 @@ from flows.automations import DEAD_RUNS, SILENT_RUNS
 SWEEP_DEPLOYMENT = uuid.UUID(int=7)
 # Each `trainpipe serve` is a new process with its own hash seed; these seeds list the trigger's sets in different
 # orders (checked below), which an order-sensitive comparison took for a changed definition.
-SEEDS = ("0", "1", "2", "3", "4", "5", "6", "7", "8", "9")
+SEEDS = ("0", "1", "2")  # three orders of the five expected events (each seed a python start: seconds in CI)
 
 INSTALL = """
 import json, sys, uuid
