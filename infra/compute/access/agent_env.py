@@ -8,12 +8,13 @@ CPython, architecture and glibc, and pip's own wheel) is downloaded once and kep
 ~/.cache/trainpipe/agent-wheels/<key> by content, so the next run downloads nothing. An orchestrator that cannot reach
 a package index names a dir of pre-downloaded wheels in TRAINPIPE_AGENT_WHEELS.
 
-On the node (stdlib snippets run by its Python): the bundle's files the node lacks are copied to
-<agent_root>/bundles/<bundle key>/ over SFTP, or, when ensure_agent is given a BundleSource (a cloud cluster's head:
-infra.compute.access.agent_fanout), fetched from it over the cluster network and checked against the bundle's sha256
-(Bundle.hashes), so that the orchestrator sends the bundle once per cluster; what the source does not deliver (a node of
-another bundle, a fetch that failed: logged with its reason) is copied from the orchestrator as without one.
-AgentEnv.copied_bytes counts what the orchestrator sent, peer_bytes what came from the source. The env is made at
+On the node (stdlib snippets run by its Python): the bundle's files the node lacks go to
+<agent_root>/bundles/<bundle key>/, fetched from the BundleSources ensure_agent is given, in order (a cloud cluster's
+head over the cluster network: infra.compute.access.agent_fanout; the run's store prefix by presigned URLs:
+infra.compute.access.agent_store), each checked against the bundle's sha256 (Bundle.hashes); what no source delivers
+(a node of another bundle, a fetch that failed: logged with its reason) is copied from the orchestrator over SFTP.
+AgentEnv.copied_bytes counts what the orchestrator sent, peer_bytes what came from a head, store_bytes what came from
+the store. The env is made at
 <agent_root>/<env key> under an flock: `python -m venv --without-pip`, then pip run from its bundled wheel, `--no-index
 --find-links <bundle>`, asking no package index. `.ready` is written last; an env without it is the leftover of an
 installer that died and is made again. The env key covers the bundle's files and the node's interpreter, so the next run
