@@ -126,6 +126,12 @@ class DockerEngine:
     def answers(self) -> bool:
         return self.cli("info", "--format", "{{.ServerVersion}}", timeout=10, check=False).returncode == 0
 
+    @property
+    def _namespace(self) -> str:
+        """The engine's containerd namespace, from its root: a hash, since a temp dir's name can hold what containerd
+        refuses in a namespace (two separators in a row: `tp-dockerd-i4n__4yg` failed every container in CI)."""
+        return hashlib.sha256(str(self.root).encode()).hexdigest()[:12]
+
     def start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         argv = [str(DOCKERD), "--data-root", str(self.root / "data"), "--exec-root", str(self.root / "exec"),
@@ -135,8 +141,8 @@ class DockerEngine:
                 "--iptables=false", "--ip-forward=false", "--ip-masq=false", "--bridge=none",
                 "--userland-proxy=false",
                 # A namespace of its own, should dockerd use a containerd the machine already runs.
-                "--containerd-namespace", f"trainpipe-test-{self.root.name}",
-                "--containerd-plugins-namespace", f"trainpipe-test-{self.root.name}-plugins"]
+                "--containerd-namespace", f"trainpipe-test-{self._namespace}",
+                "--containerd-plugins-namespace", f"trainpipe-test-{self._namespace}-plugins"]
         with (self.root / "dockerd.log").open("ab") as log:
             self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + START_TIMEOUT_S
