@@ -258,7 +258,6 @@ def test_a_dataset_larger_than_the_nodes_disk_fails_at_plan_and_at_verify(
         store.put_bytes("a.bin", os.urandom(6 << 20))
         store.put_bytes("b.bin", os.urandom(6 << 20))
         config = job_config(tmp_path, store.url)
-        config["dataset"].pop("expectations")
         path = write_config(tmp_path / "big.yaml", config)
 
         plan = invoke("plan", str(path), "--run-id", "too-big")
