@@ -5,6 +5,8 @@ key generated here; the emulator's anonymous client and file:// give none."""
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -12,8 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from infra.storage import open_store
+from infra.compute.access.agent_env import Bundle
+from infra.compute.access.agent_store import AGENT_PREFIX, StoreSource
+from infra.storage import StorageError, open_store
 from infra.storage.gcs import GcsStore
+from infra.storage.s3 import S3Store
 
 DATA = b"a wheel's bytes\n" * 1000
 
@@ -76,3 +81,24 @@ def test_gcs_signs_with_a_service_account_key_and_gives_none_without_one(gs_url:
 
 def test_a_file_store_gives_no_url(tmp_path: Path) -> None:
     assert open_store(f"file://{tmp_path}/run/_agent").presigned_get("abc/pip-24.whl", 600) is None
+
+
+def test_a_store_that_refuses_to_sign_serves_no_wheels_and_says_why_once(
+        s3_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """An identity refused what signing needs (Azure's user delegation key, say) is not a failed bootstrap: the store
+    serves nothing and the wheels are copied from the orchestrator."""
+    wheel = tmp_path / "pip-24.whl"
+    wheel.write_bytes(DATA)
+    bundle = Bundle(key="k", content="c", agent_version="0", files={wheel.name: wheel},
+                    hashes={wheel.name: hashlib.sha256(DATA).hexdigest()})
+
+    def refused(self: S3Store, key: str, expires_s: float) -> str | None:
+        raise StorageError(f"{self.url_for(key)}: cannot sign a URL for: access denied")
+
+    monkeypatch.setattr(S3Store, "presigned_get", refused)
+    source = StoreSource(f"{s3_url}/run/{AGENT_PREFIX}")
+    with caplog.at_level(logging.INFO):
+        assert not source.serves(bundle) and not source.serves(bundle)
+    said = [r.getMessage() for r in caplog.records if "do not go through" in r.getMessage()]
+    assert len(said) == 1 and "access denied" in said[0], said
+    assert source.uploaded_bytes == 0 and list(open_store(source.url).list()) == []

@@ -123,8 +123,9 @@ WRITER = ("import sys, time\\nfrom pathlib import Path\\nout = Path(sys.argv[1])
           "exist_ok=True)\\ni = 0\\nwhile True:\\n    (out / str(i)).touch(); i += 1\\n")
 def on_term(*_):
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(out)])
-    while not (out / "0").exists():
-        time.sleep(0.01)
+    deadline = time.monotonic() + 60
+    while not (out / "0").exists() and writer.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # in the child: it exits only once the writer writes (the behaviour under test)
     os._exit(0)
 signal.signal(signal.SIGTERM, on_term)
 print("ready", flush=True)

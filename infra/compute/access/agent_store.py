@@ -53,10 +53,16 @@ class StoreSource:
         with self._lock:
             if self._problem is None and self._store is None:
                 self._store = open_store(self.url)
-                probe = next(iter(bundle.hashes.items()))
-                if self._store.presigned_get(f"{probe[1]}/{probe[0]}", URL_TTL_S) is None:
-                    self._problem = (f"a {self._store.scheme}:// store gives no presigned URLs (or its credentials "
-                                     "cannot sign them)")
+                name, sha256 = next(iter(bundle.hashes.items()))
+                try:
+                    url = self._store.presigned_get(f"{sha256}/{name}", URL_TTL_S)
+                except (StorageError, OSError) as exc:  # e.g. an identity refused a user delegation key
+                    self._problem = f"no presigned URL could be made: {exc}"
+                else:
+                    self._problem = None if url is not None else (
+                        f"a {self._store.scheme}:// store gives no presigned URLs (or its credentials cannot sign "
+                        "them)")
+                if self._problem is not None:
                     log.info("the agent's wheels do not go through %s: %s; they are copied from here",
                              self.node_name, self._problem)
             return self._problem is None
