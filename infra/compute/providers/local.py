@@ -214,7 +214,8 @@ def _node_of(process: psutil.Process) -> str | None:
 
 
 # A process the listing missed (started by one being killed, after the listing) can still write into the dir while
-# it is removed: the removal then fails with ENOTEMPTY, and the cluster's processes are listed and ended again.
+# it is removed (the removal then fails with ENOTEMPTY), or outlive the removal: the cluster's processes are listed
+# and ended again until a listing after the removal finds none.
 REMOVAL_ROUNDS = 5
 
 
@@ -226,16 +227,21 @@ def _end_processes_and_remove(base: Path, keep_data: bool) -> int:
         processes = cluster_processes(base)
         kill_processes(processes)
         ended += len(processes)
-        if not base.exists():
-            return ended
         try:
-            _remove_all_but(base, {path for path in base.glob("node-*/data")} if keep_data else set())
-            return ended
+            if base.exists():
+                _remove_all_but(base, {path for path in base.glob("node-*/data")} if keep_data else set())
         except OSError as exc:
             if exc.errno not in (errno.ENOTEMPTY, errno.ENOENT) or round_ == REMOVAL_ROUNDS:
                 raise
             log.warning("%s changed while it was removed (%s): ending the cluster's processes again (round %d of "
                         "%d)", base, exc.strerror, round_ + 1, REMOVAL_ROUNDS)
+            continue
+        if not cluster_processes(base):
+            return ended
+    left = cluster_processes(base)
+    if left:
+        raise RuntimeError(f"{base}: processes of the cluster kept starting while it was torn down (pids "
+                           f"{', '.join(str(p.pid) for p in left)}): end them and run `trainpipe down` again")
     return ended
 
 
