@@ -36,6 +36,9 @@ from tasks.syncers import STOP_GRACE_S, Syncers
 
 # Beyond the flush deadline: the script's own exit (process group teardown, torchrun's agent shutting down).
 TRAINER_EXIT_GRACE_S = 10.0
+# The node's launcher ends every rank (SIGKILL included) this long after the flush deadline: within the trainer's
+# bound above, so a rank hung at exit is gone before the trainer is killed from here, never left behind it.
+LAUNCHER_EXIT_GRACE_S = TRAINER_EXIT_GRACE_S / 2
 STRAGGLER_GRACE_S = 10.0  # a rank hung at exit after its node's work is saved: SIGKILL after this
 METRICS_POLL_S = 1.0
 DISK_FULL_REPORT_S = 5.0  # a syncer's round (checkpoints.sync_poll_s) and its event's way here
@@ -107,6 +110,7 @@ def torchrun_request(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLa
         training_env=training_environment(job, cluster, node), env_names=workload_env_names(job, context),
         nnodes=len(cluster.nodes), nproc_per_node=job.cluster.procs_per_node, node_rank=node.rank,
         master_addr=cluster.head.cluster_address, master_port=launch.rendezvous_port, max_restarts=0,
+        stop_grace_s=job.checkpoints.flush_deadline_s + LAUNCHER_EXIT_GRACE_S,
         script=tuple(render_command(job.training.command, context)))
 
 

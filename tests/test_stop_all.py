@@ -160,7 +160,7 @@ def test_ctrl_c_on_a_4_node_run_commits_its_collective_dcp_save_within_one_bound
     print(f"figures: every rank signalled within {spread:.2f}s, the collective DCP save done on all {stopped:.1f}s "
           "after Ctrl-C")
     assert spread < AT_ONCE_S, f"ranks signalled {spread:.1f}s apart: one after another"
-    assert float(trainers["seconds"]) < TRAINER_BOUND_S, trainers[0]
+    assert float(trainers["seconds"]) < TRAINER_BOUND_S, f"{trainers[0]}\n{output}"
     latest = checkpoints.latest()
     assert latest is not None and latest.step == SAVED_STEP, f"the save on SIGTERM was not committed: {output}"
     summary = summary_of(workspace, run_id)

@@ -18,6 +18,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -318,6 +319,48 @@ def test_a_killed_agent_leaves_no_rank_running(torch_venv: Path, tmp_path: Path,
         agent.wait(10)
         wait_for(lambda: _gone(rank), 60, "the rank stopped after its agent was killed")
         wait_for(lambda: _gone(launcher[0].pid), 60, "the launcher exited")
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+
+
+STUBBORN = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a rank hung at exit: deaf to the stop torchrun hands on
+with open(sys.argv[1] + ".tmp", "w") as handle:
+    handle.write(str(os.getpid()))
+os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(600)
+"""
+STUBBORN_GRACE_S = 2.0
+TORCHRUN_OWN_GRACE_S = 30.0  # torchrun's agent SIGKILLs its ranks this long after passing a stop on
+
+
+def test_a_rank_deaf_to_a_stop_is_killed_after_the_requests_grace_not_torchruns(
+        torch_venv: Path, tmp_path: Path, free_port: int) -> None:
+    """SIGTERM to a trainer: torchrun hands it to its ranks (each in a session of its own) and would wait 30 s for
+    one that ignores it; the launcher kills it after the request's grace, so the trainer ends within the bound the
+    orchestrator gives it and leaves no rank behind (before: 4 trainers took 40 s against a 35 s bound)."""
+    script, pid_file = tmp_path / "stubborn.py", tmp_path / "rank.pid"
+    script.write_text(STUBBORN)
+    request = TorchrunRequest(training_env=TrainingEnvironment(python=str(torch_venv), node_dir=str(tmp_path)),
+                              nnodes=1, nproc_per_node=1, node_rank=0, master_addr="127.0.0.1",
+                              master_port=free_port, stop_grace_s=STUBBORN_GRACE_S,
+                              script=(str(script), str(pid_file)))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    agent = subprocess.Popen(request.command_line(sys.executable), env=request.environment(env), cwd=tmp_path,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(pid_file.exists, 120, "the rank started")
+        rank = int(pid_file.read_text())
+        agent.send_signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        wait_for(lambda: _gone(rank), TORCHRUN_OWN_GRACE_S / 2, "the deaf rank killed after the request's grace")
+        agent.wait(TORCHRUN_OWN_GRACE_S / 2)
+        print(f"figures: a rank deaf to SIGTERM gone {time.monotonic() - stopped:.1f}s after the stop "
+              f"(grace {STUBBORN_GRACE_S:g}s; torchrun's own: {TORCHRUN_OWN_GRACE_S:g}s)")
+        assert agent.returncode == 128 + signal.SIGTERM
     finally:
         if agent.poll() is None:
             agent.kill()

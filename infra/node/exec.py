@@ -18,13 +18,12 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from infra.node.events import fail
-from infra.node.protocol import ExecRequest, NodeRequest, TrainingEnvironment, as_request
+from infra.node.protocol import LAUNCHER_STOP_GRACE_S, ExecRequest, NodeRequest, TrainingEnvironment, as_request
 from infra.node.trainenv import Invocation, TrainEnvError, container_record, install_launcher, invocation
 from infra.workload.launcher import GRACE_ENV, TIMEOUT_ENV
 
 log = logging.getLogger(__name__)
 
-STOP_GRACE_S = 30.0  # the launcher's SIGTERM-to-SIGKILL when its lifeline breaks
 CLEANUP_TIMEOUT_S = 60.0  # `<engine> rm -f`
 ENV_FILE_WAIT_S = 3600.0  # an image pulled as the container starts can take this long to be read
 ENV_FILE_POLL_S = 0.2
@@ -79,12 +78,14 @@ def supervise(inv: Invocation, cwd: str | None = None, record: Path | None = Non
 
 
 def run_program(environment: TrainingEnvironment, mode: str, argv: list[str], *, command: str, cwd: str | None,
-                env_names: tuple[str, ...], extra: Mapping[str, str] | None = None) -> int:
-    """The launcher in `mode` (torchrun or exec) with argv, in the environment, supervised."""
+                env_names: tuple[str, ...], extra: Mapping[str, str] | None = None,
+                stop_grace_s: float = LAUNCHER_STOP_GRACE_S) -> int:
+    """The launcher in `mode` (torchrun or exec) with argv, in the environment, supervised; stop_grace_s is its
+    SIGTERM-to-SIGKILL of everything it started."""
     try:
         launcher = install_launcher(environment)
         inv = invocation(environment, [launcher, mode, *argv], command=command, cwd=cwd, environ=dict(os.environ),
-                         env_names=env_names, extra={GRACE_ENV: str(STOP_GRACE_S), **(extra or {})})
+                         env_names=env_names, extra={GRACE_ENV: str(stop_grace_s), **(extra or {})})
     except (TrainEnvError, OSError) as exc:
         return fail(f"{command}: {exc}")
     try:

@@ -28,6 +28,7 @@ from infra.strict_model import one_of
 # starts (torchrun, the training script) inherits it.
 REQUEST_ENV = "TRAINPIPE_NODE_REQUEST"
 AGENT_MODULE = "infra.node"
+LAUNCHER_STOP_GRACE_S = 30.0  # the launcher's SIGTERM-to-SIGKILL, when a request names none
 
 
 class NodeCommand(StrEnum):
@@ -434,6 +435,9 @@ class TorchrunRequest(NodeRequest):
     master_addr: str
     master_port: int = Field(ge=1, le=65535)
     max_restarts: int = Field(0, ge=0)
+    # After a stop signal (or the agent gone), how long torchrun and the ranks have before everything of this node's
+    # training is killed: below the orchestrator's own bound for the trainer, so no rank outlives its trainer.
+    stop_grace_s: float = Field(LAUNCHER_STOP_GRACE_S, gt=0)
     # What every rank runs, as torchrun's script and its arguments (after `--`, so the script's own options never
     # reach torchrun's parser) ...
     script: tuple[str, ...] = ()

@@ -44,4 +44,4 @@ def main(request: NodeRequest) -> int:
         extra[BENCH_ENV] = bench_parameters(torchrun.worker)
         names = (*names, BENCH_ENV)
     return run_program(torchrun.training_env, "torchrun", argv, command="torchrun", cwd=str(Path.cwd()),
-                       env_names=names, extra=extra)
+                       env_names=names, extra=extra, stop_grace_s=torchrun.stop_grace_s)

@@ -10,7 +10,8 @@ all exited 0, before torchrun's exit barrier. `exec` runs one command as a child
 
 Either way stdin is the lifeline: the agent holds its write end and never writes. EOF means the agent is gone (killed,
 its node lost): the launcher then stops what it started (SIGTERM, then after GRACE_ENV seconds SIGKILL to every process
-below it), so a killed agent never leaves ranks running, in a container or not.
+below it), so a killed agent never leaves ranks running, in a container or not. A stop signal torchrun gets is bounded
+the same way: torchrun hands it to its ranks, and whatever still runs GRACE_ENV seconds later is killed.
 """
 
 from __future__ import annotations
@@ -73,12 +74,28 @@ class Stopper:
         self._stopping = False
 
     def stop(self, why: str, code: int) -> None:
+        """SIGTERM what runs here (the terminate callable), then the firm end below after grace_s."""
+        if self._start_stopping():
+            print(f"trainpipe launcher: {why}: stopping", file=sys.stderr, flush=True)
+            self.terminate()
+            self._kill_after_grace(code)
+
+    def signalled(self, signum: int) -> None:
+        """The command was handed a stop signal itself (torchrun passes it to its ranks and waits for them up to
+        30 s of its own): the same firm end after grace_s, so a rank hung at exit is gone within the bound the
+        orchestrator waits for, rather than outlive the trainer it killed (ranks are in sessions of their own)."""
+        if self._start_stopping():
+            threading.Thread(target=self._kill_after_grace, args=(128 + signum,), name="stop-grace",
+                             daemon=True).start()
+
+    def _start_stopping(self) -> bool:
         with self._lock:
             if self._stopping or self.finished.is_set():
-                return
+                return False
             self._stopping = True
-        print(f"trainpipe launcher: {why}: stopping", file=sys.stderr, flush=True)
-        self.terminate()
+            return True
+
+    def _kill_after_grace(self, code: int) -> None:
         if self.finished.wait(self.grace_s):
             return
         pids = descendants(os.getpid())
@@ -108,6 +125,25 @@ def take_lifeline() -> int:
     os.dup2(devnull, 0)
     os.close(devnull)
     return fd
+
+
+def _bound_signalled_stop(stopper: Stopper) -> None:
+    """torchrun's signal handler (installed when it starts the ranks) also arms the stopper's grace."""
+    try:
+        from torch.distributed.elastic.multiprocessing import api
+    except ImportError:
+        return  # torch.distributed.run fails to import below, saying why
+    handler = getattr(api, "_terminate_process_handler", None)
+    if handler is None:
+        print("trainpipe launcher: torchrun has no _terminate_process_handler: a rank that hangs after a stop is "
+              "killed by torchrun's own 30 s", file=sys.stderr, flush=True)
+        return
+
+    def bounded(signum: int, frame: Any) -> Any:
+        stopper.signalled(signum)
+        return handler(signum, frame)
+
+    api._terminate_process_handler = bounded
 
 
 def _announce_exit_barrier(line: str) -> None:
@@ -148,6 +184,7 @@ def run_torchrun(argv: list[str], line: str, grace_s: float) -> int:
 
     signal.signal(signal.SIGTERM, early_exit)
     signal.signal(signal.SIGINT, early_exit)
+    _bound_signalled_stop(stopper)
     if line:
         _announce_exit_barrier(line)
     sys.argv = [TORCHRUN_MODULE, *argv]
