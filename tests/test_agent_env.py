@@ -34,6 +34,8 @@ from infra.compute.access.ssh.connection import close_connections
 from infra.compute.access.ssh.runner import SshRunner
 from infra.node.events import NodeEvent, parse
 from infra.node.protocol import ProbeRequest
+from infra.storage import open_store
+from infra.storage.base import ObjectStore
 
 BARE_PYTHON = "/usr/bin/python3"  # Debian's: neither trainpipe nor torch (checked below)
 # Two SSH round trips, each a python start on the node: ~1 s idle, 7 s with this 2-core machine at load 20; making
@@ -135,11 +137,21 @@ def test_a_second_bootstrap_installs_nothing(bootstrapped: Bootstrapped) -> None
 
 
 def test_a_host_fetches_its_wheels_from_the_run_store_prefix_by_presigned_urls(
-        bootstrapped: Bootstrapped, s3_url: str, tmp_path: Path) -> None:
+        bootstrapped: Bootstrapped, s3_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What an SSH host does with the run's store (SshProvider._agent_sources): every wheel it lacks from the store,
-    each verified, none copied from here; a second host's fetch puts nothing in the store again."""
+    each verified, none copied from here, each file's URL made once for all the hosts of the run; a second run's
+    fetch puts nothing in the store again."""
     runner = bootstrapped.runners[0]
     source = StoreSource(f"{s3_url}/run/{AGENT_PREFIX}")
+    store_type = type(open_store(source.url))
+    signed: list[str] = []
+    presigned_get = store_type.presigned_get
+
+    def counted(self: ObjectStore, key: str, ttl_s: float) -> str | None:
+        signed.append(key)
+        return presigned_get(self, key, ttl_s)
+
+    monkeypatch.setattr(store_type, "presigned_get", counted)
     found = node_bundle(runner, BARE_PYTHON, str(tmp_path / "fresh-agent"))
     total = sum(found.bundle.size(name) for name in found.bundle.files)
     assert set(found.missing()) == set(found.bundle.files)
@@ -148,6 +160,11 @@ def test_a_host_fetches_its_wheels_from_the_run_store_prefix_by_presigned_urls(
     assert source.uploaded_bytes == total
     for name, sha256 in found.bundle.hashes.items():
         assert hashlib.sha256(Path(found.dir, name).read_bytes()).hexdigest() == sha256, name
+    another_host = node_bundle(runner, BARE_PYTHON, str(tmp_path / "another-host"))
+    _, fetched = fetch_missing(runner, BARE_PYTHON, another_host, [source])
+    assert (fetched.store, source.uploaded_bytes) == (total, total)
+    assert sorted(signed) == sorted(f"{sha256}/{name}" for name, sha256 in found.bundle.hashes.items()), (
+        "a file's URL was made more than once")
     other = node_bundle(runner, BARE_PYTHON, str(tmp_path / "another-agent"))
     second = StoreSource(source.url)
     _, again = fetch_missing(runner, BARE_PYTHON, other, [second])

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 from infra.compute.access.agent_env import Bundle, Fetched
 from infra.compute.access.agent_fetch import FETCH_TIMEOUT_S, WantedFile, fetch_files
@@ -26,6 +28,8 @@ AGENT_PREFIX = "_agent"  # under the run's checkpoint prefix, beside _code
 # A URL outlives the fetches it serves: a bootstrap's nodes fetch within FETCH_TIMEOUT_S of asking, and one is asked
 # again for every node that lacks files.
 URL_TTL_S = 2 * FETCH_TIMEOUT_S + 600
+URL_REUSE_S = FETCH_TIMEOUT_S + 300  # a URL handed out has at least this much of its life left: one fetch and more
+PUBLISH_WORKERS = 8
 
 
 def agent_store_url(run_prefix: str) -> str:
@@ -46,6 +50,7 @@ class StoreSource:
         self._store: ObjectStore | None = None
         self._lock = threading.Lock()
         self._published: set[str] = set()  # keys known to be in the store
+        self._signed: dict[str, tuple[str, float]] = {}  # key: its presigned URL and when it was made (monotonic)
         self._problem: str | None = None  # why it serves nothing, once found
 
     def serves(self, bundle: Bundle) -> bool:
@@ -53,9 +58,9 @@ class StoreSource:
         with self._lock:
             if self._problem is None and self._store is None:
                 self._store = open_store(self.url)
-                name, sha256 = next(iter(bundle.hashes.items()))
+                name = next(iter(bundle.hashes))
                 try:
-                    url = self._store.presigned_get(f"{sha256}/{name}", URL_TTL_S)
+                    url = self._presigned(bundle, name)
                 except (StorageError, OSError) as exc:  # e.g. an identity refused a user delegation key
                     self._problem = f"no presigned URL could be made: {exc}"
                 else:
@@ -78,30 +83,52 @@ class StoreSource:
         return fetch_files(runner, node_python, bundle_dir, wanted, self.node_name)
 
     def _urls(self, bundle: Bundle, names: list[str]) -> dict[str, WantedFile] | None:
-        """Each named file's presigned URL, the file put first where the store lacks it; None when the store cannot
-        presign (the reason in _problem, logged the first time)."""
+        """Each named file's presigned URL, the files the store lacks put first (PUBLISH_WORKERS at a time: a
+        bundle is ~20 files, most of them small, each a round trip or two); None when the store cannot presign (the
+        reason in _problem, logged the first time). The lock holds a second node's call until the files are there."""
         if not self.serves(bundle):
             return None
         with self._lock:
-            assert self._store is not None
-            wanted = {}
-            for name in names:
-                key = f"{bundle.hashes[name]}/{name}"
-                url = self._store.presigned_get(key, URL_TTL_S)  # asked first: a store that cannot is sent nothing
+            urls = {}
+            for name in names:  # asked first: a store that cannot is sent nothing
+                url = self._presigned(bundle, name)
                 if url is None:
-                    self._problem = f"{self.url} gave no presigned URL for {key}"
+                    self._problem = f"{self.url} gave no presigned URL for {_key(bundle, name)}"
                     return None
-                self._publish(bundle, name, key)
-                wanted[name] = WantedFile(bundle.size(name), bundle.hashes[name], url)
-            return wanted
+                urls[name] = url
+            missing = [name for name in names if _key(bundle, name) not in self._published]
+            if missing:
+                with ThreadPoolExecutor(max_workers=min(PUBLISH_WORKERS, len(missing)),
+                                        thread_name_prefix="agent-store") as pool:
+                    for name, sent in zip(missing, pool.map(lambda n: self._publish(bundle, n), missing),
+                                          strict=True):
+                        self.uploaded_bytes += sent
+                        self._published.add(_key(bundle, name))
+            return {name: WantedFile(bundle.size(name), bundle.hashes[name], url) for name, url in urls.items()}
 
-    def _publish(self, bundle: Bundle, name: str, key: str) -> None:
+    def _presigned(self, bundle: Bundle, name: str) -> str | None:
+        """The file's URL, made again only once less than URL_REUSE_S of its life is left (the probe's URL serves
+        the first fetch, and every node of a bootstrap gets the same)."""
         assert self._store is not None
-        if key in self._published:
-            return
-        size = bundle.size(name)
+        key = _key(bundle, name)
+        made = self._signed.get(key)
+        if made is not None and time.monotonic() - made[1] < URL_TTL_S - URL_REUSE_S:
+            return made[0]
+        url = self._store.presigned_get(key, URL_TTL_S)
+        if url is not None:
+            self._signed[key] = (url, time.monotonic())
+        return url
+
+    def _publish(self, bundle: Bundle, name: str) -> int:
+        """Put the file where the store lacks it (or holds other bytes); the bytes sent."""
+        assert self._store is not None
+        key, size = _key(bundle, name), bundle.size(name)
         found = self._store.head(key)
-        if found is None or found.size != size:
-            self._store.put_file(bundle.files[name], key)
-            self.uploaded_bytes += size
-        self._published.add(key)
+        if found is not None and found.size == size:
+            return 0
+        self._store.put_file(bundle.files[name], key)
+        return size
+
+
+def _key(bundle: Bundle, name: str) -> str:
+    return f"{bundle.hashes[name]}/{name}"
