@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -32,7 +33,14 @@ from jobs import make_dataset
 
 from infra.checkpoints.store import CheckpointStore
 from infra.node.events import NodeEvent, event_line
-from infra.node.protocol import REQUEST_ENV, EnvironmentKind, ExecRequest, TorchrunRequest, TrainingEnvironment
+from infra.node.protocol import (
+    LAUNCHER_STOP_GRACE_S,
+    REQUEST_ENV,
+    EnvironmentKind,
+    ExecRequest,
+    TorchrunRequest,
+    TrainingEnvironment,
+)
 from infra.node.trainenv import container_argv, invocation, write_env_file
 from infra.storage import open_store
 from infra.workload.launcher import LINE_ENV
@@ -275,12 +283,16 @@ def test_the_job_chooses_one_environment_in_one_line() -> None:
 
 
 SLEEPER = """
-import os, sys, time
+import os, signal, sys, time
+if sys.argv[2:] == ["deaf"]:  # a rank hung at exit: deaf to the stop torchrun hands on
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 with open(sys.argv[1] + ".tmp", "w") as handle:
     handle.write(str(os.getpid()))
 os.replace(sys.argv[1] + ".tmp", sys.argv[1])
 time.sleep(600)
 """
+DEAF_GRACE_S = 2.0
+TORCHRUN_OWN_GRACE_S = 30.0  # torchrun's agent SIGKILLs its ranks this long after passing a stop on
 
 
 def _gone(pid: int) -> bool:
@@ -300,18 +312,30 @@ def free_port() -> Iterator[int]:
     yield port
 
 
-def test_a_killed_agent_leaves_no_rank_running(torch_venv: Path, tmp_path: Path, free_port: int) -> None:
+@contextlib.contextmanager
+def sleeper_under_an_agent(torch_venv: Path, tmp_path: Path, port: int, *script_args: str,
+                           stop_grace_s: float = LAUNCHER_STOP_GRACE_S
+                           ) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """`python -m infra.node torchrun` (what a trainer is) of one rank that sleeps: the agent and the rank's pid."""
     script, pid_file = tmp_path / "sleeper.py", tmp_path / "rank.pid"
     script.write_text(SLEEPER)
     request = TorchrunRequest(training_env=TrainingEnvironment(python=str(torch_venv), node_dir=str(tmp_path)),
-                              nnodes=1, nproc_per_node=1, node_rank=0, master_addr="127.0.0.1",
-                              master_port=free_port, script=(str(script), str(pid_file)))
+                              nnodes=1, nproc_per_node=1, node_rank=0, master_addr="127.0.0.1", master_port=port,
+                              stop_grace_s=stop_grace_s, script=(str(script), str(pid_file), *script_args))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     agent = subprocess.Popen(request.command_line(sys.executable), env=request.environment(env), cwd=tmp_path,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for(pid_file.exists, 120, "the rank started")
-        rank = int(pid_file.read_text())
+        yield agent, int(pid_file.read_text())
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+
+
+def test_a_killed_agent_leaves_no_rank_running(torch_venv: Path, tmp_path: Path, free_port: int) -> None:
+    with sleeper_under_an_agent(torch_venv, tmp_path, free_port) as (agent, rank):
         launcher = [p for p in psutil.Process(agent.pid).children()]
         assert launcher and "torchrun" in launcher[0].cmdline(), "the agent started the launcher in torchrun mode"
         assert REQUEST_ENV not in psutil.Process(rank).environ(), "the agent's request stays the agent's"
@@ -319,22 +343,6 @@ def test_a_killed_agent_leaves_no_rank_running(torch_venv: Path, tmp_path: Path,
         agent.wait(10)
         wait_for(lambda: _gone(rank), 60, "the rank stopped after its agent was killed")
         wait_for(lambda: _gone(launcher[0].pid), 60, "the launcher exited")
-    finally:
-        if agent.poll() is None:
-            agent.kill()
-            agent.wait()
-
-
-STUBBORN = """
-import os, signal, sys, time
-signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a rank hung at exit: deaf to the stop torchrun hands on
-with open(sys.argv[1] + ".tmp", "w") as handle:
-    handle.write(str(os.getpid()))
-os.replace(sys.argv[1] + ".tmp", sys.argv[1])
-time.sleep(600)
-"""
-STUBBORN_GRACE_S = 2.0
-TORCHRUN_OWN_GRACE_S = 30.0  # torchrun's agent SIGKILLs its ranks this long after passing a stop on
 
 
 def test_a_rank_deaf_to_a_stop_is_killed_after_the_requests_grace_not_torchruns(
@@ -342,29 +350,14 @@ def test_a_rank_deaf_to_a_stop_is_killed_after_the_requests_grace_not_torchruns(
     """SIGTERM to a trainer: torchrun hands it to its ranks (each in a session of its own) and would wait 30 s for
     one that ignores it; the launcher kills it after the request's grace, so the trainer ends within the bound the
     orchestrator gives it and leaves no rank behind (before: 4 trainers took 40 s against a 35 s bound)."""
-    script, pid_file = tmp_path / "stubborn.py", tmp_path / "rank.pid"
-    script.write_text(STUBBORN)
-    request = TorchrunRequest(training_env=TrainingEnvironment(python=str(torch_venv), node_dir=str(tmp_path)),
-                              nnodes=1, nproc_per_node=1, node_rank=0, master_addr="127.0.0.1",
-                              master_port=free_port, stop_grace_s=STUBBORN_GRACE_S,
-                              script=(str(script), str(pid_file)))
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    agent = subprocess.Popen(request.command_line(sys.executable), env=request.environment(env), cwd=tmp_path,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for(pid_file.exists, 120, "the rank started")
-        rank = int(pid_file.read_text())
+    with sleeper_under_an_agent(torch_venv, tmp_path, free_port, "deaf", stop_grace_s=DEAF_GRACE_S) as (agent, rank):
         agent.send_signal(signal.SIGTERM)
         stopped = time.monotonic()
         wait_for(lambda: _gone(rank), TORCHRUN_OWN_GRACE_S / 2, "the deaf rank killed after the request's grace")
         agent.wait(TORCHRUN_OWN_GRACE_S / 2)
         print(f"figures: a rank deaf to SIGTERM gone {time.monotonic() - stopped:.1f}s after the stop "
-              f"(grace {STUBBORN_GRACE_S:g}s; torchrun's own: {TORCHRUN_OWN_GRACE_S:g}s)")
+              f"(grace {DEAF_GRACE_S:g}s; torchrun's own: {TORCHRUN_OWN_GRACE_S:g}s)")
         assert agent.returncode == 128 + signal.SIGTERM
-    finally:
-        if agent.poll() is None:
-            agent.kill()
-            agent.wait()
 
 
 def test_a_killed_agent_leaves_no_container_running(docker_engine: DockerEngine, train_image: TrainImage,

@@ -16,6 +16,7 @@ the same way: torchrun hands it to its ranks, and whatever still runs GRACE_ENV 
 
 from __future__ import annotations
 
+import importlib
 import os
 import runpy
 import signal
@@ -127,17 +128,29 @@ def take_lifeline() -> int:
     return fd
 
 
+def _torchrun_part(module: str, owner: str | None, name: str, without: str) -> Any:
+    """What holds torchrun's `name` (the module, or its class `owner`) for a hook to replace; None when torch cannot
+    be imported (torch.distributed.run then fails to import, saying why) or this torch has no such part (said: what
+    is lost without the hook)."""
+    try:
+        found: Any = importlib.import_module(module)
+    except ImportError:
+        return None
+    if owner is not None:
+        found = getattr(found, owner, None)
+    if getattr(found, name, None) is None:
+        print(f"trainpipe launcher: torchrun has no {name}: {without}", file=sys.stderr, flush=True)
+        return None
+    return found
+
+
 def _bound_signalled_stop(stopper: Stopper) -> None:
     """torchrun's signal handler (installed when it starts the ranks) also arms the stopper's grace."""
-    try:
-        from torch.distributed.elastic.multiprocessing import api
-    except ImportError:
-        return  # torch.distributed.run fails to import below, saying why
-    handler = getattr(api, "_terminate_process_handler", None)
-    if handler is None:
-        print("trainpipe launcher: torchrun has no _terminate_process_handler: a rank that hangs after a stop is "
-              "killed by torchrun's own 30 s", file=sys.stderr, flush=True)
+    api = _torchrun_part("torch.distributed.elastic.multiprocessing.api", None, "_terminate_process_handler",
+                         "a rank that hangs after a stop is killed by torchrun's own 30 s")
+    if api is None:
         return
+    handler = api._terminate_process_handler
 
     def bounded(signum: int, frame: Any) -> Any:
         stopper.signalled(signum)
@@ -148,22 +161,18 @@ def _bound_signalled_stop(stopper: Stopper) -> None:
 
 def _announce_exit_barrier(line: str) -> None:
     """torchrun's agent enters its exit barrier only once its worker group succeeded: say so first."""
-    try:
-        from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
-    except ImportError:
-        return  # torch.distributed.run fails to import below, saying why
-    barrier = getattr(SimpleElasticAgent, "_exit_barrier", None)
-    if barrier is None:
-        print("trainpipe launcher: torchrun's agent has no _exit_barrier: a rank that hangs at exit costs "
-              "training.timeout_s", file=sys.stderr, flush=True)
+    agent = _torchrun_part("torch.distributed.elastic.agent.server.api", "SimpleElasticAgent", "_exit_barrier",
+                           "a rank that hangs at exit costs training.timeout_s")
+    if agent is None:
         return
+    barrier = agent._exit_barrier
 
     def announcing(self: Any) -> Any:
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
         return barrier(self)
 
-    SimpleElasticAgent._exit_barrier = announcing
+    agent._exit_barrier = announcing
 
 
 def _exit_status(code: object) -> int:
