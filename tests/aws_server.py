@@ -7,7 +7,10 @@ then shows. Two more of EC2's ways are
 added on request (moto_ec2's arguments): public addresses from a given prefix (where tests run a stand-in for the
 instances' machines, tests/cloud_nodes.py) and private (subnet) addresses from another, so that a node-to-node
 service bound to the wrong one is seen (tests/cloud_nodes.py), and instances that stay `shutting-down` for a while after
-TerminateInstances, as EC2's do, before `terminated`. AWS's public SSM parameters under /aws/service/deeplearning (the
+TerminateInstances, as EC2's do, before `terminated`. An outage of the instance reads the run's preemption watch
+makes (DescribeInstances, DescribeSpotInstanceRequests) is started with Ec2Server.start_outage (tests/outage.py):
+EC2's server errors, then its throttling; the test's own eyes (OBSERVER_KEY) are answered throughout.
+AWS's public SSM parameters under /aws/service/deeplearning (the
 Deep Learning AMIs), which moto does not ship and refuses to have put, can be published per region (public_parameters).
 Everything else is moto's.
 Run as a script it is the server itself: `python tests/aws_server.py PORT`.
@@ -21,21 +24,35 @@ import json
 import os
 import sys
 import threading
+import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from outage import ERRORS, THROTTLED, Outage
 from servers import _serving, free_port
 
 ACCOUNT_KEY = "AKIAIOSFODNN7EXAMPLE"  # moto accepts any key pair; a normal-looking one keeps signing honest
 ACCOUNT_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+# The key of the test's own reads (the stand-ins' view of the instances, what is left): an outage is the product's,
+# not the test's. moto puts any key in its default account, so this one sees the same instances.
+OBSERVER_KEY = "AKIAIOSFODNN7OBSERVE"
 
 
 @dataclass(frozen=True)
 class Ec2Server:
     endpoint: str
+    outage_file: Path | None = None
+
+    def start_outage(self, window_s: float) -> Outage:
+        """From now, the watch's reads fail for window_s: 5xx for the first half, throttled for the second."""
+        assert self.outage_file is not None, "a server started by moto_ec2 has an outage file"
+        outage = Outage.lasting(window_s)
+        outage.write(self.outage_file)
+        return outage
 
     def env(self) -> dict[str, str]:
         """What boto3 needs to reach the simulated EC2 (and only EC2) with credentials that moto accepts."""
@@ -48,6 +65,7 @@ PUBLIC_IP_PREFIX_ENV = "TRAINPIPE_TEST_EC2_PUBLIC_IP_PREFIX"
 PRIVATE_IP_PREFIX_ENV = "TRAINPIPE_TEST_EC2_PRIVATE_IP_PREFIX"
 SHUTTING_DOWN_ENV = "TRAINPIPE_TEST_EC2_SHUTTING_DOWN_S"
 PUBLIC_PARAMETERS_ENV = "TRAINPIPE_TEST_SSM_PUBLIC_PARAMETERS"  # JSON {region: {name: value}}
+OUTAGE_FILE_ENV = "TRAINPIPE_TEST_EC2_OUTAGE_FILE"  # tests/outage.py's phases, replaced whole by start_outage
 
 
 @contextmanager
@@ -59,15 +77,16 @@ def moto_ec2(log_dir: Path, public_ip_prefix: str | None = None, shutting_down_s
     shutting-down; public_parameters: AWS's public SSM parameters by region ({region: {name: value}})."""
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
+    outage_file = log_dir / f"outage-{port}.json"
     env = {**os.environ, SHUTTING_DOWN_ENV: str(shutting_down_s),
-           PUBLIC_PARAMETERS_ENV: json.dumps(public_parameters or {})}
+           PUBLIC_PARAMETERS_ENV: json.dumps(public_parameters or {}), OUTAGE_FILE_ENV: str(outage_file)}
     if public_ip_prefix:
         env[PUBLIC_IP_PREFIX_ENV] = public_ip_prefix
     if private_ip_prefix:
         env[PRIVATE_IP_PREFIX_ENV] = private_ip_prefix
     with _serving([sys.executable, str(Path(__file__).resolve()), str(port)], port, log_dir / f"moto-{port}.log",
                   env=env):
-        yield Ec2Server(f"http://127.0.0.1:{port}")
+        yield Ec2Server(f"http://127.0.0.1:{port}", outage_file)
 
 
 def _public_ips_from(prefix: str) -> None:
@@ -192,8 +211,38 @@ def _add_placement_groups() -> None:
     EC2Response.delete_placement_group = delete_placement_group
 
 
+# EC2's answers while it is out, by phase: (HTTP status, code, message). EC2 throttles with HTTP 503 and
+# RequestLimitExceeded, not 429 (botocore retries it as throttling); its server errors are InternalError (500) and
+# Unavailable (503), alternated each half second here so that both are seen.
+_OUTAGE_ANSWERS = {ERRORS: ((500, "InternalError", "An internal error has occurred."),
+                            (503, "Unavailable", "The server is overloaded and can't handle the request.")),
+                   THROTTLED: ((503, "RequestLimitExceeded", "Request limit exceeded."),)}
+
+
+def _outage_of_reads(outage_file: Path) -> None:
+    from moto.ec2.responses import EC2Response
+
+    def failing(read: Any) -> Any:
+        def answer(self: Any) -> Any:
+            phase = Outage.read(outage_file).phase()
+            if phase is None or OBSERVER_KEY in self.headers.get("Authorization", ""):
+                return read(self)
+            answers = _OUTAGE_ANSWERS[phase]
+            status, code, message = answers[int(time.time() * 2) % len(answers)]
+            body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Response><Errors><Error><Code>{code}</Code>'
+                    f"<Message>{message}</Message></Error></Errors><RequestID>{uuid.uuid4()}</RequestID></Response>")
+            return body, {"status": status}
+
+        return answer
+
+    EC2Response.describe_instances = failing(EC2Response.describe_instances)
+    EC2Response.describe_spot_instance_requests = failing(EC2Response.describe_spot_instance_requests)
+
+
 if __name__ == "__main__":
     _add_placement_groups()
+    if os.environ.get(OUTAGE_FILE_ENV):
+        _outage_of_reads(Path(os.environ[OUTAGE_FILE_ENV]))
     if json.loads(os.environ.get(PUBLIC_PARAMETERS_ENV) or "{}"):
         _publish_public_parameters(json.loads(os.environ[PUBLIC_PARAMETERS_ENV]))
     if os.environ.get(PUBLIC_IP_PREFIX_ENV):

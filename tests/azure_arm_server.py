@@ -29,7 +29,9 @@ identity granted a role whose actions cover the request's (`grant`: by default t
 examples/azure-self-delete-role.json, read from that file), else 401 or 403 AuthorizationFailed; any other token
 passes.
 Public addresses come from `public_prefix`, private ones from `private_prefix` (distinct: a test fails if the wrong
-one is bound).
+one is bound). An outage of the VM reads (GET of a VM or of a group's VMs: what the run's preemption watch reads) is
+started with `outage.start()` (tests/outage.py): 503 ServiceUnavailable, then ARM's throttling, 429 TooManyRequests
+with a Retry-After (`throttle_retry_after_s`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from fault_budget import FaultBudget
 from http_stub import Served, StandIn
+from outage import ERRORS, OutageSwitch
 
 SUBSCRIPTION = "00000000-0000-0000-0000-0000000000aa"
 IDENTITY_HEADER = "trainpipe-test-identity-header"
@@ -73,9 +76,9 @@ PREEMPT_NOTICE_S = 30.0  # Azure gives a Spot VM at least 30 s between the Preem
 
 
 class ArmError(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.code, self.message = status, code, message
+        self.status, self.code, self.message, self.headers = status, code, message, headers or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"code": self.code, "message": self.message}}
@@ -135,6 +138,8 @@ class ArmServer(StandIn):
         self._httpd: Served | None = None
         self._imds: Served | None = None
         self.ca_file = root / "arm-ca.pem"
+        self.outage = OutageSwitch()
+        self.throttle_retry_after_s = 3  # what a throttled read is told to wait (ARM sends whole seconds)
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -179,6 +184,7 @@ class ArmServer(StandIn):
     def reset(self) -> None:
         with self._lock:
             self._state = _State()
+            self.outage.end()
 
     # -- what tests use -----------------------------------------------------------------------------------------
 
@@ -241,11 +247,25 @@ class ArmServer(StandIn):
         query = dict(parse_qsl(parts.query))
         with self._lock:
             try:
+                self._out_of_service(method, parts.path.rstrip("/"))
                 status, answer, extra = self._route(method, parts.path.rstrip("/"), query, body, headers)
             except ArmError as exc:
-                status, answer, extra = exc.status, exc.body(), {}
+                status, answer, extra = exc.status, exc.body(), exc.headers
             self._state.calls.append(Call(method, parts.path, status, body, query, headers.get("authorization", "")))
         return status, answer, extra
+
+    def _out_of_service(self, method: str, path: str) -> None:
+        found = RESOURCE.fullmatch(path)
+        if method != "GET" or not found or f"{found.group(3)}/{found.group(4)}".lower() != \
+                "microsoft.compute/virtualmachines":
+            return
+        phase = self.outage.phase()
+        if phase == ERRORS:
+            raise ArmError(503, "ServiceUnavailable", "The service is temporarily unavailable. Please retry later.")
+        if phase is not None:
+            retry_after = {"Retry-After": str(self.throttle_retry_after_s)}
+            raise ArmError(429, "TooManyRequests", "The request is being throttled as the limit has been reached "
+                           "for operation type - Read_ObservationWindow_00:05:00.", retry_after)
 
     def _route(self, method: str, path: str, query: dict[str, str], body: dict[str, Any] | None,
                headers: dict[str, str]) -> tuple[int, Any, dict[str, str]]:

@@ -23,7 +23,9 @@ interface's VPC addresses from `network_prefix`.
 Faults are injected with `fail()` and arrive as they do from GCE: a stockout or a quota refusal is an HTTP 200 insert
 whose operation ends DONE with `error.errors[0].code` (ZONE_RESOURCE_POOL_EXHAUSTED, QUOTA_EXCEEDED) and
 `httpErrorStatusCode`; a permission, validation or throttling refusal (given `http_status`) is an HTTP 4xx/5xx JSON
-error whose `errors[0].reason` is the code (forbidden, badRequest, quotaExceeded, backendError).
+error whose `errors[0].reason` is the code (forbidden, badRequest, quotaExceeded, backendError). An outage of the
+instance reads (get, list, aggregated list: what the run's preemption watch reads) is started with `outage.start()`
+(tests/outage.py): 503 backendError, then 429 rateLimitExceeded, as Compute Engine answers them.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from fault_budget import FaultBudget
 from http_stub import Served, StandIn
+from outage import ERRORS, OutageSwitch
 
 PROJECT = "trainpipe-test"
 # (project, family) → the newest image's name, as Google publishes them.
@@ -146,6 +149,7 @@ class GceServer(StandIn):
         self._lock = threading.Lock()
         self._ids = itertools.count(1000)
         self._httpd: Served | None = None
+        self.outage = OutageSwitch()
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -166,6 +170,7 @@ class GceServer(StandIn):
     def reset(self) -> None:
         with self._lock:
             self._state = _State()
+            self.outage.end()
 
     # -- what tests use -----------------------------------------------------------------------------------------
 
@@ -209,6 +214,7 @@ class GceServer(StandIn):
         query = dict(parse_qsl(parts.query))
         with self._lock:
             try:
+                self._out_of_service(method, parts.path)
                 status, answer = 200, self._route(method, parts.path, query, body)
             except ApiError as exc:
                 status, answer = exc.status, exc.body()
@@ -220,6 +226,15 @@ class GceServer(StandIn):
         with self._lock:
             self.tokens.append(f"ya29.fake-{uuid.uuid4().hex}")
             return {"access_token": self.tokens[-1], "expires_in": 3600, "token_type": "Bearer"}
+
+    def _out_of_service(self, method: str, path: str) -> None:
+        if method != "GET" or not re.search(r"/(zones/[^/]+|aggregated)/instances(/[^/]+)?$", path):
+            return
+        phase = self.outage.phase()
+        if phase == ERRORS:
+            raise ApiError(503, "backendError", "Backend Error")
+        if phase is not None:
+            raise ApiError(429, "rateLimitExceeded", "Rate Limit Exceeded")
 
     def _route(self, method: str, path: str, query: dict[str, str], body: dict[str, Any] | None) -> dict[str, Any]:
         match = re.match(r"^/compute/v1/projects/([^/]+)/(.*)$", path)

@@ -11,7 +11,9 @@ names unique per project, label values, the GPU cluster of an instance existing,
 instances are in it. On demand: capacity errors (the create's operation ends RESOURCE_EXHAUSTED with a
 NotEnoughResources detail, as Nebius reports a fabric without free GPUs), quota errors (QuotaFailure), throttling of
 the next calls (UNAVAILABLE), and preemption (a preemptible instance STOPPING, the machine behind it told, then
-STOPPED).
+STOPPED). An outage of the instance reads (Get, GetByName, List: what the run's preemption watch reads) is started
+with `fake.outage.start()` (tests/outage.py): UNAVAILABLE, then Nebius's throttling, RESOURCE_EXHAUSTED with a
+TooManyRequests service error in the status details.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from nebius.api.nebius.iam import v1 as iam
 from nebius.api.nebius.iam.v1 import TokenExchangeServiceClient
 from nebius.api.nebius.vpc import v1 as vpc
 from nebius.api.nebius.vpc.v1 import SubnetServiceClient
+from outage import ERRORS, OutageSwitch
 
 REGISTRY = InstanceServiceClient.__registry__
 PROJECTS = {"eu-north1": "project-e00north1fake", "eu-west1": "project-e01west1fake",
@@ -43,6 +46,8 @@ PROJECTS = {"eu-north1": "project-e00north1fake", "eu-west1": "project-e01west1f
 TOKEN = "nebius-test-token"  # what the provider must present (NEBIUS_IAM_TOKEN in the tests)
 LABEL_VALUE = re.compile(r"^[a-z0-9_.-]{0,63}$")
 RESOURCE_EXHAUSTED, OK = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], grpc.StatusCode.OK.value[0]
+INSTANCE_READS = frozenset({"Get", "GetByName", "List"})
+THROTTLED_MESSAGE = "too many requests, retry later"
 
 
 @dataclass
@@ -80,6 +85,7 @@ class FakeNebius:
     operations: dict[str, tuple[Any, Status]] = field(default_factory=dict)  # id → (Operation, its end)
     refusals: list[Refusal] = field(default_factory=list)
     unavailable: int = 0  # the next calls answered UNAVAILABLE
+    outage: OutageSwitch = field(default_factory=OutageSwitch)
     calls: list[Call] = field(default_factory=list)
     # Service account keys the token exchange accepts: key id → (service account id, public key PEM).
     service_accounts: dict[str, tuple[str, bytes]] = field(default_factory=dict)
@@ -97,6 +103,20 @@ class FakeNebius:
         operation = common.Operation(id=self._id("op"), resource_id=resource_id, description=description)
         self.operations[operation.id] = (operation, end)
         return operation
+
+    def out_of_service(self, service: str, method: str, context: grpc.ServicerContext) -> None:
+        """The instance reads refused while the outage lasts, as Nebius refuses them."""
+        if not service.endswith("InstanceService") or method not in INSTANCE_READS:
+            return
+        phase = self.outage.phase()
+        if phase == ERRORS:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the API is unavailable, try again")
+        if phase is not None:
+            throttled = Status(code=RESOURCE_EXHAUSTED, message=THROTTLED_MESSAGE, details=[REGISTRY.pack_any(
+                common.ServiceError(service="compute", code="TooManyRequests",
+                                    too_many_requests=common.TooManyRequests(violation="instance reads per second")))])
+            context.set_trailing_metadata([("grpc-status-details-bin", throttled.SerializeToString())])
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, THROTTLED_MESSAGE)
 
     @staticmethod
     def _service_error(kind: str, message: str) -> Status:
@@ -316,6 +336,7 @@ class FakeNebius:
             self.refusals.clear()
             self.calls.clear()
             self.unavailable = 0
+            self.outage.end()
             self.on_stop = None
 
 
@@ -373,6 +394,7 @@ class NebiusServer:
                 if fake.unavailable > 0:
                     fake.unavailable -= 1
                     context.abort(grpc.StatusCode.UNAVAILABLE, "the API is unavailable, try again")
+                fake.out_of_service(service, method, context)
                 return implementation(request, context)
 
         return answer

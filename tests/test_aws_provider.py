@@ -22,7 +22,7 @@ from infra.compute.failover import QuotaEverywhere
 from infra.compute.providers import get_provider
 from infra.compute.providers.aws.errors import AuthError, classify
 from infra.compute.providers.aws.provider import TAG_CLUSTER, TAG_CREATED, TAG_OWNER, TAG_RUN, AwsProvider
-from infra.compute.providers.base import CapacityError, InvalidRequestError, QuotaError
+from infra.compute.providers.base import CapacityError, InvalidRequestError, LaunchError, QuotaError
 from infra.compute.spec import ClusterSpec
 
 REGIONS = ("us-east-1", "us-west-2")
@@ -305,6 +305,36 @@ def test_catalog_refresh_command(aws: AwsProvider, workspace: Path) -> None:
 def test_launch_errors_are_classified(code: str, kind: type[Exception]) -> None:
     error = classify(ClientError({"Error": {"Code": code, "Message": "m"}}, "RunInstances"), "launch x")
     assert type(error) is kind and str(error).startswith(f"aws: launch x: {code}: m: ")
+
+
+@pytest.mark.parametrize(("code", "status"), [("InternalError", 500), ("Unavailable", 503), ("SomethingNew", 502)])
+def test_ec2_server_errors_are_transient_not_a_request_to_fix(code: str, status: int) -> None:
+    """Before, a 500 InternalError was "fix the request": not transient, so the teardown task did not try again."""
+    from infra.errors import is_transient
+
+    error = classify(ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {
+        "HTTPStatusCode": status}}, "DescribeInstances"), "tear down x")
+    assert is_transient(error) and not isinstance(error, InvalidRequestError), error
+    assert str(error) == f"aws: tear down x: {code}: m: EC2 failed, retry later"
+
+
+def test_the_watchs_reads_are_asked_once_while_ec2_fails_them(aws: AwsProvider, ec2_server: Ec2Server) -> None:
+    """The preemption watch backs off on its own: botocore's standard retries under its reads (up to 20 s a retry,
+    21 s measured for one throttled read) only blocked its round. Other calls keep their retries."""
+    cluster = aws.launch("tp-aws-watch", spec(regions=("us-east-1",)), "run-watch")
+    sent: list[str] = []
+    # Sent: once per attempt (botocore's retries happen after before-call).
+    aws.watch_client("us-east-1").meta.events.register("before-send.ec2.*", lambda **kw: sent.append(
+        kw["event_name"].rsplit(".", 1)[-1]))
+    try:
+        ec2_server.start_outage(60)
+        for read in (aws.nodes_alive, aws.preemption_notices):
+            with pytest.raises(LaunchError, match="EC2 failed, retry later"):
+                read(cluster)
+        assert sent == ["DescribeInstances", "DescribeSpotInstanceRequests"], sent
+    finally:
+        ec2_server.start_outage(0)
+    assert aws.terminate("tp-aws-watch")
 
 
 def test_terminate_goes_to_the_clusters_region_first_and_past_a_region_that_fails(

@@ -332,6 +332,22 @@ def test_a_round_of_the_watch_is_one_arm_listing(azure: AzureProvider, arm: ArmS
     assert azure.terminate("tp-az-round")
 
 
+def test_the_watchs_reads_are_asked_once_while_arm_fails_them(azure: AzureProvider, arm: ArmServer) -> None:
+    """The preemption watch backs off on its own: azure-core's 4 retries under each of its reads (each waiting out
+    the throttle's Retry-After) only blocked its round. Other calls keep their retries."""
+    cluster = azure.launch("tp-az-watch", spec(nodes=2, regions=("eastus",)), "run-watch")
+    listings = f"/resourceGroups/{cluster.owner['resource_group']}/providers/Microsoft.Compute/virtualMachines$"
+    arm.clear_calls()
+    arm.outage.start(60)
+    try:
+        with pytest.raises(LaunchError, match="ServiceUnavailable"):
+            azure.preemption_notices(cluster)
+        assert len(arm.calls("GET", listings)) == 1
+    finally:
+        arm.outage.end()
+    assert azure.terminate("tp-az-watch")
+
+
 def test_the_sweeper_takes_the_cluster_whose_heartbeat_expired_and_leaves_the_live_one(
         azure: AzureProvider, arm: ArmServer) -> None:
     for state in ("dead", "live"):

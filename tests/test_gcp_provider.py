@@ -357,6 +357,22 @@ def _http(reason: str, status: int) -> exceptions.GoogleAPICallError:
     return exceptions.from_http_status(status, "m", errors=[{"reason": reason, "message": "m", "domain": "global"}])
 
 
+def test_the_watchs_reads_are_asked_once_while_compute_engine_fails_them(gcp: GcpProvider, gce: GceServer) -> None:
+    """The preemption watch backs off on its own: the provider's 5 attempts under each of its reads (15 s of
+    backoff, 19 s measured) only blocked its round. Other calls keep their retries."""
+    cluster = gcp.launch("tp-gcp-watch", spec(regions=("us-central1",)), "run-watch")
+    gce.clear_calls()
+    gce.outage.start(60)
+    try:
+        for read in (gcp.nodes_alive, gcp.preemption_notices):
+            with pytest.raises(LaunchError, match="backendError"):
+                read(cluster)
+        assert len(gce.calls("GET", r"/instances$")) == 2
+    finally:
+        gce.outage.end()
+    assert gcp.terminate("tp-gcp-watch")
+
+
 @pytest.mark.parametrize(("error", "kind"), [
     *[(_operation(code, 503), CapacityError) for code in ("ZONE_RESOURCE_POOL_EXHAUSTED",
                                                           "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS",

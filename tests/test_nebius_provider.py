@@ -262,6 +262,25 @@ def test_transient_api_errors_are_retried_under_one_idempotency_key(nebius: Nebi
     assert nebius.terminate("tp-neb-retry")
 
 
+def test_the_watchs_reads_are_asked_once_while_nebius_fails_them(nebius: NebiusProvider,
+                                                                  server: NebiusServer) -> None:
+    """The preemption watch backs off on its own: the provider's 5 attempts under each of its reads (15 s of
+    backoff) only blocked its round. Other calls keep their retries."""
+    from infra.compute.providers.base import LaunchError
+
+    cluster = nebius.launch("tp-neb-watch", spec(nodes=2, regions=("eu-north1",)), "run-watch")
+    server.fake.calls.clear()
+    server.fake.outage.start(60)
+    try:
+        for read in (nebius.nodes_alive, nebius.preemption_notices):
+            with pytest.raises(LaunchError, match="UNAVAILABLE"):
+                read(cluster)
+        assert [c.method for c in server.fake.calls if c.service.endswith("InstanceService")] == ["List", "List"]
+    finally:
+        server.fake.outage.end()
+    assert nebius.terminate("tp-neb-watch")
+
+
 def test_capacity_while_replacing_is_replacement_unavailable_and_leaves_no_new_node(nebius: NebiusProvider,
                                                                                     server: NebiusServer) -> None:
     cluster = nebius.launch("tp-neb-norepl", spec(nodes=2, spot="only"), "run-norepl")

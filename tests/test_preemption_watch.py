@@ -6,15 +6,19 @@ A real local cluster: a node is taken away the way the local provider's reclaim 
 from __future__ import annotations
 
 import logging
+import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from cloud_env import wait_for
 
 from infra.compute.providers.base import Cluster
 from infra.compute.providers.local import NODE_MARKER, LocalProvider
 from infra.compute.spec import ClusterSpec
+from infra.lifecycle import preemption_watch
 from infra.lifecycle.preemption_watch import UNREADABLE_ROUNDS, Preempted, PreemptionWatch, TrainingError
 from infra.workload.progress import StepClock
 
@@ -72,11 +76,13 @@ class SilentControlPlane(LocalProvider):
     def __init__(self, root: Path) -> None:
         super().__init__(root)
         self.failing: Exception | None = None
+        self.failing_after_s = 0.0  # how long a failing call takes: an SDK's own retries before it gives up
         self.calls = 0
 
     def _maybe_fail(self) -> None:
         self.calls += 1
         if self.failing is not None:
+            time.sleep(self.failing_after_s)
             raise self.failing
 
     def nodes_alive(self, cluster: Cluster) -> dict[str, bool]:
@@ -122,6 +128,19 @@ def test_an_unanswered_control_plane_stops_nothing_and_is_asked_again_with_backo
     assert "control plane answers again" in caplog.text and watch.control_plane.silent_since is None
 
 
+def test_the_backoff_counts_from_the_failure_so_a_round_waits_out_one_slow_failure_not_two(
+        silent: tuple[SilentControlPlane, Cluster], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, the backoff counted from the ask: a read that failed only after its SDK's retries (longer than the
+    backoff) left it spent, and the round's second read was made at once and failed as slowly: every round of the
+    watch blocked the wait loop for both (30 s on GCP and Nebius, whose calls retry 15 s)."""
+    monkeypatch.setattr(preemption_watch, "UNKNOWN_RETRY_S", 0.05)
+    provider, cluster = silent
+    watch = _watch(provider, cluster, outage_s=600)
+    provider.failing, provider.failing_after_s = RuntimeError("503 Service Unavailable"), 0.2
+    assert watch._look(confirm_s=0.0) is None
+    assert provider.calls == 1, "the round's other read was made although the first had just failed"
+
+
 def test_a_node_gone_while_the_control_plane_is_silent_is_seen_once_it_answers(
         silent: tuple[SilentControlPlane, Cluster]) -> None:
     provider, cluster = silent
@@ -144,6 +163,29 @@ def test_past_the_outage_bound_the_run_stops_naming_the_control_plane(
                                              r"notices for 0s \(recovery.control_plane_outage_s 0; last: "
                                              r"TimeoutError: read timed out\)"):
         watch._look(confirm_s=0.0)
+
+
+def test_the_run_stops_at_the_outage_bound_not_at_the_next_backoff_after_it(
+        silent: tuple[SilentControlPlane, Cluster], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, the backoff (doubling to a minute) decided when the bound was checked: with a bound of 8 s the run
+    stopped 14 s into the outage (asks at 0, 2, 6, 14 s)."""
+    monkeypatch.setattr(preemption_watch, "UNKNOWN_RETRY_S", 30.0)
+    provider, cluster = silent
+    watch = _watch(provider, cluster, outage_s=0.5)
+    provider.failing = RuntimeError("503 Service Unavailable")
+    assert watch._look(confirm_s=0.0) is None
+    stopped: list[TrainingError] = []
+
+    def stops() -> bool:
+        try:
+            watch._look(confirm_s=0.0)
+        except TrainingError as exc:
+            stopped.append(exc)
+        return bool(stopped)
+
+    wait_for(stops, 10, "the watch stopping the run at its 0.5 s bound", interval=0.05)
+    assert re.search(r"has not answered the watch's (preemption notices|liveness) for \ds "
+                     r"\(recovery.control_plane_outage_s 0.5;", str(stopped[0])), stopped
 
 
 def test_a_bug_in_a_provider_call_is_raised_as_it_is(silent: tuple[SilentControlPlane, Cluster]) -> None:

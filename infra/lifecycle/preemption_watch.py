@@ -92,24 +92,27 @@ class _ControlPlane:
         self._ask_at = 0.0
 
     def ask(self, what: str, call: Callable[[], Any]) -> Any:
-        now = time.monotonic()
-        if self.silent_since is not None and now < self._ask_at:
+        if self.silent_since is not None and time.monotonic() < self._ask_at:
             return None
+        asked = time.monotonic()
         try:
             answer = call()
         except BUGS:
             raise
         except Exception as exc:
-            return self._unanswered(what, exc, now)
+            # Counted from the failure, not the ask: a call that failed only after its retries (seconds) would
+            # otherwise leave its backoff already spent, and the round's next read would wait out the same retries.
+            return self._unanswered(what, exc, asked, time.monotonic())
+        now = time.monotonic()
         if self.silent_since is not None:
             self.logger.warning("%s control plane answers again after %.0fs", self.provider.name,
                                 now - self.silent_since)
             self.silent_since, self._retry_s = None, UNKNOWN_RETRY_S
         return answer
 
-    def _unanswered(self, what: str, exc: Exception, now: float) -> None:
+    def _unanswered(self, what: str, exc: Exception, asked: float, now: float) -> None:
         if self.silent_since is None:
-            self.silent_since = now
+            self.silent_since = asked
         silent_s = now - self.silent_since
         if silent_s >= self.outage_s:
             raise TrainingError(
@@ -119,7 +122,8 @@ class _ControlPlane:
         self.logger.warning("%s control plane did not answer %s (%s: %s): unknown, not dead: the nodes' own signals "
                             "decide; asking again in %.0fs (%.0fs of %gs without an answer)", self.provider.name,
                             what, type(exc).__name__, exc, self._retry_s, silent_s, self.outage_s)
-        self._ask_at = now + self._retry_s
+        # Asked again at the bound at the latest: a backoff that ran past it would stop the run that much later.
+        self._ask_at = min(now + self._retry_s, self.silent_since + self.outage_s)
         self._retry_s = min(self._retry_s * 2, UNKNOWN_RETRY_MAX_S)
         return None
 

@@ -17,6 +17,12 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# The preemption watch's reads (liveness, notices): asked once, within WATCH_TIMEOUT_S. The watch asks again on a
+# backoff of its own (infra/lifecycle/preemption_watch.py) and judges a silent control plane by how long it stays
+# silent; retries under a read would only block its round, with the wait loop behind it (15 s of backoff per read
+# on GCP and Nebius, up to 20 s a retry on AWS, a throttle's Retry-After per retry on Azure).
+WATCH_ATTEMPTS, WATCH_TIMEOUT_S = 1, 20.0
+
 
 def call_retrying(call: Callable[[], T], transient: Callable[[BaseException], bool],
                   describe: Callable[[BaseException], str], what: str, attempts: int, first_s: float) -> T:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from botocore.exceptions import ClientError, NoCredentialsError, NoRegionError
 
 from infra.compute.providers.base import CapacityError, InvalidRequestError, LaunchError, QuotaError
-from infra.compute.providers.cloud_errors import AuthError, unreachable
+from infra.compute.providers.cloud_errors import AuthError, retry_later, unreachable
 
 # Another zone, region or a later try may have it.
 CAPACITY = frozenset({
@@ -25,6 +25,8 @@ AUTH = frozenset({
 })
 # Throttling is retried by botocore itself (its standard retry mode); what still escapes is a capacity-like delay.
 THROTTLED = frozenset({"RequestLimitExceeded", "Throttling", "ThrottlingException", "ServiceUnavailable"})
+# EC2's own failures (HTTP 5xx): not a refusal of the request, and a later try may succeed.
+SERVER_ERRORS = frozenset({"InternalError", "InternalFailure", "Unavailable"})
 
 
 def error_code(exc: ClientError) -> str:
@@ -49,6 +51,9 @@ def classify(exc: Exception, doing: str) -> LaunchError:
         return QuotaError(f"{said}: raise the quota in Service Quotas or ask for fewer/smaller nodes")
     if code in AUTH:
         return AuthError(f"{said}: check the credentials and their IAM permissions")
+    # Before, these were "fix the request": not transient, so a teardown met by a 500 was not tried again.
+    if code in SERVER_ERRORS or exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) >= 500:
+        return retry_later(f"{said}: EC2 failed, retry later")
     return InvalidRequestError(f"{said}: fix the request (config or catalog)")
 
 

@@ -42,6 +42,7 @@ from infra.compute.providers.cloud import (
     rolled_back,
 )
 from infra.compute.providers.nvme_boot import nvme_script
+from infra.compute.providers.operations import WATCH_ATTEMPTS, WATCH_TIMEOUT_S
 from infra.compute.providers.owner import launcher_stamp
 from infra.compute.spec import ClusterSpec
 
@@ -132,6 +133,17 @@ class AwsProvider(CloudProvider):
             self._clients[region] = boto3.session.Session().client(
                 "ec2", region_name=region, endpoint_url=self._endpoint_url, config=config)
         return self._clients[region]
+
+    def watch_client(self, region: str) -> Any:
+        """The client of the preemption watch's reads: asked once (operations.WATCH_ATTEMPTS), not retried by
+        botocore (standard mode backs off up to 20 s a retry, and EC2 throttles with 503 RequestLimitExceeded)."""
+        key = f"watch:{region}"
+        if key not in self._clients:
+            config = Config(retries={"mode": "standard", "total_max_attempts": WATCH_ATTEMPTS},
+                            connect_timeout=WATCH_TIMEOUT_S, read_timeout=WATCH_TIMEOUT_S)
+            self._clients[key] = boto3.session.Session().client(
+                "ec2", region_name=region, endpoint_url=self._endpoint_url, config=config)
+        return self._clients[key]
 
     def _has_credentials(self) -> bool:
         return boto3.session.Session().get_credentials() is not None
@@ -519,8 +531,9 @@ class AwsProvider(CloudProvider):
 
     def _states(self, cluster: Cluster) -> dict[str, str]:
         ids = list(cluster.owner["instances"].values())
-        pages = self._call(f"describe {cluster.name}", lambda: list(self.client(cluster.owner["region"]).get_paginator(
-            "describe_instances").paginate(InstanceIds=ids)))
+        ec2 = self.watch_client(cluster.owner["region"])
+        pages = self._call(f"describe {cluster.name}", lambda: list(ec2.get_paginator("describe_instances").paginate(
+            InstanceIds=ids)))
         return {_tags(i)["Name"]: i["State"]["Name"] for p in pages for r in p["Reservations"] for i in r["Instances"]}
 
     def heartbeat(self, cluster: Cluster) -> None:
@@ -536,7 +549,7 @@ class AwsProvider(CloudProvider):
         """Spot requests EC2 marked for reclaim; the deadline is two minutes after the mark."""
         names = {iid: name for name, iid in cluster.owner["instances"].items()}
         reply = self._call(f"check spot notices of {cluster.name}",
-                           lambda: self.client(cluster.owner["region"]).describe_spot_instance_requests(
+                           lambda: self.watch_client(cluster.owner["region"]).describe_spot_instance_requests(
                                Filters=[{"Name": "instance-id", "Values": list(names)}]))
         notices = []
         for request in reply["SpotInstanceRequests"]:

@@ -75,6 +75,7 @@ from infra.compute.providers.azure.names import (
 from infra.compute.providers.base import Cluster, ClusterRecord, Node, PreemptionNotice, ReplacementUnavailable
 from infra.compute.providers.cloud import HOST_KEYS, LEASE_TTL, MOUNT, CloudProvider, lease_alive, rolled_back
 from infra.compute.providers.node_notices import read_node_notices
+from infra.compute.providers.operations import WATCH_ATTEMPTS, WATCH_TIMEOUT_S
 from infra.compute.providers.owner import Stamp, launcher_stamp
 from infra.compute.spec import ClusterSpec
 
@@ -288,9 +289,10 @@ class AzureProvider(ArmApi, CloudProvider):
             raise CapacityError(f"azure: {', '.join(gone)} not running after their creation (Spot evicted?): "
                                 "trying elsewhere")
 
-    def _vms(self, group: str) -> list[dict[str, Any]]:
+    def _vms(self, group: str, **options: Any) -> list[dict[str, Any]]:
+        """options: azure-core's per-call ones (retry_total, read_timeout...)."""
         try:
-            return sorted((json_of(vm) for vm in self.compute.virtual_machines.list(group)), key=rank_of)
+            return sorted((json_of(vm) for vm in self.compute.virtual_machines.list(group, **options)), key=rank_of)
         except ResourceNotFoundError:
             return []
 
@@ -426,8 +428,12 @@ class AzureProvider(ArmApi, CloudProvider):
         return listed[1]
 
     def _nodes_now(self, cluster: Cluster) -> dict[str, dict[str, Any]]:
+        """The watch's read: asked once (operations.WATCH_ATTEMPTS): azure-core would otherwise retry it, waiting out
+        each throttle's Retry-After."""
         doing = f"describe {cluster.name}"
-        return self._call(doing, lambda: {vm["name"]: vm for vm in self._vms(cluster.owner["resource_group"])})
+        return self._call(doing, lambda: {vm["name"]: vm for vm in self._vms(
+            cluster.owner["resource_group"], retry_total=WATCH_ATTEMPTS - 1, connection_timeout=WATCH_TIMEOUT_S,
+            read_timeout=WATCH_TIMEOUT_S)})
 
     def heartbeat(self, cluster: Cluster) -> None:
         """Stamp the cluster's group with the time now (PATCH replaces the tags whole: the others are kept)."""

@@ -135,12 +135,12 @@ class ComputeApi:
             return True
         return zone_or_region in self._zones or zone_or_region in {region_of(z) for z in self._zones}
 
-    def _api(self, doing: str, call: Callable[[], T]) -> T:
+    def _api(self, doing: str, call: Callable[[], T], attempts: int = API_ATTEMPTS) -> T:
         """One Compute Engine call, repeated with backoff while it fails transiently; every retry is logged. Calls
         pass retry=None so that the library's own silent retries do not stack under these."""
         return call_retrying(call, lambda exc: isinstance(exc, API_ERRORS) and is_transient(exc),
                              lambda exc: f"{type(exc).__name__} ({' '.join(str(exc).split())})", f"gcp: {doing}",
-                             API_ATTEMPTS, RETRY_FIRST_S)
+                             attempts, RETRY_FIRST_S)
 
     def _get(self, doing: str, call: Callable[[], T]) -> T | None:
         try:

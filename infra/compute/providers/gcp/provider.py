@@ -40,6 +40,7 @@ from infra.compute.providers.base import Cluster, ClusterRecord, Node, Preemptio
 from infra.compute.providers.cloud import HOST_KEYS, LEASE_TTL, MOUNT, CloudProvider, lease_alive, rolled_back
 from infra.compute.providers.gcp import api
 from infra.compute.providers.gcp.api import (
+    API_ATTEMPTS,
     API_ERRORS,
     API_TIMEOUT_S,
     ComputeApi,
@@ -86,7 +87,7 @@ from infra.compute.providers.gcp.labels import (
     stamp_labels,
     stamp_of,
 )
-from infra.compute.providers.operations import raise_first
+from infra.compute.providers.operations import WATCH_ATTEMPTS, WATCH_TIMEOUT_S, raise_first
 from infra.compute.providers.owner import Stamp, launcher_stamp
 from infra.compute.spec import ClusterSpec
 
@@ -392,11 +393,12 @@ class GcpProvider(ComputeApi, CloudProvider):
         return f'labels.{LABEL_CLUSTER} = "{label_value(cluster_name)}"' if cluster_name else \
             f"labels.{LABEL_CLUSTER}:*"
 
-    def _zone_instances(self, zone: str, cluster_name: str, doing: str) -> list[compute_v1.Instance]:
+    def _zone_instances(self, zone: str, cluster_name: str, doing: str, attempts: int = API_ATTEMPTS,
+                        timeout_s: float = API_TIMEOUT_S) -> list[compute_v1.Instance]:
         request = compute_v1.ListInstancesRequest(project=self.project, zone=zone,
                                                   filter=self._label_filter(cluster_name))
-        found = self._api(doing, lambda: list(self.instances.list(request=request, retry=None,
-                                                                  timeout=API_TIMEOUT_S)))
+        found = self._api(doing, lambda: list(self.instances.list(request=request, retry=None, timeout=timeout_s)),
+                          attempts)
         # The label is sanitised, so two cluster names may share it; the metadata holds the exact name.
         return sorted((i for i in found if stamp_of(i).get(LABEL_CLUSTER) == cluster_name), key=rank_of)
 
@@ -523,8 +525,10 @@ class GcpProvider(ComputeApi, CloudProvider):
     # -- nodes --------------------------------------------------------------------------------------------------
 
     def _nodes_now(self, cluster: Cluster) -> dict[str, compute_v1.Instance]:
+        """The watch's read: asked once (operations.WATCH_ATTEMPTS)."""
         doing = f"describe {cluster.name}"
-        found = self._call(doing, lambda: self._zone_instances(cluster.owner["zone"], cluster.name, doing))
+        found = self._call(doing, lambda: self._zone_instances(cluster.owner["zone"], cluster.name, doing,
+                                                               WATCH_ATTEMPTS, WATCH_TIMEOUT_S))
         return {i.name: i for i in found}
 
     def heartbeat(self, cluster: Cluster) -> None:

@@ -152,14 +152,15 @@ class NebiusApi:
 
     # -- calls --------------------------------------------------------------------------------------------------
 
-    def _api(self, doing: str, call: Callable[..., Any]) -> Any:
+    def _api(self, doing: str, call: Callable[..., Any], attempts: int = API_ATTEMPTS,
+             timeout_s: float = CALL_TIMEOUT_S) -> Any:
         """One call (call(**request kwargs) returns the SDK's request), repeated with backoff while it fails
         transiently, under one idempotency key so that a repeat of an accepted call has no second effect. The SDK's
         own retries are off: these are logged, and bounded by the run's cancellation."""
         key = str(uuid.uuid4())
         return call_retrying(
-            lambda: call(metadata=[("x-idempotency-key", key)], timeout=CALL_TIMEOUT_S, retries=1).wait(),
-            _transient, describe, f"nebius: {doing}", API_ATTEMPTS, RETRY_FIRST_S)
+            lambda: call(metadata=[("x-idempotency-key", key)], timeout=timeout_s, retries=1).wait(),
+            _transient, describe, f"nebius: {doing}", attempts, RETRY_FIRST_S)
 
     def _get(self, doing: str, call: Callable[..., Any]) -> Any | None:
         """A Get: None when there is no such resource."""
@@ -197,10 +198,11 @@ class NebiusApi:
                       f"nebius: {doing}: polling operation {operation.id}", API_ATTEMPTS, RETRY_FIRST_S)
         return operation
 
-    def _pages(self, doing: str, list_call: Callable[[Any], Callable[..., Any]], request: Any) -> Iterator[Any]:
+    def _pages(self, doing: str, list_call: Callable[[Any], Callable[..., Any]], request: Any,
+               attempts: int = API_ATTEMPTS, timeout_s: float = CALL_TIMEOUT_S) -> Iterator[Any]:
         """Every item of a List, page by page (list_call(request) → the call _api makes)."""
         while True:
-            response = self._api(doing, list_call(request))
+            response = self._api(doing, list_call(request), attempts, timeout_s)
             yield from response.items
             if not response.next_page_token:
                 return

@@ -61,7 +61,7 @@ from infra.compute.providers.nebius.labels import (
     resource_name,
     stamp_labels,
 )
-from infra.compute.providers.operations import raise_first
+from infra.compute.providers.operations import WATCH_ATTEMPTS, WATCH_TIMEOUT_S, raise_first
 from infra.compute.providers.owner import Stamp, launcher_stamp
 from infra.compute.spec import ClusterSpec
 
@@ -391,10 +391,12 @@ class NebiusProvider(NebiusApi, CloudProvider):
 
     # -- finding what a cluster has -----------------------------------------------------------------------------
 
-    def _instances(self, project: str, cluster_name: str | None, doing: str) -> list[Any]:
+    def _instances(self, project: str, cluster_name: str | None, doing: str, attempts: int = api.API_ATTEMPTS,
+                   timeout_s: float = api.CALL_TIMEOUT_S) -> list[Any]:
         """The project's trainpipe instances (of one cluster when named), by rank."""
         request = _compute().ListInstancesRequest(parent_id=project, page_size=PAGE_SIZE)
-        found = self._pages(doing, lambda r: lambda **kw: self.client("instances").list(r, **kw), request)
+        found = self._pages(doing, lambda r: lambda **kw: self.client("instances").list(r, **kw), request, attempts,
+                            timeout_s)
         wanted = None if cluster_name is None else label_value(cluster_name)
         return sorted((i for i in found if LABEL_CLUSTER in labels_of(i)
                        and wanted in (None, labels_of(i)[LABEL_CLUSTER])), key=rank_of)
@@ -505,8 +507,10 @@ class NebiusProvider(NebiusApi, CloudProvider):
     # -- nodes --------------------------------------------------------------------------------------------------
 
     def _nodes_now(self, cluster: Cluster) -> dict[str, Any]:
+        """The watch's read: asked once (operations.WATCH_ATTEMPTS)."""
         doing = f"describe {cluster.name}"
-        found = self._call(doing, lambda: self._instances(cluster.owner["project"], cluster.name, doing))
+        found = self._call(doing, lambda: self._instances(cluster.owner["project"], cluster.name, doing,
+                                                          WATCH_ATTEMPTS, WATCH_TIMEOUT_S))
         return {str(i.metadata.name): i for i in found}
 
     def heartbeat(self, cluster: Cluster) -> None:
