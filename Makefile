@@ -4,6 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 DATASET := .trainpipe/datasets/markov-v256
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
+# Two test files at a time (pytest-xdist), each file whole on one worker (its module fixtures: a Slurm site, a cloud
+# fake): half the suite waits on processes, not the CPU. The tests are written for 2 loaded cores.
+TEST_WORKERS ?= 2
 
 .PHONY: run test install lint clean
 
@@ -27,7 +30,7 @@ test: $(BIN)/trainpipe
 	scripts/install-system-packages
 	scripts/install-azure-tools
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q --durations=60
+	$(BIN)/python -m pytest -q --durations=60 -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(BIN)/trainpipe
 	$(BIN)/ruff check .

@@ -34,6 +34,21 @@ TRAINPIPE = str(Path(sys.executable).with_name("trainpipe"))
 CLI_TIMEOUT_S = 540.0
 
 
+# The slowest files first (seconds of a full run on 2 cores, 2026-12-07): under pytest-xdist (`--dist loadfile`, what
+# `make test` runs) each worker takes the next file as it frees up, so the long ones start early and the short ones
+# fill the end, instead of a 6-minute file starting last on one worker while the other idles.
+SLOWEST_FILES = ("test_slurm_provider.py", "test_kill_matrix.py", "test_prefect_server.py", "test_azure_provider.py",
+                 "test_examples.py", "test_replace_nodes.py", "test_container_runs.py", "test_pipeline_e2e.py",
+                 "test_ssh_partition.py", "test_preemption.py", "test_unattended_run.py", "test_cloud_teardown.py",
+                 "test_control_plane_outage.py", "test_agent_fanout.py", "test_stall.py", "test_crash_formats.py",
+                 "test_retraining.py", "test_cancel.py", "test_unattended_sync.py", "test_nebius_provider.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: index for index, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order is kept
+
+
 PREFECT_DB = "prefect.db"
 
 
