@@ -178,6 +178,8 @@ class Syncers:
             except (RemoteError, OSError) as exc:
                 # An unreachable node must not keep the others from flushing: its syncer is the one that fails.
                 failures.append(f"{node.name}: could not ask its checkpoint syncer to flush: {exc}")
+                # Said now: the others' wait for this node's part may take the whole bound.
+                self.logger.warning("%s; the other syncers flush within %.0fs", failures[-1], timeout_s + grace_s)
                 pending.pop(node.name)  # teardown ends it with the node
         deadline = time.monotonic() + timeout_s + grace_s
         while pending:

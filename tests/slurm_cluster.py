@@ -196,6 +196,18 @@ class SlurmCluster:
         yield self
         self.cancel_all("the test's jobs gone", START_TIMEOUT_S)
 
+    @contextmanager
+    def controller_paused(self) -> Iterator[None]:
+        """slurmctld stopped (SIGSTOP) for the block, as a controller that hangs (a restart, a reconfigure, a
+        failover) while the jobs' steps run on; continued (SIGCONT) however the block ends: a controller left stopped
+        would fail every later test of this site."""
+        controller = self.processes["slurmctld"]
+        os.kill(controller.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(controller.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         """Every job cancelled (and gone from squeue), then the daemons: slurmd, slurmctld, munged."""
         try:

@@ -8,6 +8,7 @@ job's preemption raises the notice on every node. The spec checks (owned sbatch 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -36,7 +37,7 @@ from infra.compute.providers.base import Cluster
 from infra.compute.providers.slurm import topology
 from infra.compute.providers.slurm.login import Login
 from infra.compute.providers.slurm.provider import JOB_PREFIX, QueueTimeout, SlurmProvider
-from infra.compute.providers.slurm.runner import StepUnavailable
+from infra.compute.providers.slurm.runner import SlurmRunner, StepUnanswered, StepUnavailable
 from infra.compute.spec import ClusterSpec
 from infra.node.events import NodeEvent
 
@@ -432,6 +433,21 @@ def test_trainpipe_run_of_the_example_on_the_test_slurm(slurm: SlurmCluster, wor
     assert [path.name for path in (tmp_path / "scratch").glob("*/*")] == []  # teardown removed the node dirs
 
 
+@contextlib.contextmanager
+def run_in_background(env: dict[str, str], tmp_path: Path, run_id: str) -> Iterator[subprocess.Popen[bytes]]:
+    """`trainpipe run` of the test's job.yaml in a session of its own, its output in run.log; SIGKILLed at the end
+    if it still runs (a test that failed midway)."""
+    with (tmp_path / "run.log").open("w") as out:
+        run = subprocess.Popen([TRAINPIPE, "run", str(tmp_path / "job.yaml"), "--run-id", run_id], env=env,
+                               cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield run
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait(30)
+
+
 def committed_steps(run_checkpoints: Path) -> set[int]:
     """The steps committed (their manifest written last) under a run's checkpoint dir of a file:// store."""
     steps = (parse_step_name(path.parent.name) for path in run_checkpoints.glob(f"*/{MANIFEST_NAME}"))
@@ -446,10 +462,7 @@ def test_allocation_of_a_killed_orchestrator_ends_within_the_lease(slurm: SlurmC
     ttl = 15.0
     # Two of the site's three nodes: the three-node run is the example's own test; this one is about the lease.
     env = example_job(slurm, workspace, tmp_path, steps=100_000, lease_ttl_s=ttl, nodes=2)
-    with (tmp_path / "run.log").open("w") as out:
-        run = subprocess.Popen([TRAINPIPE, "run", str(tmp_path / "job.yaml"), "--run-id", "slurm-kill"], env=env,
-                               cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    with run_in_background(env, tmp_path, "slurm-kill") as run:
         # Mid-training, with a commit to resume from.
         wait_for(lambda: committed_steps(tmp_path / "checkpoints" / "slurm-kill"), 400, "a committed checkpoint")
         assert len(slurm.job_ids()) == 1
@@ -458,10 +471,6 @@ def test_allocation_of_a_killed_orchestrator_ends_within_the_lease(slurm: SlurmC
         run.wait(30)
         wait_for(lambda: not slurm.job_ids(), ttl + 30, "the allocation gone after the kill")
         print(f"orchestrator kill to squeue empty: {time.monotonic() - killed:.1f}s (lease ttl {ttl:g}s)")
-    finally:
-        if run.poll() is None:
-            os.killpg(run.pid, signal.SIGKILL)
-            run.wait(30)
     holder = next((tmp_path / "scratch" / "gpu1").glob("*/logs/holder.log")).read_text()
     assert "lease not renewed" in holder
 
@@ -475,6 +484,84 @@ def test_allocation_of_a_killed_orchestrator_ends_within_the_lease(slurm: SlurmC
     summary = json.loads((workspace / "runs" / "slurm-kill" / "summary.json").read_text())
     assert (summary["status"], summary["resumed_from_step"]) == ("completed", last_commit)
     assert summary["checkpoint"].endswith(step_name(last_commit + 20))
+    assert slurm.job_ids() == []
+
+
+# The controller pause: the job's lease TTL, and the pause against it. The lease writes are job steps, which slurmctld
+# must start: a pause longer than the TTL is one that used to end the run (the nodes' watchdogs and the holder saw the
+# lease lapse). TRAINPIPE_TEST_SLURMCTLD_PAUSE_S sets another pause (the issue's 75 s, by hand).
+PAUSE_TTL_S = 20.0
+PAUSE_S_DEFAULT = 1.5 * PAUSE_TTL_S
+PAUSE_SAVE_EVERY = 100
+PAUSE_STEPS_PER_S = 30  # steps after the first commit per second of pause: training goes on past the pause's end
+_LOG_LINE = re.compile(r"^(\d\d:\d\d:\d\d\.\d+) \| (\w+)\s*\| (.*)$")
+
+
+def logged_between(output: str, since: float, until: float) -> list[tuple[str, str]]:
+    """The (level, text) of the run's log lines stamped within [since, until] (unix times of this day)."""
+    day = datetime.fromtimestamp(since).strftime("%Y-%m-%d")
+    found = []
+    for line in output.splitlines():
+        if (match := _LOG_LINE.match(line)) is None:
+            continue
+        at = datetime.strptime(f"{day} {match[1]}", "%Y-%m-%d %H:%M:%S.%f").timestamp()
+        if since <= at <= until:
+            found.append((match[2], match[3]))
+    return found
+
+
+def test_a_controller_paused_mid_training_is_ridden_out(slurm: SlurmCluster, workspace: Path, tmp_path: Path) -> None:
+    """slurmctld stopped (SIGSTOP) mid-training, the pause measured against the job's lease TTL: 1.5x its 20 s (the
+    issue paused 75 s against the example's 120 s, by hand: TRAINPIPE_TEST_SLURMCTLD_PAUSE_S=75). The lease writes,
+    the metrics poll and the notice reads are all job steps, which slurmctld starts, so a pause past the TTL is one
+    that ended the run (the holder and the nodes' watchdogs saw the lease lapse; srun's timeout ended the training).
+    The trainers, syncers and watchdogs run on (their steps need no controller): the run completes from its first
+    allocation with its final step committed, nothing stopped, no recovery; every orchestrator-to-node call that
+    failed during the pause said why."""
+    pause_s = float(os.environ.get("TRAINPIPE_TEST_SLURMCTLD_PAUSE_S", PAUSE_S_DEFAULT))
+    steps = PAUSE_SAVE_EVERY + int(PAUSE_STEPS_PER_S * pause_s)
+    # The agent's environment made first, as the example's test may have: with a lease this short, a launch that
+    # installs it (a minute on a loaded machine) outlives the lease before the run's first renewal.
+    warm = get_provider("slurm")
+    warm.launch("tp-pause-warm", spec(tmp_path, nodes=1, **agent_settings(sys.executable)), "run-pause-warm")
+    assert warm.terminate("tp-pause-warm")
+    env = example_job(slurm, workspace, tmp_path, steps=steps, lease_ttl_s=PAUSE_TTL_S)
+    job = yaml.safe_load((tmp_path / "job.yaml").read_text())
+    command = job["training"]["command"]
+    command[command.index("--save-every") + 1] = str(PAUSE_SAVE_EVERY)
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    checkpoints = tmp_path / "checkpoints" / "slurm-pause"
+    metrics = tmp_path / "scratch" / "gpu1" / "metrics.jsonl"
+    started = time.monotonic()
+    with run_in_background(env, tmp_path, "slurm-pause") as run:
+        wait_for(lambda: committed_steps(checkpoints) or run.poll() is not None, 400, "a committed checkpoint")
+        assert run.poll() is None, (tmp_path / "run.log").read_text()[-6000:]
+        with slurm.controller_paused():
+            paused_at, step_at_pause = time.time(), last_step(metrics)
+            time.sleep(pause_s)  # the fault under test
+        resumed_at, step_at_resume = time.time(), last_step(metrics)
+        run.wait(600)
+    output = (tmp_path / "run.log").read_text()
+    print(f"slurmctld paused {resumed_at - paused_at:.1f}s (lease ttl {PAUSE_TTL_S:g}s) at step {step_at_pause}, "
+          f"resumed at step {step_at_resume} of {steps}; run {time.monotonic() - started:.0f}s")
+    during = logged_between(output, paused_at, resumed_at)
+    print("logged during the pause:\n" + "\n".join(f"  {level} {text[:240]}" for level, text in during))
+    assert run.returncode == 0, output[-6000:]
+    assert step_at_resume < steps, f"training ended within the pause: it proves nothing; raise the steps ({steps})"
+    summary = json.loads((workspace / "runs" / "slurm-pause" / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["checkpoint"].endswith(step_name(steps)) and steps in committed_steps(checkpoints)
+    assert (summary["recoveries"], len(summary["attempts"])) == ([], 1), output[-6000:]
+    assert "trainers stopped" not in output and "exit codes" not in output, output[-6000:]
+    # Every call that failed during the pause said what and why, at warning or above.
+    failures = [(level, text) for level, text in during
+                if re.search(r"not renewed|did not answer|cannot|failed|unknown", text)]
+    assert all(level in ("WARNING", "ERROR") for level, _ in failures), failures
+    # The reason: the controller's silence, as srun, squeue and the lease keeper each put it.
+    assert all(re.search(r"still blocked|timed out|Unable to contact|still running after|no answer", text)
+               for _, text in failures), failures
+    for node in ("gpu1", "gpu2", "gpu3"):  # every node's lease writes blocked, and each round said so
+        assert any(f"lease of tp-slurm-pause-{node} not renewed" in text for _, text in failures), during
     assert slurm.job_ids() == []
 
 
@@ -528,10 +615,7 @@ def test_preemption_by_a_higher_tier_mid_training_resumes_on_a_new_allocation(
     # Two of the site's three nodes: the new allocation finds two free (the third, and the one the urgent job did not
     # take) without waiting for the urgent job to end.
     env = example_job(slurm, workspace, tmp_path, steps=STEPS_PREEMPTED, nodes=2)
-    with (tmp_path / "run.log").open("w") as out:
-        run = subprocess.Popen([TRAINPIPE, "run", str(tmp_path / "job.yaml"), "--run-id", "slurm-preempt"], env=env,
-                               cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    with run_in_background(env, tmp_path, "slurm-preempt") as run:
         metrics = tmp_path / "scratch" / "gpu1" / "metrics.jsonl"
         wait_for(lambda: last_step(metrics) >= 40, 400, "step 40 on gpu1")
         first_job = slurm.job_ids()
@@ -540,10 +624,6 @@ def test_preemption_by_a_higher_tier_mid_training_resumes_on_a_new_allocation(
         preempted, signalled_at = time.monotonic(), time.time()
         slurm.run("sbatch", "-p", URGENT, "-N1", "-w", "gpu1", "-o", "/dev/null", "--wrap", "sleep 15")
         run.wait(500)
-    finally:
-        if run.poll() is None:
-            os.killpg(run.pid, signal.SIGKILL)
-            run.wait(30)
     output = (tmp_path / "run.log").read_text()
     assert run.returncode == 0, output[-6000:]
     print(f"preemption to run end: {time.monotonic() - preempted:.1f}s")
@@ -606,6 +686,22 @@ def test_the_agent_dirs_and_the_container_kind_are_checked(tmp_path: Path, secti
         spec(tmp_path, **section)
     assert spec(tmp_path, agent_dir="/mnt/local/{node}/agent", containers="oci").slurm.node_agent_dir("gpu2") == \
         "/mnt/local/gpu2/agent"
+
+
+def test_a_file_step_that_srun_cannot_get_through_slurmctld_is_an_unanswered_node(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """srun's answer when slurmctld does not answer (a controller paused, restarting, failing over) made a metrics read
+    a RemoteError that ended the training; it is a ConnectionError now, which the watch judges (the node is unknown)."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "srun").write_text('#!/bin/bash\necho "srun: error: Unable to confirm allocation for job 7: Socket timed '
+                                'out on send/recv operation" >&2\nexit 1\n')
+    (stubs / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{stubs}:{os.environ['PATH']}")
+    runner = SlurmRunner("tp-x-gpu1", "7", "gpu1", str(tmp_path), {}, Login())
+    with pytest.raises(StepUnanswered, match=r"tp-x-gpu1: srun could not reach slurmctld .* job 7: .*Socket timed out"):
+        runner.read_text(str(tmp_path / "metrics.jsonl"))
+    assert issubclass(StepUnanswered, ConnectionError)
 
 
 @pytest.mark.parametrize(("scratch", "said"), [("scratch/{node}", "not absolute"), ("/mnt/{host}", "placeholder"),

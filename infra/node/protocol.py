@@ -337,7 +337,9 @@ class WatchRequest(NodeRequest):
     command: ClassVar[NodeCommand] = NodeCommand.WATCH
     lease: str  # the file holding the last renewal's unix time
     ttl_s: float  # seconds without renewal before teardown
-    on_expire: Literal["kill-node", "shutdown"] = "kill-node"
+    # allocation: the node's scheduler allocation judges the lease (a Slurm holder) and its end ends every process
+    # here: the watchdog only watches the notices.
+    on_expire: Literal["kill-node", "shutdown", "allocation"] = "kill-node"
     poll_s: float = Field(1.0, gt=0)
     notice_source: Literal["none", "aws", "gcp", "azure", "file"] = "none"  # where preemption notices come from
     notice_url: str | None = None  # the metadata service's base URL (None: the cloud's own)

@@ -9,7 +9,9 @@ The orchestrator renews a lease file on every node (infra.lifecycle.lease.LeaseK
 SIGKILL, a lost machine, a network partition — renewals stop, and once the lease is older than its TTL the
 watchdog ends every process of its node (on_expire kill-node, the local and ssh providers) or powers the
 machine off (on_expire shutdown, cloud nodes launched to terminate on shutdown). This bounds how long a
-cluster can outlive its run even when nothing else cleans up.
+cluster can outlive its run even when nothing else cleans up. Where the node is a scheduler's allocation that judges
+the lease itself (on_expire allocation: a Slurm holder, which knows when its controller was too silent for the
+renewals to get through), this watchdog leaves the lease to it.
 """
 
 from __future__ import annotations
@@ -144,7 +146,7 @@ def main(request: NodeRequest) -> int:
         # Before the first renewal the lease counts from the watchdog's own start.
         age = lease_age_s(lease, now)
         age = now - started if age is None else age
-        if age > watch.ttl_s:
+        if age > watch.ttl_s and watch.on_expire != "allocation":
             break
         if notices is not None and now >= next_notice_check:
             notices.poll()

@@ -190,7 +190,8 @@ class Provider(ABC):
     # The metadata service's base URL the watchers poll; None: the cloud's own.
     notice_url: str | None = None
     # What a node's lease watchdog (infra.node watch --on-expire) does once its orchestrator has been silent for the
-    # lease TTL: end every process of the node, or power the machine off (a cloud then ends the instance for good).
+    # lease TTL: end every process of the node, or power the machine off (a cloud then ends the instance for good);
+    # allocation: nothing, the scheduler's allocation judges the lease and its end ends the node's processes.
     lease_expiry: str = "kill-node"
     # Where a provider that installs the agent on its nodes (ssh, the clouds) puts the agent's wheels for them to
     # fetch (infra.compute.access.agent_store): the run's store prefix; None, or a store that cannot presign: the

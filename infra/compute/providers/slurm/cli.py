@@ -33,8 +33,8 @@ _INVALID = ("invalid partition", "invalid account", "invalid qos", "invalid feat
             "requested reservation is invalid", "invalid reservation", "access denied", "invalid gres",
             "invalid time limit", "not available in partition", "invalid job credential")
 _QUOTA = ("violates accounting/qos policy", "qosmax", "assocmax", "job limit", "would exceed")
-_UNREACHABLE = ("unable to contact slurm controller", "socket timed out", "connection refused",
-                "slurm_load_jobs error: unable to contact", "zero bytes were transmitted")
+UNREACHABLE = ("unable to contact slurm controller", "socket timed out", "connection refused",
+               "slurm_load_jobs error: unable to contact", "zero bytes were transmitted")
 
 
 class SlurmError(LaunchError):
@@ -106,7 +106,7 @@ def run(login: Login, argv: Sequence[str], *, timeout: float = COMMAND_TIMEOUT_S
 def error_of(argv: Sequence[str], said: str) -> SlurmError | LaunchError:
     what = f"{argv[0]}: {said or '(no output)'}"
     lowered = said.lower()
-    if any(text in lowered for text in _UNREACHABLE):
+    if any(text in lowered for text in UNREACHABLE):
         return SlurmUnreachable(what)
     if argv[0] == "sbatch":
         if any(text in lowered for text in _INVALID):

@@ -17,6 +17,11 @@ It runs on the allocation's first node and does three things:
 - ends the allocation when the orchestrator has been silent for the lease TTL: the lease file in its node's workdir
   (renewed by the orchestrator's LeaseKeeper with the unix time) not renewed for ttl seconds, counted from the
   holder's start before the first renewal. The batch script's exit ends the job, and Slurm ends every step in it.
+  The renewals are job steps, which slurmctld starts: a lease that goes stale while slurmctld does not answer (a
+  restart, a reconfigure, a failover) says nothing of the orchestrator, so it counts again from the controller's
+  return, for up to controller_outage_s of silence; past that the lease is judged as it stands. slurmctld is asked
+  from half the TTL on, and an answer that was slow in coming counts as silence: an ask that spans the controller's
+  return would otherwise judge the lease lapsed at once, its renewals still on their way.
 
 Nothing secret is in the script: it is stored by slurmctld and shown by `scontrol write batch_script`.
 """
@@ -38,6 +43,11 @@ POLL_S = 2
 ASK_S = 10
 # A SIGTERM from Slurm is followed by SIGKILL after the site's KillWait (30 s by default): the notice's deadline.
 TERM_NOTICE_S = 30
+# An answer this slow is a controller that was not answering until then (it answers in well under a second).
+SLOW_S = 3
+# How long a silent slurmctld excuses a lease that is not renewed: a controller restart or failover takes a minute or
+# two; a controller silent for longer no longer keeps the allocation of an orchestrator that may be gone.
+CONTROLLER_OUTAGE_S = 600
 
 _SCRIPT = r"""#!/bin/bash
 # trainpipe allocation holder: cluster @CLUSTER@ (run @RUN@). Every node agent of the run is a job step in it.
@@ -49,8 +59,9 @@ exec >>"$own/logs/@HOLDER_LOG@" 2>&1
 say() { echo "$(date -u +%FT%TZ) holder: $*"; }
 say "job $SLURM_JOB_ID holds $SLURM_JOB_NODELIST (restart ${SLURM_RESTART_COUNT:-0})"
 # A lease older than this start is the last allocation's (a relaunch on the same nodes, a rerun of the run id): it
-# counts from here, so the orchestrator has a whole TTL to write this allocation's first one.
-started=$(date +%s)
+# counts from here, so the orchestrator has a whole TTL to write this allocation's first one. A silent slurmctld
+# moves it on (see below).
+counted_from=$(date +%s)
 
 # One job step on every node: its workdir. The steps that follow (the run's) overlap with this holder.
 # A step's own node dir, in $d (never an empty template: that would make dirs at /).
@@ -91,13 +102,36 @@ notice() {  # reason, seconds left
 }
 trap 'notice "USR1: the allocation ends (preemption or walltime)" @LEAD@' USR1
 trap 'notice "SIGTERM: the allocation is being ended" @TERM_S@' TERM
+# This job as slurmctld shows it, in $shown; fails when slurmctld does not answer. Bounded: a controller that stops
+# answering must not keep the loop from judging the lease.
+ask_controller() { shown=$(timeout @ASK_S@ scontrol -o show job "$SLURM_JOB_ID" 2>&1); }
 # The preemption slurmctld has started for this job, in $preempted_at.
 preemption_started() {
-  local job
-  # Bounded: a controller that stops answering must not keep the loop from ending the allocation on its lease.
-  job=$(timeout @ASK_S@ scontrol -o show job "$SLURM_JOB_ID" 2>/dev/null) || return 1
-  [[ "$job" =~ PreemptTime=([0-9][0-9T:-]+) ]] || return 1
+  ask_controller || return 1
+  [[ "$shown" =~ PreemptTime=([0-9][0-9T:-]+) ]] || return 1
   preempted_at=${BASH_REMATCH[1]}
+}
+silent_since=""
+# Whether slurmctld kept the lease's renewals (job steps, which it starts) from getting through: it did not answer
+# within @ASK_S@ s, or only after @SLOW_S@ s or more (an ask that spanned its return: the renewals queued behind it
+# too). The lease then counts again from now, for up to @OUTAGE@ s of silence in a row.
+controller_excuses() {
+  local asked answered now why
+  asked=$(date +%s)
+  ask_controller; answered=$?
+  now=$(date +%s)
+  if (( answered == 0 && now - asked < @SLOW_S@ )); then
+    [ -z "$silent_since" ] || say "slurmctld answers again after $(( now - silent_since )) s"
+    silent_since=""
+    return 1
+  fi
+  if [ -z "$silent_since" ]; then
+    silent_since=$asked
+    (( answered == 0 )) && why="it answered only after $(( now - asked )) s" || why=${shown:-no answer within @ASK_S@ s}
+    say "lease not renewed for $(( asked - renewed )) s while slurmctld does not answer (${why:0:200}): the lease" \
+      "counts again from its return (up to @OUTAGE@ s of silence)"
+  fi
+  (( now - silent_since < @OUTAGE@ ))
 }
 
 while true; do
@@ -107,8 +141,10 @@ while true; do
   fi
   now=$(date +%s)
   renewed=$(cut -d. -f1 "$own/@LEASE@" 2>/dev/null)
-  [[ "$renewed" =~ ^[0-9]+$ ]] && (( renewed >= started )) || renewed=$started
-  if (( now - renewed > @TTL@ )); then
+  [[ "$renewed" =~ ^[0-9]+$ ]] && (( renewed >= counted_from )) || renewed=$counted_from
+  if (( now - renewed > @TTL@ / 2 )) && controller_excuses; then
+    counted_from=$(date +%s)
+  elif (( now - renewed > @TTL@ )); then
     say "lease not renewed for $(( now - renewed )) s (ttl @TTL@ s): ending the allocation"
     exit 0
   fi
@@ -117,17 +153,19 @@ done
 
 
 def holder_script(cluster_name: str, run_id: str, workdir_template: str, ttl_s: float, signal_lead_s: int,
-                  ask_preemption: bool) -> str:
+                  ask_preemption: bool, controller_outage_s: float = CONTROLLER_OUTAGE_S) -> str:
     """The batch script; workdir_template is a node's workdir with {node} where its Slurm name goes; ask_preemption:
-    the site sends no early signal, so the holder asks slurmctld whether a preemption has started."""
+    the site sends no early signal, so the holder asks slurmctld whether a preemption has started;
+    controller_outage_s: the most slurmctld's silence excuses a lease that is not renewed."""
     values = {
         "@CLUSTER@": cluster_name, "@RUN@": run_id, "@TEMPLATE@": shlex.quote(workdir_template),
         "@PLACEHOLDER@": NODE_PLACEHOLDER.replace("{", r"\{").replace("}", r"\}"), "@HOLDER_LOG@": HOLDER_LOG,
         "@READY@": READY_FILE, "@ALLOCATION@": ALLOCATION_FILE, "@NOTICE@": NOTICE_FILE, "@SYNC@": SYNC_SUBDIR,
         "@LEASE@": LEASE_FILE,
         "@LEAD@": str(signal_lead_s),
-        "@TERM_S@": str(TERM_NOTICE_S), "@POLL@": str(POLL_S), "@ASK_S@": str(ASK_S), "@TTL@": str(int(ttl_s)),
-        "@ASK_PREEMPTION@": "1" if ask_preemption else "0",
+        "@TERM_S@": str(TERM_NOTICE_S), "@POLL@": str(POLL_S), "@ASK_S@": str(ASK_S), "@SLOW_S@": str(SLOW_S),
+        "@TTL@": str(int(ttl_s)),
+        "@ASK_PREEMPTION@": "1" if ask_preemption else "0", "@OUTAGE@": str(int(controller_outage_s)),
     }
     script = _SCRIPT
     for key, value in values.items():

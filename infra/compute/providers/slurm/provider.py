@@ -12,7 +12,8 @@ no longer shows it.
 Every node command is a job step (runner.SlurmRunner). terminate is scancel plus a wait until squeue no longer shows
 the job; the record (slurm-clusters/<name>.json in the workspace) only remembers the nodes' paths for describe.
 The holder raises the preemption notices (USR1 / SIGTERM) on every node and ends the allocation when the lease
-lapses; the nodes' own watchdogs (job steps) end the node's processes on the same lease.
+lapses, which ends every step; the nodes' own watchdogs (job steps) leave the lease to it: the renewals are job steps
+too, and only the holder knows whether slurmctld's silence kept them from getting through.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def slurm_clusters_dir() -> Path:
 class SlurmProvider(Provider):
     name = "slurm"
     notice_source = "file"  # the holder writes each node's notice file
-    lease_expiry = "kill-node"  # each node's watchdog ends the node's processes; the holder ends the allocation
+    lease_expiry = "allocation"  # the holder ends the allocation on the lease; the nodes' watchdogs watch notices
 
     def __init__(self, root: Path | None = None) -> None:
         self.root = root or slurm_clusters_dir()

@@ -87,6 +87,12 @@ class StepUnavailable(RemoteError, ConnectionError):
     ConnectionError, as an SSH node that stops answering is: whoever watches the nodes judges whether it is lost."""
 
 
+class StepUnanswered(RemoteError, ConnectionError):
+    """A file step that did not come back: srun could not reach slurmctld, which starts every step (a controller
+    restarting, reconfigured, failing over), or the step did not end within its bound. A ConnectionError too: the
+    node is unknown, not failed, and whoever watches the nodes judges it."""
+
+
 def step_argv(job_id: str, host: str, workdir: str, argv: Sequence[str], log_path: str | None = None,
               tags: Mapping[str, str] | None = None, step_name: str = "trainpipe-step") -> list[str]:
     """srun of argv as one task on host in the job, overlapping the holder and the other steps; tags are set in the
@@ -123,11 +129,17 @@ class SlurmRunner(Runner):
         return SlurmStep(self._login.start(step, env=env, on_line=on_line), self.login, self.job_id, name)
 
     def _file_step(self, script: str, args: Sequence[str], env: Mapping[str, str] | None = None) -> str:
-        result = self.run(["bash", "-c", script, "trainpipe-file", *args], env=env, timeout=FILE_TIMEOUT_S,
-                          check=False)
+        try:
+            result = self.run(["bash", "-c", script, "trainpipe-file", *args], env=env, timeout=FILE_TIMEOUT_S,
+                              check=False)
+        except RemoteError as exc:  # with check off, only the bound raises: srun still waiting, most often on slurmctld
+            raise StepUnanswered(f"{exc} (slurm job {self.job_id}: is slurmctld answering?)") from None
         if result.returncode != 0 and any(said in result.output.lower() for said in _JOB_ENDING):
             raise StepUnavailable(f"{self.node_name}: no step can start in slurm job {self.job_id} any more: "
                                   f"{result.output.strip()[-300:]}")
+        if result.returncode != 0 and any(said in result.output.lower() for said in cli.UNREACHABLE):
+            raise StepUnanswered(f"{self.node_name}: srun could not reach slurmctld to start a file step in job "
+                                 f"{self.job_id}: {result.output.strip()[-300:]}")
         if result.returncode != 0:
             raise RemoteError(f"{self.node_name}: file step '{args[0]}' exited {result.returncode}: "
                               f"{result.output.strip()[-300:] or '(no output)'}")
