@@ -103,6 +103,8 @@ def _proxied(scheme: str, kind: type[StallingProxy], request: pytest.FixtureRequ
     return url, proxy, clients
 
 
+STALL_SLACK_BOUNDS = 5  # a third of the CRT's own ~30 s at the tests' 2 s bound
+
 def _stall_to_retry_s(proxy: StallingProxy, caplog: pytest.LogCaptureFixture) -> float:
     """Seconds from the stall to the first retry the engine logged for it."""
     assert proxy.stalled_at is not None, "the proxy never stalled a connection: the test moved too few bytes"
@@ -146,8 +148,9 @@ def _copy_through(url: str, proxy: StallingProxy, tmp_path: Path, config: Transf
     cancels = [r.getMessage() for r in caplog.records if r.levelno > logging.DEBUG and "successfully cancelled" in
                r.getMessage()]
     assert not cancels, cancels
-    # Found within the bound (plus the pool's tick and a loaded machine's slack), not the CRT's ~30 s.
-    assert detected < config.stall_timeout_s * 3, detected
+    # Found within the bound (plus the pool's tick and a loaded machine's slack), not the CRT's ~30 s: 7.0 s was seen
+    # for a 2 s bound with two test files running at once on 2 cores (make test's pytest-xdist), so 5 bounds.
+    assert detected < config.stall_timeout_s * STALL_SLACK_BOUNDS, detected
     return detected
 
 
