@@ -105,6 +105,7 @@ def _proxied(scheme: str, kind: type[StallingProxy], request: pytest.FixtureRequ
 
 STALL_SLACK_BOUNDS = 5  # a third of the CRT's own ~30 s at the tests' 2 s bound
 
+
 def _stall_to_retry_s(proxy: StallingProxy, caplog: pytest.LogCaptureFixture) -> float:
     """Seconds from the stall to the first retry the engine logged for it."""
     assert proxy.stalled_at is not None, "the proxy never stalled a connection: the test moved too few bytes"
