@@ -604,14 +604,13 @@ def last_step(metrics: Path) -> int:
 STEPS_PREEMPTED = 160
 
 
-@pytest.mark.parametrize(("site", "notice_from"), [("slurm", "slurm: USR1"), ("plain_site", "slurm: preempted")])
-def test_preemption_by_a_higher_tier_mid_training_resumes_on_a_new_allocation(
-        site: str, notice_from: str, workspace: Path, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    """A job in the urgent partition preempts the run's allocation mid-training: the holder's notice reaches the
-    nodes, the run recovers on a new allocation (same partition and constraint) and completes from its commit. On a
-    site that sends the early USR1 the notice comes from it; on one that does not (its steps are SIGTERMed as the
-    preemption starts, the holder only when the grace time ends), from slurmctld's PreemptTime."""
-    slurm: SlurmCluster = request.getfixturevalue(site)
+def test_a_preemption_without_the_early_signal_mid_training_resumes_on_a_new_allocation(
+        plain_site: SlurmCluster, workspace: Path, tmp_path: Path) -> None:
+    """A job in the urgent partition preempts the run's allocation mid-training on a site that does not send the early
+    USR1 (its steps are SIGTERMed as the preemption starts, the holder only when the grace time ends): the notice
+    comes from slurmctld's PreemptTime, reaches the nodes, and the run recovers on a new allocation (same partition
+    and constraint) from its emergency commit and completes. The early USR1's path is the replace-one test's below."""
+    slurm = plain_site
     # Two of the site's three nodes: the new allocation finds two free (the third, and the one the urgent job did not
     # take) without waiting for the urgent job to end.
     env = example_job(slurm, workspace, tmp_path, steps=STEPS_PREEMPTED, nodes=2)
@@ -635,20 +634,91 @@ def test_preemption_by_a_higher_tier_mid_training_resumes_on_a_new_allocation(
     assert first_job[0] not in [attempt["zone"].split()[2] for attempt in summary["attempts"][1:]]
     assert slurm.job_ids() == []
     print(json.dumps(summary["recoveries"], indent=1)[:2000])
-    # The emergency checkpoint: saved on the notice at the step training had reached (nothing lost), committed
-    # although Slurm signals every job step (the syncers too) when the preemption starts, and resumed from.
     recovery = summary["recoveries"][0]
-    assert notice_from in recovery["reason"], recovery
+    assert "slurm: preempted" in recovery["reason"], recovery
+    assert_emergency_commit(recovery, reached, committed_before, output, signalled_at)
+
+
+def allocation_hosts(slurm: SlurmCluster, job_id: str) -> list[str]:
+    nodelist = slurm.run("squeue", "-h", "-j", job_id, "-o", "%N").stdout.strip()
+    return slurm.run("scontrol", "show", "hostnames", nodelist).stdout.split()
+
+
+def assert_emergency_commit(recovery: dict[str, object], reached: int, committed_before: set[int], output: str,
+                            signalled_at: float) -> int:
+    """The emergency checkpoint: saved on the notice at the step training had reached (nothing lost), committed
+    although Slurm signals every job step (the syncers too) when the preemption starts, and resumed from. Its commit's
+    log line (retention has removed its files by the end of the run) is timed against the preemption's start."""
     emergency = recovery["resumed_from_step"]
-    assert emergency is not None and emergency >= max(reached, recovery["step_reached"]), (recovery, reached)
+    assert isinstance(emergency, int) and emergency >= max(reached, int(recovery["step_reached"])), (recovery, reached)
     assert emergency not in committed_before and recovery["steps_lost"] == 0, (recovery, committed_before)
-    # Its commit's log line (retention has removed its files by the end of the run) against the preemption's start.
     committed = next(line for line in output.splitlines()
                      if f'"event": "{NodeEvent.COMMITTED}", "step": {emergency},' in line).split(" | ")[0]
     day = datetime.fromtimestamp(signalled_at).strftime("%Y-%m-%d")
     committed_at = datetime.strptime(f"{day} {committed}", "%Y-%m-%d %H:%M:%S.%f").timestamp()
     print(f"preemption signal to emergency commit (step {emergency}, {reached} reached at the signal): "
           f"{committed_at - signalled_at:.1f}s")
+    return emergency
+
+
+STEPS_REPLACED_THEN_PREEMPTED = 400
+
+
+def test_after_a_replace_one_a_preemption_stops_the_replacements_ranks_and_the_emergency_save_commits(
+        slurm: SlurmCluster, workspace: Path, tmp_path: Path) -> None:
+    """Rank 1's host goes down mid-training (--no-kill: the allocation holds): the run replaces that node alone with
+    a one-node job on the third host and trains on. Then a job of the urgent partition preempts the allocation: the
+    holder's USR1 notice is relayed to the replacement, whose one-node job the holder's steps cannot reach, so both
+    nodes' ranks are stopped at the same step and the collective emergency save (DCP, every rank's shard) commits
+    with nothing lost; the run resumes from it on a new allocation and completes."""
+    run_id = "slurm-replace-preempt"
+    env = example_job(slurm, workspace, tmp_path, steps=STEPS_REPLACED_THEN_PREEMPTED, nodes=2)
+    checkpoints = tmp_path / "checkpoints" / run_id
+    with run_in_background(env, tmp_path, run_id) as run:
+        running = lambda: run.poll() is None  # noqa: E731
+        wait_for(lambda: committed_steps(checkpoints) or not running(), 400, "a committed checkpoint")
+        assert running(), (tmp_path / "run.log").read_text()[-6000:]
+        [allocation] = slurm.job_ids()
+        head_host, lost_host = allocation_hosts(slurm, allocation)
+        [spare_host] = {"gpu1", "gpu2", "gpu3"} - {head_host, lost_host}
+        slurm.run("scontrol", "update", f"nodename={lost_host}", "state=down", "reason=trainpipe-test")
+        try:
+            wait_for(lambda: len(slurm.job_ids()) == 2 or not running(), 300, "the replacement's one-node job")
+        finally:
+            # Back in service for the new allocation the preemption's recovery asks for (slurmd's next registration
+            # may have done it: ReturnToService=2).
+            if slurm.node_states().get(lost_host, "").startswith("down"):
+                slurm.run("scontrol", "update", f"nodename={lost_host}", "state=resume")
+        # The replacement trains (only rank 0 writes the metrics): restored into its own job's scratch on the spare
+        # host, and ten steps done together past the step both resumed from.
+        resumed = re.compile(rf"node 1: resumed from {tmp_path}/scratch/{spare_host}/\S+ at step (\d+)")
+        wait_for(lambda: resumed.search((tmp_path / "run.log").read_text()) or not running(), 300,
+                 "the replacement resumed")
+        assert running(), (tmp_path / "run.log").read_text()[-6000:]
+        resumed_at = int(resumed.search((tmp_path / "run.log").read_text())[1])
+        head_metrics = tmp_path / "scratch" / head_host / "metrics.jsonl"
+        wait_for(lambda: last_step(head_metrics) >= resumed_at + 10 or not running(), 120, "ten steps after it")
+        assert running(), (tmp_path / "run.log").read_text()[-6000:]
+        assert sorted(slurm.job_ids())[0] == allocation
+        reached = last_step(head_metrics)
+        committed_before = committed_steps(checkpoints)
+        signalled_at = time.time()
+        slurm.run("sbatch", "-p", URGENT, "-N1", "-w", head_host, "-o", "/dev/null", "--wrap", "sleep 15")
+        run.wait(500)
+    output = (tmp_path / "run.log").read_text()
+    assert run.returncode == 0, output[-6000:]
+    summary = json.loads((workspace / "runs" / run_id / "summary.json").read_text())
+    print(json.dumps(summary["recoveries"], indent=1)[:3000])
+    assert summary["status"] == "completed"
+    assert summary["checkpoint"].endswith(step_name(STEPS_REPLACED_THEN_PREEMPTED))
+    replaced, preempted = summary["recoveries"]
+    assert (replaced["path"], replaced["replaced"]) == ("replaced-nodes", [f"tp-{run_id}-{lost_host}"]), replaced
+    assert "slurm: USR1" in preempted["reason"] and preempted["path"] == "relaunched-cluster", preempted
+    assert_emergency_commit(preempted, reached, committed_before, output, signalled_at)
+    # Both nodes' ranks were stopped by the notice (the replacement's by the relayed one), not killed.
+    relayed = f"tp-{run_id}-{lost_host}: the allocation's preemption notice relayed to it"
+    assert relayed in output, output[-6000:]
+    assert slurm.job_ids() == []
 
 
 # -- the spec, no Slurm needed --------------------------------------------------------------------------------------
