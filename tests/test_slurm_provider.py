@@ -211,6 +211,34 @@ def test_a_nodes_python_that_is_not_there_fails_the_launch_in_one_line(slurm: Sl
     assert slurm.job_ids() == []
 
 
+def test_a_launch_longer_than_the_lease_ttl_keeps_its_allocation(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """The holder counts the lease from its own start, and the run's lease keeper starts once launch returns: a
+    launch that takes longer than the TTL (the agent's environment made on nodes that have none takes a minute or
+    more) ended its own allocation, and failed on a cancelled step. The launch renews the holder's lease itself. Here
+    the nodes' python answers its first call only after twice the TTL (a wrapper that sleeps first)."""
+    ttl_s = 10.0
+    slow = tmp_path / "slow-python3"
+    slept = tmp_path / "slept"
+    slow.write_text(f"#!/bin/bash\n[ -e {slept} ] || {{ touch {slept}; sleep {2 * ttl_s:g}; }}\n"
+                    f"exec {NODE_PYTHON} \"$@\"\n")
+    slow.chmod(0o755)
+    section = {"partition": "batch", "scratch": f"{tmp_path}/scratch/{{node}}", "queue_timeout_s": 30,
+               **agent_settings(str(slow))}
+    provider = get_provider("slurm")
+    started = time.monotonic()
+    cluster = provider.launch("tp-slow", ClusterSpec(provider="slurm", nodes=1, lease_ttl_s=ttl_s, slurm=section),
+                              "run-slow")
+    try:
+        took = time.monotonic() - started
+        print(f"launch took {took:.1f}s against a lease TTL of {ttl_s:g}s")
+        assert took > ttl_s + 2, "the launch was not longer than the TTL: it proves nothing"
+        assert slurm.job_ids() == [cluster.owner["job_id"]]
+        assert provider.nodes_alive(cluster) == {cluster.head.name: True}
+    finally:
+        provider.terminate("tp-slow")
+    assert slurm.job_ids() == []
+
+
 def test_pending_allocation_ends_at_queue_timeout_with_its_reason(slurm: SlurmCluster, tmp_path: Path) -> None:
     blocker = slurm.run("sbatch", "--parsable", "-N3", "--exclusive", "-p", "batch", "-o", "/dev/null",
                          "--wrap", "sleep 300").stdout
@@ -520,11 +548,6 @@ def test_a_controller_paused_mid_training_is_ridden_out(slurm: SlurmCluster, wor
     failed during the pause said why."""
     pause_s = float(os.environ.get("TRAINPIPE_TEST_SLURMCTLD_PAUSE_S", PAUSE_S_DEFAULT))
     steps = PAUSE_SAVE_EVERY + int(PAUSE_STEPS_PER_S * pause_s)
-    # The agent's environment made first, as the example's test may have: with a lease this short, a launch that
-    # installs it (a minute on a loaded machine) outlives the lease before the run's first renewal.
-    warm = get_provider("slurm")
-    warm.launch("tp-pause-warm", spec(tmp_path, nodes=1, **agent_settings(sys.executable)), "run-pause-warm")
-    assert warm.terminate("tp-pause-warm")
     env = example_job(slurm, workspace, tmp_path, steps=steps, lease_ttl_s=PAUSE_TTL_S)
     job = yaml.safe_load((tmp_path / "job.yaml").read_text())
     command = job["training"]["command"]

@@ -18,9 +18,10 @@ too, and only the holder knows whether slurmctld's silence kept them from gettin
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import datetime
@@ -46,9 +47,11 @@ from infra.compute.providers.slurm.config import NODE_PLACEHOLDER, SlurmClusterS
 from infra.compute.providers.slurm.holder import READY_FILE, holder_script
 from infra.compute.providers.slurm.login import Login, login_of
 from infra.compute.providers.slurm.runner import SlurmRunner
+from infra.compute.renewal import RENEWALS_PER_TTL, Renewal
 from infra.compute.spec import ClusterSpec
 from infra.node.preemption_notice import NOTICE_FILE, Notice, parse_notice
 from infra.node.processes import CLUSTER_TAG, NODE_TAG
+from infra.node.watchdog import LEASE_FILE
 from infra.workspace import workspace_dir
 
 log = logging.getLogger(__name__)
@@ -118,6 +121,7 @@ class SlurmProvider(Provider):
                           owner={**launcher(), "job_id": job_id, "hosts": {}, "login": login.to_dict(),
                                  # what a lost node's one-node replacement asks for (replace_nodes)
                                  "sbatch": options, "queue_timeout_s": config.queue_timeout_s,
+                                 "lease_ttl_s": spec.lease_ttl_s,
                                  "workdir_template": config.node_workdir(NODE_PLACEHOLDER, cluster_name),
                                  # where and from what each node's agent environment is made (a replacement too)
                                  "agent": {"python": config.python, "agent_dir": config.agent_dir,
@@ -128,7 +132,8 @@ class SlurmProvider(Provider):
             cluster = self._cluster(pending, state, config, spec.nodes, started)
             self._write_record(cluster)
             self._wait_ready(cluster, cluster.head, job_id)
-            cluster = self._with_agents(cluster, cluster.nodes)
+            with self._lease_renewed(cluster, cluster.head):
+                cluster = self._with_agents(cluster, cluster.nodes)
             self._write_record(cluster)
         except BaseException:
             with CANCEL.shield():
@@ -205,6 +210,28 @@ class SlurmProvider(Provider):
                                   f"{READY_TIMEOUT_S:g}s: see the holder's log in {head.path('logs')}")
             CANCEL.wait(POLL_S)
 
+    @contextlib.contextmanager
+    def _lease_renewed(self, cluster: Cluster, holder_node: Node) -> Iterator[None]:
+        """The lease of the holder on holder_node renewed while the launch goes on: making the agents' environment
+        takes a minute or more on a node that has none, and the run's LeaseKeeper starts only once the launch has
+        returned, while the holder counts the TTL from its own start (a launch longer than the TTL ended itself)."""
+        ttl_s = cluster.owner.get("lease_ttl_s")
+        if ttl_s is None:  # a record written before the TTL was kept in it
+            yield
+            return
+        runner = self.runner(cluster, holder_node)
+
+        def renew() -> None:
+            runner.write_text(holder_node.path(LEASE_FILE), f"{time.time():.3f}\n")
+
+        renew()
+        renewal = Renewal(f"lease of {cluster.name}'s holder on {holder_node.name} while it launches", renew,
+                          float(ttl_s) / RENEWALS_PER_TTL).start()
+        try:
+            yield
+        finally:
+            renewal.stop()
+
     def _with_agents(self, cluster: Cluster, nodes: Sequence[Node]) -> Cluster:
         """cluster with the agent's environment made (or found) on nodes: each one's python is the agent's, its
         node_python cluster.slurm.python; what it took goes into the record's bootstrap."""
@@ -272,7 +299,8 @@ class SlurmProvider(Provider):
                               owner={**pending.owner, "hosts": {**cluster.owner["hosts"], node.name: host}})
             self._write_record(updated)
             self._wait_ready(updated, new, job_id)
-            updated = self._with_agents(updated, [new])
+            with self._lease_renewed(updated, new):
+                updated = self._with_agents(updated, [new])
             self._write_record(updated)
         except BaseException as exc:
             with CANCEL.shield():
