@@ -32,6 +32,7 @@ from sshd import ssh_servers
 from infra.checkpoints.layout import MANIFEST_NAME
 from infra.checkpoints.steps import parse_step_name, step_name
 from infra.compute.access.agent_env import AgentEnvError
+from infra.compute.access.remote import RemoteError
 from infra.compute.providers import InvalidRequestError, ReplacementUnavailable, get_provider
 from infra.compute.providers.base import Cluster
 from infra.compute.providers.slurm import topology
@@ -795,6 +796,28 @@ def test_a_file_step_that_srun_cannot_get_through_slurmctld_is_an_unanswered_nod
     with pytest.raises(StepUnanswered, match=r"tp-x-gpu1: srun could not reach slurmctld .* job 7: .*Socket timed out"):
         runner.read_text(str(tmp_path / "metrics.jsonl"))
     assert issubclass(StepUnanswered, ConnectionError)
+
+
+def test_a_file_step_still_waiting_at_its_bound_is_unanswered_and_one_that_cannot_start_is_a_failure(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a step still waiting at its bound (srun waiting on slurmctld) is an unanswered node, which the watch
+    judges; an srun that cannot be started at all (not installed, not on PATH) is a failure said as one. Before, both
+    were StepUnanswered, and a site without srun looked like a silent controller."""
+    from infra.compute.providers.slurm import runner as slurm_runner
+
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "srun").write_text("#!/bin/bash\nexec sleep 30\n")
+    (stubs / "srun").chmod(0o755)
+    monkeypatch.setattr(slurm_runner, "FILE_TIMEOUT_S", 0.5)
+    monkeypatch.setenv("PATH", f"{stubs}:{os.environ['PATH']}")
+    runner = SlurmRunner("tp-x-gpu1", "7", "gpu1", str(tmp_path), {}, Login())
+    with pytest.raises(StepUnanswered, match=r"still running after .*is slurmctld answering"):
+        runner.read_text(str(tmp_path / "metrics.jsonl"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(RemoteError, match=r"cannot start") as raised:
+        runner.read_text(str(tmp_path / "metrics.jsonl"))
+    assert not isinstance(raised.value, StepUnanswered)
 
 
 @pytest.mark.parametrize(("scratch", "said"), [("scratch/{node}", "not absolute"), ("/mnt/{host}", "placeholder"),

@@ -34,6 +34,11 @@ class RemoteError(Exception):
     """A node command failed; the message names the node, the command and its last output."""
 
 
+class CommandTimedOut(RemoteError):
+    """A node command still ran at its bound (and was ended): the node, or what starts commands on it, did not
+    answer in time; not a command that failed."""
+
+
 @dataclass(frozen=True)
 class RunResult:
     """A finished node command: its exit status and what it printed (stdout and stderr together)."""
@@ -94,8 +99,8 @@ class Runner(ABC):
             raise
         except TimeoutError:
             process.terminate()
-            raise RemoteError(f"{self.node_name}: '{_short(argv)}' still running after {timeout:.0f}s: "
-                              "raise the timeout or check the node") from None
+            raise CommandTimedOut(f"{self.node_name}: '{_short(argv)}' still running after {timeout:.0f}s: "
+                                  "raise the timeout or check the node") from None
         self._check_ended(process, argv)
         output = process.tail(10_000)
         if check and code != 0:

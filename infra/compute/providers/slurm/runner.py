@@ -20,7 +20,7 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 
-from infra.compute.access.remote import LineSink, Process, RemoteError, Runner
+from infra.compute.access.remote import CommandTimedOut, LineSink, Process, RemoteError, Runner
 from infra.compute.providers.slurm import cli
 from infra.compute.providers.slurm.login import Login
 
@@ -132,7 +132,7 @@ class SlurmRunner(Runner):
         try:
             result = self.run(["bash", "-c", script, "trainpipe-file", *args], env=env, timeout=FILE_TIMEOUT_S,
                               check=False)
-        except RemoteError as exc:  # with check off, only the bound raises: srun still waiting, most often on slurmctld
+        except CommandTimedOut as exc:  # srun still waiting at the bound, most often on slurmctld
             raise StepUnanswered(f"{exc} (slurm job {self.job_id}: is slurmctld answering?)") from None
         if result.returncode != 0 and any(said in result.output.lower() for said in _JOB_ENDING):
             raise StepUnavailable(f"{self.node_name}: no step can start in slurm job {self.job_id} any more: "
