@@ -55,6 +55,7 @@ from tasks.report import (
 )
 from tasks.results import Restored, Staged, StagedNode
 from tasks.stage import restore_checkpoint, stage_node
+from tasks.tracking import close_run, mirror_promotion, open_run, record_artifacts, tag_launch
 from tasks.train import TrainLaunch, TrainOutcome, run_training
 from tasks.verify import bench_cluster, check_training_env, verify_node
 from tasks.workload import NodeReady, agreed_code_hash, agreed_image_digest, prepare_node, publish_code
@@ -116,6 +117,7 @@ def run_job(job: JobSpec, run_id: str) -> dict[str, Any]:
             plan: Plan = plan_run(job, run_id)
             checkpoint_url = plan.checkpoint_url
             code_url = publish_code(job, plan)
+        open_run(job, run_id, summary)  # the MLflow run, continued where this run id has one (tracking only)
         summary.dataset = plan.dataset.summary()
         resume_step, recovery, replaced = plan.resume_step, None, None
         while True:
@@ -180,7 +182,10 @@ def run_closed(summary: RunSummary, teardown: Callable[[], int], record: Callabl
         if failure is not None or teardown_error is not None:
             record(failure or teardown_error)
         summary.recoveries = [r.to_dict() for r in recoveries.records]
+        summary.finish()  # the cost and phases the MLflow run ends with (publish_summary stamps the end again)
+        close_run(summary)
         publish_summary(summary, directory)
+        record_artifacts(summary, directory)
         if teardown_error is not None and failure is None:
             raise teardown_error
 
@@ -216,6 +221,7 @@ def train_on_a_cluster(job: JobSpec, plan: Plan, code_url: str | None, summary: 
         init_from = {node.name: w.path for node, w in zip(cluster.nodes, nodes.warm, strict=False)}
         launch = replace(launch, resume_from=resume_from, init_from=init_from,
                          lineage=lineage_of(plan, cluster, summary, launch.attempt_id))
+        tag_launch(summary.run_id, launch.lineage, summary, attempt)
         outcome = run_training(job, cluster, launch)
     return cluster, nodes.staged, outcome, launch
 
@@ -395,6 +401,7 @@ def evaluate_and_promote(job: JobSpec, plan: Plan, cluster: Cluster, launch: Tra
         decision = promote_checkpoint(job.promote, evaluation, job.checkpoints.url, plan.run_id)
     summary.promotion = {**decision.to_dict(), "decided_after_training_s":
                          round(time.time() - last_step_at, 3) if last_step_at is not None else None}
+    mirror_promotion(job, plan.run_id, decision.promoted, decision.model, decision.alias, summary)
     return decision
 
 

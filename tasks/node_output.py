@@ -73,6 +73,8 @@ class TrainingProgress:
         self.total_steps: int | None = None
         self.last_step = 0  # the newest step rank 0 reported: how far training got when a node was lost
         self.clock = StepClock()
+        # Each record of the metrics file as read, for the run's experiment tracker (tasks.tracking.record_sink)
+        self.on_record: Callable[[dict[str, Any]], None] | None = None
 
     def follow(self, line: str) -> None:
         """A line the head node's script printed."""
@@ -86,6 +88,8 @@ class TrainingProgress:
         if not data:
             return
         for record in self._metrics.feed(data):
+            if self.on_record is not None:
+                self.on_record(record)
             point = point_from_record(record)
             if record.get("event") == WorkloadEvent.CHECKPOINT:
                 self.checkpoint_events.append(record)

@@ -33,6 +33,7 @@ from tasks.policy import NO_RETRIES
 from tasks.results import CheckpointSave, Committed, Uploaded, checkpoint_saves, sync_results
 from tasks.secrets import job_secrets
 from tasks.syncers import STOP_GRACE_S, Syncers
+from tasks.tracking import node_tracking_env, record_sink, tracking_secret_names, tracking_secrets
 
 # Beyond the flush deadline: the script's own exit (process group teardown, torchrun's agent shutting down).
 TRAINER_EXIT_GRACE_S = 10.0
@@ -94,12 +95,14 @@ def workload_env(job: JobSpec, context: NodeContext) -> dict[str, str]:
     """Everything the script's processes (and the setup commands) get in their environment; the job's secrets are
     resolved here, as each node command starts, and kept nowhere else."""
     fixed = dict(zip(_FIXED_VARS, (str(job.training.threads_per_proc), "1", "1"), strict=True))
-    return {**fixed, **job.training.env, **job_secrets(job), **context.environment()}
+    return {**fixed, **job.training.env, **job_secrets(job), **node_tracking_env(job, context.run_id),
+            **tracking_secrets(job), **context.environment()}
 
 
 def workload_env_names(job: JobSpec, context: NodeContext, *more: str) -> tuple[str, ...]:
     """The names of workload_env's variables (no secret resolved): what a container's env file carries."""
-    return tuple(sorted({*_FIXED_VARS, *job.training.env, *job.training.secrets, *context.environment(), *more}))
+    return tuple(sorted({*_FIXED_VARS, *job.training.env, *job.training.secrets, *context.environment(),
+                         *node_tracking_env(job, context.run_id), *tracking_secret_names(job), *more}))
 
 
 def torchrun_request(job: JobSpec, cluster: Cluster, node: Node, launch: TrainLaunch) -> TorchrunRequest:
@@ -248,6 +251,7 @@ def run_training(job: JobSpec, cluster: Cluster, launch: TrainLaunch) -> TrainOu
     """Not retried as a task: a preemption is recovered by the flow, any other failure resumes on the next run."""
     logger = get_run_logger()
     progress = TrainingProgress(cluster.run_id)
+    progress.on_record = record_sink(cluster.run_id)  # streamed to the run's MLflow run as read (None: untracked)
     provider = provider_of(cluster)
     runners = {node.name: provider.runner(cluster, node) for node in cluster.nodes}
     watch = PreemptionWatch(provider, cluster, runners, progress, job.recovery.confirm_s, logger,

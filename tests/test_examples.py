@@ -16,11 +16,13 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import REPO, prefect_home, run_trainpipe
+from mlflow_server import MlflowServer, mlflow_server
 
 from infra.checkpoints.store import CheckpointStore
 from infra.node.events import Event, NodeEvent, parse
@@ -56,9 +58,16 @@ def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return run_trainpipe(*args, env=env)
 
 
+@pytest.fixture(scope="module")
+def mlflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """A real `mlflow server`, started only for the example that reports to it (hf-trainer)."""
+    with mlflow_server(tmp_path_factory.mktemp("mlflow")) as server:
+        yield server
+
+
 @pytest.mark.parametrize("example", sorted(JOBS))
 def test_an_example_preempted_once_resumes_on_both_nodes_and_commits(
-    example: str, s3_url: str, workspace: Path, tmp_path: Path
+    example: str, s3_url: str, workspace: Path, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     env = {**os.environ, "TRAINPIPE_HOME": str(workspace), "PREFECT_HOME": prefect_home(tmp_path / "prefect"),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
@@ -76,6 +85,10 @@ def test_an_example_preempted_once_resumes_on_both_nodes_and_commits(
     config["training"]["command"] = JOBS[example]["command"]
     config["recovery"] = {"max_recoveries": 2, "confirm_s": 2}
     config["chaos"] = {"preempt": [{"node": 1, "attempt": 0, "at_step": JOBS[example]["at_step"]}]}
+    # The Hugging Face Trainer reports to MLflow (report_to=["mlflow"]) when the job is tracked: into the run's own.
+    tracker = request.getfixturevalue("mlflow") if example == "hf-trainer" else None
+    if tracker is not None:
+        config["tracking"] = {"mlflow": {"uri": tracker.uri}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
 
     result = cli("run", str(tmp_path / "job.yaml"), "--run-id", f"{example}-run", env=env)
@@ -107,6 +120,29 @@ def test_an_example_preempted_once_resumes_on_both_nodes_and_commits(
     assert report["step"] == summary["checkpoint_step"] > resumed_from
     if example == "hf-trainer":
         fine_tuned_promoted(summary, output, data, f"{s3_url}/ckpt")
+    if tracker is not None:
+        trainer_joined_the_run(tracker.uri, summary)
+
+
+def trainer_joined_the_run(uri: str, summary: dict) -> None:
+    """Preempted and resumed, the run is one MLflow run, and the Trainer's own callback logged into it (on rank 0
+    only: one point per logged step); the promotion is a model version with the checkpoint URL as its source."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("hf-trainer")
+    [run] = client.search_runs([experiment.experiment_id])
+    assert run.info.run_id == summary["tracking"]["mlflow_run_id"] and run.info.status == "FINISHED"
+    assert run.data.tags["trainpipe.attempts"] == "2" and not summary["tracking"]["errors"], summary["tracking"]
+    # The Trainer's own keys (its MLflowCallback: loss, grad_norm, learning_rate at each logging step).
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "grad_norm")]
+    assert set(steps) == set(range(1, summary["checkpoint_step"] + 1)), steps
+    # A step twice only where the resumed attempt trained it again; never once per rank.
+    resumed_from = summary["recoveries"][0]["resumed_from_step"]
+    assert all(step > resumed_from for step in steps if steps.count(step) > 1), steps
+    assert "eval.eval_loss" in run.data.metrics
+    version = client.get_model_version_by_alias("hf-gpt2", "production")
+    assert (version.source, version.run_id) == (summary["checkpoint"], run.info.run_id)
 
 
 def fine_tuned_promoted(summary: dict, output: str, data: Path, root: str) -> None:

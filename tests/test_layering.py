@@ -51,6 +51,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("infra.job", "infra.analysis"),
     # a run's lifecycle (lease, preemption watch, recoveries); the bundled trainer (reads analysis' step breakdown)
     ("infra.lifecycle", "trainer"),
+    # the experiment tracker's client (MLflow), loaded only for a job with a tracking section
+    ("infra.tracking",),
     ("tasks",),
     ("flows", "bench"),
     ("trainpipe",),

@@ -55,12 +55,13 @@ def plan(config: ConfigArg, run_id: RunIdOpt = None) -> None:
     """Validate the config, the dataset and the checkpoint store; print what would run. Launches nothing."""
     from infra.job.plan import plan_job
     from infra.job.spec import load_job
+    from infra.tracking.check import check_tracking
 
     job = load_job(config)
     blocks = None
     if any(ref.prefect_secret for ref in job.training.secrets.values()):
         from tasks.secrets import read_secret_block as blocks  # Prefect only for a job that names its blocks
-    typer.echo(plan_job(job, run_id or new_run_id(job), secret_blocks=blocks).render())
+    typer.echo(plan_job(job, run_id or new_run_id(job), secret_blocks=blocks, check_tracking=check_tracking).render())
 
 
 @app.command()
@@ -75,6 +76,7 @@ def run(config: ConfigArg, run_id: RunIdOpt = None) -> None:
     from infra.job.spec import load_job
     from infra.job.summary import LAUNCHED_AT_VAR, RunSummary, load_summary
     from infra.lifecycle.ownership import refuse_live_owner
+    from infra.tracking.check import check_tracking
     from infra.workspace import runs_dir
     from trainpipe.prefect_server import BackgroundServer, ServerStartError
 
@@ -93,7 +95,7 @@ def run(config: ConfigArg, run_id: RunIdOpt = None) -> None:
             refuse_live_owner(provider_for(job.cluster), cluster_name_for(run_id))
         # Fail on bad input before the flow starts, so the user sees one line rather than a flow traceback; the flow's
         # plan task takes this plan rather than list and check the dataset again.
-        hand_over(job, plan_job(job, run_id))
+        hand_over(job, plan_job(job, run_id, check_tracking=check_tracking))
     except resolve_errors(*USER_ERRORS) as exc:
         typer.echo(f"error: {exc}", err=True)
         server.stop()  # after the line: the user need not wait for it

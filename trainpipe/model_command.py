@@ -1,4 +1,5 @@
-"""`trainpipe model ls | show | promote | rollback | lineage`: the model registry in the checkpoint store."""
+"""`trainpipe model ls | show | promote | rollback | lineage | sync`: the model registry in the checkpoint store, and
+its mirror in MLflow's model registry (--mlflow URI)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import typer
 from trainpipe.errors import exit_2_on
 
 if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+    from infra.job.tracking_spec import MlflowSpec
     from infra.registry import AliasMove
     from infra.registry.chain import Link
 
@@ -22,6 +26,36 @@ user_errors_exit_2 = exit_2_on("infra.registry.refs:RegistryError", "infra.stora
 RootOpt = Annotated[str, typer.Option("--root", envvar="TRAINPIPE_REGISTRY",
                                       help="the store root that holds the runs (the job's checkpoints.url)")]
 RefArg = Annotated[str, typer.Argument(help="NAME@alias, e.g. gpt@production")]
+# The MLflow server whose registry mirrors the store's (its credentials: MLFLOW_TRACKING_TOKEN, or
+# MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, in the environment as MLflow reads them).
+MlflowOpt = Annotated[str | None, typer.Option("--mlflow", help="an MLflow tracking server (http://host:port) whose "
+                                               "model registry mirrors the store's")]
+
+
+def _mlflow_client(uri: str) -> tuple[MlflowSpec, MlflowClient]:
+    """MLflow's client, imported only when --mlflow is given."""
+    from infra.job.tracking_spec import MlflowSpec
+    from infra.tracking.mlflow_run import client_for, use_credentials
+
+    spec = MlflowSpec(uri=uri)
+    use_credentials(spec, {})
+    return spec, client_for(spec)
+
+
+def _mirror(uri: str, root: str, model: str, alias: str) -> None:
+    """The MLflow alias brought in line with the store's; a failure is said (exit 1), the store's move stands."""
+    from infra.tracking.mlflow_registry import mirror_alias
+    from infra.tracking.mlflow_run import describe_failure
+
+    spec, client = _mlflow_client(uri)
+    try:
+        mirrored = mirror_alias(client, root, model, alias)
+    except Exception as exc:  # MLflow's own errors, and a server that does not answer: one line, exit 1
+        typer.echo(f"error: {model}@{alias} not mirrored in MLflow ({describe_failure(spec, exc)}): `trainpipe model "
+                   f"sync --mlflow {uri} --root {root}` repairs it", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"mlflow: {model}@{alias} -> version {mirrored.version or '(nothing)'}"
+               + (f" ({mirrored.created} version(s) created)" if mirrored.created else ""))
 
 
 def _who() -> str:
@@ -64,7 +98,7 @@ def ls(root: RootOpt) -> None:
 @model_app.command("show")
 @user_errors_exit_2
 def show(ref: Annotated[str, typer.Argument(help="NAME (every alias) or NAME@alias (its history too)")],
-         root: RootOpt) -> None:
+         root: RootOpt, mlflow: MlflowOpt = None) -> None:
     """Where the model's aliases point, the checkpoint's evaluation, and (for NAME@alias) every move."""
     from infra.registry import Registry, RegistryError, resolve_checkpoint
     from infra.registry.chain import link
@@ -78,12 +112,34 @@ def show(ref: Annotated[str, typer.Argument(help="NAME (every alias) or NAME@ali
         raise RegistryError(f"{ref}: no such model or alias in {registry.url}: see trainpipe model ls")
     for name, move in aliases.items():
         typer.echo(f"{model}@{name} -> {move.target or '(nothing)'}")
+        if mlflow is not None:
+            typer.echo(f"  mlflow: {_mlflow_version(mlflow, model, name)}")
         if move.target is not None:
             typer.echo(f"  eval: {_eval_line(link(resolve_checkpoint(move.target, root)))}")
         if alias is not None:
             typer.echo("  history:")
             for past in registry.history(model, name):
                 typer.echo(f"    {_move_line(past)}")
+
+
+def _mlflow_version(uri: str, model: str, alias: str) -> str:
+    """The MLflow version the mirror's alias names, with its source, or why there is none."""
+    from mlflow.exceptions import MlflowException
+
+    from infra.tracking.mlflow_run import describe_failure
+
+    spec, client = _mlflow_client(uri)
+    missing = f"no version has {model}@{alias} in {uri}: `trainpipe model sync --mlflow {uri}` mirrors it"
+    try:
+        number = client.get_registered_model(model).aliases.get(alias)
+        if number is None:
+            return missing
+        version = client.get_model_version(model, str(number))
+    except MlflowException as exc:
+        return missing if exc.error_code == "RESOURCE_DOES_NOT_EXIST" else f"unknown ({describe_failure(spec, exc)})"
+    except Exception as exc:  # a server that does not answer: show says so and goes on with the store's facts
+        return f"unknown ({describe_failure(spec, exc)})"
+    return f"{model} version {version.version} ({version.source}) in {uri}"
 
 
 def _eval_line(found: Link) -> str:
@@ -116,13 +172,31 @@ def promote(
 
 @model_app.command("rollback")
 @user_errors_exit_2
-def rollback(ref: RefArg, root: RootOpt) -> None:
-    """Move NAME@alias back to where it was before its last move."""
+def rollback(ref: RefArg, root: RootOpt, mlflow: MlflowOpt = None) -> None:
+    """Move NAME@alias back to where it was before its last move (and, with --mlflow, the MLflow alias after it)."""
     from infra.registry import Registry
 
     model, alias = _model_ref(ref)
     move = Registry(root).rollback(model, alias, who=_who())
     typer.echo(f"{ref} -> {move.target or '(nothing)'} (rolled back from {move.previous})")
+    if mlflow is not None:
+        _mirror(mlflow, root, model, alias)
+
+
+@model_app.command("sync")
+@user_errors_exit_2
+def sync(root: RootOpt, mlflow: Annotated[str, typer.Option("--mlflow", help="the MLflow tracking server to bring "
+                                                            "in line (http://host:port)")]) -> None:
+    """Bring MLflow's model registry in line with the store's: a version for every checkpoint an alias has named
+    (its URL as source, its lineage as tags), each alias on the version the store's alias names. Idempotent."""
+    from infra.registry import Registry
+
+    models = Registry(root).models()
+    for model, aliases in models.items():
+        for alias in aliases:
+            _mirror(mlflow, root, model, alias)
+    if not models:
+        typer.echo(f"{root}: no models to mirror")
 
 
 @model_app.command("lineage")

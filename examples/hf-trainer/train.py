@@ -73,10 +73,16 @@ def main() -> None:
         node_says(f"fine-tuning the base model from {args.model_name_or_path}")
     else:
         model = new_model()
+    # With the job's tracking section trainpipe gives every rank MLFLOW_RUN_ID: the Trainer's MLflow callback (rank 0
+    # only) then logs into the trainpipe run's MLflow run. Its params are left to trainpipe (the job, flattened): MLflow
+    # refuses a param whose value changes, and a resumed attempt's arguments may differ from the first's.
+    tracked = bool(os.environ.get("MLFLOW_RUN_ID"))
+    if tracked:
+        os.environ.setdefault("MLFLOW_MAX_LOG_PARAMS", "0")
     training = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, save_steps=args.save_steps, save_total_limit=2,
         logging_steps=args.logging_steps, per_device_train_batch_size=16, learning_rate=3e-3, warmup_steps=5,
-        use_cpu=True, ddp_backend="gloo", report_to=[], dataloader_num_workers=0, seed=0,
+        use_cpu=True, ddp_backend="gloo", report_to=["mlflow"] if tracked else [], dataloader_num_workers=0, seed=0,
     )
     if args.resume_from_checkpoint:
         state = json.loads((Path(args.resume_from_checkpoint) / "trainer_state.json").read_text())

@@ -297,12 +297,20 @@ def check_secrets(job: JobSpec, secret_blocks: BlockReader | None) -> dict[str, 
         raise PlanError(str(exc)) from None
 
 
-def plan_job(job: JobSpec, run_id: str, secret_blocks: BlockReader | None = None) -> Plan:
+# A check of the job's experiment tracker (infra.tracking.check.check_tracking, a room above this one): raises
+# PlanError. Handed in by the callers, so that a job without tracking never loads the tracker's client.
+TrackingCheck = Callable[[JobSpec, BlockReader | None], None]
+
+
+def plan_job(job: JobSpec, run_id: str, secret_blocks: BlockReader | None = None,
+             check_tracking: TrackingCheck | None = None) -> Plan:
     """secret_blocks reads Prefect Secret blocks (the flow's plan has one); without it those the job names are
     checked by the flow's plan, still before anything is launched."""
     if not RUN_ID.match(run_id):
         raise PlanError(f"run id '{run_id}': use letters, digits, '.', '_' or '-' (at most 64)")
     secret_values = check_secrets(job, secret_blocks)
+    if check_tracking is not None:
+        check_tracking(job, secret_blocks)
     if (problem := store_access_problem(job)) is not None:
         raise PlanError(problem)
     if (problem := azure_account_problem(job, os.environ, secret_values)) is not None:

@@ -43,9 +43,11 @@ class SecretRef(StrictModel):
         return f"environment variable {self.env}" if self.env else f"Prefect Secret block '{self.prefect_secret}'"
 
 
-def resolve_secrets(secrets: Mapping[str, SecretRef], blocks: BlockReader | None) -> dict[str, str]:
+def resolve_secrets(secrets: Mapping[str, SecretRef], blocks: BlockReader | None,
+                    field: str = "training.secrets") -> dict[str, str]:
     """Each secret's value by the variable it is given as. Without a BlockReader (a plan outside a flow) Prefect
-    blocks are left out: the flow's own plan checks them before anything is launched."""
+    blocks are left out: the flow's own plan checks them before anything is launched. field: the config section
+    the secrets are named in, as an error names it."""
     values = {}
     for name, ref in secrets.items():
         if ref.env is not None:
@@ -57,6 +59,6 @@ def resolve_secrets(secrets: Mapping[str, SecretRef], blocks: BlockReader | None
             value = blocks(ref.prefect_secret or "")
             fix = f"create it (prefect block create secret, or Secret(value=...).save('{ref.prefect_secret}'))"
         if value is None:
-            raise SecretMissing(f"training.secrets.{name}: {ref.describe()} is not set: {fix}")
+            raise SecretMissing(f"{field}.{name}: {ref.describe()} is not set: {fix}")
         values[name] = value
     return values

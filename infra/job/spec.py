@@ -22,6 +22,7 @@ from infra.compute.spec import ClusterSpec
 from infra.dataset.spec import DatasetSpec, InputSpec
 from infra.job.recovery_spec import ChaosSpec, RecoverySpec
 from infra.job.secrets import SecretRef
+from infra.job.tracking_spec import TrackingSpec, node_environment
 from infra.registry.refs import NAME, parse_model_ref
 from infra.storage import store_url
 from infra.storage.azure_account import JobAccount
@@ -289,6 +290,19 @@ class JobSpec(StrictModel):
                                           "eval record.")
     promote: PromoteSpec | None = Field(None, description="After evaluate: make the new checkpoint MODEL@ALIAS only "
                                         "if its metric beats the champion's. Needs evaluate.")
+    tracking: TrackingSpec | None = Field(None, description="Record every run (params, tags, metrics streamed, "
+                                          "artifacts) and every promotion in an experiment tracker: {mlflow: {uri, "
+                                          "experiment, secrets}}. None: nothing tracked, no client loaded.")
+
+    @model_validator(mode="after")
+    def _tracking_variables_are_trainpipe_s(self) -> JobSpec:
+        if self.tracking is None or self.tracking.mlflow is None:
+            return self
+        set_by_run = set(node_environment(self.tracking.mlflow, self.name, "")) | set(self.tracking.mlflow.secrets)
+        if clash := sorted(set_by_run & (self.training.env.keys() | self.training.secrets.keys())):
+            raise ValueError(f"training {clash[0]}: tracking.mlflow gives it to every node: remove it from "
+                             "training.env/secrets (credentials go in tracking.mlflow.secrets)")
+        return self
 
     @model_validator(mode="after")
     def _promote_needs_evaluate(self) -> JobSpec:

@@ -101,6 +101,9 @@ class RunSummary:
     init_from: str | None = None  # training.init_from's step URL when the run warm-started from it
     eval: dict[str, Any] = field(default_factory=dict)  # tasks.evaluate.Evaluation: checkpoint, step, metrics, seconds
     promotion: dict[str, Any] = field(default_factory=dict)  # tasks.promote.Decision, and decided_after_training_s
+    # The run's MLflow run (infra.tracking.mlflow_run.TrackingOutcome) and the registry's mirror of its promotion;
+    # what was not recorded there is said here. Empty: the job has no tracking section.
+    tracking: dict[str, Any] = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)  # the command's start where a command launched the run
     finished_at: float | None = None
     flow_started_s: float | None = None  # from started_at to the flow's own start (command, Prefect server, plan)
@@ -230,6 +233,10 @@ class RunSummary:
                          f"({r['reason']}) at step {r['step_reached']}, {r.get('path', 'relaunched-cluster')}"
                          f"{fallback}, {outcome}"
                          + (f"; restore {restored_from(r['restore_bytes'])}" if r.get("restore_bytes") else ""))
+        if self.tracking:
+            lines.append(f"  mlflow: run {self.tracking.get('mlflow_run_id')} in {self.tracking['experiment']} at "
+                         f"{self.tracking['uri']}" + (" (continued)" if self.tracking.get("continued") else ""))
+            lines.extend(f"  mlflow: {error}" for error in self.tracking.get("errors", []))
         lines.extend(f"  warning: {warning}" for warning in self.warnings)
         if self.nodes_left is not None:
             lines.append(f"  {self.nodes_left} nodes left running")
