@@ -19,6 +19,7 @@ from infra.job.secrets import resolve_secrets
 from infra.job.spec import JobSpec
 from infra.job.summary import PHASES, RunSummary
 from infra.job.tracking_spec import SECRETS_FIELD, MlflowSpec, experiment_name, node_environment
+from infra.node.events import WorkloadEvent
 from tasks.secrets import read_secret_block
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ def record_sink(run_id: str) -> Callable[[Mapping[str, Any]], None] | None:
         return None
 
     def sink(record: Mapping[str, Any]) -> None:
-        if record.get("event") == "checkpoint":  # the script's save: its stall and write at its step
+        if record.get("event") == WorkloadEvent.CHECKPOINT:  # the script's save: its stall and write at its step
             run.log_record({f"checkpoint.{k}": v for k, v in record.items() if k not in ("event", "step", "time")}
                            | {"step": record.get("step"), "time": record.get("time")})
         else:
